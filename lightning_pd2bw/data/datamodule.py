@@ -1,0 +1,50 @@
+"""LightningDataModule over the byte corpus: LM (GPT) or masked-LM (BERT) windows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from .corpus import DEFAULT_MAX_BYTES, read_corpus, split
+from .datasets import LMDataset, MLMDataset
+
+
+class TextDataModule(pl.LightningDataModule):
+    """``batch_size`` is per data-parallel replica: micro_batch_size x num_microbatches under pd2bw."""
+
+    def __init__(
+        self,
+        task: str = "lm",
+        seq_len: int = 64,
+        batch_size: int = 8,
+        paths: Sequence[str] | None = None,
+        val_fraction: float = 0.05,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if task not in ("lm", "mlm"):
+            raise ValueError(f"data.task={task!r} is not supported; valid: lm, mlm")
+        self.task, self.seq_len, self.batch_size = task, seq_len, batch_size
+        self.paths, self.val_fraction, self.max_bytes = paths, val_fraction, max_bytes
+        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        train, val = split(read_corpus(self.paths, self.max_bytes), self.val_fraction)
+        if self.task == "lm":
+            self.train_set, self.val_set = LMDataset(train, self.seq_len), LMDataset(val, self.seq_len, name="validation")
+        else:
+            self.train_set = MLMDataset(train, self.seq_len, self.seed)
+            self.val_set = MLMDataset(val, self.seq_len, self.seed + 1, name="validation")
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, self.batch_size, shuffle=self.shuffle, generator=generator, drop_last=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, self.batch_size, shuffle=False, drop_last=True, num_workers=self.num_workers)

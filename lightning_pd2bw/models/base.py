@@ -1,0 +1,120 @@
+"""The LightningModule shared by GPT and BERT: the partition contract and plain training.
+
+Under ``strategy="auto"``/``"ddp"`` the module trains as usual: ``training_step`` is the plain
+composition ``pipeline_loss(layers(pipeline_inputs(batch)), batch)``. Under ``strategy="pd2bw"``
+the strategy calls the three pieces itself, stage by stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class PipelineLanguageModel(pl.LightningModule):
+    """Owns ``self.layers`` (built lazily in ``configure_model``, on the meta device under pd2bw)."""
+
+    def __init__(
+        self,
+        config: Any,
+        optimizer: str = "adamw",
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        momentum: float = 0.0,
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.save_hyperparameters({"config": asdict(config)} | {
+            "optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
+            "momentum": momentum, "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio,
+        })
+        self.layers: nn.ModuleList | None = None
+
+    # ------------------------------------------------------------- model
+    def build_layers(self) -> list[nn.Module]:
+        raise TypeError(f"{type(self).__name__} must define build_layers() returning its ordered layers")
+
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        self.layers = nn.ModuleList(self.build_layers())
+        if not any(p.is_meta for p in self.layers.parameters()):
+            for index in range(len(self.layers)):
+                self.init_pipeline_layer(index)
+
+    def init_pipeline_layer(self, index: int) -> None:
+        """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
+        generator = torch.Generator().manual_seed(self.config.seed * 100_003 + index)
+        self.layers[index].reset_parameters(generator)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        self.configure_model()
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    # ------------------------------------------------------------- contract
+    def pipeline_layers(self) -> nn.ModuleList:
+        self.configure_model()
+        return self.layers
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["input_ids"]
+
+    def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+
+    def pipeline_metrics(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validation metrics of one microbatch, computed where the logits are (the last stage)."""
+        return {"loss": self.pipeline_loss(logits, batch)}
+
+    # ------------------------------------------------------------- plain training
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.pipeline_loss(self(self.pipeline_inputs(batch)), batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        metrics = self.pipeline_metrics(self(self.pipeline_inputs(batch)), batch)
+        self.log_dict({f"val_{k}": v for k, v in metrics.items()}, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        if hp.optimizer == "sgd":
+            optimizer = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "adamw":
+            # no weight decay on biases, norms (1-D tensors)
+            decay = [p for p in params if p.dim() >= 2]
+            no_decay = [p for p in params if p.dim() < 2]
+            groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        else:
+            raise ValueError(f"optimizer={hp.optimizer!r} is not supported; valid: adamw, sgd")
+        if not hp.warmup_steps and not hp.max_steps:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+        hp = self.hparams
+        if hp.warmup_steps and step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        if not hp.max_steps:
+            return 1.0
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,1 @@
+"""The pipeline engine: plain PyTorch, no Lightning. Schedules are data; one executor runs them."""

@@ -1,0 +1,184 @@
+"""Runs one stage's actions: microbatches in, activations and gradients across the link, updates.
+
+The executor interprets any schedule from ``schedule.py``; it knows nothing of Lightning. The
+caller feeds microbatches, hands it the actions of a step, and supplies ``step_fn(batch)`` which
+applies the optimizer update of ``batch`` (gradient reductions, clipping, ``optimizer.step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import schedule as S
+from .comm import StageLink, carries_gradient
+from .versions import WeightVersions
+
+
+def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _pack_alias(tensor: torch.Tensor) -> torch.Tensor:
+    # Keep a fresh alias of what was saved: the values of this weight version stay valid (its storage
+    # is not recycled while the microbatch is in flight), and a later optimizer step on the
+    # parameter (a different version's storage) does not trip autograd's in-place check.
+    return tensor.data
+
+
+def _unpack_alias(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class StageExecutor:
+    """One pipeline stage: its layers, its link to the neighbours, its weight versions."""
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        stage: int,
+        num_stages: int,
+        num_microbatches: int,
+        link: StageLink,
+        versions: WeightVersions,
+        input_fn: Callable[[Any], Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        recompute: bool = False,
+    ) -> None:
+        self.layers = list(layers)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.link = link
+        self.versions = versions
+        self.input_fn = input_fn
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self._microbatches: dict[int, Any] = {}
+        self._received: dict[int, list[torch.Tensor]] = {}
+        self._stash: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = {}
+        self._to_send: dict[int, Any] = {}
+        self._grads_in: dict[int, list[torch.Tensor]] = {}
+        self.losses: dict[int, list[torch.Tensor]] = {}
+        self.max_stashed = 0
+        self.trace: list[S.Action] = []
+        self.record_trace = False
+
+    # ----------------------------------------------------------------- data in
+    def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
+        """Register batch ``batch``'s microbatches (needed on the first and the last stage)."""
+        if len(microbatches) != self.num_microbatches:
+            raise ValueError(f"expected {self.num_microbatches} microbatches, got {len(microbatches)}")
+        if self.is_first or self.is_last:
+            for j, microbatch in enumerate(microbatches):
+                self._microbatches[batch * self.num_microbatches + j] = microbatch
+
+    @property
+    def num_stashed(self) -> int:
+        return len(self._stash)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._stash or self._received or self._to_send or self._grads_in)
+
+    # ----------------------------------------------------------------- compute
+    def run_layers(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        value: Any = inputs if len(inputs) > 1 else inputs[0]
+        for layer in self.layers:
+            value = layer(*value) if isinstance(value, tuple) else layer(value)
+        return value
+
+    def _forward(self, action: S.Action) -> None:
+        k = action.microbatch
+        self.versions.use(action.weight_version)
+        if self.is_first:
+            inputs = as_tuple(self.input_fn(self._microbatches[k]))
+        else:
+            inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(k))
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack_alias, _unpack_alias)
+        with hooks if self.versions.double_buffer else nullcontext():
+            if self.recompute:
+                outputs = checkpoint(self.run_layers, inputs, use_reentrant=False)
+            else:
+                outputs = self.run_layers(inputs)
+            if self.is_last:
+                loss = self.loss_fn(outputs, self._microbatches.pop(k))
+                self.losses.setdefault(action.batch, []).append(loss.detach())
+                self._stash[k] = (inputs, loss / self.num_microbatches)
+            else:
+                self._stash[k] = (inputs, outputs)
+                self._to_send[k] = as_tuple(outputs)
+        if self.is_first:
+            self._microbatches.pop(k, None)
+        self.max_stashed = max(self.max_stashed, len(self._stash))
+
+    def _backward(self, action: S.Action) -> None:
+        k = action.microbatch
+        self.versions.use(action.weight_version)
+        inputs, outputs = self._stash.pop(k)
+        if self.is_last:
+            outputs.backward()
+        else:
+            pairs = [(o, g) for o, g in zip(as_tuple(outputs), self._grads_in.pop(k)) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if not self.is_first:
+            self._to_send[k] = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if carries_gradient(t)
+            ]
+
+    # ----------------------------------------------------------------- driver
+    def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
+        """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
+        for action in actions:
+            kind, k = action.kind, action.microbatch
+            if kind == S.RECV_FORWARD:
+                self._received[k] = self.link.recv_forward()
+            elif kind == S.FORWARD:
+                self._forward(action)
+            elif kind == S.SEND_FORWARD:
+                self.link.send_forward(self._to_send.pop(k))
+            elif kind == S.RECV_BACKWARD:
+                outputs = self._stash[k][1]
+                self._grads_in[k] = self.link.recv_backward([o for o in as_tuple(outputs) if carries_gradient(o)])
+            elif kind == S.BACKWARD:
+                self._backward(action)
+            elif kind == S.SEND_BACKWARD:
+                self.link.send_backward(self._to_send.pop(k))
+            elif kind == S.STEP:
+                self.versions.begin_update()
+                step_fn(action.batch)
+            else:
+                raise ValueError(f"unknown action {action}")
+            if self.record_trace:
+                self.trace.append(action)
+
+    def finish_drain(self) -> None:
+        """After a drain's actions: nothing may be in flight; the version rule restarts."""
+        self.link.wait_sends()
+        if self.in_flight:
+            raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
+        self._microbatches.clear()
+        self.versions.reset_after_drain()
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]) -> list[dict]:
+        """Forward-only pass of ``microbatches`` on the newest weights; metrics on the last stage."""
+        self.versions.use_latest()
+        results = []
+        for microbatch in microbatches:
+            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else tuple(self.link.recv_forward())
+            outputs = self.run_layers(inputs)
+            if self.is_last:
+                results.append(metrics_fn(outputs, microbatch))
+            else:
+                self.link.send_forward(as_tuple(outputs))
+        self.link.wait_sends()
+        return results

@@ -1,0 +1,93 @@
+"""The process grid: world = depth (stages) x width (data-parallel replicas).
+
+Consecutive ranks form one pipeline (rank = replica * num_stages + stage), so stage-to-stage
+traffic stays inside a node; the replicas of one stage all-reduce gradients across nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+def check_world_size(world_size: int, num_stages: int) -> int:
+    """Data-parallel width for ``world_size`` processes, or a clear error."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if world_size % num_stages:
+        raise ValueError(
+            f"world size {world_size} (devices x num_nodes) is not divisible by num_stages={num_stages}: "
+            f"world size must equal num_stages x data_parallel_size; use a world size that is a multiple of "
+            f"{num_stages} or a num_stages that divides {world_size}"
+        )
+    return world_size // num_stages
+
+
+@dataclass
+class ProcessGrid:
+    rank: int
+    world_size: int
+    num_stages: int
+    data_parallel_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data_parallel_size = check_world_size(self.world_size, self.num_stages)
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.num_stages
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.num_stages
+
+    def pipeline_ranks(self, replica: int | None = None) -> list[int]:
+        replica = self.replica if replica is None else replica
+        return [replica * self.num_stages + s for s in range(self.num_stages)]
+
+    def replica_ranks(self, stage: int | None = None) -> list[int]:
+        stage = self.stage if stage is None else stage
+        return [r * self.num_stages + stage for r in range(self.data_parallel_size)]
+
+    @property
+    def prev_rank(self) -> int | None:
+        return self.rank - 1 if self.stage > 0 else None
+
+    @property
+    def next_rank(self) -> int | None:
+        return self.rank + 1 if self.stage < self.num_stages - 1 else None
+
+    def rank_of(self, stage: int) -> int:
+        return self.replica * self.num_stages + stage
+
+
+@dataclass
+class Groups:
+    """Process groups this rank belongs to. Every rank creates every group, in the same order."""
+
+    pipeline: object
+    loss: object
+    replica: object
+    shared: dict[tuple[int, ...], object]
+
+
+def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
+    mine: dict[str, object] = {}
+    for replica in range(grid.data_parallel_size):
+        ranks = grid.pipeline_ranks(replica)
+        pipeline, loss = dist.new_group(ranks), dist.new_group(ranks)
+        if replica == grid.replica:
+            mine["pipeline"], mine["loss"] = pipeline, loss
+    for stage in range(grid.num_stages):
+        group = dist.new_group(grid.replica_ranks(stage))
+        if stage == grid.stage:
+            mine["replica"] = group
+    shared: dict[tuple[int, ...], object] = {}
+    for stages in dict.fromkeys(shared_stage_sets):
+        for replica in range(grid.data_parallel_size):
+            group = dist.new_group([replica * grid.num_stages + s for s in stages])
+            if replica == grid.replica and grid.stage in stages:
+                shared[stages] = group
+    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared)

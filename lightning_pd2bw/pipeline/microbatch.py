@@ -1,0 +1,44 @@
+"""Split a batch (tensors, or dicts/lists/tuples of them) into equal microbatches along dimension 0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _sizes(batch: Any) -> set[int]:
+    if isinstance(batch, torch.Tensor):
+        return {batch.shape[0]}
+    if isinstance(batch, dict):
+        return set().union(*map(_sizes, batch.values())) if batch else set()
+    if isinstance(batch, (list, tuple)):
+        return set().union(*map(_sizes, batch)) if batch else set()
+    return set()
+
+
+def _take(batch: Any, index: int, count: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.chunk(count)[index]
+    if isinstance(batch, dict):
+        return {k: _take(v, index, count) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(v, index, count) for v in batch)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    sizes = _sizes(batch)
+    if len(sizes) != 1:
+        raise ValueError(f"a batch's tensors must share their first dimension; found sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    size = batch_size_of(batch)
+    if size % num_microbatches:
+        raise ValueError(
+            f"batch size {size} is not divisible into num_microbatches={num_microbatches}: the per-replica batch "
+            f"must be micro_batch_size x num_microbatches; use a batch size that is a multiple of {num_microbatches}"
+        )
+    return [_take(batch, j, num_microbatches) for j in range(num_microbatches)]

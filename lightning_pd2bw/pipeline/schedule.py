@@ -1,0 +1,189 @@
+"""Pipeline schedules as data: pure functions that return one stage's list of actions.
+
+A schedule never runs anything; the executor interprets it. Microbatch ids are global within a
+"run" (the stretch between two drains): microbatch ``k`` belongs to batch ``k // num_microbatches``.
+``weight_version`` on F/B actions counts optimizer updates since the last drain, so the version
+rule of each mode is visible in the data and unit-testable without processes.
+
+Modes (DESIGN.md):
+- ``flush``  (PipeDream-Flush): 1F1B, drain at the end of every batch, batch t uses version t.
+- ``gpipe``: all forwards, then all backwards, drain every batch, batch t uses version t.
+- ``2bw``    (PipeDream-2BW): one continuous 1F1B stream over the batches, never drained between
+  batches; batch t uses version ``max(t - 1, 0)``; the update of batch t (STEP) is applied as soon
+  as the stage has finished batch t's last backward.
+
+``segment(...)`` returns the actions of one training step (what the strategy runs per Lightning
+step); ``drain(...)`` returns what is left in flight after a step; ``stream(...)`` is the
+concatenation for a whole run, used by tests and the schedule picture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["flush", "gpipe", "2bw"]
+MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
+
+FORWARD, BACKWARD = "F", "B"
+SEND_FORWARD, RECV_FORWARD = "SEND_F", "RECV_F"
+SEND_BACKWARD, RECV_BACKWARD = "SEND_B", "RECV_B"
+STEP = "STEP"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One instruction for one stage. ``microbatch`` is -1 for STEP."""
+
+    kind: str
+    batch: int
+    microbatch: int = -1
+    weight_version: int = -1
+
+    def __str__(self) -> str:
+        if self.kind == STEP:
+            return f"STEP(b{self.batch})"
+        return f"{self.kind}(m{self.microbatch},v{self.weight_version})"
+
+
+def warmup_forwards(stage: int, num_stages: int, num_microbatches: int) -> int:
+    """1F1B warm-up depth of ``stage``: forwards run before the first backward."""
+    return min(num_stages - stage - 1, num_microbatches)
+
+
+def weight_version(mode: Mode, batch: int) -> int:
+    """The version (updates since the last drain) that ``batch`` runs forward and backward on."""
+    return max(batch - 1, 0) if mode == "2bw" else batch
+
+
+def _forward(stage: int, num_stages: int, microbatch: int, num_microbatches: int, mode: Mode) -> list[Action]:
+    batch = microbatch // num_microbatches
+    version = weight_version(mode, batch)
+    actions = []
+    if stage > 0:
+        actions.append(Action(RECV_FORWARD, batch, microbatch, version))
+    actions.append(Action(FORWARD, batch, microbatch, version))
+    if stage < num_stages - 1:
+        actions.append(Action(SEND_FORWARD, batch, microbatch, version))
+    return actions
+
+
+def _backward(stage: int, num_stages: int, microbatch: int, num_microbatches: int, mode: Mode) -> list[Action]:
+    batch = microbatch // num_microbatches
+    version = weight_version(mode, batch)
+    actions = []
+    if stage < num_stages - 1:
+        actions.append(Action(RECV_BACKWARD, batch, microbatch, version))
+    actions.append(Action(BACKWARD, batch, microbatch, version))
+    if stage > 0:
+        actions.append(Action(SEND_BACKWARD, batch, microbatch, version))
+    return actions
+
+
+def _flush_order(stage: int, num_stages: int, num_microbatches: int, mode: Mode, batch: int) -> list[tuple[str, int]]:
+    """(kind, microbatch) order of one drained batch."""
+    first = batch * num_microbatches
+    ids = range(first, first + num_microbatches)
+    if mode == "gpipe":
+        return [(FORWARD, k) for k in ids] + [(BACKWARD, k) for k in ids]
+    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    order = [(FORWARD, k) for k in ids[:warmup]]
+    for i, k in enumerate(ids[warmup:]):
+        order += [(FORWARD, k), (BACKWARD, ids[i])]
+    order += [(BACKWARD, k) for k in ids[num_microbatches - warmup :]]
+    return order
+
+
+def _expand(order: list[tuple[str, int]], stage: int, num_stages: int, num_microbatches: int, mode: Mode) -> list[Action]:
+    expand = {FORWARD: _forward, BACKWARD: _backward}
+    actions: list[Action] = []
+    for kind, k in order:
+        actions += expand[kind](stage, num_stages, k, num_microbatches, mode)
+    return actions
+
+
+def _twobw_order(stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[tuple[str, int]]:
+    """(kind, microbatch) order of step ``batch`` in the continuous 2BW stream.
+
+    Step ``batch`` owns the forwards of its own microbatches; the backwards interleaved with them
+    trail by the stage's warm-up depth, so they may belong to the previous batch.
+    """
+    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    order: list[tuple[str, int]] = []
+    first = batch * num_microbatches
+    for k in range(first, first + num_microbatches):
+        order.append((FORWARD, k))
+        if k - warmup >= 0:
+            order.append((BACKWARD, k - warmup))
+    return order
+
+
+def _insert_steps(actions: list[Action], num_microbatches: int, pending: int | None) -> tuple[list[Action], int | None]:
+    """Place STEP(b) right before the first F that follows batch b's last backward.
+
+    Returns the actions and the batch whose update is still pending at the end (or None).
+    """
+    out: list[Action] = []
+    for action in actions:
+        if action.kind in (FORWARD, RECV_FORWARD) and pending is not None:
+            out.append(Action(STEP, pending))
+            pending = None
+        out.append(action)
+        if action.kind == BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
+            pending = action.batch
+    return out, pending
+
+
+def _pending_before(mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int) -> int | None:
+    """The batch whose STEP is pending when step ``batch`` begins (2BW's last stage carries one over)."""
+    if mode != "2bw" or batch == 0:
+        return None
+    return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches) == 0 else None
+
+
+def segment(mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[Action]:
+    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``."""
+    validate(mode, num_stages, num_microbatches)
+    if mode != "2bw":
+        actions = _expand(_flush_order(stage, num_stages, num_microbatches, mode, batch), stage, num_stages, num_microbatches, mode)
+        return actions + [Action(STEP, batch)]
+    order = _twobw_order(stage, num_stages, num_microbatches, batch)
+    actions = _expand(order, stage, num_stages, num_microbatches, mode)
+    pending = _pending_before(mode, stage, num_stages, num_microbatches, batch)
+    actions, _ = _insert_steps(actions, num_microbatches, pending)
+    return actions
+
+
+def drain(mode: Mode, stage: int, num_stages: int, num_microbatches: int, last_batch: int) -> list[Action]:
+    """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and update."""
+    validate(mode, num_stages, num_microbatches)
+    if mode != "2bw" or last_batch < 0:
+        return []
+    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    end = (last_batch + 1) * num_microbatches
+    order = [(BACKWARD, k) for k in range(end - warmup, end)]
+    actions = _expand(order, stage, num_stages, num_microbatches, mode)
+    # the previous step may have left this stage's update of `last_batch` pending (warm-up 0)
+    return actions + [Action(STEP, last_batch)]
+
+
+def stream(mode: Mode, stage: int, num_stages: int, num_microbatches: int, num_batches: int) -> list[Action]:
+    """All actions of ``num_batches`` steps followed by the drain: one run between two drains."""
+    actions: list[Action] = []
+    for batch in range(num_batches):
+        actions += segment(mode, stage, num_stages, num_microbatches, batch)
+    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1)
+
+
+def validate(mode: str, num_stages: int, num_microbatches: int) -> None:
+    """Reject schedule parameters that the modes cannot run, naming the fix."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not a pipeline mode; valid: {', '.join(MODES)}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if num_microbatches < num_stages:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is smaller than num_stages={num_stages}: the pipeline "
+            f"needs num_microbatches >= num_stages (PipeDream-2BW's m >= d); raise num_microbatches to at "
+            f"least {num_stages} or use fewer stages"
+        )

@@ -1,0 +1,541 @@
+"""The Lightning strategy: process grid, partition, the step hooks and sharded checkpoints.
+
+What Lightning sees as one training step ``s`` is one segment of the pipeline schedule (see
+``pipeline/schedule.py``): the forwards of batch ``s`` and the backwards interleaved with them. The
+engine owns ``zero_grad``, ``backward`` and ``optimizer.step``; Lightning still counts steps, steps
+LR schedulers, logs and checkpoints.
+
+Order inside one update (STEP of batch b), identical on every stage:
+  1. the next weight version is made writable (2BW: the stale buffer is recycled);
+  2. gradients are averaged over the data-parallel replicas, then summed over the stages that share
+     a parameter (GPT's tied embedding);
+  3. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule);
+  4. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
+     scalar per step) or per stage (``clip_mode="stage"``);
+  5. ``optimizer.step()`` with the hyper-parameters (lr, ...) that batch b's Lightning step had;
+     optimizer step post-hooks (e.g. sparsity masks) run here, on the new version;
+  6. gradients are cleared.
+In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
+``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
+
+Drains (2BW): before validation, before a checkpoint is written and at the end of fitting the
+in-flight backwards and the last update run; afterwards the version rule restarts as at step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from . import checkpoint as ckpt
+from .pipeline import schedule
+from .pipeline.comm import StageLink
+from .pipeline.executor import StageExecutor
+from .pipeline.grid import ProcessGrid, build_groups, check_world_size
+from .pipeline.materialize import materialize, release
+from .pipeline.microbatch import split_microbatches
+from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
+from .pipeline.versions import WeightVersions
+
+CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
+CLIP_MODES = ("global", "stage")
+
+
+def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
+    """The partition contract (DESIGN.md), or an error naming what is missing."""
+    layers_fn = getattr(module, "pipeline_layers", None)
+    sequential = getattr(module, "layers", None)
+    missing = [name for name in CONTRACT[1:] if not callable(getattr(module, name, None))]
+    if not callable(layers_fn) and not isinstance(sequential, nn.Sequential):
+        missing.insert(0, "pipeline_layers (or an nn.Sequential attribute named layers)")
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} does not implement the pd2bw partition contract: missing "
+            f"{', '.join(missing)}. Define pipeline_layers() -> ordered layers, pipeline_inputs(batch) -> first "
+            "layer's input and pipeline_loss(output, batch) -> loss (see DESIGN.md, 'The partition contract')"
+        )
+    return list(layers_fn() if callable(layers_fn) else sequential)
+
+
+class PipeDream2BWStrategy(ParallelStrategy):
+    """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
+
+    Args:
+        num_stages: pipeline depth d (default: the whole world, width 1).
+        num_microbatches: microbatches m per batch and replica (default: d); m >= d.
+        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
+        recompute: recompute each stage's activations in the backward (stash only stage inputs).
+        clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
+    """
+
+    strategy_name = "pd2bw"
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
+        mode: str = "2bw",
+        recompute: bool = False,
+        clip_mode: str = "global",
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        if mode not in schedule.MODES:
+            raise ValueError(f"PipeDream2BWStrategy(mode={mode!r}) is not a mode; valid: {', '.join(schedule.MODES)}")
+        if clip_mode not in CLIP_MODES:
+            raise ValueError(f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}")
+        if num_stages is not None and num_stages < 1:
+            raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
+        if num_stages is not None and num_microbatches is not None:
+            schedule.validate(mode, num_stages, num_microbatches)
+        self._requested_stages = num_stages
+        self._requested_microbatches = num_microbatches
+        self.mode = mode
+        self.recompute = recompute
+        self.clip_mode = clip_mode
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.grid: ProcessGrid | None = None
+        self.executor: StageExecutor | None = None
+        self.stage_layers: list[range] = []
+        self._step_in_run = 0
+        self._hparams_by_batch: dict[int, list[dict[str, Any]]] = {}
+        self._losses_in_flight: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    # ------------------------------------------------------------------ grid and processes
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_stages(self) -> int:
+        return self._requested_stages or self.world_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._requested_microbatches or self.num_stages
+
+    @property
+    def data_parallel_size(self) -> int:
+        return check_world_size(self.world_size, self.num_stages)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # all stages of one pipeline read the same shard: the replica's
+        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.num_stages}
+
+    def _configure_launcher(self) -> None:
+        self._validate_precision()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _validate_precision(self) -> None:
+        plugin = self._precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+            raise ValueError(
+                "precision='16-mixed' is not supported by strategy='pd2bw': fp16 needs one loss scale shared by "
+                "all stages and a skip decision they agree on. Use precision='bf16-mixed' (or '32-true')"
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        self.set_world_ranks()
+        # bad layouts fail before any process group exists
+        schedule.validate(self.mode, self.num_stages, self.num_microbatches)
+        check_world_size(self.world_size, self.num_stages)
+        super().setup_environment()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; each stage materialises only its layers."""
+        with torch.device("meta"):
+            yield
+
+    # ------------------------------------------------------------------ setup: partition the module
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.grid is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        layers = pipeline_layers_of(module)
+        self._check_trainer(trainer)
+        self.stage_layers = balanced_partition(layer_parameter_counts(layers), self.num_stages)
+        shared = shared_parameters(layers, self.stage_layers)
+        local = [layers[i] for i in self.stage_layers[self.grid.stage]]
+        for index, layer in enumerate(layers):
+            if index not in self.stage_layers[self.grid.stage]:
+                release(layer)
+        if materialize(local, self.root_device):
+            init = getattr(module, "init_pipeline_layer", None)
+            for index in self.stage_layers[self.grid.stage]:
+                if init is not None:
+                    init(index)
+                else:
+                    for sub in layers[index].modules():
+                        if hasattr(sub, "reset_parameters") and sub is not layers[index]:
+                            sub.reset_parameters()
+        device = self.root_device
+        module._apply(lambda t: t if t.is_meta else t.to(device))
+        self.model = self.precision_plugin.convert_module(module)
+        self.groups = build_groups(self.grid, [s.stages for s in shared])
+        self._shared = self._local_shared(layers, shared)
+        self._sync_shared_parameters()
+        self._local_params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._keep_local_parameters()
+        self.setup_precision_plugin()
+        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device)
+        versions = WeightVersions(self._local_params, double_buffer=self.mode == "2bw")
+        self.executor = StageExecutor(
+            local, self.grid.stage, self.num_stages, self.num_microbatches, link, versions,
+            module.pipeline_inputs, module.pipeline_loss, recompute=self.recompute,
+        )
+        self._report_layout(layers)
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with strategy='pd2bw': "
+                "the pipeline accumulates over its microbatches. Set PipeDream2BWStrategy(num_microbatches=...) and "
+                "leave accumulate_grad_batches=1"
+            )
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("strategy='pd2bw' runs the optimizer itself; set automatic_optimization=True")
+
+    def _local_shared(self, layers: list[nn.Module], shared: list) -> list[tuple[nn.Parameter, Any, int, bool]]:
+        """(parameter, group, source rank, counts_for_norm) for each shared parameter on this stage."""
+        out = []
+        for item in shared:
+            if self.grid.stage not in item.stages:
+                continue
+            index, name = item.location_on(self.grid.stage)
+            param = dict(layers[index].named_parameters(remove_duplicate=False))[name]
+            first = item.stages[0]
+            out.append((param, self.groups.shared[item.stages], self.grid.rank_of(first), self.grid.stage == first))
+        return out
+
+    @torch.no_grad()
+    def _sync_shared_parameters(self) -> None:
+        """Shared parameters start equal everywhere: the first stage holding one broadcasts it."""
+        for param, group, source, _ in self._shared:
+            dist.broadcast(param.data, src=source, group=group)
+
+    def _keep_local_parameters(self) -> None:
+        """Drop other stages' (meta) parameters from the optimizer's groups."""
+        if len(self.optimizers) != 1:
+            raise ValueError(f"strategy='pd2bw' supports one optimizer; configure_optimizers returned {len(self.optimizers)}")
+        for group in self.optimizers[0].param_groups:
+            group["params"] = [p for p in group["params"] if not p.is_meta]
+
+    def _report_layout(self, layers: list[nn.Module]) -> None:
+        lines = [
+            f"pd2bw: mode={self.mode} stages={self.num_stages} data_parallel={self.data_parallel_size} "
+            f"microbatches={self.num_microbatches} recompute={self.recompute}"
+        ]
+        for stage, layer_range in enumerate(self.stage_layers):
+            params = sum(layer_parameter_counts([layers[i] for i in layer_range]))
+            lines.append(f"  stage {stage}: layers {layer_range.start}..{layer_range.stop - 1} ({params:,} parameters)")
+        rank_zero_info("\n".join(lines))
+
+    # ------------------------------------------------------------------ training
+    def on_train_start(self) -> None:
+        # the engine owns zero_grad and backward (the same switch Lightning's SWA callback uses)
+        self.lightning_module.trainer.fit_loop._skip_backward = True
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # backward ran inside the pipeline schedule
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return closure()  # the pipeline applies updates at its STEP actions
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert self.executor is not None
+        step = self._step_in_run
+        optimizer = self.optimizers[0]
+        self._hparams_by_batch[step] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.executor.feed(step, split_microbatches(batch, self.num_microbatches))
+        actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
+        with self.precision_plugin.train_step_context():
+            self.executor.run(actions, self._apply_update)
+        self._publish_loss(step)
+        if self.mode == "2bw":
+            self._step_in_run += 1
+            loss = self._take_loss(step - 1)
+        else:
+            self.executor.finish_drain()
+            loss = self._take_loss(step)
+        if loss is None:
+            return torch.zeros((), device=self.root_device)
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _publish_loss(self, step: int) -> None:
+        """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
+        if self.executor.is_last:
+            value = torch.stack(self.executor.losses.pop(step)).mean().float()
+        else:
+            value = torch.zeros((), device=self.root_device)
+        last = self.grid.rank_of(self.num_stages - 1)
+        work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
+        self._losses_in_flight[step] = (value, work)
+
+    def _take_loss(self, step: int) -> torch.Tensor | None:
+        if step not in self._losses_in_flight:
+            return None
+        value, work = self._losses_in_flight.pop(step)
+        work.wait()
+        return value
+
+    def _apply_update(self, batch: int) -> None:
+        trainer = self.lightning_module.trainer
+        optimizer = self.optimizers[0]
+        self._reduce_gradients()
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        for group, hparams in zip(optimizer.param_groups, self._hparams_by_batch.pop(batch)):
+            group.update(hparams)
+        optimizer.step()
+        for group, hparams in zip(optimizer.param_groups, current):
+            group.update(hparams)
+        optimizer.zero_grad(set_to_none=True)
+
+    def _reduce_gradients(self) -> None:
+        if self.data_parallel_size > 1:
+            grads = [p.grad for p in self._local_params if p.grad is not None]
+            works = [dist.all_reduce(g, group=self.groups.replica, async_op=True) for g in grads]
+            for work, grad in zip(works, grads):
+                work.wait()
+                grad.div_(self.data_parallel_size)
+        for param, group, _, _ in self._shared:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+
+    def _clip_gradients(self, clip_val: float | None, algorithm: Any) -> None:
+        if not clip_val:
+            return
+        grads = [p.grad for p in self._local_params if p.grad is not None]
+        if str(getattr(algorithm, "value", algorithm)) == "value":
+            torch.nn.utils.clip_grad_value_(self._local_params, clip_val)
+            return
+        not_counted = {id(p) for p, _, _, counts in self._shared if not counts}
+        counted = [p.grad for p in self._local_params if p.grad is not None and id(p) not in not_counted]
+        squares = torch.zeros((), device=self.root_device, dtype=torch.float32)
+        for grad in counted:
+            squares += grad.float().pow(2).sum()
+        if self.clip_mode == "global":
+            dist.all_reduce(squares, group=self.groups.pipeline)
+        coefficient = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+
+    # ------------------------------------------------------------------ drains
+    def drain(self) -> None:
+        """Finish every in-flight microbatch and update; the version rule restarts."""
+        if self.executor is None:
+            return
+        if self.mode == "2bw" and self._step_in_run > 0:
+            last = self._step_in_run - 1
+            actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
+            self.executor.run(actions, self._apply_update)
+            self.executor.finish_drain()
+        for step in list(self._losses_in_flight):
+            self._take_loss(step)
+        self._step_in_run = 0
+
+    def on_validation_start(self) -> None:
+        self.drain()
+
+    def on_train_end(self) -> None:
+        self.drain()
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val_")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test_")
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "predict is not supported under strategy='pd2bw'; consolidate the checkpoint with "
+            "lightning_pd2bw.checkpoint.consolidate(path) and predict with strategy='auto'"
+        )
+
+    def _evaluate(self, batch: Any, prefix: str) -> None:
+        module = self.lightning_module
+        size = len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
+        count = self.num_microbatches if size % self.num_microbatches == 0 else 1
+        metrics_fn = getattr(module, "pipeline_metrics", None) or (lambda out, b: {"loss": module.pipeline_loss(out, b)})
+        with self.precision_plugin.val_step_context():
+            results = self.executor.evaluate(split_microbatches(batch, count), metrics_fn)
+        message = [None]
+        if self.executor.is_last:
+            message = [{k: torch.stack([r[k].float() for r in results]).mean().item() for k in results[0]}]
+        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
+        values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in message[0].items()}
+        module.log_dict(values, prog_bar=True, sync_dist=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.drain()  # a checkpoint is always taken at a drain
+        return {k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the partitioned, materialised stage
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        path = Path(filepath)
+        tmp = path.with_name(path.name + ".tmp")
+        if self.is_global_zero:
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.barrier("pd2bw_save_begin")
+        if self.grid.replica == 0:
+            ckpt.write_shard(tmp, self.grid.stage, checkpoint)
+        if self.is_global_zero:
+            ckpt.write_meta(tmp, checkpoint, self.layout())
+        self.barrier("pd2bw_save_written")
+        if self.is_global_zero:
+            ckpt.publish(tmp, path)
+        self.barrier("pd2bw_save_published")
+
+    def layout(self) -> dict[str, Any]:
+        return {
+            "num_stages": self.num_stages,
+            "data_parallel_size": self.data_parallel_size,
+            "num_microbatches": self.num_microbatches,
+            "mode": self.mode,
+            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
+            "drained": True,
+        }
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        meta = ckpt.read_meta(checkpoint_path)
+        saved = meta["pd2bw"]
+        if saved["num_stages"] != self.num_stages or saved["stage_layers"] != [(r.start, r.stop) for r in self.stage_layers]:
+            raise ValueError(
+                f"checkpoint {str(checkpoint_path)!r} was written with num_stages={saved['num_stages']} and stage "
+                f"layers {saved['stage_layers']}; this run has num_stages={self.num_stages} and "
+                f"{[(r.start, r.stop) for r in self.stage_layers]}. Resume with the same num_stages, or "
+                "consolidate(path) the checkpoint and load the full state dict"
+            )
+        shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
+        return meta | shard
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        local = {k for k, v in module.state_dict().items() if not v.is_meta}
+        missing = sorted(local - set(checkpoint["state_dict"]))
+        if strict and missing:
+            raise KeyError(f"checkpoint is missing this stage's entries: {missing[:5]} ...")
+        module.load_state_dict(checkpoint["state_dict"], strict=False)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def teardown(self) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        if self.lightning_module is not None:
+            self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    def model_to_device(self) -> None:
+        pass  # setup() places each stage's own layers; other stages' layers stay on the meta device
+
+    # ------------------------------------------------------------------ collectives Lightning uses
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        message = [obj]
+        dist.broadcast_object_list(message, src=src)
+        return message[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="PipeDream-2BW pipeline parallelism (lightning_pd2bw)"
+        )
