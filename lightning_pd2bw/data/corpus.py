@@ -44,7 +44,7 @@ def read_corpus(paths: Sequence[str | Path] | None = None, max_bytes: int | None
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
-    corpus = b"\n".join(chunks)
+    corpus = b"\n".join(chunks)[:max_bytes]
     if not corpus:
         where = ", ".join(map(str, paths)) if paths else "the Python standard library"
         raise ValueError(f"the corpus from {where} is empty; give data.paths files that contain text")

@@ -1,0 +1,97 @@
+"""Training cases shared by the distributed runner and the single-process reference.
+
+A case fixes the model, optimizer, data and schedule; the runner trains it with
+``Trainer(strategy=PipeDream2BWStrategy(...))`` over real processes, the reference
+(``reference.py``) computes the expected weights in one process without the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_pd2bw.data import LMDataset, MLMDataset, read_corpus
+from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
+
+SEQ_LEN = 16
+MICRO_BATCH = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str = "gpt"  # gpt | bert
+    mode: str = "flush"
+    num_stages: int = 2
+    num_microbatches: int = 2
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    steps: int = 4
+    clip: float | None = None
+    schedule: bool = False  # warm-up + cosine learning-rate schedule
+    recompute: bool = False
+    checkpoint_every: int | None = None  # drain + checkpoint every N steps (2BW restarts its versions)
+    mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def drains(self) -> tuple[int, ...]:
+        every = self.checkpoint_every
+        return tuple(range(every, self.steps, every)) if every else ()
+
+
+def build_model(case: Case):
+    optim = dict(optimizer=case.optimizer, lr=0.05 if case.optimizer == "sgd" else 3e-3, momentum=case.momentum,
+                 weight_decay=0.01, warmup_steps=2 if case.schedule else 0, max_steps=case.steps if case.schedule else None)
+    if case.model == "gpt":
+        return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
+    return BERT(BERTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
+
+
+def dataset(case: Case):
+    data = read_corpus(max_bytes=50_000)
+    return LMDataset(data, SEQ_LEN) if case.model == "gpt" else MLMDataset(data, SEQ_LEN, seed=3)
+
+
+def dataloader(case: Case) -> DataLoader:
+    return DataLoader(dataset(case), batch_size=MICRO_BATCH * case.num_microbatches, shuffle=False, drop_last=True)
+
+
+def replica_batch(case: Case, step: int, replica: int, width: int) -> dict[str, torch.Tensor]:
+    """Replica ``replica``'s batch of ``step`` (epoch 0), dealt as the DistributedSampler that Lightning
+    injects for training does: a seeded permutation (seed 0), padded, every ``width``-th index."""
+    data = dataset(case)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    total = -(-len(order) // width) * width
+    shard = (order + order[: total - len(order)])[replica:total:width]
+    size = MICRO_BATCH * case.num_microbatches
+    items = [data[i] for i in shard[step * size : (step + 1) * size]]
+    return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+
+def mask_for(name: str, param: torch.Tensor) -> torch.Tensor | None:
+    """The fixed mask of the hook-order test: every other entry of each block's fc weight."""
+    if ".fc.weight" not in name:
+        return None
+    mask = torch.ones_like(param, dtype=torch.bool)
+    mask.view(-1)[::2] = False
+    return mask
+
+
+CASES = {c.name: c for c in [
+    Case("gpt_flush_sgd", optimizer="sgd"),
+    Case("gpt_flush_adamw_clip_sched", num_microbatches=4, clip=0.5, schedule=True),
+    Case("bert_flush_adamw", model="bert"),
+    Case("gpt_2bw_sgd_momentum", mode="2bw", optimizer="sgd", momentum=0.9, steps=5),
+    Case("gpt_2bw_adamw_clip_sched", mode="2bw", num_microbatches=4, clip=0.5, schedule=True, steps=5),
+    Case("bert_2bw_adamw", mode="2bw", model="bert", steps=5),
+    Case("gpt_2bw_recompute", mode="2bw", recompute=True, steps=5),
+    Case("gpt_2bw_mask", mode="2bw", optimizer="sgd", momentum=0.9, mask=True, steps=5),
+    Case("gpt_2bw_drain", mode="2bw", steps=6, checkpoint_every=3),
+    Case("gpt_flush_d4_sgd", num_stages=4, num_microbatches=4, optimizer="sgd"),
+    Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
+    Case("gpt_flush_d2w2_adamw", schedule=True),
+    Case("gpt_2bw_d2w2_adamw", mode="2bw", steps=5, clip=0.5),
+]}

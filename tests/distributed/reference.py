@@ -1,0 +1,62 @@
+"""Single-process references, written without the engine.
+
+Flush: plain gradient accumulation over every microbatch of every replica, one update per batch.
+2BW:   the same averaged gradient, but evaluated at the weights of version max(t-1, 0) counted
+       from the last drain, and applied to the newest weights: W(t+1) = W(t) - lr * grad f(W(t-1)).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from .cases import MICRO_BATCH, Case, build_model, mask_for, replica_batch
+
+
+def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: v[j * MICRO_BATCH : (j + 1) * MICRO_BATCH] for k, v in batch.items()} for j in range(count)]
+
+
+def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:
+    model = build_model(case)
+    model.configure_model()
+    configured = model.configure_optimizers()
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    scheduler = configured["lr_scheduler"]["scheduler"] if isinstance(configured, dict) else None
+    names = dict(model.named_parameters())
+    masks = {n: m for n, p in names.items() if case.mask and (m := mask_for(n, p)) is not None}
+
+    def apply_masks() -> None:
+        with torch.no_grad():
+            for n, m in masks.items():
+                names[n].mul_(m)
+
+    apply_masks()
+    history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
+    drain_base = 0
+    for step in range(case.steps):
+        if step in case.drains:
+            drain_base = step
+        relative = step - drain_base
+        version = drain_base + (max(relative - 1, 0) if case.mode == "2bw" else relative)
+        weights = {n: t.clone().requires_grad_() for n, t in history[version].items()}
+        grads = {n: torch.zeros_like(t) for n, t in weights.items()}
+        count = width * case.num_microbatches
+        for replica in range(width):
+            for micro in _split(replica_batch(case, step, replica, width), case.num_microbatches):
+                logits = functional_call(model, weights, (micro["input_ids"],))
+                loss = model.pipeline_loss(logits, micro) / count
+                for n, g in zip(weights, torch.autograd.grad(loss, list(weights.values()), allow_unused=True)):
+                    if g is not None:
+                        grads[n] += g
+        for n, p in names.items():
+            p.grad = grads[n]
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        apply_masks()
+        if scheduler is not None:
+            scheduler.step()
+        history.append({n: p.detach().clone() for n, p in names.items()})
+    return {k: v for k, v in model.state_dict().items()}

@@ -1,0 +1,105 @@
+"""Train cases over real processes: ``torchrun --nproc-per-node N run_cases.py OUT CASE...``.
+
+Each stage of replica 0 writes its trained weights to ``OUT/CASE/stage-R.pt``; every rank writes its
+engine counters (weight versions held, stashed microbatches) to ``OUT/CASE/rank-G.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import CASES, Case, build_model, dataloader, mask_for  # noqa: E402
+
+
+class FixedMask(Callback):
+    """Re-applies fixed masks right after every optimizer step (an optimizer step post-hook)."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        masks = {}
+        for name, param in module.named_parameters():
+            if not param.is_meta and (mask := mask_for(name, param)) is not None:
+                masks[name] = (param, mask)
+
+        @torch.no_grad()
+        def apply(*_: object) -> None:
+            for param, mask in masks.values():
+                param.mul_(mask)
+
+        apply()
+        trainer.optimizers[0].register_step_post_hook(apply)
+
+
+def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Trainer:
+    strategy = PipeDream2BWStrategy(
+        num_stages=case.num_stages, num_microbatches=case.num_microbatches, mode=case.mode, recompute=case.recompute,
+        timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
+    )
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, gradient_clip_val=case.clip,
+        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=callbacks,
+    )
+
+
+def run(case: Case, out: Path, world: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(0)
+    model = build_model(case)
+    callbacks: list = [FixedMask()] if case.mask else []
+    ckpt_dir = out / "checkpoints"
+    if case.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=case.checkpoint_every, save_top_k=-1))
+    trainer = trainer_for(case, case.steps, callbacks, world)
+    trainer.fit(model, train_dataloaders=dataloader(case))
+    strategy = trainer.strategy
+    executor = strategy.executor
+    rank = trainer.global_rank
+    if strategy.grid.replica == 0:
+        torch.save(strategy.lightning_module_state_dict(), out / f"stage-{strategy.grid.stage}.pt")
+    counters = {
+        "stage": strategy.grid.stage, "max_versions": executor.versions.max_versions_held,
+        "max_stashed": executor.max_stashed, "global_step": trainer.global_step,
+    }
+    (out / f"rank-{rank}.json").write_text(json.dumps(counters))
+    if case.checkpoint_every:
+        resume(case, out, ckpt_dir, world)
+
+
+def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
+    """Resume from the first checkpoint and train to the end: must equal the uninterrupted run."""
+    first = sorted(ckpt_dir.glob(f"*step={case.checkpoint_every}.ckpt"))[0]
+    if torch.distributed.get_rank() == 0:
+        torch.save(consolidate(first), out / "consolidated-first.pt")
+    pl.seed_everything(0)
+    model = build_model(case)
+    callbacks = [ModelCheckpoint(dirpath=out / "resumed", every_n_train_steps=case.checkpoint_every, save_top_k=-1)]
+    trainer = trainer_for(case, case.steps, callbacks, world)
+    trainer.fit(model, train_dataloaders=dataloader(case), ckpt_path=first)
+    strategy = trainer.strategy
+    if strategy.grid.replica == 0:
+        torch.save(strategy.lightning_module_state_dict(), out / f"resumed-stage-{strategy.grid.stage}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    for name in sys.argv[2:]:
+        run(CASES[name], out / name, world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Schedules as data: ordering, memory bound, send/receive matching and the version rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_pd2bw.pipeline import schedule as S
+
+LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
+
+
+def simulate(actions_per_stage):
+    """Run all stages' actions with blocking receives; fail on deadlock or an unmatched message."""
+    num_stages = len(actions_per_stage)
+    position = [0] * num_stages
+    channels = {}  # (src, dst, kind) -> list of microbatches sent, in order
+    progress = True
+    while progress:
+        progress = False
+        for stage, actions in enumerate(actions_per_stage):
+            while position[stage] < len(actions):
+                action = actions[position[stage]]
+                if action.kind == S.SEND_FORWARD:
+                    channels.setdefault((stage, stage + 1, "F"), []).append(action.microbatch)
+                elif action.kind == S.SEND_BACKWARD:
+                    channels.setdefault((stage, stage - 1, "B"), []).append(action.microbatch)
+                elif action.kind in (S.RECV_FORWARD, S.RECV_BACKWARD):
+                    key = (stage - 1, stage, "F") if action.kind == S.RECV_FORWARD else (stage + 1, stage, "B")
+                    queue = channels.get(key, [])
+                    if not queue:
+                        break
+                    assert queue.pop(0) == action.microbatch, "messages arrive in the order they are received"
+                position[stage] += 1
+                progress = True
+    assert position == [len(a) for a in actions_per_stage], f"deadlock at {position}"
+    assert all(not q for q in channels.values()), "every send is received"
+
+
+@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+def test_stream_is_deadlock_free_and_matched(mode, num_stages, num_microbatches):
+    simulate([S.stream(mode, s, num_stages, num_microbatches, 3) for s in range(num_stages)])
+
+
+@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+def test_forward_precedes_backward_and_stash_bound(mode, num_stages, num_microbatches):
+    for stage in range(num_stages):
+        actions = S.stream(mode, stage, num_stages, num_microbatches, 3)
+        in_flight, peak, done_forward = set(), 0, set()
+        for a in actions:
+            if a.kind == S.FORWARD:
+                in_flight.add(a.microbatch)
+                done_forward.add(a.microbatch)
+            elif a.kind == S.BACKWARD:
+                assert a.microbatch in done_forward
+                in_flight.remove(a.microbatch)
+            peak = max(peak, len(in_flight))
+        limit = num_microbatches if mode == "gpipe" else num_stages - stage
+        assert peak == min(limit, num_microbatches) or (mode == "2bw" and peak == num_stages - stage)
+        assert sorted(done_forward) == list(range(3 * num_microbatches))
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+def test_2bw_version_rule_and_steps(num_stages, num_microbatches):
+    for stage in range(num_stages):
+        actions = S.stream("2bw", stage, num_stages, num_microbatches, 4)
+        updates = 0
+        for a in actions:
+            if a.kind in (S.FORWARD, S.BACKWARD):
+                assert a.weight_version == max(a.batch - 1, 0)
+                # the version a microbatch uses exists: at most one update newer than it is applied
+                assert updates - 1 <= a.weight_version <= updates
+            if a.kind == S.STEP:
+                assert a.batch == updates, "updates are applied in batch order"
+                updates += 1
+        assert updates == 4
+
+
+def test_2bw_never_flushes_between_batches():
+    """Stage 0 runs batch t+1's forwards before batch t's last backward (no drain)."""
+    actions = S.stream("2bw", 0, 4, 4, 3)
+    kinds = [(a.kind, a.batch) for a in actions if a.kind in (S.FORWARD, S.BACKWARD)]
+    first_forward_b1 = kinds.index((S.FORWARD, 1))
+    last_backward_b0 = max(i for i, k in enumerate(kinds) if k == (S.BACKWARD, 0))
+    assert first_forward_b1 < last_backward_b0
+    flush = [(a.kind, a.batch) for a in S.stream("flush", 0, 4, 4, 3) if a.kind in (S.FORWARD, S.BACKWARD)]
+    assert flush.index((S.FORWARD, 1)) > max(i for i, k in enumerate(flush) if k == (S.BACKWARD, 0))
+
+
+def test_1f1b_warmup_counts():
+    for stage in range(4):
+        actions = [a.kind for a in S.segment("flush", stage, 4, 8, 0) if a.kind in (S.FORWARD, S.BACKWARD)]
+        assert actions.index(S.BACKWARD) == 4 - stage  # d - r - 1 warm-up forwards, then one more
+
+
+def test_step_sits_before_next_batch_forward():
+    """Each stage's update of batch t precedes its first forward of batch t + 2 (which needs W(t+1))."""
+    for stage in range(3):
+        actions = S.stream("2bw", stage, 3, 3, 4)
+        for t in range(2):
+            step = actions.index(S.Action(S.STEP, t))
+            first = next(i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.batch == t + 2)
+            assert step < first
+
+
+def test_invalid_parameters_name_the_fix():
+    with pytest.raises(ValueError, match="num_microbatches=2 is smaller than num_stages=4"):
+        S.segment("2bw", 0, 4, 2, 0)
+    with pytest.raises(ValueError, match="valid: 2bw, flush, gpipe"):
+        S.validate("pipedream", 2, 2)
