@@ -61,7 +61,9 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def read_stage(path: str | Path, stage: int, map_location: Any = "cpu") -> dict[str, Any]:
     file = shard_file(path, stage)
     if not file.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no shard for stage {stage} ({file.name}); it is incomplete")
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} has no shard for stage {stage} ({file.name}); it is incomplete"
+        )
     return torch.load(file, map_location=map_location, weights_only=False)
 
 

@@ -104,7 +104,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
         if mode not in schedule.MODES:
             raise ValueError(f"PipeDream2BWStrategy(mode={mode!r}) is not a mode; valid: {', '.join(schedule.MODES)}")
         if clip_mode not in CLIP_MODES:
-            raise ValueError(f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}")
+            raise ValueError(
+                f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}"
+            )
         if num_stages is not None and num_stages < 1:
             raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
         if num_stages is not None and num_microbatches is not None:
@@ -240,8 +242,15 @@ class PipeDream2BWStrategy(ParallelStrategy):
         link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device)
         versions = WeightVersions(self._local_params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(
-            local, self.grid.stage, self.num_stages, self.num_microbatches, link, versions,
-            module.pipeline_inputs, module.pipeline_loss, recompute=self.recompute,
+            local,
+            self.grid.stage,
+            self.num_stages,
+            self.num_microbatches,
+            link,
+            versions,
+            module.pipeline_inputs,
+            module.pipeline_loss,
+            recompute=self.recompute,
         )
         self._report_layout(layers)
 
@@ -276,7 +285,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def _keep_local_parameters(self) -> None:
         """Drop other stages' (meta) parameters from the optimizer's groups."""
         if len(self.optimizers) != 1:
-            raise ValueError(f"strategy='pd2bw' supports one optimizer; configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(
+                f"strategy='pd2bw' supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
+            )
         for group in self.optimizers[0].param_groups:
             group["params"] = [p for p in group["params"] if not p.is_meta]
 
@@ -421,7 +432,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         size = len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
         count = self.num_microbatches if size % self.num_microbatches == 0 else 1
-        metrics_fn = getattr(module, "pipeline_metrics", None) or (lambda out, b: {"loss": module.pipeline_loss(out, b)})
+        metrics_fn = getattr(module, "pipeline_metrics", None) or (
+            lambda out, b: {"loss": module.pipeline_loss(out, b)}
+        )
         with self.precision_plugin.val_step_context():
             results = self.executor.evaluate(split_microbatches(batch, count), metrics_fn)
         message = [None]
@@ -472,7 +485,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
         saved = meta["pd2bw"]
-        if saved["num_stages"] != self.num_stages or saved["stage_layers"] != [(r.start, r.stop) for r in self.stage_layers]:
+        if saved["num_stages"] != self.num_stages or saved["stage_layers"] != [
+            (r.start, r.stop) for r in self.stage_layers
+        ]:
             raise ValueError(
                 f"checkpoint {str(checkpoint_path)!r} was written with num_stages={saved['num_stages']} and stage "
                 f"layers {saved['stage_layers']}; this run has num_stages={self.num_stages} and "

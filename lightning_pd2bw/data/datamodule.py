@@ -37,14 +37,24 @@ class TextDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         train, val = split(read_corpus(self.paths, self.max_bytes), self.val_fraction)
         if self.task == "lm":
-            self.train_set, self.val_set = LMDataset(train, self.seq_len), LMDataset(val, self.seq_len, name="validation")
+            self.train_set, self.val_set = (
+                LMDataset(train, self.seq_len),
+                LMDataset(val, self.seq_len, name="validation"),
+            )
         else:
             self.train_set = MLMDataset(train, self.seq_len, self.seed)
             self.val_set = MLMDataset(val, self.seq_len, self.seed + 1, name="validation")
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, self.batch_size, shuffle=self.shuffle, generator=generator, drop_last=True, num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set,
+            self.batch_size,
+            shuffle=self.shuffle,
+            generator=generator,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, self.batch_size, shuffle=False, drop_last=True, num_workers=self.num_workers)

@@ -37,7 +37,9 @@ class LMDataset(Dataset):
 class MLMDataset(Dataset):
     """BERT masking (15% of positions: 80% [MASK], 10% random byte, 10% kept), seeded per item."""
 
-    def __init__(self, data: torch.Tensor, seq_len: int, seed: int = 0, mask_prob: float = 0.15, name: str = "train") -> None:
+    def __init__(
+        self, data: torch.Tensor, seq_len: int, seed: int = 0, mask_prob: float = 0.15, name: str = "train"
+    ) -> None:
         self.data, self.seq_len, self.seed, self.mask_prob = data, seq_len, seed, mask_prob
         self.count = _check_length(data, seq_len, name)
 

@@ -36,10 +36,19 @@ class PipelineLanguageModel(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.config = config
-        self.save_hyperparameters({"config": asdict(config)} | {
-            "optimizer": optimizer, "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
-            "momentum": momentum, "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio,
-        })
+        self.save_hyperparameters(
+            {"config": asdict(config)}
+            | {
+                "optimizer": optimizer,
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "betas": list(betas),
+                "momentum": momentum,
+                "warmup_steps": warmup_steps,
+                "max_steps": max_steps,
+                "min_lr_ratio": min_lr_ratio,
+            }
+        )
         self.layers: nn.ModuleList | None = None
 
     # ------------------------------------------------------------- model

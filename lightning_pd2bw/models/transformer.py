@@ -70,7 +70,12 @@ class Block(nn.Module):
     def reset_parameters(self, generator: torch.Generator) -> None:
         # residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper)
         residual_std = INIT_STD / math.sqrt(2 * self.n_layer)
-        for linear, std in ((self.attn.qkv, INIT_STD), (self.attn.proj, residual_std), (self.fc, INIT_STD), (self.fc_proj, residual_std)):
+        for linear, std in (
+            (self.attn.qkv, INIT_STD),
+            (self.attn.proj, residual_std),
+            (self.fc, INIT_STD),
+            (self.fc_proj, residual_std),
+        ):
             normal_(linear.weight, std, generator)
             zero_(linear.bias)
         ones_zeros_(self.ln_1)

@@ -13,7 +13,16 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
 _MAX_TENSORS = 8
 _MAX_DIMS = 6
 _FIELDS = 2 + _MAX_DIMS  # dtype code, ndim, dims

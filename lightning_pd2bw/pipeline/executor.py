@@ -169,7 +169,9 @@ class StageExecutor:
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def evaluate(self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]) -> list[dict]:
+    def evaluate(
+        self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
+    ) -> list[dict]:
         """Forward-only pass of ``microbatches`` on the newest weights; metrics on the last stage."""
         self.versions.use_latest()
         results = []

@@ -94,7 +94,9 @@ def _flush_order(stage: int, num_stages: int, num_microbatches: int, mode: Mode,
     return order
 
 
-def _expand(order: list[tuple[str, int]], stage: int, num_stages: int, num_microbatches: int, mode: Mode) -> list[Action]:
+def _expand(
+    order: list[tuple[str, int]], stage: int, num_stages: int, num_microbatches: int, mode: Mode
+) -> list[Action]:
     expand = {FORWARD: _forward, BACKWARD: _backward}
     actions: list[Action] = []
     for kind, k in order:
@@ -145,7 +147,9 @@ def segment(mode: Mode, stage: int, num_stages: int, num_microbatches: int, batc
     """Actions of training step ``batch`` (0-based since the last drain) on ``stage``."""
     validate(mode, num_stages, num_microbatches)
     if mode != "2bw":
-        actions = _expand(_flush_order(stage, num_stages, num_microbatches, mode, batch), stage, num_stages, num_microbatches, mode)
+        actions = _expand(
+            _flush_order(stage, num_stages, num_microbatches, mode, batch), stage, num_stages, num_microbatches, mode
+        )
         return actions + [Action(STEP, batch)]
     order = _twobw_order(stage, num_stages, num_microbatches, batch)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)

@@ -34,6 +34,7 @@ class Case:
     recompute: bool = False
     checkpoint_every: int | None = None  # drain + checkpoint every N steps (2BW restarts its versions)
     mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
+    steps_per_epoch: int | None = None  # limit_train_batches: epochs restart the sampler's shuffle
     extra: dict = field(default_factory=dict)
 
     @property
@@ -43,8 +44,14 @@ class Case:
 
 
 def build_model(case: Case):
-    optim = dict(optimizer=case.optimizer, lr=0.05 if case.optimizer == "sgd" else 3e-3, momentum=case.momentum,
-                 weight_decay=0.01, warmup_steps=2 if case.schedule else 0, max_steps=case.steps if case.schedule else None)
+    optim = dict(
+        optimizer=case.optimizer,
+        lr=0.05 if case.optimizer == "sgd" else 3e-3,
+        momentum=case.momentum,
+        weight_decay=0.01,
+        warmup_steps=2 if case.schedule else 0,
+        max_steps=case.steps if case.schedule else None,
+    )
     if case.model == "gpt":
         return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
     return BERT(BERTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
@@ -60,10 +67,11 @@ def dataloader(case: Case) -> DataLoader:
 
 
 def replica_batch(case: Case, step: int, replica: int, width: int) -> dict[str, torch.Tensor]:
-    """Replica ``replica``'s batch of ``step`` (epoch 0), dealt as the DistributedSampler that Lightning
-    injects for training does: a seeded permutation (seed 0), padded, every ``width``-th index."""
+    """Replica ``replica``'s batch of ``step``, dealt as the DistributedSampler that Lightning injects for
+    training does: a permutation seeded by the epoch (seed 0 + epoch), padded, every ``width``-th index."""
     data = dataset(case)
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    epoch, step = divmod(step, case.steps_per_epoch) if case.steps_per_epoch else (0, step)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
     total = -(-len(order) // width) * width
     shard = (order + order[: total - len(order)])[replica:total:width]
     size = MICRO_BATCH * case.num_microbatches
@@ -80,18 +88,21 @@ def mask_for(name: str, param: torch.Tensor) -> torch.Tensor | None:
     return mask
 
 
-CASES = {c.name: c for c in [
-    Case("gpt_flush_sgd", optimizer="sgd"),
-    Case("gpt_flush_adamw_clip_sched", num_microbatches=4, clip=0.5, schedule=True),
-    Case("bert_flush_adamw", model="bert"),
-    Case("gpt_2bw_sgd_momentum", mode="2bw", optimizer="sgd", momentum=0.9, steps=5),
-    Case("gpt_2bw_adamw_clip_sched", mode="2bw", num_microbatches=4, clip=0.5, schedule=True, steps=5),
-    Case("bert_2bw_adamw", mode="2bw", model="bert", steps=5),
-    Case("gpt_2bw_recompute", mode="2bw", recompute=True, steps=5),
-    Case("gpt_2bw_mask", mode="2bw", optimizer="sgd", momentum=0.9, mask=True, steps=5),
-    Case("gpt_2bw_drain", mode="2bw", steps=6, checkpoint_every=3),
-    Case("gpt_flush_d4_sgd", num_stages=4, num_microbatches=4, optimizer="sgd"),
-    Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
-    Case("gpt_flush_d2w2_adamw", schedule=True),
-    Case("gpt_2bw_d2w2_adamw", mode="2bw", steps=5, clip=0.5),
-]}
+CASES = {
+    c.name: c
+    for c in [
+        Case("gpt_flush_sgd", optimizer="sgd"),
+        Case("gpt_flush_adamw_clip_sched", num_microbatches=4, clip=0.5, schedule=True),
+        Case("bert_flush_adamw", model="bert"),
+        Case("gpt_2bw_sgd_momentum", mode="2bw", optimizer="sgd", momentum=0.9, steps=5),
+        Case("gpt_2bw_adamw_clip_sched", mode="2bw", num_microbatches=4, clip=0.5, schedule=True, steps=5),
+        Case("bert_2bw_adamw", mode="2bw", model="bert", steps=5),
+        Case("gpt_2bw_recompute", mode="2bw", recompute=True, steps=5),
+        Case("gpt_2bw_mask", mode="2bw", optimizer="sgd", momentum=0.9, mask=True, steps=5),
+        Case("gpt_2bw_drain", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3),
+        Case("gpt_flush_d4_sgd", num_stages=4, num_microbatches=4, optimizer="sgd"),
+        Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
+        Case("gpt_flush_d2w2_adamw", schedule=True),
+        Case("gpt_2bw_d2w2_adamw", mode="2bw", steps=5, clip=0.5),
+    ]
+}

@@ -13,8 +13,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--standalone",
-               str(RUNNER), str(out), *cases]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={world}",
+        "--standalone",
+        str(RUNNER),
+        str(out),
+        *cases,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if result.returncode != 0:
-        raise AssertionError(f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+        raise AssertionError(
+            f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+        )

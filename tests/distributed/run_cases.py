@@ -45,13 +45,25 @@ class FixedMask(Callback):
 
 def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Trainer:
     strategy = PipeDream2BWStrategy(
-        num_stages=case.num_stages, num_microbatches=case.num_microbatches, mode=case.mode, recompute=case.recompute,
+        num_stages=case.num_stages,
+        num_microbatches=case.num_microbatches,
+        mode=case.mode,
+        recompute=case.recompute,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, gradient_clip_val=case.clip,
-        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), callbacks=callbacks,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        gradient_clip_val=case.clip,
+        limit_val_batches=0,
+        limit_train_batches=case.steps_per_epoch,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        callbacks=callbacks,
     )
 
 
@@ -71,8 +83,10 @@ def run(case: Case, out: Path, world: int) -> None:
     if strategy.grid.replica == 0:
         torch.save(strategy.lightning_module_state_dict(), out / f"stage-{strategy.grid.stage}.pt")
     counters = {
-        "stage": strategy.grid.stage, "max_versions": executor.versions.max_versions_held,
-        "max_stashed": executor.max_stashed, "global_step": trainer.global_step,
+        "stage": strategy.grid.stage,
+        "max_versions": executor.versions.max_versions_held,
+        "max_stashed": executor.max_stashed,
+        "global_step": trainer.global_step,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(counters))
     if case.checkpoint_every:

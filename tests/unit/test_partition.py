@@ -18,7 +18,10 @@ def brute_force_best(costs, stages):
     return best
 
 
-@pytest.mark.parametrize("costs,stages", [([1] * 8, 4), ([5, 1, 1, 1, 1, 5], 3), ([9, 1, 1, 1, 1, 1, 1, 9], 2), ([3, 1, 4, 1, 5, 9, 2, 6], 4)])
+@pytest.mark.parametrize(
+    "costs,stages",
+    [([1] * 8, 4), ([5, 1, 1, 1, 1, 5], 3), ([9, 1, 1, 1, 1, 1, 1, 9], 2), ([3, 1, 4, 1, 5, 9, 2, 6], 4)],
+)
 def test_balanced_partition_is_optimal_and_contiguous(costs, stages):
     ranges = balanced_partition(costs, stages)
     assert [i for r in ranges for i in r] == list(range(len(costs)))

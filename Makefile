@@ -1,0 +1,26 @@
+# Two commands on a fresh machine:  `make train` (the main job)  and  `make test` (the test suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv train test lint schedules
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,wandb]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+train: venv  ## the default recipe: a small GPT, 2BW over 2 CPU processes (or 2 GPUs)
+	$(BIN)/pd2bw-train $(ARGS)
+
+test: venv  ## lint + every test that fits CI's budget
+	$(BIN)/ruff check lightning_pd2bw tests
+	$(BIN)/ruff format --check lightning_pd2bw tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+schedules: venv  ## regenerate the schedule pictures quoted in the README
+	$(BIN)/python -m lightning_pd2bw.pipeline.draw

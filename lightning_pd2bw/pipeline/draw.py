@@ -1,0 +1,69 @@
+"""Text pictures of the schedules, drawn from ``schedule.py`` itself (``python -m lightning_pd2bw.pipeline.draw``).
+
+Time runs left to right in unit slots (a forward or a backward takes one slot; sends are free).
+Each cell shows the microbatch's batch letter and index: upper case for forwards, lower case for
+backwards, ``|`` for an update, ``.`` for idle (the bubble).
+"""
+
+from __future__ import annotations
+
+import string
+
+from . import schedule as S
+
+
+def timeline(mode: S.Mode, num_stages: int, num_microbatches: int, num_batches: int) -> list[list[str]]:
+    """Simulate the stages with unit-time compute and instantaneous messages."""
+    actions = [[a for a in S.stream(mode, s, num_stages, num_microbatches, num_batches) if a.kind in (S.FORWARD, S.BACKWARD, S.STEP)] for s in range(num_stages)]
+    ready: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> time its input is available
+    rows: list[list[str]] = [[] for _ in range(num_stages)]
+    position = [0] * num_stages
+    time = 0
+    while any(position[s] < len(actions[s]) for s in range(num_stages)):
+        done = []
+        for stage in range(num_stages):
+            if position[stage] >= len(actions[stage]):
+                rows[stage].append(" ")
+                continue
+            action = actions[stage][position[stage]]
+            if action.kind == S.STEP:
+                rows[stage].append("|")
+                position[stage] += 1
+                continue
+            k, batch = action.microbatch, action.batch
+            need = None
+            if action.kind == S.FORWARD and stage > 0:
+                need = ("F", stage - 1, k)
+            if action.kind == S.BACKWARD and stage < num_stages - 1:
+                need = ("B", stage + 1, k)
+            if need is not None and ready.get(need, 1 << 30) > time:
+                rows[stage].append(".")
+                continue
+            letter = string.ascii_uppercase[batch % 26]
+            label = f"{letter}{k % num_microbatches}"
+            rows[stage].append(label if action.kind == S.FORWARD else label.lower())
+            done.append((action.kind, stage, k))
+            position[stage] += 1
+        for kind, stage, k in done:
+            ready[(kind, stage, k)] = time + 1
+        time += 1
+    return rows
+
+
+def render(mode: S.Mode, num_stages: int, num_microbatches: int, num_batches: int) -> str:
+    rows = timeline(mode, num_stages, num_microbatches, num_batches)
+    width = max(len(c) for r in rows for c in r)
+    lines = [f"{mode} (d={num_stages}, m={num_microbatches}, {num_batches} batches):"]
+    for stage, row in enumerate(rows):
+        lines.append(f"  stage {stage}: " + " ".join(c.ljust(width) for c in row).rstrip())
+    return "\n".join(lines)
+
+
+def main() -> None:
+    for mode in ("flush", "2bw"):
+        print(render(mode, 4, 4, 3))
+        print()
+
+
+if __name__ == "__main__":
+    main()
