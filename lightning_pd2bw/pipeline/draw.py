@@ -14,7 +14,14 @@ from . import schedule as S
 
 def timeline(mode: S.Mode, num_stages: int, num_microbatches: int, num_batches: int) -> list[list[str]]:
     """Simulate the stages with unit-time compute and instantaneous messages."""
-    actions = [[a for a in S.stream(mode, s, num_stages, num_microbatches, num_batches) if a.kind in (S.FORWARD, S.BACKWARD, S.STEP)] for s in range(num_stages)]
+    actions = [
+        [
+            a
+            for a in S.stream(mode, s, num_stages, num_microbatches, num_batches)
+            if a.kind in (S.FORWARD, S.BACKWARD, S.STEP)
+        ]
+        for s in range(num_stages)
+    ]
     ready: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> time its input is available
     rows: list[list[str]] = [[] for _ in range(num_stages)]
     position = [0] * num_stages

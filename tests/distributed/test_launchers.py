@@ -13,9 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_pd2bw_train_two_processes_writes_run_directory(tmp_path):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "lightning_pd2bw.train", "model=gpt_tiny", "data.seq_len=32", "data.batch_size=8",
-               "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-               "trainer.enable_progress_bar=false", f"paths.output_dir={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_pd2bw.train",
+        "model=gpt_tiny",
+        "data.seq_len=32",
+        "data.batch_size=8",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1",
+        "trainer.enable_progress_bar=false",
+        f"paths.output_dir={out}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-6000:]
