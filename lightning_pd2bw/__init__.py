@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("models", "checkpoint", "data", "pipeline"):
+    if name in ("models", "checkpoint", "data", "pipeline", "sparsity"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -526,6 +526,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
         pass  # setup() places each stage's own layers; other stages' layers stay on the meta device
 
     # ------------------------------------------------------------------ collectives Lightning uses
+    def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
+        dist.all_reduce(tensor, group=self.groups.pipeline)
+
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .transformer import Block
+
 IGNORE_INDEX = -100
 
 
@@ -89,6 +91,27 @@ class PipelineLanguageModel(pl.LightningModule):
     def pipeline_metrics(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validation metrics of one microbatch, computed where the logits are (the last stage)."""
         return {"loss": self.pipeline_loss(logits, batch)}
+
+    def default_sparsity_targets(self) -> list[str]:
+        """What sparsity prunes by default: the Linear weights of the transformer blocks (attention
+        Q/K/V and output, MLP); not embeddings, norms, biases or the heads."""
+        self.configure_model()
+        return [
+            f"layers.{i}.{name}.weight"
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer, Block)
+            for name, module in layer.named_modules()
+            if isinstance(module, nn.Linear)
+        ]
+
+    def flops_per_token(self) -> float:
+        """Dense training FLOPs per token: 6 x every matrix a token meets (block Linears and the output
+        projection) plus attention scores and values, 12 x layers x context x width (Kaplan et al. 2020)."""
+        self.configure_model()
+        c = self.config
+        linear = sum(m.weight.numel() for m in self.layers.modules() if isinstance(m, nn.Linear))
+        head = c.vocab_size * c.n_embd
+        return 6.0 * (linear + head) + 12.0 * c.n_layer * c.block_size * c.n_embd
 
     # ------------------------------------------------------------- plain training
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Case:
     checkpoint_every: int | None = None  # drain + checkpoint every N steps (2BW restarts its versions)
     mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
     steps_per_epoch: int | None = None  # limit_train_batches: epochs restart the sampler's shuffle
+    sparsity: str | None = None  # a key of SPARSITY: a lightning_pd2bw.sparsity callback
     extra: dict = field(default_factory=dict)
 
     @property
@@ -88,6 +89,25 @@ def mask_for(name: str, param: torch.Tensor) -> torch.Tensor | None:
     return mask
 
 
+def sparsity_callback(case: Case):
+    """A fresh sparsity callback for the case (the runner's and the reference's are built alike)."""
+    from lightning_pd2bw.sparsity import GradualMagnitudeSparsity, RigL, StaticSparsity
+
+    builders = {
+        # global threshold across stages, pruning while 2BW versions are in flight
+        "gmp_global": lambda: GradualMagnitudeSparsity(
+            0.6, start_step=1, end_step=4, update_interval=1, allocation="global"
+        ),
+        "gmp_uniform": lambda: GradualMagnitudeSparsity(
+            0.6, start_step=0, end_step=5, update_interval=1, shape="linear"
+        ),
+        "rigl_erk": lambda: RigL(0.5, end_step=5, update_interval=2, drop_fraction=0.3, allocation="erk"),
+        "static_random": lambda: StaticSparsity(0.75, init="random", seed=7),
+        "spdf": lambda: StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2),
+    }
+    return builders[case.sparsity]() if case.sparsity else None
+
+
 CASES = {
     c.name: c
     for c in [
@@ -104,5 +124,13 @@ CASES = {
         Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
         Case("gpt_flush_d2w2_adamw", schedule=True),
         Case("gpt_2bw_d2w2_adamw", mode="2bw", steps=5, clip=0.5),
+        Case("gpt_2bw_sparse_gmp_global", mode="2bw", steps=5, clip=0.5, sparsity="gmp_global"),
+        Case("gpt_flush_sparse_rigl_erk", optimizer="sgd", momentum=0.9, steps=5, sparsity="rigl_erk"),
+        Case("gpt_2bw_sparse_spdf", mode="2bw", steps=5, sparsity="spdf", schedule=True),
+        Case(
+            "gpt_2bw_sparse_resume", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3, sparsity="gmp_uniform"
+        ),
+        Case("gpt_2bw_d2w2_sparse_static", mode="2bw", steps=5, sparsity="static_random"),
+        Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),
     ]
 }

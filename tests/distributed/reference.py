@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from .cases import MICRO_BATCH, Case, build_model, mask_for, replica_batch
+from .cases import MICRO_BATCH, Case, build_model, mask_for, replica_batch, sparsity_callback
 
 
 def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
@@ -18,6 +18,11 @@ def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.T
 
 
 def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:
+    return reference_run(case, width)[0]
+
+
+def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Final state dict and sparsity masks (empty without sparsity)."""
     model = build_model(case)
     model.configure_model()
     configured = model.configure_optimizers()
@@ -32,6 +37,11 @@ def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:
                 names[n].mul_(m)
 
     apply_masks()
+    sparsity = sparsity_callback(case)  # its schedule and Sparsifier, driven here without Lightning
+    if sparsity is not None:
+        sparsity.sparsifier = sparsity.build(model)
+        if (change := sparsity.change_at(0)) is not None:
+            sparsity.sparsifier.update(0, change, [optimizer])
     history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
     drain_base = 0
     for step in range(case.steps):
@@ -51,12 +61,23 @@ def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:
                         grads[n] += g
         for n, p in names.items():
             p.grad = grads[n]
+        if sparsity is not None:
+            sparsity.before_step([optimizer])
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        factor = sparsity.lr_factor(sparsity.step) if sparsity is not None else 1.0
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
         optimizer.step()
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        if sparsity is not None:
+            sparsity.after_step([optimizer])
         optimizer.zero_grad(set_to_none=True)
         apply_masks()
         if scheduler is not None:
             scheduler.step()
         history.append({n: p.detach().clone() for n, p in names.items()})
-    return {k: v for k, v in model.state_dict().items()}
+    masks = dict(sparsity.sparsifier.masks) if sparsity is not None else {}
+    return {k: v for k, v in model.state_dict().items()}, masks

@@ -22,7 +22,7 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.cases import CASES, Case, build_model, dataloader, mask_for  # noqa: E402
+from tests.distributed.cases import CASES, Case, build_model, dataloader, mask_for, sparsity_callback  # noqa: E402
 
 
 class FixedMask(Callback):
@@ -41,6 +41,32 @@ class FixedMask(Callback):
 
         apply()
         trainer.optimizers[0].register_step_post_hook(apply)
+
+
+class Trajectory(Callback):
+    """Records, after every training batch, the sparsity callback's step and overall target density."""
+
+    def __init__(self, sparsity) -> None:
+        self.sparsity, self.points = sparsity, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        measured = self.sparsity.sparsifier.measure()  # a collective over the stages, as logging does
+        self.points.append([trainer.global_step, self.sparsity.step, measured["overall_target"]])
+
+
+def with_sparsity(case: Case, callbacks: list) -> tuple[list, object]:
+    sparsity = sparsity_callback(case)
+    if sparsity is None:
+        return callbacks, None
+    return [sparsity, Trajectory(sparsity), *callbacks], sparsity
+
+
+def save_sparsity(out: Path, prefix: str, rank: int, sparsity, callbacks: list) -> None:
+    if sparsity is None:
+        return
+    torch.save(sparsity.sparsifier.masks, out / f"{prefix}masks-rank-{rank}.pt")
+    trajectory = next(c for c in callbacks if isinstance(c, Trajectory)).points
+    (out / f"{prefix}trajectory-rank-{rank}.json").write_text(json.dumps(trajectory))
 
 
 def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Trainer:
@@ -75,6 +101,7 @@ def run(case: Case, out: Path, world: int) -> None:
     ckpt_dir = out / "checkpoints"
     if case.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=case.checkpoint_every, save_top_k=-1))
+    callbacks, sparsity = with_sparsity(case, callbacks)
     trainer = trainer_for(case, case.steps, callbacks, world)
     trainer.fit(model, train_dataloaders=dataloader(case))
     strategy = trainer.strategy
@@ -89,6 +116,7 @@ def run(case: Case, out: Path, world: int) -> None:
         "global_step": trainer.global_step,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(counters))
+    save_sparsity(out, "", rank, sparsity, callbacks)
     if case.checkpoint_every:
         resume(case, out, ckpt_dir, world)
 
@@ -101,11 +129,13 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
     pl.seed_everything(0)
     model = build_model(case)
     callbacks = [ModelCheckpoint(dirpath=out / "resumed", every_n_train_steps=case.checkpoint_every, save_top_k=-1)]
+    callbacks, sparsity = with_sparsity(case, callbacks)
     trainer = trainer_for(case, case.steps, callbacks, world)
     trainer.fit(model, train_dataloaders=dataloader(case), ckpt_path=first)
     strategy = trainer.strategy
     if strategy.grid.replica == 0:
         torch.save(strategy.lightning_module_state_dict(), out / f"resumed-stage-{strategy.grid.stage}.pt")
+    save_sparsity(out, "resumed-", trainer.global_rank, sparsity, callbacks)
 
 
 def main() -> None:

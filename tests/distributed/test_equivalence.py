@@ -59,9 +59,10 @@ def test_memory_bounds(trained, name):
         assert counters["global_step"] == case.steps
 
 
-def test_resume_equals_uninterrupted(trained):
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].checkpoint_every])
+def test_resume_equals_uninterrupted(trained, name):
     """Save at a drain (step 3), resume in a fresh Trainer, continue: same weights as uninterrupted."""
-    folder = trained["gpt_2bw_drain"]
+    folder = trained[name]
     uninterrupted, resumed = merged(folder), merged(folder, "resumed-stage-")
     assert set(uninterrupted) == set(resumed)
     for key in uninterrupted:

@@ -1,0 +1,303 @@
+"""Lightning callbacks for scheduled unstructured sparsity (step-based, exact, resumable).
+
+Where things happen, identical under a single device, DDP and ``strategy="pd2bw"`` (both modes):
+
+- ``on_train_start``: targets are selected on the whole model (other stages' layers are on the meta
+  device under pd2bw: their shapes still count for ERK and the global threshold); a fresh run applies
+  the step-0 masks before the first forward; a resumed run reinstalls its checkpointed masks.
+- ``on_before_optimizer_step`` of optimizer step ``k`` (after gradients are reduced over replicas,
+  before clipping): if the schedule updates at ``k``, masks are recomputed from the weights being
+  updated and the gradients (RigL); gradients of pruned weights are zeroed. Under pd2bw this runs
+  inside the pipeline's update, on the weight version being written, so in 2BW a mask change applies
+  from the next weight version on and never touches a version that in-flight microbatches use.
+- an optimizer step post-hook: masked weights and every optimizer-state tensor of the weight's shape
+  are zeroed (AdamW moments, momentum buffers), so nothing regrows; the step counter advances.
+
+Sparse-to-dense (SPDF): ``dense_from_step=K`` removes the masks at step K (the pruned weights restart
+from zero with zero optimizer state) and ``rewarmup_steps=W`` scales the learning rate by
+``(k - K + 1) / W`` for ``W`` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from . import schedules
+from .allocation import ALLOCATIONS
+from .masks import DEFAULT_EXCLUDE, MaskUpdate, Sparsifier, select_targets
+
+INITS = ("random", "magnitude")
+
+
+class SparsityCallback(Callback):
+    """Base class: subclasses say what happens at each optimizer step (``plan``)."""
+
+    def __init__(
+        self,
+        allocation: str = "uniform",
+        targets: Sequence[str] | None = None,
+        exclude: Sequence[str] = DEFAULT_EXCLUDE,
+        min_layer_density: float = 0.01,
+        dense_from_step: int | None = None,
+        rewarmup_steps: int = 0,
+        seed: int = 0,
+        log_per_layer: bool = True,
+    ) -> None:
+        _check_choice("allocation", allocation, ALLOCATIONS)
+        _check_range("min_layer_density", min_layer_density, 0.0, 1.0)
+        if dense_from_step is not None and dense_from_step < 1:
+            raise ValueError(f"{type(self).__name__}(dense_from_step={dense_from_step}) must be >= 1 (or None)")
+        if rewarmup_steps < 0:
+            raise ValueError(f"{type(self).__name__}(rewarmup_steps={rewarmup_steps}) must be >= 0")
+        self.allocation = allocation
+        self.targets = list(targets) if targets is not None else None
+        self.exclude = list(exclude)
+        self.min_layer_density = min_layer_density
+        self.dense_from_step = dense_from_step
+        self.rewarmup_steps = rewarmup_steps
+        self.seed = seed
+        self.log_per_layer = log_per_layer
+        self.step = 0  # optimizer steps taken
+        self.sparsifier: Sparsifier | None = None
+        self._pending: dict[str, Any] | None = None
+        self._handles: list[Any] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._saved_lrs: list[float] | None = None
+
+    # ------------------------------------------------------------------ the schedule
+    def plan(self, step: int) -> MaskUpdate | None:
+        """The mask change before optimizer step ``step`` (step 0: before the first forward), or None."""
+        raise NotImplementedError
+
+    def change_at(self, step: int) -> MaskUpdate | None:
+        if self.dense_from_step is not None and step >= self.dense_from_step:
+            return MaskUpdate("dense") if step == self.dense_from_step else None
+        return self.plan(step)
+
+    def lr_factor(self, step: int) -> float:
+        if self.dense_from_step is None:
+            return 1.0
+        return schedules.rewarmup_factor(step, self.dense_from_step, self.rewarmup_steps)
+
+    # ------------------------------------------------------------------ engine-level use (also the test references)
+    def build(self, module: nn.Module, all_reduce: Any = None) -> Sparsifier:
+        targets = select_targets(module, self.targets, self.exclude)
+        return Sparsifier(targets, self.allocation, self.min_layer_density, self.seed, all_reduce)
+
+    def before_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Before optimizer step ``self.step``, gradients ready: scheduled mask change, then mask the gradients."""
+        if self.step > 0 and (change := self.change_at(self.step)) is not None:
+            self.sparsifier.update(self.step, change, optimizers)
+        self.sparsifier.mask_gradients()
+
+    def after_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.sparsifier.apply(optimizers)
+        self.step += 1
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
+        self.sparsifier = self.build(pl_module, reduce)
+        self._optimizers = list(trainer.optimizers)
+        if self._pending is not None:
+            self.sparsifier.load_state_dict(self._pending)
+            self._pending = None
+            self.sparsifier.apply(self._optimizers)
+        elif self.step == 0 and (change := self.change_at(0)) is not None:
+            self.sparsifier.update(0, change, self._optimizers)
+        for optimizer in self._optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(self._scale_lr))
+            self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.before_step(self._optimizers)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self._saved_lrs is not None:
+            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
+                group["lr"] = lr
+            self._saved_lrs = None
+        if optimizer is self._optimizers[-1]:
+            self.after_step(self._optimizers)
+
+    def _scale_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        factor = self.lr_factor(self.step)
+        if factor != 1.0:
+            self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.sparsifier is None or trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
+            return
+        pl_module.log_dict(self.metrics(pl_module), on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ logging
+    def metrics(self, module: nn.Module) -> dict[str, float]:
+        """Densities from the stored weights (per layer and overall), churn, training FLOPs vs dense."""
+        measured = self.sparsifier.measure()
+        out = {
+            "sparsity/density": measured["overall_density"],
+            "sparsity/target_density": measured["overall_target"],
+            "sparsity/churn": measured["churn"],
+            "sparsity/flops_ratio": flops_ratio(module, measured["density"], measured["numels"]),
+            "sparsity/lr_factor": self.lr_factor(self.step),
+        }
+        if self.log_per_layer:
+            for name, density in measured["density"].items():
+                out[f"sparsity/density/{name}"] = density
+                out[f"sparsity/target/{name}"] = measured["target"][name]
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        state = {"step": self.step, "seed": self.seed}
+        if self.sparsifier is not None:
+            state["sparsifier"] = self.sparsifier.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = state_dict["step"]
+        self.seed = state_dict["seed"]
+        self._pending = state_dict.get("sparsifier")
+
+
+def flops_ratio(module: nn.Module, densities: dict[str, float], numels: dict[str, int]) -> float:
+    """Training FLOPs per token of the sparse model over the dense one.
+
+    Dense FLOPs come from ``module.flops_per_token()`` when the module defines it (our GPT/BERT count
+    attention scores and the LM head, which stay dense), else ``6 x`` the ``nn.Linear`` weights. A
+    masked weight saves its ``6`` FLOPs per token (forward, input gradient, weight gradient).
+    """
+    counter = getattr(module, "flops_per_token", None)
+    if callable(counter):
+        dense = float(counter())
+    else:
+        dense = 6.0 * sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    saved = 6.0 * sum((1 - densities[n]) * numels[n] for n in densities)
+    return (dense - saved) / dense
+
+
+class GradualMagnitudeSparsity(SparsityCallback):
+    """Gradual magnitude pruning: sparsity from ``initial_sparsity`` to ``sparsity`` between
+    ``start_step`` and ``end_step``, updated every ``update_interval`` steps (cubic or linear)."""
+
+    def __init__(
+        self,
+        sparsity: float,
+        end_step: int,
+        start_step: int = 0,
+        update_interval: int = 100,
+        initial_sparsity: float = 0.0,
+        shape: str = "cubic",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        _check_range("sparsity", sparsity, 0.0, 1.0, closed_high=False)
+        _check_range("initial_sparsity", initial_sparsity, 0.0, sparsity)
+        _check_choice("shape", shape, schedules.SHAPES)
+        if not 0 <= start_step < end_step:
+            raise ValueError(
+                f"GradualMagnitudeSparsity(start_step={start_step}, end_step={end_step}): need 0 <= start_step < end_step"
+            )
+        if update_interval < 1:
+            raise ValueError(f"GradualMagnitudeSparsity(update_interval={update_interval}) must be >= 1")
+        self.sparsity, self.initial_sparsity = sparsity, initial_sparsity
+        self.start_step, self.end_step, self.update_interval, self.shape = start_step, end_step, update_interval, shape
+
+    def density_at(self, step: int) -> float:
+        return schedules.gradual_density(
+            step,
+            self.start_step,
+            self.end_step,
+            self.update_interval,
+            1 - self.sparsity,
+            1 - self.initial_sparsity,
+            self.shape,
+        )
+
+    def plan(self, step: int) -> MaskUpdate | None:
+        if schedules.is_update_step(step, self.start_step, self.end_step, self.update_interval):
+            return MaskUpdate("magnitude", density=self.density_at(step))
+        return None
+
+
+class StaticSparsity(SparsityCallback):
+    """A mask fixed before the first step (random, as SambaNova/Cerebras, or by magnitude at init)."""
+
+    def __init__(self, sparsity: float, init: str = "random", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        _check_range("sparsity", sparsity, 0.0, 1.0, closed_high=False)
+        _check_choice("init", init, INITS)
+        _check_init_allocation(init, self.allocation)
+        self.sparsity, self.init = sparsity, init
+
+    def plan(self, step: int) -> MaskUpdate | None:
+        return MaskUpdate(self.init, density=1 - self.sparsity) if step == 0 else None
+
+
+class RigL(SparsityCallback):
+    """RigL: a sparse mask from step 0; every ``update_interval`` steps until ``end_step`` drop the
+    smallest active weights and grow as many by gradient magnitude (cosine-decayed fraction)."""
+
+    def __init__(
+        self,
+        sparsity: float,
+        end_step: int,
+        update_interval: int = 100,
+        drop_fraction: float = 0.3,
+        init: str = "random",
+        allocation: str = "erk",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(allocation=allocation, **kwargs)
+        _check_range("sparsity", sparsity, 0.0, 1.0, closed_high=False)
+        _check_range("drop_fraction", drop_fraction, 0.0, 1.0, closed_high=False)
+        _check_choice("init", init, INITS)
+        _check_init_allocation(init, allocation)
+        if end_step < 1 or update_interval < 1:
+            raise ValueError(f"RigL(end_step={end_step}, update_interval={update_interval}) must both be >= 1")
+        self.sparsity, self.end_step, self.update_interval = sparsity, end_step, update_interval
+        self.drop_fraction, self.init = drop_fraction, init
+
+    def plan(self, step: int) -> MaskUpdate | None:
+        if step == 0:
+            return MaskUpdate(self.init, density=1 - self.sparsity)
+        if step % self.update_interval == 0 and step < self.end_step:
+            return MaskUpdate(
+                "rigl", drop_fraction=schedules.rigl_drop_fraction(step, self.end_step, self.drop_fraction)
+            )
+        return None
+
+
+def _check_choice(key: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"sparsity {key}={value!r} is not valid; valid: {', '.join(valid)}")
+
+
+def _check_range(key: str, value: float, low: float, high: float, closed_high: bool = True) -> None:
+    ok = low <= value <= high if closed_high else low <= value < high
+    if not ok:
+        bracket = "]" if closed_high else ")"
+        raise ValueError(f"sparsity {key}={value} must be in [{low}, {high}{bracket}")
+
+
+def _check_init_allocation(init: str, allocation: str) -> None:
+    if init == "random" and allocation == "global":
+        raise ValueError(
+            "sparsity init='random' with allocation='global': a global threshold needs magnitudes. Use "
+            "init='magnitude', or allocation='uniform' / 'erk'"
+        )

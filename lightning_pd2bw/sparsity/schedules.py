@@ -1,0 +1,63 @@
+"""Sparsity schedules as pure functions of the optimizer step (no tensors, no Lightning).
+
+A density is the fraction of a layer's weights that are kept (1.0 = dense); sparsity = 1 - density.
+
+- Gradual magnitude pruning (Zhu & Gupta 2017, "To prune, or not to prune"): the sparsity rises
+  from ``s_i`` at ``start_step`` to ``s_f`` at ``end_step`` along
+  ``s(t) = s_f + (s_i - s_f) * (1 - (t - start) / (end - start)) ** 3``, evaluated only on update
+  steps ``start, start + interval, ...`` (cubic: prune fast while the network is redundant, slowly
+  at the end). ``linear`` replaces the cube by the first power.
+- RigL (Evci et al. 2020): the fraction of active weights dropped (and regrown) at an update step
+  decays as ``alpha / 2 * (1 + cos(pi * t / end_step))`` and is zero from ``end_step`` on.
+"""
+
+from __future__ import annotations
+
+import math
+
+SHAPES = ("cubic", "linear")
+
+
+def is_update_step(step: int, start_step: int, end_step: int, interval: int) -> bool:
+    """Masks change on ``start_step``, every ``interval`` steps after it, and on ``end_step``."""
+    if step < start_step or step > end_step:
+        return False
+    return (step - start_step) % interval == 0 or step == end_step
+
+
+def gradual_density(
+    step: int,
+    start_step: int,
+    end_step: int,
+    interval: int,
+    final_density: float,
+    initial_density: float = 1.0,
+    shape: str = "cubic",
+) -> float:
+    """The target density in force at ``step`` (held between update steps)."""
+    if shape not in SHAPES:
+        raise ValueError(f"schedule shape={shape!r} is not valid; valid: {', '.join(SHAPES)}")
+    if step < start_step:
+        return initial_density
+    if step >= end_step:
+        return final_density
+    last_update = start_step + (step - start_step) // interval * interval
+    progress = (last_update - start_step) / (end_step - start_step)
+    power = 3 if shape == "cubic" else 1
+    initial_sparsity, final_sparsity = 1 - initial_density, 1 - final_density
+    sparsity = final_sparsity + (initial_sparsity - final_sparsity) * (1 - progress) ** power
+    return 1 - sparsity
+
+
+def rigl_drop_fraction(step: int, end_step: int, alpha: float) -> float:
+    """Fraction of each layer's active weights dropped and regrown at ``step`` (cosine decay)."""
+    if step >= end_step:
+        return 0.0
+    return alpha / 2 * (1 + math.cos(math.pi * step / end_step))
+
+
+def rewarmup_factor(step: int, dense_from_step: int, rewarmup_steps: int) -> float:
+    """Learning-rate multiplier after the sparse-to-dense switch: linear from 1/W back to 1 over W steps."""
+    if step < dense_from_step or rewarmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step - dense_from_step + 1) / rewarmup_steps)

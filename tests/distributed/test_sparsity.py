@@ -1,0 +1,81 @@
+"""Sparsity under pd2bw over real processes: stage-local masks, a global threshold across stages, masks
+applied from the next weight version in 2BW, identical masks on data-parallel replicas, exact resume.
+
+The weights themselves are compared with the single-process reference in test_equivalence.py (the
+sparse cases are in CASES); here: the masks, their zeros, and the sparsity trajectory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from .cases import CASES
+from .reference import reference_run
+from .test_equivalence import merged, width_of
+
+SPARSE = [n for n in CASES if CASES[n].sparsity]
+
+
+def rank_masks(folder, rank: int, prefix: str = "") -> dict[str, torch.Tensor]:
+    return torch.load(folder / f"{prefix}masks-rank-{rank}.pt", weights_only=True)
+
+
+def pipeline_masks(folder, case, prefix: str = "") -> dict[str, torch.Tensor]:
+    masks: dict[str, torch.Tensor] = {}
+    for stage in range(case.num_stages):  # replica 0 holds ranks 0..d-1
+        part = rank_masks(folder, stage, prefix)
+        assert not set(part) & set(masks), "each stage masks only its own layers"
+        masks.update(part)
+    return masks
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_masks_match_single_process_reference(trained, name):
+    case = CASES[name]
+    _, expected = reference_run(case, width_of(name))
+    got = pipeline_masks(trained[name], case)
+    assert set(got) == set(expected)
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), f"{name} {key}: mask differs from the reference"
+    weights = merged(trained[name])
+    for key, mask in got.items():
+        assert torch.count_nonzero(weights[key][~mask]) == 0, f"{name} {key}: a masked weight is not zero"
+    if case.sparsity != "spdf":
+        kept = sum(int(m.sum()) for m in got.values()) / sum(m.numel() for m in got.values())
+        assert kept < 0.7, "the run ended sparse"
+    else:
+        assert not got, "sparse-to-dense removed every mask"
+
+
+def test_replicas_hold_identical_masks(trained):
+    name = "gpt_2bw_d2w2_sparse_static"
+    case = CASES[name]
+    for stage in range(case.num_stages):
+        first, second = rank_masks(trained[name], stage), rank_masks(trained[name], case.num_stages + stage)
+        assert first.keys() == second.keys() and first
+        for key in first:
+            assert torch.equal(first[key], second[key]), f"replicas disagree on {key}"
+
+
+def test_global_threshold_spans_stages(trained):
+    """One threshold over the whole model: per-layer densities differ, the total is the target."""
+    case = CASES["gpt_2bw_sparse_gmp_global"]
+    masks = pipeline_masks(trained[case.name], case)
+    densities = [m.float().mean().item() for m in masks.values()]
+    total = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
+    assert abs(total - 0.4) < 1e-3
+    assert max(densities) - min(densities) > 0.02, "a global threshold gives layers different densities"
+
+
+def test_resume_continues_the_sparsity_trajectory(trained):
+    name = "gpt_2bw_sparse_resume"
+    case, folder = CASES[name], trained[name]
+    for rank in range(case.num_stages):
+        full = json.loads((folder / f"trajectory-rank-{rank}.json").read_text())
+        resumed = json.loads((folder / f"resumed-trajectory-rank-{rank}.json").read_text())
+        assert resumed == full[-len(resumed) :] and len(resumed) == case.steps - case.checkpoint_every
+        assert len({round(p[2], 6) for p in full}) > 2, "the target density moved during the run"
+    for key, mask in pipeline_masks(folder, case).items():
+        assert torch.equal(pipeline_masks(folder, case, "resumed-")[key], mask)
