@@ -16,7 +16,7 @@ def fold_masks(module: nn.Module, masks: Mapping[str, torch.Tensor] | None = Non
     """Multiply ``masks`` (parameter name -> bool keep-mask) into the weights, remove any pruning
     re-parametrisation (``torch.nn.utils.prune``'s ``weight_orig``/``weight_mask`` hooks, or
     ``parametrize``), and return the number of zero entries among the masked weights."""
-    for name, submodule in module.named_modules():
+    for submodule in module.modules():
         if parametrize.is_parametrized(submodule):
             for tensor_name in list(submodule.parametrizations):
                 parametrize.remove_parametrizations(submodule, tensor_name, leave_parametrized=True)
