@@ -1,0 +1,79 @@
+"""Sparsity schedules and allocation: formulas at their endpoints and midpoints, hand-computed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_pd2bw.sparsity import schedules
+from lightning_pd2bw.sparsity.allocation import erk_densities, global_threshold, keep_count
+
+
+def test_cubic_schedule_endpoints_and_midpoint():
+    kwargs = dict(start_step=10, end_step=30, interval=1, final_density=0.2)
+    assert schedules.gradual_density(0, **kwargs) == 1.0  # before the start: dense
+    assert schedules.gradual_density(10, **kwargs) == pytest.approx(1.0)
+    # midpoint: s = s_f + (s_i - s_f)(1 - 1/2)^3 = 0.8 - 0.8/8 = 0.7 -> density 0.3
+    assert schedules.gradual_density(20, **kwargs) == pytest.approx(0.3)
+    assert schedules.gradual_density(30, **kwargs) == pytest.approx(0.2)
+    assert schedules.gradual_density(99, **kwargs) == pytest.approx(0.2)
+
+
+def test_linear_schedule_and_initial_sparsity():
+    kwargs = dict(start_step=0, end_step=100, interval=1, final_density=0.25, initial_density=0.75, shape="linear")
+    assert schedules.gradual_density(0, **kwargs) == pytest.approx(0.75)
+    assert schedules.gradual_density(50, **kwargs) == pytest.approx(0.5)
+    assert schedules.gradual_density(100, **kwargs) == pytest.approx(0.25)
+
+
+def test_schedule_holds_between_update_steps():
+    kwargs = dict(start_step=0, end_step=100, interval=10, final_density=0.1)
+    assert schedules.gradual_density(15, **kwargs) == schedules.gradual_density(10, **kwargs)
+    assert schedules.gradual_density(19, **kwargs) != schedules.gradual_density(20, **kwargs)
+    updates = [s for s in range(120) if schedules.is_update_step(s, 0, 95, 10)]
+    assert updates == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 95]
+
+
+def test_rigl_cosine_drop_fraction():
+    assert schedules.rigl_drop_fraction(0, 100, 0.3) == pytest.approx(0.3)
+    assert schedules.rigl_drop_fraction(50, 100, 0.3) == pytest.approx(0.15)
+    assert schedules.rigl_drop_fraction(25, 100, 0.3) == pytest.approx(0.15 * (1 + math.cos(math.pi / 4)))
+    assert schedules.rigl_drop_fraction(100, 100, 0.3) == 0.0
+
+
+def test_rewarmup_factor():
+    assert schedules.rewarmup_factor(4, 5, 4) == 1.0
+    assert schedules.rewarmup_factor(5, 5, 4) == pytest.approx(0.25)
+    assert schedules.rewarmup_factor(7, 5, 4) == pytest.approx(0.75)
+    assert schedules.rewarmup_factor(8, 5, 4) == 1.0
+    assert schedules.rewarmup_factor(5, 5, 0) == 1.0
+
+
+def test_erk_meets_the_overall_density_and_favours_small_layers():
+    shapes = {"small": (16, 16), "wide": (64, 256), "big": (256, 256)}
+    numels = {n: math.prod(s) for n, s in shapes.items()}
+    densities = erk_densities(shapes, 0.2)
+    overall = sum(densities[n] * numels[n] for n in shapes) / sum(numels.values())
+    assert overall == pytest.approx(0.2)
+    # proportional to (sum of dims) / (prod of dims) where not clipped
+    ratio = densities["big"] / densities["wide"]
+    assert ratio == pytest.approx((512 / 256**2) / (320 / (64 * 256)))
+    assert densities["small"] == 1.0, "a layer ERK would give more than 1 is dense and the rest rescaled"
+
+
+def test_global_threshold_is_the_kth_largest_value_over_all_parts():
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.rand(n, generator=generator) for n in (7, 100, 33)]
+    values = torch.cat(parts).sort(descending=True).values
+    for keep in (1, 10, 70, 140):
+        threshold = global_threshold(parts, keep)
+        assert threshold == values[keep - 1].item()
+        assert sum(int((p >= threshold).sum()) for p in parts) == keep
+
+
+def test_keep_count_never_empties_a_layer():
+    assert keep_count(100, 0.0) == 1
+    assert keep_count(100, 0.255) == 26
+    assert keep_count(10, 1.0) == 10
