@@ -1,8 +1,10 @@
 """Hydra entry point: ``pd2bw-train [recipe=NAME] [overrides...]`` (also ``python -m lightning_pd2bw.train``).
 
 ``recipe=NAME`` selects ``recipes/NAME.yaml`` (default: ``tiny``), a whole experiment built on
-``conf/config.yaml``. Lightning's launcher re-runs this command in each rank and Hydra's run
-directory is shared, so all ranks write one output directory.
+``conf/config.yaml``. The configuration is checked (``config.check_run``) before any process starts;
+``dry_run=true`` prints the plan (stages, parameters, batch layout, memory) from the meta device and
+stops. Lightning's launcher re-runs this command in each rank with ``hydra.run.dir`` pinned, so all
+ranks share one output directory.
 """
 
 from __future__ import annotations
@@ -15,9 +17,29 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
 
 
+def register_resolvers() -> None:
+    """``${mul:a,b}`` (an int: steps from fractions of training) and ``${max:a,b}`` for the configs."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("mul"):
+        OmegaConf.register_new_resolver("mul", lambda a, b: int(a * b))
+    if not OmegaConf.has_resolver("max"):
+        OmegaConf.register_new_resolver("max", lambda a, b: max(a, b))
+
+
+def setup_hydra() -> None:
+    from .config import register_schemas
+
+    register_resolvers()
+    register_schemas()
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
 def _select_recipe(argv: list[str]) -> list[str]:
     """Turn ``recipe=NAME`` into Hydra's ``--config-name NAME`` (recipes are primary configs)."""
-    names = sorted(p.stem for p in RECIPES.glob("*.yaml"))
     out, recipe = [], "tiny"
     for arg in argv:
         if arg.startswith("recipe="):
@@ -26,9 +48,74 @@ def _select_recipe(argv: list[str]) -> list[str]:
             out.append(arg)
     if "--config-name" in out or any(a.startswith("--config-name=") for a in out):
         return out
-    if recipe not in names:
-        raise SystemExit(f"recipe={recipe!r} is not a recipe; valid: {', '.join(names)}")
+    if recipe not in recipe_names():
+        raise SystemExit(f"recipe={recipe!r} is not a recipe; valid: {', '.join(recipe_names())}")
     return ["--config-name", recipe, *out, f"hydra.searchpath=[file://{CONF}]"]
+
+
+def build_model_on_meta(cfg):
+    """The whole model on the meta device: shapes and parameter counts, no memory."""
+    import torch
+    from hydra.utils import instantiate
+
+    model = instantiate(cfg.model)
+    with torch.device("meta"):
+        model.configure_model()
+    return model
+
+
+def plan_text(cfg, layout, model) -> str:
+    """What matters at start-up (and all a dry run prints): stages, layers, parameters, batches, memory."""
+    from hydra.utils import instantiate
+
+    from .memory import GiB, estimate_stage
+    from .models.transformer import Block
+    from .pipeline.partition import balanced_partition, layer_parameter_counts
+    from .strategy import pipeline_layers_of
+
+    layers = pipeline_layers_of(model)
+    counts = layer_parameter_counts(layers)
+    stages = balanced_partition(counts, layout.num_stages)
+    config = instantiate(cfg.model.config)
+    total = sum(p.numel() for p in model.parameters())
+    lines = [
+        f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
+        f"{len(layers)} pipeline layers",
+        f"layout: {layout.world_size} processes = {layout.num_stages} stages x {layout.data_parallel_size} replicas; "
+        f"mode={cfg.strategy.mode} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
+        f"batch: global {layout.global_batch_size} = {layout.data_parallel_size} replicas x "
+        f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
+        f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
+    ]
+    if cfg.get("sparsity"):
+        lines.append(f"sparsity: {cfg.sparsity._target_.rsplit('.', 1)[-1]} to {cfg.sparsity.sparsity:.0%} of the targets")
+    for stage, span in enumerate(stages):
+        params = sum(counts[i] for i in span)
+        blocks = sum(isinstance(layers[i], Block) for i in span)
+        memory = estimate_stage(
+            params,
+            blocks,
+            stage,
+            layout.num_stages,
+            layout.num_microbatches,
+            seq=layout.seq_len,
+            micro=layout.micro_batch_size,
+            hidden=config.n_embd,
+            heads=config.n_head,
+            vocab=config.vocab_size,
+            has_head=span.stop == len(layers),
+            mode=cfg.strategy.mode,
+            recompute=cfg.strategy.recompute,
+            precision=cfg.trainer.precision,
+            optimizer=cfg.model.optimizer,
+        )
+        lines.append(
+            f"  stage {stage}: layers {span.start}..{span.stop - 1} ({blocks} blocks), {params:,} parameters, "
+            f"est. memory {memory.total / GiB:.2f} GiB (weights {memory.weights / GiB:.2f}, grads "
+            f"{memory.gradients / GiB:.2f}, optimizer {memory.optimizer / GiB:.2f}, activations "
+            f"{memory.activations / GiB:.2f})"
+        )
+    return "\n".join(lines)
 
 
 def run(cfg) -> dict:
@@ -39,34 +126,78 @@ def run(cfg) -> dict:
 
     import lightning_pd2bw  # noqa: F401  (registers the strategy)
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(cfg.trainer.devices))))
+    from .callbacks import RunMetrics
+    from .config import check_run
+
+    _pin_output_dir(cfg)
+    layout = check_run(cfg)  # before any process or process group exists
+    if cfg.dry_run:
+        model = build_model_on_meta(cfg)
+        check_run(cfg, num_layers=len(model.pipeline_layers()))
+        text = plan_text(cfg, layout, model)
+        print(f"dry run (nothing allocated, no process started)\n{text}")
+        return {"dry_run": True}
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size // cfg.trainer.num_nodes)))
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)
-    data = instantiate(cfg.data)
-    strategy = instantiate(cfg.strategy)
+    data = instantiate(cfg.data, batch_size=layout.batch_per_replica)
+    strategy = instantiate(cfg.strategy, num_microbatches=layout.num_microbatches)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger)
+    callbacks = [RunMetrics(layout.global_batch_size, layout.seq_len)]
+    callbacks += [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    if cfg.get("sparsity"):
+        callbacks.append(instantiate(cfg.sparsity))
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    out = Path(cfg.paths.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
     if trainer.is_global_zero:
-        out = Path(cfg.paths.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        per_replica = cfg.data.batch_size * cfg.data.seq_len
-        print(f"tokens per step per replica = {cfg.data.batch_size} x {cfg.data.seq_len} = {per_replica}")
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        print(plan_text(cfg, layout, build_model_on_meta(cfg)))
+    if logger:
+        logger.log_hyperparams(resolved)  # the resolved config, no ${...} strings
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     summary = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary["global_step"] = trainer.global_step
     if trainer.is_global_zero:
-        path = Path(cfg.paths.output_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2))
-        print(f"summary: {json.dumps(summary)}\nrun directory: {cfg.paths.output_dir}")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"summary: {json.dumps(summary)}\nrun directory: {out}")
+        _print_wandb_sync(logger)
     return summary
+
+
+def _pin_output_dir(cfg) -> None:
+    """All ranks write to rank 0's directory: Lightning's launcher passes it to the others as
+    ``hydra.run.dir`` (``paths.output_dir`` may hold ``${now:...}``, which differs per process)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    if HydraConfig.initialized():
+        with open_dict(cfg):
+            cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
+
+
+def _print_wandb_sync(logger) -> None:
+    experiment_dir = getattr(getattr(logger, "experiment", None), "dir", None)
+    if type(logger).__name__ == "WandbLogger" and experiment_dir and logger._offline:
+        print(f"wandb offline run: sync with `wandb sync {Path(experiment_dir).parent}`")
 
 
 def main() -> None:
     import hydra
 
+    setup_hydra()
     sys.argv = [sys.argv[0], *_select_recipe(sys.argv[1:])]
-    hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="tiny")(run)()
+    hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="tiny")(_main)()
+
+
+def _main(cfg) -> None:
+    from .config import ConfigError
+
+    try:
+        run(cfg)
+    except ConfigError as error:
+        raise SystemExit(f"pd2bw-train: bad configuration: {error}") from None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ T = TypeVar("T")
 def from_name(table: dict[str, dict[str, Any]], cls: type[T], name: str, **overrides: Any) -> T:
     if name not in table:
         raise ValueError(f"unknown {cls.__name__} preset {name!r}; valid names: {', '.join(sorted(table))}")
-    return replace(cls(**table[name]), **overrides)
+    return replace(cls(**table[name]), **{k: v for k, v in overrides.items() if v is not None})
 
 
 def pad_vocab(size: int, multiple: int = 64) -> int:

@@ -1,0 +1,255 @@
+"""Structured-config schemas behind the Hydra groups, and the cross-field checks of a whole run.
+
+Each group's YAML files start from a schema stored here (``defaults: [<group>_schema, _self_]``), so
+a misspelt key or a value of the wrong type in a recipe or on the command line fails when Hydra
+composes, naming the key. ``check_run`` then validates what no single group can (layers vs stages,
+global vs micro batch, m >= d, world size vs width x depth) before any process or process group
+exists, and derives the batch layout that the run and the dry run print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class PresetSchema:
+    _target_: str = MISSING
+    name: str = MISSING
+    n_layer: int | None = None  # overrides of the preset; null keeps the preset's value
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int | None = None
+    vocab_size: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class ModelSchema:
+    _target_: str = MISSING
+    config: PresetSchema = field(default_factory=PresetSchema)
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    momentum: float = 0.0
+    warmup_steps: int = 0
+    max_steps: int | None = None
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class DataSchema:
+    _target_: str = "lightning_pd2bw.data.TextDataModule"
+    task: str = "lm"
+    seq_len: int = 128
+    batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
+    paths: list[str] | None = None
+    val_fraction: float = 0.05
+    max_bytes: int | None = 4_000_000
+    shuffle: bool = True
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class StrategySchema:
+    _target_: str = "lightning_pd2bw.PipeDream2BWStrategy"
+    num_stages: int | None = None
+    num_microbatches: int | None = None  # derived from the batch sizes when null
+    mode: str = "2bw"
+    recompute: bool = False
+    clip_mode: str = "global"
+
+
+@dataclass
+class TrainerSchema:
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "auto"
+    devices: Any = 2
+    num_nodes: int = 1
+    max_steps: int = -1
+    max_epochs: int | None = None
+    precision: str = "32-true"
+    gradient_clip_val: float | None = None
+    val_check_interval: Any = None
+    check_val_every_n_epoch: int | None = 1
+    limit_val_batches: Any = None
+    limit_train_batches: Any = None
+    log_every_n_steps: int = 50
+    enable_checkpointing: bool = True
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    accumulate_grad_batches: int = 1
+    default_root_dir: str | None = None
+
+
+@dataclass
+class SparsityCommon:
+    _target_: str = MISSING
+    sparsity: float = 0.75
+    allocation: str = "uniform"
+    targets: list[str] | None = None
+    min_layer_density: float = 0.01
+    dense_from_step: int | None = None
+    rewarmup_steps: int = 0
+    seed: int = 0
+    log_per_layer: bool = True
+
+
+@dataclass
+class GradualSchema(SparsityCommon):
+    end_step: int = MISSING
+    start_step: int = 0
+    update_interval: int = 100
+    initial_sparsity: float = 0.0
+    shape: str = "cubic"
+
+
+@dataclass
+class StaticSchema(SparsityCommon):
+    init: str = "random"
+
+
+@dataclass
+class RigLSchema(SparsityCommon):
+    end_step: int = MISSING
+    update_interval: int = 100
+    drop_fraction: float = 0.3
+    init: str = "random"
+
+
+@dataclass
+class CSVLoggerSchema:
+    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: str = MISSING
+    name: str = "csv"
+
+
+@dataclass
+class WandbLoggerSchema:
+    _target_: str = "lightning.pytorch.loggers.WandbLogger"
+    project: str = "lightning_pd2bw"
+    name: str | None = None
+    save_dir: str = MISSING
+    offline: bool = True
+    log_model: bool = False
+
+
+SCHEMAS = {
+    ("model", "model_schema"): ModelSchema,
+    ("data", "data_schema"): DataSchema,
+    ("strategy", "strategy_schema"): StrategySchema,
+    ("trainer", "trainer_schema"): TrainerSchema,
+    ("sparsity", "gradual_schema"): GradualSchema,
+    ("sparsity", "static_schema"): StaticSchema,
+    ("sparsity", "rigl_schema"): RigLSchema,
+    ("logger", "csv_schema"): CSVLoggerSchema,
+    ("logger", "wandb_schema"): WandbLoggerSchema,
+}
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        store.store(group=group, name=name, node=node)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+@dataclass(frozen=True)
+class RunLayout:
+    world_size: int
+    num_stages: int
+    data_parallel_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    batch_per_replica: int
+    num_microbatches: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the keys and the fix."""
+
+
+def world_size_of(trainer_cfg: Any) -> int:
+    devices, nodes = trainer_cfg.devices, trainer_cfg.num_nodes
+    if isinstance(devices, int) and devices > 0:
+        return devices * nodes
+    if isinstance(devices, (list, tuple)) or type(devices).__name__ == "ListConfig":
+        return len(devices) * nodes
+    import torch
+
+    count = torch.cuda.device_count() if trainer_cfg.accelerator in ("auto", "gpu", "cuda") else 0
+    if count == 0:
+        raise ConfigError(
+            f"trainer.devices={devices!r} with no GPU: set trainer.devices to the number of CPU processes (e.g. 2)"
+        )
+    return count * nodes
+
+
+def context_of(model_cfg: Any) -> int:
+    from hydra.utils import instantiate
+
+    return instantiate(model_cfg.config).block_size
+
+
+def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
+    """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
+    world = world_size_of(cfg.trainer)
+    depth = cfg.strategy.num_stages or world
+    if world % depth:
+        raise ConfigError(
+            f"world size {world} (trainer.devices x trainer.num_nodes) is not a multiple of strategy.num_stages="
+            f"{depth}; use a depth that divides {world} or change trainer.devices"
+        )
+    width = world // depth
+    global_batch, micro = cfg.global_batch_size, cfg.micro_batch_size
+    if global_batch % width:
+        raise ConfigError(
+            f"global_batch_size={global_batch} is not divisible by the data-parallel width {width} "
+            f"(= {world} processes / {depth} stages); use a multiple of {width}"
+        )
+    per_replica = global_batch // width
+    if per_replica % micro:
+        raise ConfigError(
+            f"global_batch_size={global_batch} / width {width} = {per_replica} sequences per replica is not a multiple "
+            f"of micro_batch_size={micro}; choose global_batch_size as a multiple of {micro * width}"
+        )
+    microbatches = per_replica // micro
+    if cfg.strategy.num_microbatches not in (None, microbatches):
+        raise ConfigError(
+            f"strategy.num_microbatches={cfg.strategy.num_microbatches} contradicts global_batch_size={global_batch} "
+            f"/ (width {width} x micro_batch_size={micro}) = {microbatches}; leave strategy.num_microbatches=null"
+        )
+    if microbatches < depth:
+        raise ConfigError(
+            f"{microbatches} microbatches per step < {depth} stages: the pipeline would idle. Need m >= d: raise "
+            f"global_batch_size to >= {depth * micro * width}, lower micro_batch_size, or use fewer strategy.num_stages"
+        )
+    if num_layers is not None and num_layers < depth:
+        raise ConfigError(
+            f"the model has {num_layers} pipeline layers but strategy.num_stages={depth}; use at most {num_layers} "
+            "stages or a deeper model"
+        )
+    block = context_of(cfg.model)
+    if cfg.data.seq_len > block:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's context model.config.block_size={block}; lower "
+            "data.seq_len or raise the block size"
+        )
+    if cfg.trainer.accumulate_grad_batches != 1:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches must be 1 with strategy=pd2bw: the pipeline accumulates over its "
+            "microbatches; raise global_batch_size instead"
+        )
+    return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
