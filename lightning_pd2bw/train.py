@@ -88,7 +88,9 @@ def plan_text(cfg, layout, model) -> str:
         f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
     ]
     if cfg.get("sparsity"):
-        lines.append(f"sparsity: {cfg.sparsity._target_.rsplit('.', 1)[-1]} to {cfg.sparsity.sparsity:.0%} of the targets")
+        lines.append(
+            f"sparsity: {cfg.sparsity._target_.rsplit('.', 1)[-1]} to {cfg.sparsity.sparsity:.0%} of the targets"
+        )
     for stage, span in enumerate(stages):
         params = sum(counts[i] for i in span)
         blocks = sum(isinstance(layers[i], Block) for i in span)
@@ -162,7 +164,7 @@ def run(cfg) -> dict:
     if trainer.is_global_zero:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"summary: {json.dumps(summary)}\nrun directory: {out}")
-        _print_wandb_sync(logger)
+        _finish_wandb(logger)
     return summary
 
 
@@ -177,10 +179,14 @@ def _pin_output_dir(cfg) -> None:
             cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
 
 
-def _print_wandb_sync(logger) -> None:
-    experiment_dir = getattr(getattr(logger, "experiment", None), "dir", None)
-    if type(logger).__name__ == "WandbLogger" and experiment_dir and logger._offline:
-        print(f"wandb offline run: sync with `wandb sync {Path(experiment_dir).parent}`")
+def _finish_wandb(logger) -> None:
+    """Close the wandb run (writes its config and summary files) and say how to upload an offline run."""
+    if type(logger).__name__ != "WandbLogger":
+        return
+    run_dir = Path(logger.experiment.dir).parent
+    logger.experiment.finish()
+    if logger._offline:
+        print(f"wandb offline run: upload with `wandb sync {run_dir}`")
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The main job as users start it: pd2bw-train (Hydra) under Lightning's own launcher (devices=2)."""
+"""The main job as users start it: pd2bw-train (Hydra) under Lightning's own launcher and under torchrun,
+logging to an offline wandb run whose on-disk records are checked."""
 
 from __future__ import annotations
 
@@ -8,31 +9,60 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.wandb_records import read_run
+
 ROOT = Path(__file__).resolve().parents[2]
+SMALL_RUN = [
+    "model=gpt_tiny",
+    "data.seq_len=32",
+    "global_batch_size=8",
+    "micro_batch_size=2",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=2",
+    "trainer.enable_progress_bar=false",
+]
 
 
-def test_pd2bw_train_two_processes_writes_run_directory(tmp_path):
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     out = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pd2bw.train",
-        "model=gpt_tiny",
-        "data.seq_len=32",
-        "global_batch_size=8",
-        "micro_batch_size=2",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        "trainer.limit_val_batches=1",
-        "trainer.enable_progress_bar=false",
-        f"paths.output_dir={out}",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = run(
+        [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "logger=wandb", f"paths.output_dir={out}"], tmp_path
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["global_step"] == 6 and summary["val_loss"] < 5.6  # below uniform over bytes (ln 256)
+    assert summary["sparsity/density"] == 0.5, "the default recipe prunes to 50%"
     assert "${" not in (out / "config.yaml").read_text(), "the resolved config is saved"
     checkpoints = list(out.rglob("*.ckpt"))
     assert checkpoints and (checkpoints[0] / "stage-000.pt").is_file() and (checkpoints[0] / "stage-001.pt").is_file()
     assert not list(tmp_path.rglob("*.tmp")), "no half-written checkpoint is left behind"
+    for line in ("stage 0: layers", "tokens per step = 8 x 32 = 256", "wandb sync"):
+        assert line in result.stdout
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "one wandb run for all ranks"
+    history, config = read_run(runs[0])
+    logged = set().union(*history)
+    for key in ("train_loss", "val_loss", "val_ppl", "tokens_per_sec", "samples_per_sec", "lr", "memory/stage1_gib"):
+        assert key in logged, key
+    assert "sparsity/density" in logged and "sparsity/flops_ratio" in logged
+    train_rows = [r for r in history if "train_loss" in r]
+    assert len(train_rows) == 3 and all(r["tokens_per_sec"] > 0 for r in train_rows)
+    assert config["trainer"]["max_steps"] == 6 and config["global_batch_size"] == 8
+    assert config["logger"]["save_dir"] == str(out) and "${" not in json.dumps(config)
+
+
+def test_torchrun_ranks_share_one_run_directory(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    run([*command, "-m", "lightning_pd2bw.train", *SMALL_RUN, "callbacks=none"], tmp_path)
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1, f"one output directory for all ranks, got {runs}"
+    assert json.loads((runs[0] / "summary.json").read_text())["global_step"] == 6
+    assert {p.name for p in runs[0].glob("train*.log")} == {"train0.log", "train1.log"}

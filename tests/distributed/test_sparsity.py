@@ -79,3 +79,22 @@ def test_resume_continues_the_sparsity_trajectory(trained):
         assert len({round(p[2], 6) for p in full}) > 2, "the target density moved during the run"
     for key, mask in pipeline_masks(folder, case).items():
         assert torch.equal(pipeline_masks(folder, case, "resumed-")[key], mask)
+
+
+def test_sharded_checkpoint_exports_a_plain_sparse_model(trained):
+    """checkpoint_masks gathers every stage's masks from a pd2bw checkpoint; folded into the consolidated
+    weights they load into the plain module with the same zeros and no hooks."""
+    from lightning_pd2bw.checkpoint import consolidate
+    from lightning_pd2bw.sparsity import checkpoint_masks, fold_masks
+
+    from .cases import build_model
+
+    case = CASES["gpt_2bw_sparse_resume"]
+    checkpoint = sorted((trained[case.name] / "checkpoints").glob("*step=3.ckpt"))[0]
+    masks = checkpoint_masks(checkpoint)
+    assert len(masks) == 12  # 3 blocks x (qkv, proj, fc, fc_proj) over both stages
+    model = build_model(case)
+    model.configure_model()
+    model.load_state_dict(consolidate(checkpoint))
+    assert fold_masks(model, masks) == sum(int((~m).sum()) for m in masks.values())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

@@ -1,0 +1,138 @@
+"""Hydra configuration: every recipe and group option composes against its schema and passes the
+cross-field checks; bad overrides and bad combinations fail with messages naming the key and fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from lightning_pd2bw.config import ConfigError, check_run
+from lightning_pd2bw.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra
+
+setup_hydra()
+GROUP_OPTIONS = [(d.name, f.stem) for d in sorted(CONF.iterdir()) if d.is_dir() for f in sorted(d.glob("*.yaml"))]
+
+
+def load(recipe: str = "tiny", overrides: tuple[str, ...] = ()):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{CONF}]", *overrides])
+
+
+def test_the_five_recipes_exist():
+    assert {"tiny", "gpt13b", "gpt13b_sparse", "bert_base", "bert_large"} <= set(recipe_names())
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_every_recipe_composes_and_passes_the_checks(recipe):
+    cfg = load(recipe)
+    model = build_model_on_meta(cfg)
+    layout = check_run(cfg, num_layers=len(model.pipeline_layers()))
+    assert layout.num_microbatches >= layout.num_stages
+    assert layout.global_batch_size == layout.data_parallel_size * layout.num_microbatches * layout.micro_batch_size
+    if cfg.get("sparsity"):
+        instantiate(cfg.sparsity)  # the callback accepts its arguments
+
+
+def test_gpt13b_recipe_is_gpt3_13b():
+    cfg = load("gpt13b")
+    config = instantiate(cfg.model.config)
+    assert (config.n_layer, config.n_embd, config.n_head, config.block_size) == (40, 5120, 40, 2048)
+    assert cfg.model.lr == 1e-4 and list(cfg.model.betas) == [0.9, 0.95] and cfg.model.weight_decay == 0.1
+    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.global_batch_size == 1024 and cfg.data.seq_len == 2048
+    sparse = load("gpt13b_sparse")
+    assert sparse.sparsity.sparsity == 0.75 and sparse.model == cfg.model
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS)
+def test_every_group_option_composes(group, option):
+    extra = ("data.seq_len=64",) if group == "model" else ()  # the shortest context among the presets
+    cfg = load("tiny", (f"{group}={option}", *extra))
+    if group in ("model", "data", "strategy"):
+        check_run(cfg)
+    node = cfg.get(group)
+    if node and "_target_" in node and group in ("sparsity", "logger"):
+        OmegaConf.to_container(node, resolve=True)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.lrr=1", "lrr"),  # misspelt key
+        ("trainer.max_steps=many", "max_steps"),  # wrong type
+        ("strategy.recompute=maybe", "recompute"),
+        ("sparsity.sparsity=dense", "sparsity"),
+        ("model=gpt14b", "gpt14b"),  # unknown option
+    ],
+)
+def test_bad_overrides_fail_at_compose_time_naming_the_key(override, message):
+    with pytest.raises(ConfigCompositionException) as error:
+        load("tiny", (override,))
+    text = str(error.value) + str(error.value.__cause__)
+    assert message in text
+
+
+def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
+    (tmp_path / "typo.yaml").write_text("defaults:\n  - config\n  - _self_\nmodel:\n  lrr: 1.0e-3\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as error:
+            compose(config_name="typo", overrides=[f"hydra.searchpath=[file://{CONF}]"])
+    assert "Key 'lrr' not in 'ModelSchema'" in str(error.value) + str(error.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("trainer.devices=3",), "world size 3 (trainer.devices x trainer.num_nodes) is not a multiple of"),
+        (("global_batch_size=15",), "is not a multiple of micro_batch_size=4"),
+        (("global_batch_size=4",), "1 microbatches per step < 2 stages"),
+        (
+            ("trainer.devices=4", "global_batch_size=15", "micro_batch_size=1"),
+            "not divisible by the data-parallel width 2",
+        ),
+        (("strategy.num_microbatches=2",), "contradicts global_batch_size=16"),
+        (("data.seq_len=4096",), "data.seq_len=4096 exceeds the model's context"),
+        (("trainer.accumulate_grad_batches=2",), "trainer.accumulate_grad_batches must be 1"),
+    ],
+)
+def test_cross_field_checks_say_how_to_fix(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        check_run(load("tiny", overrides))
+    assert message in str(error.value)
+
+
+def test_more_stages_than_layers():
+    cfg = load("tiny", ("trainer.devices=16", "strategy.num_stages=16", "global_batch_size=64"))
+    with pytest.raises(ConfigError, match="has 10 pipeline layers but strategy.num_stages=16"):
+        check_run(cfg, num_layers=len(build_model_on_meta(cfg).pipeline_layers()))
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pd2bw.train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
+    result = run_cli("recipe=gpt13b", "dry_run=true", f"paths.output_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "12,853,626,880 parameters (12.85B)" in out
+    assert "64 processes = 8 stages x 8 replicas" in out and "128 microbatches" in out
+    assert "tokens per step = 1024 x 2048 = 2,097,152" in out
+    assert out.count("est. memory") == 8 and "stage 7: layers 36..41" in out
+
+
+def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
+    result = run_cli("recipe=bert_large", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 0 and "4 stages x 4 replicas" in result.stdout and "bert_large" in result.stdout
+    bad = run_cli("recipe=tiny", "trainer.devices=3", cwd=tmp_path)
+    assert bad.returncode != 0 and "bad configuration" in bad.stderr and "strategy.num_stages" in bad.stderr
+    unknown = run_cli("recipe=gpt14b", cwd=tmp_path)
+    assert unknown.returncode != 0 and "valid: bert_base, bert_large" in unknown.stderr
