@@ -53,6 +53,10 @@ class DataSchema:
     shuffle: bool = True
     seed: int = 0
     num_workers: int = 0
+    hf_dataset: str | None = None  # a local Hugging Face dataset directory (never downloaded)
+    hf_split: str = "train"
+    text_column: str = "text"
+    tokenizer: str | None = None  # a local tokenizer.json (or its directory); null: bytes
 
 
 @dataclass
@@ -203,6 +207,12 @@ def context_of(model_cfg: Any) -> int:
     return instantiate(model_cfg.config).block_size
 
 
+def vocab_of(model_cfg: Any) -> int:
+    from hydra.utils import instantiate
+
+    return instantiate(model_cfg.config).vocab_size
+
+
 def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
     world = world_size_of(cfg.trainer)
@@ -247,6 +257,15 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             f"data.seq_len={cfg.data.seq_len} exceeds the model's context model.config.block_size={block}; lower "
             "data.seq_len or raise the block size"
         )
+    if cfg.data.get("tokenizer"):
+        from .data.hf import load_tokenizer
+
+        vocab, model_vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(), vocab_of(cfg.model)
+        if vocab > model_vocab:
+            raise ConfigError(
+                f"data.tokenizer has {vocab} tokens but the model's vocabulary is {model_vocab}; set "
+                f"model.config.vocab_size={-(-vocab // 64) * 64}"
+            )
     if cfg.trainer.accumulate_grad_batches != 1:
         raise ConfigError(
             "trainer.accumulate_grad_batches must be 1 with strategy=pd2bw: the pipeline accumulates over its "

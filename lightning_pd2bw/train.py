@@ -124,6 +124,7 @@ def run(cfg) -> dict:
     import lightning.pytorch as pl
     import torch
     from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import OmegaConf
 
     import lightning_pd2bw  # noqa: F401  (registers the strategy)
@@ -146,7 +147,11 @@ def run(cfg) -> dict:
     strategy = instantiate(cfg.strategy, num_microbatches=layout.num_microbatches)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [RunMetrics(layout.global_batch_size, layout.seq_len)]
-    callbacks += [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    for node in (cfg.get("callbacks") or {}).values():
+        callback = instantiate(node) if node else None
+        # trainer.enable_checkpointing=false switches the checkpoint callback off instead of clashing with it
+        if callback is not None and (cfg.trainer.enable_checkpointing or not isinstance(callback, ModelCheckpoint)):
+            callbacks.append(callback)
     if cfg.get("sparsity"):
         callbacks.append(instantiate(cfg.sparsity))
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)

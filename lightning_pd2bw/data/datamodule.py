@@ -26,6 +26,10 @@ class TextDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        hf_dataset: str | None = None,
+        hf_split: str = "train",
+        text_column: str = "text",
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         if task not in ("lm", "mlm"):
@@ -33,9 +37,27 @@ class TextDataModule(pl.LightningDataModule):
         self.task, self.seq_len, self.batch_size = task, seq_len, batch_size
         self.paths, self.val_fraction, self.max_bytes = paths, val_fraction, max_bytes
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+        self.hf_dataset, self.hf_split, self.text_column, self.tokenizer = hf_dataset, hf_split, text_column, tokenizer
+        if tokenizer and task == "mlm":
+            raise ValueError("data.tokenizer with data.task=mlm is not supported (masking works on bytes); use task=lm")
+
+    def corpus(self) -> torch.Tensor:
+        """Bytes of the embedded corpus / local files / a local HF dataset, or their token ids."""
+        from .hf import read_hf_texts, tokenize
+
+        if self.hf_dataset:
+            texts = read_hf_texts(self.hf_dataset, self.hf_split, self.text_column)
+        elif self.tokenizer:
+            texts = [bytes(read_corpus(self.paths, self.max_bytes).tolist()).decode("utf-8", errors="replace")]
+        else:
+            return read_corpus(self.paths, self.max_bytes)
+        if self.tokenizer:
+            return tokenize(texts, self.tokenizer)
+        data = "\n".join(texts).encode("utf-8")[: self.max_bytes]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     def setup(self, stage: str | None = None) -> None:
-        train, val = split(read_corpus(self.paths, self.max_bytes), self.val_fraction)
+        train, val = split(self.corpus(), self.val_fraction)
         if self.task == "lm":
             self.train_set, self.val_set = (
                 LMDataset(train, self.seq_len),
