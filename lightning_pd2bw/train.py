@@ -53,6 +53,13 @@ def _select_recipe(argv: list[str]) -> list[str]:
     return ["--config-name", recipe, *out, f"hydra.searchpath=[file://{CONF}]"]
 
 
+def sparsity_config(cfg):
+    """The sparsity group's node, or None for ``sparsity=none`` (a recipe's leftover keys without a
+    ``_target_``, e.g. tiny's ``sparsity.sparsity: 0.5``, do not switch it on)."""
+    node = cfg.get("sparsity")
+    return node if node and "_target_" in node else None
+
+
 def build_model_on_meta(cfg):
     """The whole model on the meta device: shapes and parameter counts, no memory."""
     import torch
@@ -87,10 +94,8 @@ def plan_text(cfg, layout, model) -> str:
         f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
         f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
     ]
-    if cfg.get("sparsity"):
-        lines.append(
-            f"sparsity: {cfg.sparsity._target_.rsplit('.', 1)[-1]} to {cfg.sparsity.sparsity:.0%} of the targets"
-        )
+    if (sparsity := sparsity_config(cfg)) is not None:
+        lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
     for stage, span in enumerate(stages):
         params = sum(counts[i] for i in span)
         blocks = sum(isinstance(layers[i], Block) for i in span)
@@ -152,8 +157,8 @@ def run(cfg) -> dict:
         # trainer.enable_checkpointing=false switches the checkpoint callback off instead of clashing with it
         if callback is not None and (cfg.trainer.enable_checkpointing or not isinstance(callback, ModelCheckpoint)):
             callbacks.append(callback)
-    if cfg.get("sparsity"):
-        callbacks.append(instantiate(cfg.sparsity))
+    if (sparsity := sparsity_config(cfg)) is not None:
+        callbacks.append(instantiate(sparsity))
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
     out = Path(cfg.paths.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)

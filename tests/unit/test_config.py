@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_pd2bw.config import ConfigError, check_run
-from lightning_pd2bw.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra
+from lightning_pd2bw.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra, sparsity_config
 
 setup_hydra()
 GROUP_OPTIONS = [(d.name, f.stem) for d in sorted(CONF.iterdir()) if d.is_dir() for f in sorted(d.glob("*.yaml"))]
@@ -36,8 +36,13 @@ def test_every_recipe_composes_and_passes_the_checks(recipe):
     layout = check_run(cfg, num_layers=len(model.pipeline_layers()))
     assert layout.num_microbatches >= layout.num_stages
     assert layout.global_batch_size == layout.data_parallel_size * layout.num_microbatches * layout.micro_batch_size
-    if cfg.get("sparsity"):
-        instantiate(cfg.sparsity)  # the callback accepts its arguments
+    if sparsity_config(cfg) is not None:
+        instantiate(sparsity_config(cfg))  # the callback accepts its arguments
+
+
+def test_sparsity_none_switches_the_recipe_schedule_off():
+    assert sparsity_config(load("tiny")).sparsity == 0.5
+    assert sparsity_config(load("tiny", ("sparsity=none",))) is None
 
 
 def test_gpt13b_recipe_is_gpt3_13b():
