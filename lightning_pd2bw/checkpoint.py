@@ -13,6 +13,7 @@ directory into place, so a crash during a save leaves the previous checkpoint in
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,45 @@ def write_meta(tmp: Path, checkpoint: dict[str, Any], layout: dict[str, Any]) ->
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["pd2bw"] = layout
     torch.save(meta, tmp / META_FILE)
+
+
+def save_sharded(
+    path: Path,
+    checkpoint: dict[str, Any],
+    layout: dict[str, Any],
+    *,
+    stage: int,
+    writes_shard: bool,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+) -> None:
+    """Collective save: every stage of replica 0 writes its shard into ``PATH.tmp``, rank 0 the
+    metadata; once all have written, rank 0 publishes. A crash before that leaves ``PATH`` untouched."""
+    tmp = path.with_name(path.name + ".tmp")
+    if is_global_zero:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier("pd2bw_save_begin")
+    if writes_shard:
+        write_shard(tmp, stage, checkpoint)
+    if is_global_zero:
+        write_meta(tmp, checkpoint, layout)
+    barrier("pd2bw_save_written")
+    if is_global_zero:
+        publish(tmp, path)
+    barrier("pd2bw_save_published")
+
+
+def check_layout(path: str | Path, saved: dict[str, Any], num_stages: int, stage_layers: list[range]) -> None:
+    """Resuming needs the same depth and layer split (resharding is a separate step)."""
+    layers = [(r.start, r.stop) for r in stage_layers]
+    if saved["num_stages"] != num_stages or [tuple(x) for x in saved["stage_layers"]] != layers:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was written with num_stages={saved['num_stages']} and stage layers "
+            f"{saved['stage_layers']}; this run has num_stages={num_stages} and {layers}. Resume with the same "
+            "num_stages, or consolidate(path) the checkpoint and load the full state dict"
+        )
 
 
 def publish(tmp: Path, path: Path) -> None:

@@ -24,6 +24,7 @@ in-flight backwards and the last update run; afterwards the version rule restart
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from . import checkpoint as ckpt
-from .pipeline import schedule
+from .pipeline import gradients, schedule
 from .pipeline.comm import StageLink
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
@@ -305,6 +306,11 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         # the engine owns zero_grad and backward (the same switch Lightning's SWA callback uses)
         self.lightning_module.trainer.fit_loop._skip_backward = True
+        # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
+        # counts Lightning steps, and each update uses its own batch's learning rate (see _apply_update)
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+        )
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # backward ran inside the pipeline schedule
@@ -366,34 +372,18 @@ class PipeDream2BWStrategy(ParallelStrategy):
         optimizer.zero_grad(set_to_none=True)
 
     def _reduce_gradients(self) -> None:
-        if self.data_parallel_size > 1:
-            grads = [p.grad for p in self._local_params if p.grad is not None]
-            works = [dist.all_reduce(g, group=self.groups.replica, async_op=True) for g in grads]
-            for work, grad in zip(works, grads):
-                work.wait()
-                grad.div_(self.data_parallel_size)
-        for param, group, _, _ in self._shared:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+        gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
+        gradients.sum_shared([(param, group) for param, group, _, _ in self._shared])
 
     def _clip_gradients(self, clip_val: float | None, algorithm: Any) -> None:
         if not clip_val:
             return
-        grads = [p.grad for p in self._local_params if p.grad is not None]
         if str(getattr(algorithm, "value", algorithm)) == "value":
             torch.nn.utils.clip_grad_value_(self._local_params, clip_val)
             return
         not_counted = {id(p) for p, _, _, counts in self._shared if not counts}
-        counted = [p.grad for p in self._local_params if p.grad is not None and id(p) not in not_counted]
-        squares = torch.zeros((), device=self.root_device, dtype=torch.float32)
-        for grad in counted:
-            squares += grad.float().pow(2).sum()
-        if self.clip_mode == "global":
-            dist.all_reduce(squares, group=self.groups.pipeline)
-        coefficient = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+        group = self.groups.pipeline if self.clip_mode == "global" else None
+        gradients.clip_by_norm(self._local_params, clip_val, not_counted, group, self.root_device)
 
     # ------------------------------------------------------------------ drains
     def drain(self) -> None:
@@ -454,23 +444,15 @@ class PipeDream2BWStrategy(ParallelStrategy):
         return True  # load into the partitioned, materialised stage
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        path = Path(filepath)
-        tmp = path.with_name(path.name + ".tmp")
-        if self.is_global_zero:
-            if tmp.exists():
-                import shutil
-
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.barrier("pd2bw_save_begin")
-        if self.grid.replica == 0:
-            ckpt.write_shard(tmp, self.grid.stage, checkpoint)
-        if self.is_global_zero:
-            ckpt.write_meta(tmp, checkpoint, self.layout())
-        self.barrier("pd2bw_save_written")
-        if self.is_global_zero:
-            ckpt.publish(tmp, path)
-        self.barrier("pd2bw_save_published")
+        ckpt.save_sharded(
+            Path(filepath),
+            checkpoint,
+            self.layout(),
+            stage=self.grid.stage,
+            writes_shard=self.grid.replica == 0,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
 
     def layout(self) -> dict[str, Any]:
         return {
@@ -484,16 +466,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
-        saved = meta["pd2bw"]
-        if saved["num_stages"] != self.num_stages or saved["stage_layers"] != [
-            (r.start, r.stop) for r in self.stage_layers
-        ]:
-            raise ValueError(
-                f"checkpoint {str(checkpoint_path)!r} was written with num_stages={saved['num_stages']} and stage "
-                f"layers {saved['stage_layers']}; this run has num_stages={self.num_stages} and "
-                f"{[(r.start, r.stop) for r in self.stage_layers]}. Resume with the same num_stages, or "
-                "consolidate(path) the checkpoint and load the full state dict"
-            )
+        ckpt.check_layout(checkpoint_path, meta["pd2bw"], self.num_stages, self.stage_layers)
         shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
         return meta | shard
 
