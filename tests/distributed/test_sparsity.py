@@ -98,3 +98,25 @@ def test_sharded_checkpoint_exports_a_plain_sparse_model(trained):
     model.load_state_dict(consolidate(checkpoint))
     assert fold_masks(model, masks) == sum(int((~m).sum()) for m in masks.values())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_ddp_replicas_hold_identical_masks_and_zeros(tmp_path):
+    """RigL under Lightning's own DDP strategy: growth uses the all-reduced gradients, so both ranks
+    choose the same connections; masked weights are zero on both."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    runner = str(Path(__file__).with_name("run_ddp_sparsity.py"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    result = subprocess.run([*command, runner, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-5000:]
+    first, second = (torch.load(tmp_path / f"ddp-rank-{r}.pt", weights_only=True) for r in (0, 1))
+    assert first["step"] == second["step"] == 6 and first["masks"]
+    for name, mask in first["masks"].items():
+        assert torch.equal(second["masks"][name], mask)
+        assert torch.count_nonzero(first["weights"][name][~mask]) == 0
+        assert 0.2 < mask.float().mean() < 0.8

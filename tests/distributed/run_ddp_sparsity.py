@@ -1,0 +1,44 @@
+"""``torchrun --nproc-per-node 2 run_ddp_sparsity.py OUT``: RigL under Lightning's DDP strategy; every rank
+saves its masks and weights so the test can check the replicas agree."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+
+from lightning_pd2bw.sparsity import RigL  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    pl.seed_everything(0)
+    case = Case("ddp_rigl", optimizer="adamw", num_microbatches=2)
+    sparsity = RigL(0.5, end_step=6, update_interval=2, drop_fraction=0.5, allocation="erk")
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sparsity],
+    )
+    model = build_model(case)
+    trainer.fit(model, train_dataloaders=dataloader(case))
+    state = {"masks": sparsity.sparsifier.masks, "weights": model.state_dict(), "step": sparsity.step}
+    torch.save(state, out / f"ddp-rank-{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
