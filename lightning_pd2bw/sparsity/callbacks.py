@@ -73,7 +73,7 @@ class SparsityCallback(Callback):
     # ------------------------------------------------------------------ the schedule
     def plan(self, step: int) -> MaskUpdate | None:
         """The mask change before optimizer step ``step`` (step 0: before the first forward), or None."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define plan(step) -> MaskUpdate | None")
 
     def change_at(self, step: int) -> MaskUpdate | None:
         if self.dense_from_step is not None and step >= self.dense_from_step:
