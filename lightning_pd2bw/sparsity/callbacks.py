@@ -149,6 +149,7 @@ class SparsityCallback(Callback):
     def metrics(self, module: nn.Module) -> dict[str, float]:
         """Densities from the stored weights (per layer and overall), churn, training FLOPs vs dense."""
         measured = self.sparsifier.measure()
+        self.sparsifier.churn = 0  # churn is reported per logging interval
         out = {
             "sparsity/density": measured["overall_density"],
             "sparsity/target_density": measured["overall_target"],

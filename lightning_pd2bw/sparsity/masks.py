@@ -86,7 +86,7 @@ class Sparsifier:
         self.all_reduce = all_reduce
         self.masks: dict[str, torch.Tensor] = {}  # empty: dense
         self.layer_targets = {n: 1.0 for n in self.shapes}
-        self.churn = 0  # mask entries changed since the last measure(), on this process
+        self.churn = 0  # mask entries changed since the owner last reset it (the callback: at each log)
 
     @property
     def device(self) -> torch.device:
@@ -195,14 +195,13 @@ class Sparsifier:
     @torch.no_grad()
     def measure(self) -> dict[str, Any]:
         """Per-layer stored non-zeros over the whole model (summed over stages), targets, and the churn
-        (fraction of targeted entries whose mask changed since the previous measure)."""
+        (fraction of targeted entries whose mask changed since ``churn`` was last reset)."""
         names = list(self.shapes)
         counts = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
         for index, name in enumerate(names):
             if name in self.local:
                 counts[index] = torch.count_nonzero(self.local[name]).item()
         counts[-1] = self.churn
-        self.churn = 0
         if self.all_reduce is not None:
             self.all_reduce(counts)
         numels = {n: math.prod(s) for n, s in self.shapes.items()}
