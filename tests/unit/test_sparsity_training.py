@@ -166,7 +166,15 @@ def test_static_random_masks_are_fixed_and_reproducible():
 def test_resume_gives_the_uninterrupted_masks_and_weights(tmp_path):
     def run(callbacks, ckpt_path=None):
         module = model()
-        fit(module, callbacks, 6, limit_train_batches=3, ckpt_path=ckpt_path, enable_checkpointing=True)
+        fit(
+            module,
+            callbacks,
+            6,
+            limit_train_batches=3,
+            ckpt_path=ckpt_path,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+        )
         return module
 
     sparsity = GradualMagnitudeSparsity(0.7, start_step=1, end_step=5, update_interval=1)
