@@ -67,6 +67,8 @@ class StrategySchema:
     mode: str = "2bw"
     recompute: bool = False
     clip_mode: str = "global"
+    layers_per_stage: list[int] | None = None  # null: the planner's time-balanced cut (pd2bw-train)
+    plan: str | None = None  # auto: depth, microbatch size and recomputation chosen at start-up by the planner
 
 
 @dataclass
@@ -143,6 +145,19 @@ class WandbLoggerSchema:
     log_model: bool = False
 
 
+@dataclass
+class ClusterSchema:
+    """A cluster for ``pd2bw-plan`` (conf/cluster/*.yaml): servers of devices and their links."""
+
+    name: str = MISSING
+    device: str = MISSING  # a key of lightning_pd2bw.planner.hardware.DEVICES
+    num_nodes: int = 1
+    devices_per_node: int = 8
+    intra_node_bandwidth: float = MISSING  # bytes/s between two devices of one server
+    inter_node_bandwidth: float = MISSING  # bytes/s out of one server
+    latency: float = 2e-5  # seconds per message
+
+
 SCHEMAS = {
     ("model", "model_schema"): ModelSchema,
     ("data", "data_schema"): DataSchema,
@@ -153,6 +168,7 @@ SCHEMAS = {
     ("sparsity", "rigl_schema"): RigLSchema,
     ("logger", "csv_schema"): CSVLoggerSchema,
     ("logger", "wandb_schema"): WandbLoggerSchema,
+    ("cluster", "cluster_schema"): ClusterSchema,
 }
 
 
@@ -216,6 +232,8 @@ def vocab_of(model_cfg: Any) -> int:
 def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
     world = world_size_of(cfg.trainer)
+    if cfg.strategy.get("plan") == "auto":
+        return _check_auto(cfg, world)
     depth = cfg.strategy.num_stages or world
     if world % depth:
         raise ConfigError(
@@ -251,6 +269,29 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             f"the model has {num_layers} pipeline layers but strategy.num_stages={depth}; use at most {num_layers} "
             "stages or a deeper model"
         )
+    _check_data(cfg)
+    return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
+
+
+def _check_auto(cfg: Any, world: int) -> RunLayout:
+    """``strategy.plan=auto``: the planner picks depth and microbatches at start-up; only the global batch is
+    fixed. Each process's loader starts at global / world samples and the strategy re-batches it."""
+    if cfg.strategy.num_stages is not None or cfg.strategy.num_microbatches is not None:
+        raise ConfigError(
+            "strategy.plan=auto chooses the depth and the microbatches; set strategy.num_stages=null and "
+            "strategy.num_microbatches=null (or drop strategy.plan=auto)"
+        )
+    if cfg.global_batch_size % world:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} with strategy.plan=auto must be a multiple of the world size "
+            f"{world} so that every layout the planner considers splits it evenly"
+        )
+    _check_data(cfg)
+    per_device = cfg.global_batch_size // world
+    return RunLayout(world, 0, 0, cfg.global_batch_size, 0, per_device, 0, cfg.data.seq_len)
+
+
+def _check_data(cfg: Any) -> None:
     block = context_of(cfg.model)
     if cfg.data.seq_len > block:
         raise ConfigError(
@@ -271,4 +312,3 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             "trainer.accumulate_grad_batches must be 1 with strategy=pd2bw: the pipeline accumulates over its "
             "microbatches; raise global_batch_size instead"
         )
-    return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)

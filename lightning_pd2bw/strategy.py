@@ -73,6 +73,17 @@ def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
     return list(layers_fn() if callable(layers_fn) else sequential)
 
 
+def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
+    if sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
+        raise ValueError(
+            f"layers_per_stage={layers_per_stage} must be positive and sum to the model's {num_layers} pipeline layers"
+        )
+    bounds = [0]
+    for count in layers_per_stage:
+        bounds.append(bounds[-1] + count)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class PipeDream2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
@@ -82,6 +93,14 @@ class PipeDream2BWStrategy(ParallelStrategy):
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
         recompute: recompute each stage's activations in the backward (stash only stage inputs).
         clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
+        plan: ``"auto"``: at start-up, profile the model on this device, measure the links and choose
+            depth, microbatch size and recomputation with the planner (``lightning_pd2bw.planner``);
+            ``num_stages`` and ``num_microbatches`` are then chosen, not given.
+        layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
+            time); default: balanced by parameter count.
+        global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
+            (default: the dataloader's batch size x world size, as DDP would use); each replica's
+            dataloader is re-batched to its share.
     """
 
     strategy_name = "pd2bw"
@@ -93,6 +112,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
         mode: str = "2bw",
         recompute: bool = False,
         clip_mode: str = "global",
+        plan: str | None = None,
+        global_batch_size: int | None = None,
+        layers_per_stage: list[int] | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -112,6 +134,27 @@ class PipeDream2BWStrategy(ParallelStrategy):
             raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
         if num_stages is not None and num_microbatches is not None:
             schedule.validate(mode, num_stages, num_microbatches)
+        if plan not in (None, "auto"):
+            raise ValueError(f"PipeDream2BWStrategy(plan={plan!r}) is invalid; valid: None (give num_stages) or 'auto'")
+        if plan == "auto" and (num_stages is not None or num_microbatches is not None):
+            raise ValueError(
+                "PipeDream2BWStrategy(plan='auto') chooses num_stages and num_microbatches itself; leave both unset "
+                "(or drop plan='auto' to set them by hand)"
+            )
+        if global_batch_size is not None and plan != "auto":
+            raise ValueError(
+                "PipeDream2BWStrategy(global_batch_size=...) is used with plan='auto' only; otherwise the dataloader's "
+                "batch size is each replica's batch"
+            )
+        if layers_per_stage is not None and (plan == "auto" or len(layers_per_stage) != (num_stages or 0)):
+            raise ValueError(
+                f"PipeDream2BWStrategy(layers_per_stage={list(layers_per_stage)}) needs one entry per stage: give "
+                "num_stages=len(layers_per_stage) (and no plan='auto', which cuts the model itself)"
+            )
+        self.layers_per_stage = list(layers_per_stage) if layers_per_stage is not None else None
+        self.plan = plan
+        self.global_batch_size = global_batch_size
+        self.planned: Any = None  # the planner's Prediction under plan="auto"
         self._requested_stages = num_stages
         self._requested_microbatches = num_microbatches
         self.mode = mode
@@ -191,9 +234,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        # bad layouts fail before any process group exists
-        schedule.validate(self.mode, self.num_stages, self.num_microbatches)
-        check_world_size(self.world_size, self.num_stages)
+        if self.plan is None:  # bad layouts fail before any process group exists
+            schedule.validate(self.mode, self.num_stages, self.num_microbatches)
+            check_world_size(self.world_size, self.num_stages)
         super().setup_environment()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -214,7 +257,12 @@ class PipeDream2BWStrategy(ParallelStrategy):
         module = self.lightning_module
         layers = pipeline_layers_of(module)
         self._check_trainer(trainer)
-        self.stage_layers = balanced_partition(layer_parameter_counts(layers), self.num_stages)
+        if self.plan == "auto":
+            self.stage_layers = self._plan_automatically(trainer, layers)
+        elif self.layers_per_stage is not None:
+            self.stage_layers = ranges_of(self.layers_per_stage, len(layers))
+        else:
+            self.stage_layers = balanced_partition(layer_parameter_counts(layers), self.num_stages)
         shared = shared_parameters(layers, self.stage_layers)
         local = [layers[i] for i in self.stage_layers[self.grid.stage]]
         for index, layer in enumerate(layers):
@@ -254,6 +302,83 @@ class PipeDream2BWStrategy(ParallelStrategy):
             recompute=self.recompute,
         )
         self._report_layout(layers)
+
+    def _plan_automatically(self, trainer: pl.Trainer, layers: list[nn.Module]) -> list[range]:
+        """Profile, plan and adopt the fastest configuration that fits (``plan="auto"``)."""
+        from .planner.auto import plan_on_world
+        from .planner.profile import bytes_per_element
+        from .planner.search import format_table
+
+        loader = trainer.fit_loop._data_source.dataloader()
+        sample = next(iter(loader))
+        if self.global_batch_size is None:
+            self.global_batch_size = getattr(loader, "batch_size", None) and loader.batch_size * self.world_size
+        if not self.global_batch_size:
+            raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
+        module = self.lightning_module
+        best, cluster, ranked = plan_on_world(
+            layers,
+            sample,
+            module.pipeline_inputs,
+            module.pipeline_loss,
+            device=self.root_device,
+            num_nodes=self.num_nodes,
+            global_batch=self.global_batch_size,
+            mode=self.mode,
+            weight_bytes=bytes_per_element(str(self.precision_plugin.precision))[0],
+            autocast=self.precision_plugin.train_step_context,
+        )
+        chosen = best.candidate
+        self.planned = best
+        self._requested_stages = chosen.depth
+        self._requested_microbatches = best.num_microbatches
+        self.recompute = chosen.recompute
+        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+        rank_zero_info(
+            f"pd2bw plan=auto on {cluster.name}: global batch {self.global_batch_size}; chosen width {chosen.width} x "
+            f"depth {chosen.depth}, micro_batch_size {chosen.micro_batch_size}, {best.num_microbatches} microbatches, "
+            f"recompute={chosen.recompute}; predicted {best.throughput:.2f} samples/s\n{format_table(ranked, limit=5)}"
+        )
+        if trainer.logger is not None:
+            trainer.logger.log_hyperparams(
+                {
+                    "plan": {
+                        "num_stages": chosen.depth,
+                        "data_parallel_size": chosen.width,
+                        "micro_batch_size": chosen.micro_batch_size,
+                        "num_microbatches": best.num_microbatches,
+                        "recompute": chosen.recompute,
+                        "predicted_samples_per_sec": best.throughput,
+                        "stage_layers": [[r.start, r.stop] for r in best.stages],
+                    }
+                }
+            )
+        return list(best.stages)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
+        from torch.utils.data import DataLoader
+
+        if self.plan != "auto" or not isinstance(dataloader, DataLoader) or self.planned is None:
+            return dataloader
+        per_replica = self.global_batch_size // self.data_parallel_size
+        if dataloader.batch_size == per_replica:
+            return dataloader
+        if dataloader.batch_size is None:
+            raise ValueError("plan='auto' re-batches the dataloader and needs a DataLoader built with batch_size=...")
+        return DataLoader(
+            dataloader.dataset,
+            batch_size=per_replica,
+            sampler=dataloader.sampler
+            if not isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
+            else None,
+            num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory,
+            drop_last=dataloader.drop_last,
+            worker_init_fn=dataloader.worker_init_fn,
+            persistent_workers=dataloader.persistent_workers,
+        )
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:

@@ -72,18 +72,20 @@ def build_model_on_meta(cfg):
 
 
 def plan_text(cfg, layout, model) -> str:
-    """What matters at start-up (and all a dry run prints): stages, layers, parameters, batches, memory."""
-    from hydra.utils import instantiate
+    """What matters at start-up (and all a dry run prints): stages, layers, parameters, batches, memory.
 
-    from .memory import GiB, estimate_stage
-    from .models.transformer import Block
-    from .pipeline.partition import balanced_partition, layer_parameter_counts
+    Stages are cut as the planner cuts them (balanced by estimated time, not parameter count) and
+    memory per stage comes from its cost model with the analytic transformer profile.
+    """
+    from .planner.cost import stage_memory
+    from .planner.hardware import GiB
     from .strategy import pipeline_layers_of
 
     layers = pipeline_layers_of(model)
-    counts = layer_parameter_counts(layers)
-    stages = balanced_partition(counts, layout.num_stages)
-    config = instantiate(cfg.model.config)
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    candidate = candidate_of(cfg, layout)
+    stages = planned_stages(cfg, layout, model)
+    memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
     total = sum(p.numel() for p in model.parameters())
     lines = [
         f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
@@ -96,33 +98,66 @@ def plan_text(cfg, layout, model) -> str:
     ]
     if (sparsity := sparsity_config(cfg)) is not None:
         lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
-    for stage, span in enumerate(stages):
-        params = sum(counts[i] for i in span)
-        blocks = sum(isinstance(layers[i], Block) for i in span)
-        memory = estimate_stage(
-            params,
-            blocks,
-            stage,
-            layout.num_stages,
-            layout.num_microbatches,
-            seq=layout.seq_len,
-            micro=layout.micro_batch_size,
-            hidden=config.n_embd,
-            heads=config.n_head,
-            vocab=config.vocab_size,
-            has_head=span.stop == len(layers),
-            mode=cfg.strategy.mode,
-            recompute=cfg.strategy.recompute,
-            precision=cfg.trainer.precision,
-            optimizer=cfg.model.optimizer,
-        )
+    for stage, (span, memory) in enumerate(zip(stages, memories)):
+        params = sum(profile.layers[i].parameters for i in span)
         lines.append(
-            f"  stage {stage}: layers {span.start}..{span.stop - 1} ({blocks} blocks), {params:,} parameters, "
-            f"est. memory {memory.total / GiB:.2f} GiB (weights {memory.weights / GiB:.2f}, grads "
-            f"{memory.gradients / GiB:.2f}, optimizer {memory.optimizer / GiB:.2f}, activations "
-            f"{memory.activations / GiB:.2f})"
+            f"  stage {stage}: layers {span.start}..{span.stop - 1}, {params:,} parameters, est. memory "
+            f"{sum(memory.values()) / GiB:.2f} GiB (weights {memory['weights'] / GiB:.2f}, grads "
+            f"{memory['gradients'] / GiB:.2f}, optimizer {memory['optimizer'] / GiB:.2f}, activations "
+            f"{memory['activations'] / GiB:.2f})"
         )
     return "\n".join(lines)
+
+
+def candidate_of(cfg, layout):
+    from .planner import Candidate
+
+    return Candidate(
+        layout.data_parallel_size, layout.num_stages, layout.micro_batch_size, cfg.strategy.recompute, cfg.strategy.mode
+    )
+
+
+def planned_stages(cfg, layout, model) -> list[range]:
+    """The stages pd2bw-train runs: ``strategy.layers_per_stage``, else the planner's cut balanced by time."""
+    from .planner.search import partition
+    from .strategy import ranges_of
+
+    if cfg.strategy.get("layers_per_stage"):
+        return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    return partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
+
+
+def analytic_model_profile(cfg, model, micro_batch_size: int):
+    """The planner's analytic profile of the configured model at ``micro_batch_size`` (FLOPs and bytes)."""
+    from hydra.utils import instantiate
+
+    from .pipeline.partition import layer_parameter_counts
+    from .planner.auto import shared_layers
+    from .planner.cost import ModelProfile
+    from .planner.hardware import DEVICES
+    from .planner.profile import analytic_profile, bytes_per_element
+    from .strategy import pipeline_layers_of
+
+    config = instantiate(cfg.model.config)
+    layers = pipeline_layers_of(model)
+    counts = layer_parameter_counts(layers)
+    device = DEVICES[cfg.cluster.device] if cfg.get("cluster") else DEVICES["a100_80g"]
+    weight_bytes = bytes_per_element(cfg.trainer.precision)[0]
+    profiles = analytic_profile(
+        num_blocks=len(layers) - 2,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab=config.vocab_size,
+        seq=cfg.data.seq_len,
+        micro=micro_batch_size,
+        device=device,
+        precision=cfg.trainer.precision,
+        embedding_parameters=counts[0],
+        head_parameters=counts[-1],
+    )
+    states = 1 if cfg.model.optimizer == "sgd" else 2
+    return ModelProfile(profiles, weight_bytes, states, shared_layers(layers))
 
 
 def run(cfg) -> dict:
@@ -139,6 +174,13 @@ def run(cfg) -> dict:
 
     _pin_output_dir(cfg)
     layout = check_run(cfg)  # before any process or process group exists
+    auto = cfg.strategy.get("plan") == "auto"
+    if cfg.dry_run and auto:
+        print(
+            "dry run: strategy.plan=auto chooses the layout at start-up from profiles of this machine; preview "
+            "plans for a cluster with `pd2bw-plan recipe=NAME cluster=NAME`"
+        )
+        return {"dry_run": True}
     if cfg.dry_run:
         model = build_model_on_meta(cfg)
         check_run(cfg, num_layers=len(model.pipeline_layers()))
@@ -149,7 +191,15 @@ def run(cfg) -> dict:
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)
     data = instantiate(cfg.data, batch_size=layout.batch_per_replica)
-    strategy = instantiate(cfg.strategy, num_microbatches=layout.num_microbatches)
+    if auto:
+        strategy = instantiate(cfg.strategy, global_batch_size=layout.global_batch_size)
+    else:
+        cut = cfg.strategy.get("layers_per_stage") or [
+            len(r) for r in planned_stages(cfg, layout, build_model_on_meta(cfg))
+        ]
+        strategy = instantiate(
+            cfg.strategy, num_stages=layout.num_stages, num_microbatches=layout.num_microbatches, layers_per_stage=cut
+        )
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [RunMetrics(layout.global_batch_size, layout.seq_len)]
     for node in (cfg.get("callbacks") or {}).values():
@@ -165,7 +215,8 @@ def run(cfg) -> dict:
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-        print(plan_text(cfg, layout, build_model_on_meta(cfg)))
+        if not auto:
+            print(plan_text(cfg, layout, build_model_on_meta(cfg)))
     if logger:
         logger.log_hyperparams(resolved)  # the resolved config, no ${...} strings
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)

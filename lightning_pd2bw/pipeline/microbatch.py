@@ -42,3 +42,16 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
             f"must be micro_batch_size x num_microbatches; use a batch size that is a multiple of {num_microbatches}"
         )
     return [_take(batch, j, num_microbatches) for j in range(num_microbatches)]
+
+
+def resize_batch(batch: Any, size: int) -> Any:
+    """``size`` samples from ``batch``: its first ones, or it repeated (a sample batch for profiling)."""
+    have = batch_size_of(batch)
+    if isinstance(batch, torch.Tensor):
+        repeats = -(-size // have)
+        return batch.repeat(repeats, *[1] * (batch.dim() - 1))[:size] if repeats > 1 else batch[:size]
+    if isinstance(batch, dict):
+        return {k: resize_batch(v, size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(resize_batch(v, size) for v in batch)
+    return batch

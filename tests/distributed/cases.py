@@ -36,6 +36,7 @@ class Case:
     mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
     steps_per_epoch: int | None = None  # limit_train_batches: epochs restart the sampler's shuffle
     sparsity: str | None = None  # a key of SPARSITY: a lightning_pd2bw.sparsity callback
+    plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -132,5 +133,6 @@ CASES = {
         ),
         Case("gpt_2bw_d2w2_sparse_static", mode="2bw", steps=5, sparsity="static_random"),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),
+        Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
     ]
 }

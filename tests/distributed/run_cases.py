@@ -22,7 +22,15 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.cases import CASES, Case, build_model, dataloader, mask_for, sparsity_callback  # noqa: E402
+from tests.distributed.cases import (  # noqa: E402
+    CASES,
+    MICRO_BATCH,
+    Case,
+    build_model,
+    dataloader,
+    mask_for,
+    sparsity_callback,
+)
 
 
 class FixedMask(Callback):
@@ -70,9 +78,13 @@ def save_sparsity(out: Path, prefix: str, rank: int, sparsity, callbacks: list) 
 
 
 def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Trainer:
+    layout = (
+        dict(plan="auto", global_batch_size=MICRO_BATCH * case.num_microbatches)
+        if case.plan
+        else dict(num_stages=case.num_stages, num_microbatches=case.num_microbatches)
+    )
     strategy = PipeDream2BWStrategy(
-        num_stages=case.num_stages,
-        num_microbatches=case.num_microbatches,
+        **layout,
         mode=case.mode,
         recompute=case.recompute,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
@@ -115,6 +127,9 @@ def run(case: Case, out: Path, world: int) -> None:
         "max_stashed": executor.max_stashed,
         "global_step": trainer.global_step,
     }
+    if strategy.planned is not None:
+        chosen = strategy.planned.candidate
+        counters["plan"] = {"width": chosen.width, "depth": chosen.depth, "micro": chosen.micro_batch_size}
     (out / f"rank-{rank}.json").write_text(json.dumps(counters))
     save_sparsity(out, "", rank, sparsity, callbacks)
     if case.checkpoint_every:

@@ -58,7 +58,8 @@ def test_gpt13b_recipe_is_gpt3_13b():
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
 def test_every_group_option_composes(group, option):
     extra = ("data.seq_len=64",) if group == "model" else ()  # the shortest context among the presets
-    cfg = load("tiny", (f"{group}={option}", *extra))
+    prefix = "+" if group == "cluster" else ""  # pd2bw-plan's group, appended (cluster=NAME there)
+    cfg = load("tiny", (f"{prefix}{group}={option}", *extra))
     if group in ("model", "data", "strategy"):
         check_run(cfg)
     node = cfg.get(group)
@@ -94,16 +95,21 @@ def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("trainer.devices=3",), "world size 3 (trainer.devices x trainer.num_nodes) is not a multiple of"),
+        (
+            ("trainer.devices=3", "strategy.num_stages=2"),
+            "world size 3 (trainer.devices x trainer.num_nodes) is not a multiple of",
+        ),
         (("global_batch_size=15",), "is not a multiple of micro_batch_size=4"),
         (("global_batch_size=4",), "1 microbatches per step < 2 stages"),
         (
-            ("trainer.devices=4", "global_batch_size=15", "micro_batch_size=1"),
+            ("trainer.devices=4", "strategy.num_stages=2", "global_batch_size=15", "micro_batch_size=1"),
             "not divisible by the data-parallel width 2",
         ),
         (("strategy.num_microbatches=2",), "contradicts global_batch_size=16"),
         (("data.seq_len=4096",), "data.seq_len=4096 exceeds the model's context"),
         (("trainer.accumulate_grad_batches=2",), "trainer.accumulate_grad_batches must be 1"),
+        (("strategy.plan=auto", "strategy.num_stages=2"), "strategy.plan=auto chooses the depth"),
+        (("strategy.plan=auto", "global_batch_size=15"), "must be a multiple of the world size 2"),
     ],
 )
 def test_cross_field_checks_say_how_to_fix(overrides, message):
@@ -137,7 +143,7 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
 def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
     result = run_cli("recipe=bert_large", "dry_run=true", cwd=tmp_path)
     assert result.returncode == 0 and "4 stages x 4 replicas" in result.stdout and "bert_large" in result.stdout
-    bad = run_cli("recipe=tiny", "trainer.devices=3", cwd=tmp_path)
+    bad = run_cli("recipe=tiny", "trainer.devices=3", "strategy.num_stages=2", cwd=tmp_path)
     assert bad.returncode != 0 and "bad configuration" in bad.stderr and "strategy.num_stages" in bad.stderr
     unknown = run_cli("recipe=gpt14b", cwd=tmp_path)
     assert unknown.returncode != 0 and "valid: bert_base, bert_large" in unknown.stderr

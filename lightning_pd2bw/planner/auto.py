@@ -1,0 +1,122 @@
+"""``plan="auto"``: at start-up, on the real world size, profile the model, measure the links, plan.
+
+Rank 0 profiles every layer on its device (``measure.py``) at each candidate microbatch size and
+times messages to a neighbour; every rank joins the link measurement; rank 0 searches and
+broadcasts the chosen plan, so all ranks partition identically.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..pipeline.microbatch import resize_batch
+from .cost import ModelProfile, Prediction
+from .hardware import ClusterSpec, DeviceSpec
+from .measure import measure_layers
+from .search import divisors, search
+
+
+def shared_layers(layers: Sequence[nn.Module]) -> tuple[tuple[int, int, int], ...]:
+    """(first layer, other layer, parameters) for each parameter two layers hold (tied embeddings)."""
+    first: dict[int, int] = {}
+    out = []
+    for index, layer in enumerate(layers):
+        for param in dict.fromkeys(layer.parameters()):
+            if id(param) in first and first[id(param)] != index:
+                out.append((first[id(param)], index, param.numel()))
+            first.setdefault(id(param), index)
+    return tuple(out)
+
+
+def measure_link(peer: int, device: torch.device, sizes: Sequence[int] = (256, 1 << 22)) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of messages between rank 0 and ``peer``; collective over the world."""
+    rank = dist.get_rank()
+    results = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, peer)
+                dist.recv(buffer, peer)
+            elif rank == peer:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2)
+        results.append(statistics.median(times))
+    latency = results[0]
+    bandwidth = (sizes[1] - sizes[0]) / max(results[1] - results[0], 1e-9)
+    message = [latency, bandwidth]
+    dist.broadcast_object_list(message, src=0)
+    return message[0], message[1]
+
+
+def device_memory(device: torch.device, local_processes: int) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[1])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(total / max(1, local_processes))
+
+
+def plan_on_world(
+    layers: Sequence[nn.Module],
+    sample_batch: Any,
+    input_fn: Callable[[Any], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    device: torch.device,
+    num_nodes: int,
+    global_batch: int,
+    mode: str,
+    weight_bytes: int = 4,
+    optimizer_states: int = 2,
+    autocast: Callable[[], Any] | None = None,
+    max_micro_sizes: int = 6,
+) -> tuple[Prediction, ClusterSpec, list[Prediction]]:
+    """The fastest plan that fits, chosen on rank 0 from measured profiles, identical on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_node = world // num_nodes
+    latency, bandwidth = measure_link(1, device) if world > 1 else (0.0, float("inf"))
+    inter_latency, inter_bandwidth = measure_link(per_node, device) if num_nodes > 1 else (latency, bandwidth)
+    spec = DeviceSpec(f"{device.type}", 0.0, device_memory(device, per_node), 0.0)
+    cluster = ClusterSpec(
+        spec,
+        num_nodes,
+        per_node,
+        bandwidth,
+        inter_bandwidth * per_node,
+        max(latency, inter_latency),
+        name=f"this machine ({world} x {device.type})",
+    )
+    message: list[Any] = [None]
+    if rank == 0:
+        micros = [b for b in divisors(global_batch) if any((global_batch // w) % b == 0 for w in divisors(world))]
+        micros = micros[:max_micro_sizes]
+        shared = shared_layers(layers)
+
+        def profile_for(micro: int) -> ModelProfile:
+            batch = resize_batch(sample_batch, micro)
+            profiles = measure_layers(
+                layers, input_fn(batch), device, loss_fn=lambda out: loss_fn(out, batch), autocast=autocast
+            )
+            return ModelProfile(profiles, weight_bytes, optimizer_states, shared)
+
+        try:
+            message = [search(profile_for, cluster, global_batch, mode=mode, micro_batch_sizes=micros)[0]]
+        except ValueError as error:  # every rank raises it, none waits forever
+            message = [error]
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], Exception):
+        raise message[0]
+    fits = message[0]
+    return fits[0], cluster, fits

@@ -1,0 +1,96 @@
+"""``pd2bw-plan recipe=NAME cluster=NAME [overrides...]``: the planner's table, no GPU needed.
+
+Same recipes and overrides as ``pd2bw-train``; ``cluster`` selects ``conf/cluster/NAME.yaml`` (its
+fields can be overridden: ``cluster.num_nodes=16``). The model is built on the meta device (exact
+parameter counts, no memory) and profiled analytically for the cluster's device.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..train import CONF, RECIPES, _select_recipe, analytic_model_profile, build_model_on_meta, setup_hydra
+
+
+def cluster_names() -> list[str]:
+    return sorted(p.stem for p in (CONF / "cluster").glob("*.yaml"))
+
+
+def _select_cluster(argv: list[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        if arg.startswith("cluster="):
+            name = arg.split("=", 1)[1]
+            if name not in cluster_names():
+                raise SystemExit(f"cluster={name!r} is not a cluster preset; valid: {', '.join(cluster_names())}")
+            arg = "+" + arg
+        out.append(arg)
+    return out
+
+
+def plan(cfg, limit: int = 10) -> str:
+    from .hardware import ClusterSpec, device_spec
+    from .search import format_table, search
+
+    if not cfg.get("cluster"):
+        raise ValueError(f"choose a cluster: cluster=NAME with NAME one of {', '.join(cluster_names())}")
+    c = cfg.cluster
+    cluster = ClusterSpec(
+        device_spec(c.device),
+        c.num_nodes,
+        c.devices_per_node,
+        c.intra_node_bandwidth,
+        c.inter_node_bandwidth,
+        c.latency,
+        name=c.name,
+    )
+    model = build_model_on_meta(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    fits, too_big = search(
+        lambda micro: analytic_model_profile(cfg, model, micro), cluster, cfg.global_batch_size, mode=cfg.strategy.mode
+    )
+    best = fits[0]
+    chosen = best.candidate
+    lines = [
+        f"model: {cfg.model.config.name}, {total / 1e9:.2f}B parameters; sequence {cfg.data.seq_len}; global batch "
+        f"{cfg.global_batch_size}; mode={cfg.strategy.mode}; precision={cfg.trainer.precision}",
+        f"cluster: {cluster.describe()}",
+        f"{len(fits)} configurations fit (of {len(fits) + len(too_big)}), fastest first:",
+        format_table(fits, limit),
+    ]
+    if too_big:
+        lines += ["closest that do not fit:", format_table(too_big, 3, fits=False)]
+    lines += [
+        f"best: width {chosen.width} x depth {chosen.depth}, micro_batch_size {chosen.micro_batch_size}, "
+        f"{best.num_microbatches} microbatches, recompute {chosen.recompute}: {best.throughput:.1f} samples/s "
+        f"predicted, {best.peak_memory / 2**30:.1f} GiB on the fullest stage",
+        f"stages (layers): {' '.join(f'{r.start}-{r.stop - 1}' for r in best.stages)}",
+        f"train it: pd2bw-train trainer.num_nodes={c.num_nodes} trainer.devices={c.devices_per_node} "
+        f"strategy.num_stages={chosen.depth} micro_batch_size={chosen.micro_batch_size} "
+        f"strategy.recompute={str(chosen.recompute).lower()} "
+        f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import hydra
+
+    setup_hydra()
+    sys.argv = [sys.argv[0], *_select_cluster(_select_recipe(sys.argv[1:]))]
+    hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="tiny")(_main)()
+
+
+def _main(cfg) -> None:
+    from .search import NoPlanFits
+
+    try:
+        print(plan(cfg))
+    except NoPlanFits as error:
+        raise SystemExit(f"pd2bw-plan: no plan fits: {error}") from None
+    except ValueError as error:
+        raise SystemExit(f"pd2bw-plan: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The cost model: time per batch and memory per stage of one configuration (PipeDream-2BW, 3.3).
+
+A configuration (``Candidate``) is width w, depth d, microbatch size b and recomputation, with
+``m = global_batch / (w * b)`` microbatches per batch and replica. Stage s runs one microbatch in
+
+    t_s = F_s + B_s (+ F_s again with recomputation) + boundary messages (latency + bytes / link)
+
+where the link is NVLink inside a server and the network where consecutive ranks straddle servers.
+A batch takes, in the steady state,
+
+    2BW:          m * max_s t_s                       (no bubble: the pipeline never drains)
+    Flush/GPipe:  (m - 1) * max_s t_s + sum_s t_s     (= (m + d - 1) t for equal stages)
+
+plus the update: the all-reduce of the stage's gradients over its w replicas (ring, on the level
+of the topology the replicas span), the sum of shared (tied) parameters' gradients between the
+stages holding them, and the optimizer step. Memory per stage s:
+
+    weights x versions (2 for 2BW) + gradients + optimizer states
+    + stash x activations(b)                         (no recomputation)
+    + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
+
+with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .hardware import ClusterSpec
+from .profile import LayerProfile
+
+RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The layers' profiles at one microbatch size, and what the layers share."""
+
+    layers: Sequence[LayerProfile]
+    weight_bytes: int = 4
+    optimizer_states: int = 2
+    shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
+
+
+@dataclass(frozen=True)
+class Candidate:
+    width: int
+    depth: int
+    micro_batch_size: int
+    recompute: bool
+    mode: str = "2bw"
+
+    def num_microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.width * self.micro_batch_size)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    num_microbatches: int
+    stages: tuple[range, ...]
+    stage_times: tuple[float, ...]  # one microbatch, compute and boundary messages
+    update_time: float  # all-reduce + shared sum + optimizer, slowest stage
+    batch_time: float
+    stage_memory: tuple[dict[str, float], ...] = field(default_factory=tuple)
+    samples_per_batch: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over the whole cluster."""
+        return self.samples_per_batch / self.batch_time
+
+    @property
+    def peak_memory(self) -> float:
+        return max(sum(m.values()) for m in self.stage_memory)
+
+
+def stash_count(mode: str, stage: int, depth: int, num_microbatches: int) -> int:
+    return num_microbatches if mode == "gpipe" else min(depth - stage, num_microbatches)
+
+
+def stage_memory(
+    profile: ModelProfile, span: range, stage: int, candidate: Candidate, num_microbatches: int
+) -> dict[str, float]:
+    layers = [profile.layers[i] for i in span]
+    params = sum(p.parameters for p in layers)
+    params -= sum(n for a, b, n in profile.shared if a in span and b in span)  # one tensor on this stage
+    return memory_of(
+        profile, params, sum(p.activation_bytes for p in layers), span.start, stage, candidate, num_microbatches
+    )
+
+
+def memory_of(
+    profile: ModelProfile,
+    params: int,
+    activations: float,
+    first_layer: int,
+    stage: int,
+    candidate: Candidate,
+    num_microbatches: int,
+) -> dict[str, float]:
+    """Bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch."""
+    versions = 2 if candidate.mode == "2bw" else 1
+    stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches)
+    if candidate.recompute:
+        stage_input = (
+            profile.layers[first_layer - 1].output_bytes if first_layer > 0 else profile.layers[0].activation_bytes
+        )
+        stashed = stash * stage_input + activations
+    else:
+        stashed = stash * activations
+    return {
+        "weights": versions * params * profile.weight_bytes,
+        "gradients": params * profile.weight_bytes,
+        "optimizer": profile.optimizer_states * params * profile.weight_bytes,
+        "activations": stashed,
+    }
+
+
+def _crosses_servers(candidate: Candidate, cluster: ClusterSpec, stage: int) -> bool:
+    """Does the boundary after ``stage`` join ranks on two servers? (pipelines are consecutive ranks)"""
+    per_node = cluster.devices_per_node
+    return any(
+        (r * candidate.depth + stage) // per_node != (r * candidate.depth + stage + 1) // per_node
+        for r in range(candidate.width)
+    )
+
+
+def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec) -> float:
+    """Ring all-reduce of one stage's gradients over its w replicas (ranks s, s+d, s+2d, ...).
+
+    Replicas on one server reduce over NVLink; across servers the ring's traffic goes through each
+    server's network link, which the stages on that server share (hierarchical all-reduce).
+    """
+    w = candidate.width
+    if w == 1:
+        return 0.0
+    per_node = cluster.devices_per_node
+    nodes = -(-w * candidate.depth // per_node)
+    if nodes == 1:
+        return 2 * (w - 1) / w * num_bytes / cluster.intra_node_bandwidth + 2 * (w - 1) * cluster.latency
+    local = max(1, per_node // candidate.depth)  # replicas of one stage per server
+    stages_per_node = min(candidate.depth, per_node)
+    intra = 2 * (local - 1) / local * num_bytes / cluster.intra_node_bandwidth if local > 1 else 0.0
+    span = -(-w // local)  # servers the ring crosses
+    inter = 2 * (span - 1) / span * num_bytes * stages_per_node / cluster.inter_node_bandwidth
+    return intra + inter + 2 * (w - 1) * cluster.latency
+
+
+def predict(
+    profile: ModelProfile,
+    candidate: Candidate,
+    cluster: ClusterSpec,
+    global_batch: int,
+    stages: Sequence[range],
+) -> Prediction:
+    """Time and memory of ``candidate`` with the given partition."""
+    m = candidate.num_microbatches(global_batch)
+    d = candidate.depth
+    times, updates, memory = [], [], []
+    for s, span in enumerate(stages):
+        layers = [profile.layers[i] for i in span]
+        forward = sum(p.forward_s for p in layers)
+        compute = (
+            forward + sum(p.backward_s for p in layers) + (RECOMPUTE_FACTOR * forward if candidate.recompute else 0)
+        )
+        messages = 0.0
+        for boundary, crosses in ((s - 1, s > 0), (s, s < d - 1)):
+            if crosses:  # activation one way, gradient the other; the sender waits on neither
+                link = (
+                    cluster.inter_node_bandwidth / min(d, cluster.devices_per_node)
+                    if _crosses_servers(candidate, cluster, boundary)
+                    else cluster.intra_node_bandwidth
+                )
+                messages += 2 * cluster.latency + profile.layers[stages[boundary].stop - 1].output_bytes / link
+        times.append(compute + messages)
+        mem = stage_memory(profile, span, s, candidate, m)
+        memory.append(mem)
+        grad_bytes = mem["gradients"]
+        shared_sum = sum(
+            2 * n * profile.weight_bytes / cluster.intra_node_bandwidth
+            for a, b, n in profile.shared
+            if (a in span) != (b in span) and (a in span or b in span)
+        )
+        updates.append(allreduce_time(grad_bytes, candidate, cluster) + shared_sum + sum(p.optimizer_s for p in layers))
+    slowest = max(times)
+    if candidate.mode == "2bw":
+        pipeline = m * slowest
+    else:
+        pipeline = (m - 1) * slowest + sum(times)
+    update = max(updates)
+    return Prediction(
+        candidate,
+        m,
+        tuple(stages),
+        tuple(times),
+        update,
+        pipeline + update,
+        tuple(memory),
+        samples_per_batch=global_batch,
+    )

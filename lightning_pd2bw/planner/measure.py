@@ -1,0 +1,165 @@
+"""Profiles measured on the real device: each layer timed alone, forward and backward.
+
+Layers are profiled one at a time in pipeline order (layer i's input is layer i-1's output), so a
+model that only fits across many devices can still be profiled on one: a layer on the meta device
+is copied, materialised, profiled and dropped. Identical layers (same type, parameter shapes and
+input shape: a transformer's blocks) are measured once. Activation bytes are what autograd saves
+for the backward (unique storages, parameters excluded), which is what a stash keeps alive.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..pipeline.materialize import materialize
+from .profile import LayerProfile
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _as_tuple(value) if isinstance(t, torch.Tensor))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, and its last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for the backward (unique storages, parameters excluded)."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor]) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.skip:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _signature(layer: nn.Module, inputs: tuple) -> tuple:
+    params = tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+    shapes = tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor))
+    return type(layer).__name__, params, shapes
+
+
+def _initialise(layer: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if "norm" in name or name.endswith(("ln.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+
+
+def measure_layers(
+    layers: Sequence[nn.Module],
+    first_input: Any,
+    device: torch.device,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    repeats: int = 3,
+    autocast: Callable[[], Any] | None = None,
+) -> list[LayerProfile]:
+    """Profile ``layers`` on ``device`` for one microbatch whose first-layer input is ``first_input``.
+
+    ``loss_fn(output)`` (the last layer's output to a scalar) is timed as part of the last layer,
+    as in the pipeline. ``optimizer(params)`` builds the optimizer whose step is timed per layer
+    (default AdamW).
+    """
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
+    autocast = autocast or (lambda: torch.autocast(device.type, enabled=False))
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(first_input))
+    cache: dict[tuple, LayerProfile] = {}
+    profiles = []
+    for index, original in enumerate(layers):
+        is_last = index == len(layers) - 1
+        on_meta = any(p.is_meta for p in original.parameters())
+        layer = copy.deepcopy(original)  # the optimizer step must not touch the real weights
+        if on_meta:
+            materialize([layer], device)
+            _initialise(layer)
+        key = (*_signature(layer, inputs), is_last)
+        params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
+
+        def forward(layer=layer, is_last=is_last, inputs=inputs) -> tuple[Any, Any]:
+            leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+            with autocast():
+                out = layer(*leaf)
+                loss = loss_fn(out) if is_last and loss_fn is not None else None
+            return out, loss
+
+        if key in cache:
+            profile = cache[key]
+            with torch.no_grad(), autocast():
+                output = layer(*inputs)
+        else:
+            forward_s, (output, _) = _timed(forward, device, repeats)
+            counter = _SavedBytes(params)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                out, loss = forward()
+            saved = counter.total
+
+            def backward(forward=forward) -> None:
+                out, loss = forward()
+                if loss is not None:
+                    loss.backward()
+                else:
+                    tensors = [t for t in _as_tuple(out) if t.requires_grad]
+                    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+            both_s, _ = _timed(backward, device, repeats)
+            step_s = 0.0
+            if params:
+                for p in params:
+                    p.grad = torch.randn_like(p) * 1e-3
+                opt = optimizer(params)
+                step_s, _ = _timed(opt.step, device, repeats)
+                del opt
+            for p in params:
+                p.grad = None
+            profile = LayerProfile(
+                forward_s=forward_s,
+                backward_s=max(both_s - forward_s, 0.0),
+                activation_bytes=float(saved),
+                output_bytes=0.0 if is_last else float(_nbytes(output)),
+                parameters=sum(p.numel() for p in params),
+                optimizer_s=step_s,
+            )
+            cache[key] = profile
+            del out, loss
+        profiles.append(profile)
+        inputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _as_tuple(output))
+        if on_meta:
+            del layer
+    return profiles

@@ -1,0 +1,179 @@
+"""Search over width, depth, microbatch size and recomputation for the fastest plan that fits.
+
+For each candidate the layers are cut into ``d`` contiguous stages minimising the slowest stage's
+time subject to every stage fitting memory (bisection on the bottleneck time, greedy packing as
+the feasibility test: exact for contiguous cuts with per-stage monotone limits). Candidates with
+``m < d`` are skipped (2BW needs m >= d). A search over 1024 devices takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .cost import Candidate, ModelProfile, Prediction, memory_of, predict
+from .hardware import ClusterSpec, GiB
+
+MEMORY_HEADROOM = 0.9  # allocator fragmentation, CUDA context, communication buffers
+
+
+class NoPlanFits(ValueError):
+    """No configuration fits memory; the message says what would."""
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def pack(
+    profile: ModelProfile, candidate: Candidate, num_microbatches: int, limit_s: float, capacity: float
+) -> list[range] | None:
+    """Greedy contiguous cut: each stage takes as many layers as fit ``limit_s`` and ``capacity``."""
+    n, d = len(profile.layers), candidate.depth
+    factor = 2 if candidate.recompute else 1
+    stages, start = [], 0
+    for s in range(d):
+        last = n if s == d - 1 else n - (d - 1 - s)  # leave a layer for each later stage
+        end, time, params, activations = start, 0.0, 0, 0.0
+        while end < last:
+            layer = profile.layers[end]
+            step = layer.forward_s * factor + layer.backward_s
+            if end > start and time + step > limit_s:
+                break
+            shared = sum(k for a, b, k in profile.shared if b == end and start <= a < end)
+            grown = params + layer.parameters - shared, activations + layer.activation_bytes
+            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches)
+            if sum(memory.values()) > capacity:
+                break
+            time, (params, activations) = time + step, grown
+            end += 1
+        if end == start or (s == d - 1 and end < n):
+            return None
+        stages.append(range(start, end))
+        start = end
+    return stages
+
+
+def partition(
+    profile: ModelProfile, candidate: Candidate, num_microbatches: int, capacity: float
+) -> list[range] | None:
+    """Contiguous stages minimising the slowest stage's compute time within ``capacity`` bytes."""
+    factor = 2 if candidate.recompute else 1
+    steps = [p.forward_s * factor + p.backward_s for p in profile.layers]
+    low, high = max(steps) * (1 - 1e-9), sum(steps) * (1 + 1e-9)
+    best = pack(profile, candidate, num_microbatches, high, capacity)
+    if best is None:
+        return None
+    for _ in range(40):
+        middle = (low + high) / 2
+        stages = pack(profile, candidate, num_microbatches, middle, capacity)
+        if stages is None:
+            low = middle
+        else:
+            high, best = middle, stages
+    return best
+
+
+def candidates(
+    num_devices: int, num_layers: int, global_batch: int, mode: str, micro_batch_sizes: Sequence[int] | None = None
+) -> list[Candidate]:
+    out = []
+    for depth in divisors(num_devices):
+        width = num_devices // depth
+        if depth > num_layers or global_batch % width:
+            continue
+        per_replica = global_batch // width
+        for micro in micro_batch_sizes or divisors(per_replica):
+            if per_replica % micro or per_replica // micro < depth:
+                continue
+            for recompute in (False, True):
+                out.append(Candidate(width, depth, micro, recompute, mode))
+    return out
+
+
+def search(
+    profile_for: Callable[[int], ModelProfile],
+    cluster: ClusterSpec,
+    global_batch: int,
+    *,
+    mode: str = "2bw",
+    micro_batch_sizes: Sequence[int] | None = None,
+    headroom: float = MEMORY_HEADROOM,
+) -> tuple[list[Prediction], list[Prediction]]:
+    """All candidates on ``cluster``'s devices: (those that fit, fastest first; those that do not).
+
+    ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size).
+    Raises ``NoPlanFits`` when nothing fits, saying what would.
+    """
+    capacity = cluster.device.memory_bytes * headroom
+    profiles: dict[int, ModelProfile] = {}
+
+    def profile_at(micro: int) -> ModelProfile:
+        if micro not in profiles:
+            profiles[micro] = profile_for(micro)
+        return profiles[micro]
+
+    num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
+    fits, too_big = [], []
+    for candidate in candidates(cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes):
+        profile = profile_at(candidate.micro_batch_size)
+        m = candidate.num_microbatches(global_batch)
+        stages = partition(profile, candidate, m, capacity)
+        if stages is not None:
+            fits.append(predict(profile, candidate, cluster, global_batch, stages))
+        else:  # for the table and the refusal: the time-balanced cut and how much it needs
+            stages = partition(profile, candidate, m, float("inf"))
+            too_big.append(predict(profile, candidate, cluster, global_batch, stages))
+    fits.sort(key=lambda p: -p.throughput)
+    too_big.sort(key=lambda p: p.peak_memory)
+    if not fits:
+        raise NoPlanFits(refusal(too_big, cluster, capacity, global_batch))
+    return fits, too_big
+
+
+def refusal(too_big: list[Prediction], cluster: ClusterSpec, capacity: float, global_batch: int) -> str:
+    if not too_big:
+        return (
+            f"no configuration exists for {cluster.num_devices} devices and global batch {global_batch}: the "
+            "global batch must be divisible by the data-parallel width and give m >= d microbatches; use a global "
+            "batch that is a multiple of the device count"
+        )
+    best = too_big[0]
+    c = best.candidate
+    need = best.peak_memory
+    deepest = max(too_big, key=lambda p: p.candidate.depth).candidate.depth
+    hints = []
+    if need / capacity * deepest / max(1, c.depth) > 1 or c.depth == deepest:
+        hints.append(
+            f"more devices (memory per stage shrinks with depth: about {need / capacity:.1f}x the "
+            f"{cluster.num_devices} devices)"
+        )
+    if c.micro_batch_size > 1:
+        hints.append("a smaller micro_batch_size (try 1)")
+    if not c.recompute:
+        hints.append("activation recomputation")
+    hints.append("bf16-true weights or SGD instead of AdamW (fewer bytes per parameter)")
+    return (
+        f"nothing fits {cluster.device.name}'s {capacity / GiB:.1f} GiB usable per device "
+        f"({MEMORY_HEADROOM:.0%} of {cluster.device.memory_bytes / GiB:.0f} GiB): the smallest candidate, "
+        f"w={c.width} d={c.depth} b={c.micro_batch_size} recompute={c.recompute}, needs {need / GiB:.1f} GiB on its "
+        f"largest stage. What would fit: {'; '.join(hints)}"
+    )
+
+
+def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool = True) -> str:
+    rows = [
+        f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} "
+        f"{'samples/s':>10} {'batch s':>9} {'max stage GiB':>13}  stage memory GiB"
+    ]
+    for rank, p in enumerate(predictions[:limit], 1):
+        c = p.candidate
+        per_stage = " ".join(f"{sum(m.values()) / GiB:.1f}" for m in p.stage_memory)
+        if len(p.stage_memory) > 8:
+            memories = [sum(m.values()) / GiB for m in p.stage_memory]
+            per_stage = f"{memories[0]:.1f} ... {memories[-1]:.1f} ({len(memories)} stages)"
+        rows.append(
+            f"{rank if fits else '-':>4} {c.width:>5} {c.depth:>5} {c.micro_batch_size:>5} {p.num_microbatches:>4} "
+            f"{'on' if c.recompute else 'off':>9} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
+            f"{p.peak_memory / GiB:>13.1f}  {per_stage}"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,205 @@
+"""The planner's cost model on hand-computed cases, the search's constraints, its refusal, its speed,
+pd2bw-plan on a CPU-only machine, and the measured profile against analytic counts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerProfile, NoPlanFits, predict, search
+from lightning_pd2bw.planner.cost import ModelProfile, allreduce_time, stage_memory
+from lightning_pd2bw.planner.hardware import GiB, device_spec
+from lightning_pd2bw.planner.measure import measure_layers
+from lightning_pd2bw.planner.profile import analytic_profile, block_activation_bytes
+from lightning_pd2bw.planner.search import partition
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = DeviceSpec("toy", peak_flops=1e12, memory_bytes=10 * GiB, memory_bandwidth=1e11)
+
+
+def cluster(nodes: int = 1, per_node: int = 4, **kw) -> ClusterSpec:
+    return ClusterSpec(
+        kw.pop("device", DEVICE), nodes, per_node, kw.pop("intra", 1e10), kw.pop("inter", 1e9), latency=0.0
+    )
+
+
+def uniform(n: int = 4, forward: float = 1.0, params: int = 1000, act: float = 100.0, out: float = 0.0) -> ModelProfile:
+    return ModelProfile([LayerProfile(forward, 2 * forward, act, out, params)] * n, weight_bytes=4, optimizer_states=2)
+
+
+def test_pipeline_time_2bw_and_flush_by_hand():
+    # 4 equal layers of F=1, B=2 on d=2: t = 2 * (1 + 2) = 6 s per microbatch and stage; m = 8
+    profile, candidate = uniform(), Candidate(1, 2, 1, False, "2bw")
+    stages = [range(0, 2), range(2, 4)]
+    two = predict(profile, candidate, cluster(), 8, stages)
+    assert two.stage_times == (6.0, 6.0) and two.batch_time == pytest.approx(8 * 6.0)
+    flush = predict(profile, Candidate(1, 2, 1, False, "flush"), cluster(), 8, stages)
+    assert flush.batch_time == pytest.approx((8 + 2 - 1) * 6.0)  # (m + d - 1) t: the flush bubble
+    assert two.throughput / flush.throughput == pytest.approx(9 / 8)
+    recompute = predict(profile, Candidate(1, 2, 1, True, "2bw"), cluster(), 8, stages)
+    assert recompute.stage_times == (8.0, 8.0), "recomputation repeats the forward: 4/3 of the compute"
+
+
+def test_unequal_stages_flush_sums_the_stages():
+    profile = ModelProfile([LayerProfile(1.0, 2.0, 0, 0, 1)] * 3)
+    p = predict(profile, Candidate(1, 2, 1, False, "flush"), cluster(), 4, [range(0, 2), range(2, 3)])
+    assert p.stage_times == (6.0, 3.0) and p.batch_time == pytest.approx(3 * 6.0 + 6.0 + 3.0)
+
+
+def test_boundary_messages_and_server_crossing():
+    # activations of 1e9 bytes cross each boundary; inside a server 1e10 B/s, between servers 1e9 B/s shared by d
+    profile = uniform(out=1e9)
+    inside = predict(profile, Candidate(1, 2, 1, False), cluster(per_node=4), 4, [range(0, 2), range(2, 4)])
+    assert inside.stage_times[0] == pytest.approx(6.0 + 1e9 / 1e10)
+    across = predict(profile, Candidate(1, 2, 1, False), cluster(nodes=2, per_node=1), 4, [range(0, 2), range(2, 4)])
+    assert across.stage_times[0] == pytest.approx(6.0 + 1e9 / (1e9 / 1))
+
+
+def test_allreduce_on_the_right_level():
+    bytes_ = 1e9
+    # 4 replicas of a 1-stage model in one server: ring over NVLink, 2 (w-1)/w bytes / bandwidth
+    assert allreduce_time(bytes_, Candidate(4, 1, 1, False), cluster(per_node=4)) == pytest.approx(1.5 * bytes_ / 1e10)
+    # 2 servers x 1 device: the ring crosses the network
+    assert allreduce_time(bytes_, Candidate(2, 1, 1, False), cluster(nodes=2, per_node=1)) == pytest.approx(
+        1.0 * bytes_ / 1e9
+    )
+    # width 1: nothing to reduce
+    assert allreduce_time(bytes_, Candidate(1, 4, 1, False), cluster()) == 0.0
+
+
+def test_memory_per_stage_matches_the_paper_formula():
+    # 2BW, no recompute: 2|W|/d weights + stash (d - s) x activations of the stage
+    profile = uniform(n=4, params=1000, act=100.0, out=10.0)
+    candidate = Candidate(1, 2, 1, False, "2bw")
+    first = stage_memory(profile, range(0, 2), 0, candidate, 4)
+    assert first == {
+        "weights": 2 * 2000 * 4,
+        "gradients": 2000 * 4,
+        "optimizer": 2 * 2000 * 4,
+        "activations": 2 * 200.0,
+    }
+    last = stage_memory(profile, range(2, 4), 1, candidate, 4)
+    assert last["activations"] == 1 * 200.0
+    # recompute: stash only the stage input (d - s of them), rebuild one microbatch's activations
+    rec = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw"), 4)
+    assert rec["activations"] == 2 * 10.0 + 200.0
+    # flush keeps one weight version; GPipe stashes all m microbatches
+    assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 4)["weights"] == 2000 * 4
+    assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "gpipe"), 4)["activations"] == 4 * 200.0
+
+
+def test_tied_parameter_counted_once_on_one_stage():
+    profile = ModelProfile(
+        [LayerProfile(1, 2, 0, 0, 500), LayerProfile(1, 2, 0, 0, 100), LayerProfile(1, 2, 0, 0, 500)],
+        shared=((0, 2, 500),),
+    )
+    one = stage_memory(profile, range(0, 3), 0, Candidate(1, 1, 1, False, "flush"), 1)
+    assert one["weights"] == (500 + 100 + 500 - 500) * 4
+
+
+def test_partition_balances_time_not_layer_count():
+    # an expensive head (the LM head's vocabulary matmul) gets a stage of its own
+    layers = [LayerProfile(0.1, 0.2, 0, 0, 10)] + [LayerProfile(1, 2, 0, 0, 10)] * 4 + [LayerProfile(3, 6, 0, 0, 10)]
+    stages = partition(ModelProfile(layers), Candidate(1, 3, 1, False), 4, float("inf"))
+    assert stages == [range(0, 3), range(3, 5), range(5, 6)]
+
+
+def test_partition_respects_memory_and_shifts_layers_off_the_first_stage():
+    # the first stage stashes d microbatches, the last one: memory pushes layers to the back
+    layers = [LayerProfile(1, 2, 1000.0, 0, 0)] * 6
+    profile = ModelProfile(layers)
+    balanced = partition(profile, Candidate(1, 2, 1, False), 4, float("inf"))
+    assert balanced == [range(0, 3), range(3, 6)]
+    tight = partition(profile, Candidate(1, 2, 1, False), 4, capacity=2 * 2 * 1000.0 + 1)
+    assert tight == [range(0, 2), range(2, 6)]
+    assert partition(profile, Candidate(1, 2, 1, False), 4, capacity=1000.0) is None
+
+
+def test_search_obeys_m_ge_d_and_ranks_by_throughput():
+    fits, _ = search(lambda b: uniform(n=8), cluster(per_node=8), 16)
+    assert fits and all(p.num_microbatches >= p.candidate.depth for p in fits)
+    assert [p.throughput for p in fits] == sorted((p.throughput for p in fits), reverse=True)
+    assert all(p.candidate.width * p.candidate.depth == 8 for p in fits)
+    assert all(p.num_microbatches * p.candidate.micro_batch_size * p.candidate.width == 16 for p in fits)
+
+
+def test_refusal_says_what_would_fit():
+    device = device_spec("v100_16g")
+    profiles = lambda b: ModelProfile(  # noqa: E731
+        analytic_profile(num_blocks=40, hidden=5120, heads=40, vocab=50304, seq=2048, micro=b, device=device)
+    )
+    with pytest.raises(NoPlanFits) as error:
+        search(profiles, cluster(device=device, per_node=8), 64)
+    message = str(error.value)
+    assert "nothing fits v100_16g" in message and "more devices" in message and "needs" in message
+
+
+def test_search_over_1024_devices_is_fast():
+    device = device_spec("a100_80g")
+    profile = lambda b: ModelProfile(  # noqa: E731
+        analytic_profile(num_blocks=40, hidden=5120, heads=40, vocab=50304, seq=2048, micro=b, device=device),
+        shared=((0, 41, 50304 * 5120),),
+    )
+    start = time.perf_counter()
+    fits, _ = search(profile, ClusterSpec(device, 128, 8, 300e9, 200e9), 1024)
+    assert time.perf_counter() - start < 1.0 and fits
+
+
+def test_analytic_profile_flops_and_activations():
+    device = DeviceSpec("unit", peak_flops=1e12, memory_bytes=GiB, memory_bandwidth=1e12, efficiency=1.0)
+    layers = analytic_profile(
+        num_blocks=2, hidden=64, heads=4, vocab=256, seq=32, micro=2, device=device, precision="32-true"
+    )
+    block = layers[1]
+    flops = 2 * 64 * 12 * 64 * 64 + 4 * 2 * 32 * 32 * 64  # 2 x tokens x 12 h^2 + attention 4 b s^2 h
+    assert block.forward_s == pytest.approx(flops / 1e12) and block.backward_s == pytest.approx(2 * flops / 1e12)
+    assert block.activation_bytes == block_activation_bytes(32, 2, 64, 4, 4)
+    assert block.parameters == 12 * 64 * 64 + 13 * 64 and len(layers) == 4
+
+
+def test_measured_profile_counts_real_bytes():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)]
+    x = torch.randn(4, 32)
+    before = layers[0].weight.detach().clone()
+    profiles = measure_layers(layers, x, torch.device("cpu"), loss_fn=lambda out: out.square().mean(), repeats=2)
+    assert profiles[0].parameters == 32 * 64 + 64 and profiles[1].parameters == 64 * 8 + 8
+    assert profiles[0].output_bytes == 4 * 64 * 4 and profiles[1].output_bytes == 0
+    assert profiles[0].activation_bytes == 4 * 32 * 4, "a Linear saves its input"
+    assert all(p.forward_s > 0 and p.backward_s >= 0 for p in profiles)
+    assert torch.equal(layers[0].weight, before) and layers[0].weight.grad is None, "profiling leaves the model alone"
+
+
+def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_pd2bw.planner.cli",
+        "recipe=gpt13b",
+        "cluster=a100_80g_8x8",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "samples/s" in result.stdout and "best: width" in result.stdout and "pd2bw-train" in result.stdout
+    refused = subprocess.run(
+        [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert refused.returncode != 0 and "no plan fits" in refused.stderr and "more devices" in refused.stderr
