@@ -7,6 +7,7 @@ applies the optimizer update of ``batch`` (gradient reductions, clipping, ``opti
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -68,8 +69,8 @@ class StageExecutor:
         self._grads_in: dict[int, list[torch.Tensor]] = {}
         self.losses: dict[int, list[torch.Tensor]] = {}
         self.max_stashed = 0
-        self.trace: list[S.Action] = []
-        self.record_trace = False
+        # (action, start, end) in perf_counter seconds, when recording (timeline.py turns it into a trace)
+        self.timeline: list[tuple[S.Action, float, float]] | None = None
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -138,6 +139,7 @@ class StageExecutor:
         """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
         for action in actions:
             kind, k = action.kind, action.microbatch
+            start = time.perf_counter() if self.timeline is not None else 0.0
             if kind == S.RECV_FORWARD:
                 self._received[k] = self.link.recv_forward()
             elif kind == S.FORWARD:
@@ -156,8 +158,10 @@ class StageExecutor:
                 step_fn(action.batch)
             else:
                 raise ValueError(f"unknown action {action}")
-            if self.record_trace:
-                self.trace.append(action)
+            if self.timeline is not None:
+                if self.link.device.type == "cuda":
+                    torch.cuda.synchronize(self.link.device)  # GPU work is asynchronous: time it done
+                self.timeline.append((action, start, time.perf_counter()))
 
     def finish_drain(self) -> None:
         """After a drain's actions: nothing may be in flight; the version rule restarts."""

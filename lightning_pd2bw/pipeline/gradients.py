@@ -12,16 +12,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+BUCKET_BYTES = 25 * 1024**2  # as DDP: few large messages instead of one per tensor
+
+
+def buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """Consecutive tensors grouped by dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = out[-1] if out else None
+        if last and last[0].dtype == tensor.dtype and last[0].device == tensor.device and size + nbytes <= limit:
+            last.append(tensor)
+            size += nbytes
+        else:
+            out.append([tensor])
+            size = nbytes
+    return out
+
 
 def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int) -> None:
-    """Average gradients over the data-parallel replicas of this stage (async all-reduces, then divide)."""
+    """Average gradients over the data-parallel replicas of this stage: flattened buckets, all-reduced
+    asynchronously, then divided and copied back (element-wise the same sums as one call per tensor)."""
     if size <= 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
-    for work, grad in zip(works, grads):
+    flat = [(bucket, torch._utils._flatten_dense_tensors(bucket)) for bucket in buckets(grads)]
+    works = [dist.all_reduce(buffer, group=group, async_op=True) for _, buffer in flat]
+    for work, (bucket, buffer) in zip(works, flat):
         work.wait()
-        grad.div_(size)
+        buffer.div_(size)
+        for grad, value in zip(bucket, torch._utils._unflatten_dense_tensors(buffer, bucket)):
+            grad.copy_(value)
 
 
 def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:

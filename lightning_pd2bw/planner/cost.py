@@ -9,6 +9,7 @@ where the link is NVLink inside a server and the network where consecutive ranks
 A batch takes, in the steady state,
 
     2BW:          m * max_s t_s                       (no bubble: the pipeline never drains)
+                  + the wait a shared parameter's gradient sum adds (``shared_wait``)
     Flush/GPipe:  (m - 1) * max_s t_s + sum_s t_s     (= (m + d - 1) t for equal stages)
 
 plus the update: the all-reduce of the stage's gradients over its w replicas (ring, on the level
@@ -86,9 +87,9 @@ def stage_memory(
     layers = [profile.layers[i] for i in span]
     params = sum(p.parameters for p in layers)
     params -= sum(n for a, b, n in profile.shared if a in span and b in span)  # one tensor on this stage
-    return memory_of(
-        profile, params, sum(p.activation_bytes for p in layers), span.start, stage, candidate, num_microbatches
-    )
+    activations = sum(p.activation_bytes for p in layers)
+    largest = max(p.activation_bytes for p in layers)
+    return memory_of(profile, params, activations, span.start, stage, candidate, num_microbatches, largest)
 
 
 def memory_of(
@@ -99,22 +100,34 @@ def memory_of(
     stage: int,
     candidate: Candidate,
     num_microbatches: int,
+    largest_layer: float = 0.0,
 ) -> dict[str, float]:
-    """Bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch."""
+    """Peak bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch.
+
+    Besides weights, gradients, optimizer states and the stash: the backward's workspace (gradients of
+    one layer's activations, about its saved bytes, ``largest_layer``) and, under 2BW, the optimizer's
+    temporaries (a parameter-sized buffer for Adam's foreach step), because 2BW updates while
+    microbatches are stashed. Flush and GPipe clear the gradients at each batch, so when the whole
+    stash is taken before the first backward (m <= d - s) the gradients meet one microbatch fewer.
+    """
     versions = 2 if candidate.mode == "2bw" else 1
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches)
+    weights = params * profile.weight_bytes
+    per_micro = activations
     if candidate.recompute:
-        stage_input = (
-            profile.layers[first_layer - 1].output_bytes if first_layer > 0 else profile.layers[0].activation_bytes
-        )
-        stashed = stash * stage_input + activations
+        stage_input = profile.layers[first_layer - 1].output_bytes if first_layer > 0 else 0.0
+        stashed, per_micro = stash * stage_input + activations, stage_input
     else:
         stashed = stash * activations
+    if candidate.mode != "2bw" and num_microbatches <= candidate.depth - stage:
+        stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
+    temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
     return {
-        "weights": versions * params * profile.weight_bytes,
-        "gradients": params * profile.weight_bytes,
-        "optimizer": profile.optimizer_states * params * profile.weight_bytes,
+        "weights": versions * weights,
+        "gradients": weights,
+        "optimizer": profile.optimizer_states * weights,
         "activations": stashed,
+        "workspace": largest_layer + temporaries,
     }
 
 
@@ -146,6 +159,19 @@ def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec)
     span = -(-w // local)  # servers the ring crosses
     inter = 2 * (span - 1) / span * num_bytes * stages_per_node / cluster.inter_node_bandwidth
     return intra + inter + 2 * (w - 1) * cluster.latency
+
+
+def shared_wait(profile: ModelProfile, stages: Sequence[range], times: Sequence[float]) -> float:
+    """2BW's cost of a parameter shared by stages i < j (GPT's tied embedding): the gradient sum is a
+    collective inside the update, so stage j, which finishes batch b's backwards first, waits for stage
+    i to finish them, about one microbatch slot per stage in between, every batch (measured: the last
+    stage's update waits F + B of stage 0 at d = 2). Flush pays this inside its drain already."""
+    stage_of = {layer: s for s, span in enumerate(stages) for layer in span}
+    wait = 0.0
+    for a, b, _ in profile.shared:
+        first, last = stage_of[a], stage_of[b]
+        wait = max(wait, sum(times[first:last]))
+    return wait
 
 
 def predict(
@@ -186,7 +212,7 @@ def predict(
         updates.append(allreduce_time(grad_bytes, candidate, cluster) + shared_sum + sum(p.optimizer_s for p in layers))
     slowest = max(times)
     if candidate.mode == "2bw":
-        pipeline = m * slowest
+        pipeline = m * slowest + shared_wait(profile, stages, times)
     else:
         pipeline = (m - 1) * slowest + sum(times)
     update = max(updates)

@@ -33,7 +33,7 @@ def pack(
     stages, start = [], 0
     for s in range(d):
         last = n if s == d - 1 else n - (d - 1 - s)  # leave a layer for each later stage
-        end, time, params, activations = start, 0.0, 0, 0.0
+        end, time, params, activations, largest = start, 0.0, 0, 0.0, 0.0
         while end < last:
             layer = profile.layers[end]
             step = layer.forward_s * factor + layer.backward_s
@@ -41,10 +41,11 @@ def pack(
                 break
             shared = sum(k for a, b, k in profile.shared if b == end and start <= a < end)
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
-            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches)
+            widest = max(largest, layer.activation_bytes)
+            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest)
             if sum(memory.values()) > capacity:
                 break
-            time, (params, activations) = time + step, grown
+            time, (params, activations), largest = time + step, grown, widest
             end += 1
         if end == start or (s == d - 1 and end < n):
             return None

@@ -82,6 +82,7 @@ def test_memory_per_stage_matches_the_paper_formula():
         "gradients": 2000 * 4,
         "optimizer": 2 * 2000 * 4,
         "activations": 2 * 200.0,
+        "workspace": 100.0 + 2000 * 4,  # one layer's backward buffers; Adam's step temporaries while 2BW stashes
     }
     last = stage_memory(profile, range(2, 4), 1, candidate, 4)
     assert last["activations"] == 1 * 200.0
@@ -89,7 +90,11 @@ def test_memory_per_stage_matches_the_paper_formula():
     rec = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw"), 4)
     assert rec["activations"] == 2 * 10.0 + 200.0
     # flush keeps one weight version; GPipe stashes all m microbatches
-    assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 4)["weights"] == 2000 * 4
+    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 4)
+    assert flush["weights"] == 2000 * 4 and flush["workspace"] == 100.0, "flush steps with nothing stashed"
+    # m <= d - s: the whole stash is taken before the first backward; gradients then meet one microbatch fewer
+    drained = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 2)
+    assert drained["activations"] + drained["gradients"] == max(2 * 200.0, 200.0 + 2000 * 4)
     assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "gpipe"), 4)["activations"] == 4 * 200.0
 
 
@@ -115,7 +120,8 @@ def test_partition_respects_memory_and_shifts_layers_off_the_first_stage():
     profile = ModelProfile(layers)
     balanced = partition(profile, Candidate(1, 2, 1, False), 4, float("inf"))
     assert balanced == [range(0, 3), range(3, 6)]
-    tight = partition(profile, Candidate(1, 2, 1, False), 4, capacity=2 * 2 * 1000.0 + 1)
+    # stage 0: 2 stashed x 2 layers + one layer's backward workspace; stage 1: 1 x 4 layers + workspace
+    tight = partition(profile, Candidate(1, 2, 1, False), 4, capacity=2 * 2 * 1000.0 + 1000.0 + 1)
     assert tight == [range(0, 2), range(2, 6)]
     assert partition(profile, Candidate(1, 2, 1, False), 4, capacity=1000.0) is None
 
