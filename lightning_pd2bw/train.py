@@ -104,7 +104,7 @@ def plan_text(cfg, layout, model) -> str:
             f"  stage {stage}: layers {span.start}..{span.stop - 1}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB (weights {memory['weights'] / GiB:.2f}, grads "
             f"{memory['gradients'] / GiB:.2f}, optimizer {memory['optimizer'] / GiB:.2f}, activations "
-            f"{memory['activations'] / GiB:.2f})"
+            f"{memory['activations'] / GiB:.2f}, workspace {memory['workspace'] / GiB:.2f})"
         )
     return "\n".join(lines)
 

@@ -46,7 +46,7 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
     "gpt1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
     "gpt2.2b": dict(n_layer=40, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
-    "gpt3.8b": dict(n_layer=48, n_head=24, n_embd=2560, block_size=2048, vocab_size=50304),
+    "gpt3.8b": dict(n_layer=48, n_head=20, n_embd=2560, block_size=2048, vocab_size=50304),
     # GPT-3 13B (Brown et al. 2020): 40 layers, d_model 5120, 40 heads, context 2048; ~12.85B params
     "gpt13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=50304),
 }

@@ -36,6 +36,7 @@ class Case:
     mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
     steps_per_epoch: int | None = None  # limit_train_batches: epochs restart the sampler's shuffle
     sparsity: str | None = None  # a key of SPARSITY: a lightning_pd2bw.sparsity callback
+    micro_batch: int = MICRO_BATCH  # samples per microbatch (the reference groups its gradients the same way)
     plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
     extra: dict = field(default_factory=dict)
 
@@ -65,7 +66,7 @@ def dataset(case: Case):
 
 
 def dataloader(case: Case) -> DataLoader:
-    return DataLoader(dataset(case), batch_size=MICRO_BATCH * case.num_microbatches, shuffle=False, drop_last=True)
+    return DataLoader(dataset(case), batch_size=case.micro_batch * case.num_microbatches, shuffle=False, drop_last=True)
 
 
 def replica_batch(case: Case, step: int, replica: int, width: int) -> dict[str, torch.Tensor]:
@@ -76,7 +77,7 @@ def replica_batch(case: Case, step: int, replica: int, width: int) -> dict[str, 
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
     total = -(-len(order) // width) * width
     shard = (order + order[: total - len(order)])[replica:total:width]
-    size = MICRO_BATCH * case.num_microbatches
+    size = case.micro_batch * case.num_microbatches
     items = [data[i] for i in shard[step * size : (step + 1) * size]]
     return {k: torch.stack([item[k] for item in items]) for k in items[0]}
 

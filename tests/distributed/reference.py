@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from .cases import MICRO_BATCH, Case, build_model, mask_for, replica_batch, sparsity_callback
+from .cases import Case, build_model, mask_for, replica_batch, sparsity_callback
 
 
 def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
-    return [{k: v[j * MICRO_BATCH : (j + 1) * MICRO_BATCH] for k, v in batch.items()} for j in range(count)]
+    size = len(next(iter(batch.values()))) // count
+    return [{k: v[j * size : (j + 1) * size] for k, v in batch.items()} for j in range(count)]
 
 
 def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:

@@ -33,7 +33,10 @@ def as_run(trained, name: str) -> tuple:
         return case, width_of(name)
     plan = json.loads((trained[name] / "rank-0.json").read_text())["plan"]
     per_replica = MICRO_BATCH * case.num_microbatches // plan["width"]
-    return replace(case, num_stages=plan["depth"], num_microbatches=per_replica // MICRO_BATCH), plan["width"]
+    micro = plan["micro"]
+    return replace(case, num_stages=plan["depth"], num_microbatches=per_replica // micro, micro_batch=micro), plan[
+        "width"
+    ]
 
 
 @pytest.mark.parametrize("name", list(CASES))
