@@ -9,7 +9,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,wandb,hf]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,wandb,hf,plot]"
 	touch $@
 
 venv: $(BIN)/.installed

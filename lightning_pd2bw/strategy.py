@@ -25,8 +25,9 @@ in-flight backwards and the last update run; afterwards the version rule restart
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,16 @@ from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import materialize, release
 from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
+from .pipeline.timeline import REDUCE, SHARED_STEP
 from .pipeline.versions import WeightVersions
+from .sigterm import defer_sigterm_check
 
 CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 CLIP_MODES = ("global", "stage")
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
@@ -169,6 +176,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._step_in_run = 0
         self._hparams_by_batch: dict[int, list[dict[str, Any]]] = {}
         self._losses_in_flight: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._settle_sigterm: Any = lambda: None
+        self._deferred = gradients.DeferredSharedSums()
+        self._deferred_hparams: dict[int, list[dict[str, Any]]] = {}
+        self._draining = False
 
     # ------------------------------------------------------------------ grid and processes
     @property
@@ -430,7 +441,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ training
     def on_train_start(self) -> None:
         # the engine owns zero_grad and backward (the same switch Lightning's SWA callback uses)
-        self.lightning_module.trainer.fit_loop._skip_backward = True
+        trainer = self.lightning_module.trainer
+        trainer.fit_loop._skip_backward = True
+        self._settle_sigterm = defer_sigterm_check(trainer, self.root_device)
         # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
         # counts Lightning steps, and each update uses its own batch's learning rate (see _apply_update)
         warnings.filterwarnings(
@@ -447,7 +460,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         assert self.executor is not None
         step = self._step_in_run
         optimizer = self.optimizers[0]
-        self._hparams_by_batch[step] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self._hparams_by_batch[step] = _hyperparameters(optimizer)
+        self._finish_deferred(step - 2)
         self.executor.feed(step, split_microbatches(batch, self.num_microbatches))
         actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
         with self.precision_plugin.train_step_context():
@@ -484,21 +498,78 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def _apply_update(self, batch: int) -> None:
         trainer = self.lightning_module.trainer
         optimizer = self.optimizers[0]
-        self._reduce_gradients()
+        shared = [(param, group) for param, group, _, _ in self._shared]
+        defer = self._defers_shared_sums(trainer)
+        with self._collectives(batch):
+            gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
+            if defer:
+                self._deferred.launch(batch, shared)
+            else:
+                gradients.sum_shared(shared)
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        current = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        for group, hparams in zip(optimizer.param_groups, self._hparams_by_batch.pop(batch)):
-            group.update(hparams)
-        optimizer.step()
-        for group, hparams in zip(optimizer.param_groups, current):
-            group.update(hparams)
+        with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
+            self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        hparams = self._hparams_by_batch.pop(batch)
+        if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
+            handle = optimizer.register_step_pre_hook(
+                lambda opt, *_: self._deferred_hparams.__setitem__(batch, _hyperparameters(opt))
+            )
+            try:
+                self._step_optimizer(hparams)
+            finally:
+                handle.remove()
+        else:
+            self._step_optimizer(hparams)
         optimizer.zero_grad(set_to_none=True)
 
-    def _reduce_gradients(self) -> None:
-        gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
-        gradients.sum_shared([(param, group) for param, group, _, _ in self._shared])
+    def _step_optimizer(self, hparams: list[dict[str, Any]], hooks: bool = True) -> None:
+        """``optimizer.step()`` with a batch's hyper-parameters (its Lightning step's learning rate);
+        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter)."""
+        optimizer = self.optimizers[0]
+        current = _hyperparameters(optimizer)
+        for group, values in zip(optimizer.param_groups, hparams):
+            group.update(values)
+        saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        if not hooks:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            optimizer.step()
+        finally:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
+        for group, values in zip(optimizer.param_groups, current):
+            group.update(values)
+
+    def _defers_shared_sums(self, trainer: pl.Trainer) -> bool:
+        """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
+        return self.mode == "2bw" and bool(self._shared) and not trainer.gradient_clip_val and not self._draining
+
+    def _finish_deferred(self, until_batch: int) -> None:
+        """Apply the deferred tied-parameter updates of batches <= ``until_batch`` to the newest weights.
+
+        Called before batch ``until_batch + 2``'s first forward: the newest version is then the one
+        that batch's update made, not yet read by anyone; every other gradient is left untouched.
+        """
+        for batch in self._deferred.batches_until(until_batch):
+            recorder = self.executor.recorder
+            start = recorder.now() if recorder is not None else 0.0
+            sums = self._deferred.take(batch)
+            self.executor.versions.use_latest()
+            others = [(p, p.grad) for p in self._local_params]
+            for param in self._local_params:
+                param.grad = None
+            for param, grad in sums:
+                param.grad = grad
+            self._step_optimizer(self._deferred_hparams.pop(batch), hooks=False)
+            for param, grad in others:
+                param.grad = grad
+            if recorder is not None:
+                recorder.add(SHARED_STEP, batch, -1, -1, start)
+
+    def _collectives(self, batch: int) -> Any:
+        """Marks gradient collectives inside an update on the timeline (when one is recorded)."""
+        recorder = self.executor.recorder
+        return recorder.span(REDUCE, batch) if recorder is not None else nullcontext()
 
     def _clip_gradients(self, clip_val: float | None, algorithm: Any) -> None:
         if not clip_val:
@@ -517,8 +588,13 @@ class PipeDream2BWStrategy(ParallelStrategy):
             return
         if self.mode == "2bw" and self._step_in_run > 0:
             last = self._step_in_run - 1
+            self._finish_deferred(last - 1)
             actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
-            self.executor.run(actions, self._apply_update)
+            self._draining = True  # the drain's own update sums at once: nothing may stay pending
+            try:
+                self.executor.run(actions, self._apply_update)
+            finally:
+                self._draining = False
             self.executor.finish_drain()
         for step in list(self._losses_in_flight):
             self._take_loss(step)
@@ -529,6 +605,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         self.drain()
+        self._settle_sigterm()
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -7,7 +7,6 @@ applies the optimizer update of ``batch`` (gradient reductions, clipping, ``opti
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -17,7 +16,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import schedule as S
+from .activations import ActivationMeter
 from .comm import StageLink, carries_gradient
+from .timeline import WAIT_SENDS, Recorder
 from .versions import WeightVersions
 
 
@@ -69,8 +70,8 @@ class StageExecutor:
         self._grads_in: dict[int, list[torch.Tensor]] = {}
         self.losses: dict[int, list[torch.Tensor]] = {}
         self.max_stashed = 0
-        # (action, start, end) in perf_counter seconds, when recording (timeline.py turns it into a trace)
-        self.timeline: list[tuple[S.Action, float, float]] | None = None
+        self.recorder: Recorder | None = None  # set one to record every action (timeline.py)
+        self.meter: ActivationMeter | None = None  # set one to count stashed activation bytes
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -103,8 +104,7 @@ class StageExecutor:
             inputs = as_tuple(self.input_fn(self._microbatches[k]))
         else:
             inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(k))
-        hooks = torch.autograd.graph.saved_tensors_hooks(_pack_alias, _unpack_alias)
-        with hooks if self.versions.double_buffer else nullcontext():
+        with self._saved_tensor_hooks():
             if self.recompute:
                 outputs = checkpoint(self.run_layers, inputs, use_reentrant=False)
             else:
@@ -119,6 +119,15 @@ class StageExecutor:
         if self.is_first:
             self._microbatches.pop(k, None)
         self.max_stashed = max(self.max_stashed, len(self._stash))
+
+    def _saved_tensor_hooks(self) -> Any:
+        meter = self.meter
+        if meter is None:
+            double = self.versions.double_buffer
+            return torch.autograd.graph.saved_tensors_hooks(_pack_alias, _unpack_alias) if double else nullcontext()
+        if self.versions.double_buffer:
+            return torch.autograd.graph.saved_tensors_hooks(lambda t: meter.pack(_pack_alias(t)), meter.unpack)
+        return meter.hooks()
 
     def _backward(self, action: S.Action) -> None:
         k = action.microbatch
@@ -137,9 +146,10 @@ class StageExecutor:
     # ----------------------------------------------------------------- driver
     def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
         """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
+        recorder = self.recorder
         for action in actions:
             kind, k = action.kind, action.microbatch
-            start = time.perf_counter() if self.timeline is not None else 0.0
+            start = recorder.now() if recorder is not None else 0.0
             if kind == S.RECV_FORWARD:
                 self._received[k] = self.link.recv_forward()
             elif kind == S.FORWARD:
@@ -156,16 +166,20 @@ class StageExecutor:
             elif kind == S.STEP:
                 self.versions.begin_update()
                 step_fn(action.batch)
+                if self.meter is not None:
+                    self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
             else:
                 raise ValueError(f"unknown action {action}")
-            if self.timeline is not None:
-                if self.link.device.type == "cuda":
-                    torch.cuda.synchronize(self.link.device)  # GPU work is asynchronous: time it done
-                self.timeline.append((action, start, time.perf_counter()))
+            if recorder is not None:
+                recorder.action(action, start)
 
     def finish_drain(self) -> None:
         """After a drain's actions: nothing may be in flight; the version rule restarts."""
-        self.link.wait_sends()
+        if self.recorder is not None:
+            with self.recorder.span(WAIT_SENDS):
+                self.link.wait_sends()
+        else:
+            self.link.wait_sends()
         if self.in_flight:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()

@@ -54,6 +54,39 @@ def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
         dist.all_reduce(param.grad, group=group)
 
 
+class DeferredSharedSums:
+    """2BW's tied-parameter sums, off the critical path.
+
+    The stages holding a tied parameter reach the update of batch b at different moments (the last
+    stage first), so a blocking sum makes the early ones wait. Under 2BW, batch b's update is first
+    read by batch b+2's forwards; ``launch`` therefore moves the tied gradients aside (the next
+    batch's backwards start fresh ones: one extra gradient copy of the tied parameters) and sums them
+    asynchronously; the caller applies them with ``take`` before batch b+2 begins.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[int, list[tuple[nn.Parameter, torch.Tensor, Any]]] = {}
+
+    def launch(self, batch: int, shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
+        entries = []
+        for param, group in shared:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            param.grad = None
+            entries.append((param, grad, dist.all_reduce(grad, group=group, async_op=True)))
+        self.pending[batch] = entries
+
+    def batches_until(self, batch: int) -> list[int]:
+        return sorted(b for b in self.pending if b <= batch)
+
+    def take(self, batch: int) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Batch ``batch``'s summed gradients (waits for the sums)."""
+        out = []
+        for param, grad, work in self.pending.pop(batch):
+            work.wait()
+            out.append((param, grad))
+        return out
+
+
 def clip_by_norm(
     params: Sequence[nn.Parameter],
     max_norm: float,

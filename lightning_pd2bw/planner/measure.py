@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..pipeline.activations import ActivationMeter
 from ..pipeline.materialize import materialize
 from .profile import LayerProfile
 
@@ -46,24 +47,6 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for the backward (unique storages, parameters excluded)."""
-
-    def __init__(self, parameters: Sequence[torch.Tensor]) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in parameters}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.skip:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def _signature(layer: nn.Module, inputs: tuple) -> tuple:
@@ -125,10 +108,10 @@ def measure_layers(
                 output = layer(*inputs)
         else:
             forward_s, (output, _) = _timed(forward, device, repeats)
-            counter = _SavedBytes(params)
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            meter = ActivationMeter(params)
+            with meter.hooks():
                 out, loss = forward()
-            saved = counter.total
+            saved = meter.current
 
             def backward(forward=forward) -> None:
                 out, loss = forward()

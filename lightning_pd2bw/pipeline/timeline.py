@@ -1,0 +1,171 @@
+"""Pipeline timelines: what each stage ran and when, its bubble fraction, and a Chrome/Perfetto trace.
+
+Recording is switched on by giving the executor a ``Recorder``; it then notes every action (forward,
+backward, send, receive, optimizer step) with its start and end, plus the spans the update marks
+inside a STEP (``REDUCE``: gradient collectives) and the wait for outstanding sends at a drain.
+Times are seconds since the recorder's ``origin``; stages that take their origin right after a
+barrier share a clock to within the barrier's skew (a few microseconds on one host).
+
+The **bubble fraction** of a stage over a window is the share of the window in which it computed
+nothing: ``1 - (forward + backward + optimizer time) / window``. Receives (blocked on a neighbour),
+collectives inside the update and the framework's time between steps all count as bubble, which is
+what a user pays for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from . import schedule as S
+
+REDUCE = "REDUCE"  # gradient collectives inside an update (nested in a STEP)
+WAIT_SENDS = "WAIT_SENDS"  # a drain waiting for its outstanding sends
+SHARED_STEP = "SHARED_STEP"  # 2BW: a tied parameter's deferred update (strategy, outside the schedule)
+COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP, SHARED_STEP)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One span on one stage: ``kind`` is a schedule action kind, ``REDUCE`` or ``WAIT_SENDS``."""
+
+    kind: str
+    batch: int
+    microbatch: int
+    version: int
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class Recorder:
+    """Collects a stage's events; ``take()`` hands them over and starts afresh."""
+
+    def __init__(self, origin: float | None = None, device: torch.device | None = None) -> None:
+        self.origin = time.perf_counter() if origin is None else origin
+        self.device = device
+        self.events: list[Event] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def sync(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # GPU work is asynchronous: time it done
+
+    def add(self, kind: str, batch: int, microbatch: int, version: int, start: float) -> None:
+        """Record a span that began at ``start`` (``self.now()`` then) and ends now."""
+        self.sync()
+        self.events.append(Event(kind, batch, microbatch, version, start, self.now()))
+
+    def action(self, action: S.Action, start: float) -> None:
+        self.add(action.kind, action.batch, action.microbatch, action.weight_version, start)
+
+    @contextmanager
+    def span(self, kind: str, batch: int = -1) -> Iterator[None]:
+        self.sync()
+        start = self.now()
+        yield
+        self.add(kind, batch, -1, -1, start)
+
+    def take(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+
+def busy_seconds(events: Iterable[Event], start: float = float("-inf"), end: float = float("inf")) -> float:
+    """Compute time inside [start, end]: forwards, backwards and updates less their collectives."""
+    total = 0.0
+    for event in events:
+        overlap = max(0.0, min(event.end, end) - max(event.start, start))
+        if event.kind in COMPUTE:
+            total += overlap
+        elif event.kind == REDUCE:
+            total -= overlap
+    return total
+
+
+def bubble_fraction(events: Sequence[Event], start: float, end: float) -> float:
+    """Share of [start, end] in which the stage computed nothing."""
+    if end <= start:
+        raise ValueError(f"empty window [{start}, {end}]")
+    return 1.0 - busy_seconds(events, start, end) / (end - start)
+
+
+@dataclass
+class StageTimeline:
+    """One rank's events with its place in the grid; what ranks send to be merged."""
+
+    rank: int
+    stage: int
+    replica: int
+    events: list[Event]
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "stage": self.stage,
+            "replica": self.replica,
+            "events": [asdict(e) for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StageTimeline:
+        return cls(data["rank"], data["stage"], data["replica"], [Event(**e) for e in data["events"]])
+
+
+def _label(event: Event) -> str:
+    if event.kind == S.STEP:
+        return f"STEP b{event.batch}"
+    if event.microbatch < 0:
+        return event.kind
+    return f"{event.kind} b{event.batch} m{event.microbatch}"
+
+
+def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
+    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one process per stage, one
+    thread per replica, complete ("X") events in microseconds."""
+    events: list[dict] = []
+    for stage in sorted({t.stage for t in timelines}):
+        events.append({"name": "process_name", "ph": "M", "pid": stage, "args": {"name": f"stage {stage}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": stage, "args": {"sort_index": stage}})
+    for timeline in timelines:
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": timeline.stage,
+                "tid": timeline.replica,
+                "args": {"name": f"replica {timeline.replica} (rank {timeline.rank})"},
+            }
+        )
+        for event in timeline.events:
+            events.append(
+                {
+                    "name": _label(event),
+                    "cat": event.kind,
+                    "ph": "X",
+                    "pid": timeline.stage,
+                    "tid": timeline.replica,
+                    "ts": event.start * 1e6,
+                    "dur": event.seconds * 1e6,
+                    "args": {"batch": event.batch, "microbatch": event.microbatch, "weight_version": event.version},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, timelines: Sequence[StageTimeline]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timelines)))
+    return path
