@@ -46,6 +46,7 @@ CONFIG = GPTConfig(
     block_size=SEQ,
 )
 LR = 1e-4
+ACCELERATOR = os.environ.get("BENCH_ACCELERATOR", "cpu")  # "gpu": one process per GPU, NCCL
 
 
 def weight_bytes(params: list[nn.Parameter]) -> int:
@@ -87,7 +88,7 @@ class Probe(pl.Callback):
         self.marks.append(time.perf_counter())
 
 
-def lightning_run(kind: str, m: int, data: LMDataset, trace: bool) -> dict:
+def lightning_run(kind: str, m: int, data: LMDataset, trace: bool, out: Path) -> dict:
     pl.seed_everything(0)
     model = GPT(CONFIG, lr=LR)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -104,8 +105,13 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool) -> dict:
         )
         batch = m * MICRO
         if trace:
-            tracer = PipelineTrace(dirpath=os.environ.get("BENCH_TRACE_DIR"), first_step=WARMUP, num_steps=TIMED)
-            tracer.picture = bool(os.environ.get("BENCH_TRACE_DIR"))
+            picture_dir = os.environ.get("BENCH_TRACE_DIR")
+            tracer = PipelineTrace(
+                dirpath=picture_dir or os.path.join(out, "trace"),
+                first_step=WARMUP,
+                num_steps=TIMED,
+                picture=bool(picture_dir),
+            )
             callbacks.append(tracer)
     elif kind == "ddp":
         strategy, batch = "ddp", m * MICRO // world
@@ -113,7 +119,7 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool) -> dict:
         strategy, batch = "auto", m * MICRO
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=world,
         max_steps=WARMUP + TIMED,
         logger=False,
@@ -147,18 +153,20 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool) -> dict:
 def torch_pipelining_run(kind: str, m: int, data: LMDataset) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    dist.init_process_group("gloo")
+    gpu = ACCELERATOR == "gpu"
+    dist.init_process_group("nccl" if gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     pl.seed_everything(0)
     model = GPT(CONFIG, lr=LR)
     layers = list(model.pipeline_layers())
     sizes = even_cut(len(layers), world)
     start = sum(sizes[:rank])
-    module = nn.Sequential(*layers[start : start + sizes[rank]])
+    module = nn.Sequential(*layers[start : start + sizes[rank]]).to(device)
     tied = model.pipeline_layers()[0].wte.weight  # the token embedding, tied to the output head
     holds_tied = rank in (0, world - 1)
     tied_group = dist.new_group(sorted({0, world - 1})) if world > 1 else None  # every rank joins new_group
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    stage = PipelineStage(module, rank, world, device)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return model.pipeline_loss(logits, {"labels": labels})
@@ -172,9 +180,9 @@ def torch_pipelining_run(kind: str, m: int, data: LMDataset) -> dict:
         batch = next(loader)
         with meter.hooks():
             if rank == 0:
-                schedule.step(batch["input_ids"])
+                schedule.step(batch["input_ids"].to(device))
             elif rank == world - 1:
-                schedule.step(target=batch["labels"])
+                schedule.step(target=batch["labels"].to(device))
             else:
                 schedule.step()
         if world > 1 and holds_tied:  # the tied embedding's gradient is the sum over both ends
@@ -183,6 +191,8 @@ def torch_pipelining_run(kind: str, m: int, data: LMDataset) -> dict:
             dist.all_reduce(tied.grad, group=tied_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize(device)
         marks.append(time.perf_counter())
     elapsed = marks[-1] - marks[WARMUP - 1]
     record = {
@@ -203,7 +213,7 @@ def main() -> None:
     if kind in ("gpipe", "1f1b"):
         record = torch_pipelining_run(kind, m, data)
     else:
-        record = lightning_run(kind, m, data, config.get("trace", True))
+        record = lightning_run(kind, m, data, config.get("trace", True), out)
     record |= {"kind": kind, "m": m}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{os.environ.get('RANK', 0)}.json").write_text(json.dumps(record, indent=1))

@@ -1,0 +1,125 @@
+"""Pipeline benchmark: pd2bw 2BW and Flush against one process, DDP and torch.distributed.pipelining.
+
+    python benchmarks/pipelines.py                   # 2 CPU processes x 1 thread, m = 2, 4, 8 (~8 min here)
+    python benchmarks/pipelines.py --m 4 --procs 2   # one microbatch count
+    python benchmarks/pipelines.py --accelerator gpu --procs 2   # GPUs: one process per GPU, NCCL
+
+The same GPT (8 x 384, seq 128, byte vocabulary, tied embedding), the same global batch (m
+microbatches of 4 sequences) and the same processes under: one process; Lightning DDP; torch's
+ScheduleGPipe and Schedule1F1B (depth = processes); pd2bw flush and 2bw (depth = processes). Each
+run is ``benchmarks/pipelines_run.py`` (torchrun for the multi-process ones); samples/s are from the
+steady-state steps of one run and are shown as ratios to the single process measured in the same
+invocation. Prints one table per microbatch count (samples/s, ratio, bubble fraction from the
+timeline, weights and peak stashed activations per stage), the targets of issue 7 with their
+measured values, and writes the Gantt charts of 2BW and Flush (m = 4) to ``docs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw"]
+MiB = 2**20
+
+
+def run(kind: str, m: int, procs: int, out: Path, accelerator: str, trace: bool = True, picture: Path | None = None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), BENCH_ACCELERATOR=accelerator)
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the process: memory figures stay honest
+    env.pop("BENCH_TRACE_DIR", None)
+    if picture is not None:
+        env["BENCH_TRACE_DIR"] = str(picture)
+    config = json.dumps({"kind": kind, "m": m, "trace": trace})
+    script = str(ROOT / "benchmarks" / "pipelines_run.py")
+    if kind == "single":
+        command = [sys.executable, script, config, str(out)]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+        command = [*launcher, script, config, str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if result.returncode:
+        raise SystemExit(f"{kind} m={m} failed:\n{result.stderr[-4000:]}")
+    ranks = sorted(out.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    records = [json.loads(p.read_text()) for p in ranks]
+    return {
+        "samples_per_sec": min(r["samples_per_sec"] for r in records),  # the slowest rank sets the pace
+        "stages": sorted(records, key=lambda r: r["stage"]),
+    }
+
+
+def per_stage(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    values = [r.get(key) for r in result["stages"]]
+    if any(v is None for v in values):
+        return "-"
+    return " / ".join(fmt.format(v * scale) for v in values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8], help="microbatch counts")
+    parser.add_argument("--procs", type=int, default=2, help="processes (= pipeline depth, = DDP width)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the Gantt charts go")
+    args = parser.parse_args()
+    d = args.procs
+    results: dict[tuple[str, int], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in args.m:
+            for kind in KINDS:
+                picture = Path(tmp) / f"picture-{kind}-{m}" if kind in ("2bw", "flush") and m == 4 else None
+                results[kind, m] = run(kind, m, d, Path(tmp) / f"{kind}-{m}", args.accelerator, picture=picture)
+                print(f"  {kind:>6} m={m}: {results[kind, m]['samples_per_sec']:.2f} samples/s", file=sys.stderr)
+                if picture is not None:
+                    args.docs.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(picture / "timeline.png", args.docs / f"timeline_{kind}_d{d}_m{m}.png")
+        overhead_m = 4 if 4 in args.m else args.m[0]
+        untraced = run("2bw", overhead_m, d, Path(tmp) / "2bw-untraced", args.accelerator, trace=False)
+
+    print(f"\nGPT 8x384, seq 128, microbatch 4 sequences, {d} processes x 1 thread ({args.accelerator}); depth {d}")
+    header = (
+        f"{'m':>2} {'run':>7} | {'samples/s':>9} {'x single':>8} | {'bubble per stage':>17} | "
+        f"{'weights MiB per stage':>21} | {'stashed activations MiB per stage':>33}"
+    )
+    for m in args.m:
+        single = results["single", m]["samples_per_sec"]
+        print(f"\nglobal batch {4 * m} sequences (m = {m})")
+        print(header)
+        for kind in KINDS:
+            r = results[kind, m]
+            print(
+                f"{m:>2} {kind:>7} | {r['samples_per_sec']:>9.2f} {r['samples_per_sec'] / single:>8.2f} | "
+                f"{per_stage(r, 'bubble', 100, '{:.1f}%'):>17} | {per_stage(r, 'weight_bytes', 1 / MiB):>21} | "
+                f"{per_stage(r, 'activation_bytes', 1 / MiB):>33}"
+            )
+
+    print("\ntargets (issue 7), measured in this invocation:")
+    for m in args.m:
+        speed = {kind: results[kind, m]["samples_per_sec"] for kind in KINDS}
+        ideal = m / (m + d - 1)
+        efficiency = speed["flush"] / (d * speed["single"])
+        bubble = max(r["bubble"] for r in results["2bw", m]["stages"])
+        stash = max(r["activation_bytes"] for r in results["2bw", m]["stages"])
+        gpipe = max(r["activation_bytes"] for r in results["gpipe", m]["stages"])
+        print(
+            f"  m={m}: 2bw/single {speed['2bw'] / speed['single']:.2f} (>= 1.8) | 2bw/ddp {speed['2bw'] / speed['ddp']:.2f}"
+            f" (>= 0.9) | 2bw/flush {speed['2bw'] / speed['flush']:.2f} (>= 1.15 at m=4) | flush efficiency "
+            f"{efficiency:.3f} vs ideal m/(m+d-1) {ideal:.3f} ({efficiency / ideal - 1:+.1%}; within 5%), flush/2bw "
+            f"{speed['flush'] / speed['2bw']:.3f} ({speed['flush'] / speed['2bw'] / ideal - 1:+.1%}) | "
+            f"2bw bubble {bubble:.1%} (< 5%) | 2bw/gpipe stashed activations {stash / gpipe:.2f} vs d/m {d / m:.2f}"
+        )
+    traced = results["2bw", overhead_m]["samples_per_sec"]
+    print(
+        f"  timeline recording overhead (2bw, m={overhead_m}): {traced:.2f} samples/s traced vs "
+        f"{untraced['samples_per_sec']:.2f} untraced ({traced / untraced['samples_per_sec'] - 1:+.1%})"
+    )
+
+
+if __name__ == "__main__":
+    main()
