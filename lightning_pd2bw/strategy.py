@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from . import checkpoint as ckpt
-from .pipeline import gradients, schedule
+from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
@@ -54,6 +54,7 @@ from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.timeline import REDUCE, SHARED_STEP
 from .pipeline.versions import WeightVersions
+from .pipeline.watchdog import Watchdog
 from .sigterm import defer_sigterm_check
 
 CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
@@ -105,6 +106,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
             ``num_stages`` and ``num_microbatches`` are then chosen, not given.
         layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
             time); default: balanced by parameter count.
+        failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
+            then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -129,6 +132,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
+        failure_timeout: float | None = 180.0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if mode not in schedule.MODES:
@@ -169,6 +173,13 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self.clip_mode = clip_mode
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if failure_timeout is not None and failure_timeout <= 0:
+            raise ValueError(
+                f"PipeDream2BWStrategy(failure_timeout={failure_timeout}) must be > 0 seconds, or None to turn "
+                "failure detection off"
+            )
+        self.failure_timeout = failure_timeout
+        self._watchdog: Watchdog | None = None
         self._num_nodes = 1
         self.grid: ProcessGrid | None = None
         self.executor: StageExecutor | None = None
@@ -180,6 +191,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._deferred = gradients.DeferredSharedSums()
         self._deferred_hparams: dict[int, list[dict[str, Any]]] = {}
         self._draining = False
+        self._resume_data: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ grid and processes
     @property
@@ -254,6 +266,38 @@ class PipeDream2BWStrategy(ParallelStrategy):
         if not dist.is_initialized():
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        if self.failure_timeout is None:
+            return
+        grid = self.grid
+        replicas = grid.replica_ranks()
+        watched = grid.pipeline_ranks() + [replicas[(grid.replica + 1) % len(replicas)]]
+        self._watchdog = watchdog.Watchdog(
+            watchdog.connect(self.failure_timeout),
+            self.global_rank,
+            watched,
+            self._describe_rank,
+            self.failure_timeout,
+        )
+        self._watchdog.start()
+
+    def _describe_rank(self, rank: int) -> str:
+        stages = self.num_stages
+        return f"rank {rank} (stage {rank % stages} of {stages}, replica {rank // stages})"
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A peer's death shows up here as a communication error: wait for the watchdog to name it (it then
+        ends this process); an error of this rank's own is published so that every other rank exits."""
+        dog = self._watchdog
+        if dog is None:
+            return
+        if watchdog.is_peer_failure(exception) and dog.wait_for_verdict(dog.timeout + 4 * dog.interval):
+            return
+        dog.stop(done=False)
+        dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
+        self._watchdog = None
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -367,11 +411,34 @@ class PipeDream2BWStrategy(ParallelStrategy):
         return list(best.stages)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
+        """Training loaders get a resumable sampler (exact data position on resume, see ``data/resume.py``);
+        under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
         from torch.utils.data import DataLoader
 
-        if self.plan != "auto" or not isinstance(dataloader, DataLoader) or self.planned is None:
+        from .data.resume import ResumableDistributedSampler, make_resumable
+
+        trainer = self.lightning_module.trainer
+        if not isinstance(dataloader, DataLoader) or not trainer.training:
             return dataloader
+        if self.plan == "auto" and self.planned is not None:
+            dataloader = self._rebatch(dataloader)
+        dataloader = make_resumable(dataloader)
+        position, self._resume_data = self._resume_data, None
+        if position is not None and position["samples_in_epoch"]:
+            sampler = dataloader.sampler
+            if not isinstance(sampler, ResumableDistributedSampler):
+                warnings.warn(
+                    f"pd2bw: the training sampler is a {type(sampler).__name__}, not Lightning's DistributedSampler: "
+                    "the resumed epoch restarts from its first batch (batches may repeat). Let Lightning inject "
+                    "the sampler (use_distributed_sampler=True) for an exact data position"
+                )
+            else:
+                sampler.resume(position["epoch"], position["samples_in_epoch"])
+        return dataloader
+
+    def _rebatch(self, dataloader: Any) -> Any:
+        from torch.utils.data import DataLoader
+
         per_replica = self.global_batch_size // self.data_parallel_size
         if dataloader.batch_size == per_replica:
             return dataloader
@@ -646,6 +713,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
         return True  # load into the partitioned, materialised stage
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if optimizer is not None:
+            names = self._parameter_names()
+            checkpoint["optimizer_param_names"] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         ckpt.save_sharded(
             Path(filepath),
             checkpoint,
@@ -654,30 +725,104 @@ class PipeDream2BWStrategy(ParallelStrategy):
             writes_shard=self.grid.replica == 0,
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
+            gather=self._gather_objects,
         )
 
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _parameter_names(self) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for name, param in self.lightning_module.named_parameters(remove_duplicate=False):
+            if not param.is_meta:
+                names.setdefault(id(param), []).append(name)
+        return names
+
     def layout(self) -> dict[str, Any]:
+        versions = self.executor.versions if self.executor is not None else None
         return {
             "num_stages": self.num_stages,
             "data_parallel_size": self.data_parallel_size,
             "num_microbatches": self.num_microbatches,
             "mode": self.mode,
+            "num_layers": self.stage_layers[-1].stop if self.stage_layers else None,
             "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
-            "drained": True,
+            # a checkpoint is taken at a drain: one version per stage, nothing in flight
+            "weight_versions": {
+                "drained": True,
+                "versions_held": versions.num_versions if versions else 1,
+                "updates_applied": versions.latest if versions else 0,
+            },
+            "data": self._data_position(),
+        }
+
+    def _data_position(self) -> dict[str, Any] | None:
+        """Where the training data stands: samples of this epoch's global order consumed by every replica."""
+        trainer = self.lightning_module.trainer
+        loader = trainer.fit_loop._combined_loader
+        if loader is None or len(loader.flattened) != 1:
+            return None
+        batch_size = getattr(loader.flattened[0], "batch_size", None)
+        if batch_size is None:
+            return None
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {
+            "epoch": trainer.current_epoch,
+            "batches_in_epoch": batches,
+            "batch_size_per_replica": batch_size,
+            "samples_in_epoch": batches * batch_size * self.data_parallel_size,
         }
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
-        ckpt.check_layout(checkpoint_path, meta["pd2bw"], self.num_stages, self.stage_layers)
-        shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
+        manifest = meta["pd2bw"]
+        num_layers = self.stage_layers[-1].stop
+        if manifest["num_layers"] != num_layers:
+            raise ValueError(
+                f"checkpoint {str(checkpoint_path)!r} was written for a model with {manifest['num_layers']} pipeline "
+                f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
+            )
+        self._resume_data = manifest.get("data")
+        if ckpt.same_layout(manifest, self.stage_layers):
+            shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
+        else:
+            rank_zero_info(
+                f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
+                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
+                f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
+            )
+            optimizer = self.optimizers[0] if self.optimizers else None
+            names = self._parameter_names()
+            shard = ckpt.reshard(
+                checkpoint_path,
+                {k for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
+                [names[id(p)] for g in optimizer.param_groups for p in g["params"]] if optimizer else [],
+                optimizer.state_dict() if optimizer else None,
+                map_location=self.root_device,
+            )
         return meta | shard
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
-        local = {k for k, v in module.state_dict().items() if not v.is_meta}
-        missing = sorted(local - set(checkpoint["state_dict"]))
+        local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
+        missing = sorted(set(local) - set(checkpoint["state_dict"]))
         if strict and missing:
-            raise KeyError(f"checkpoint is missing this stage's entries: {missing[:5]} ...")
+            raise KeyError(
+                f"the checkpoint does not hold this stage's entries {missing[:5]}: it was written for another model; "
+                "build the same model as the checkpoint's run"
+            )
+        wrong = [
+            f"{k}: checkpoint {tuple(v.shape)}, model {tuple(local[k].shape)}"
+            for k, v in checkpoint["state_dict"].items()
+            if k in local and tuple(v.shape) != tuple(local[k].shape)
+        ]
+        if wrong:
+            raise ValueError(
+                f"the checkpoint's shapes differ from this model's ({'; '.join(wrong[:3])}): it was written for another "
+                "model configuration; build the same model (model.* settings) as the checkpoint's run"
+            )
         module.load_state_dict(checkpoint["state_dict"], strict=False)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -689,6 +834,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def teardown(self) -> None:
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
