@@ -59,6 +59,7 @@ from .sigterm import defer_sigterm_check
 
 CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 CLIP_MODES = ("global", "stage")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -106,6 +107,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
             ``num_stages`` and ``num_microbatches`` are then chosen, not given.
         layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
             time); default: balanced by parameter count.
+        on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
+            exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
+            all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
         failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
             then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
@@ -132,6 +136,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=30),
+        on_nonfinite: str = "stop",
         failure_timeout: float | None = 180.0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -141,6 +146,12 @@ class PipeDream2BWStrategy(ParallelStrategy):
             raise ValueError(
                 f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}"
             )
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"PipeDream2BWStrategy(on_nonfinite={on_nonfinite!r}) is invalid; valid: {', '.join(NONFINITE_POLICIES)}"
+            )
+        self.on_nonfinite = on_nonfinite
+        self.skipped_updates: list[int] = []
         if num_stages is not None and num_stages < 1:
             raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
         if num_stages is not None and num_microbatches is not None:
@@ -192,6 +203,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._deferred_hparams: dict[int, list[dict[str, Any]]] = {}
         self._draining = False
         self._resume_data: dict[str, Any] | None = None
+        self._global_step_by_batch: dict[int, int] = {}
 
     # ------------------------------------------------------------------ grid and processes
     @property
@@ -293,8 +305,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         dog = self._watchdog
         if dog is None:
             return
-        if watchdog.is_peer_failure(exception) and dog.wait_for_verdict(dog.timeout + 4 * dog.interval):
-            return
+        if watchdog.is_peer_failure(exception):
+            dog.end_on_verdict(dog.timeout + 4 * dog.interval)
         dog.stop(done=False)
         dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
         self._watchdog = None
@@ -434,6 +446,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 )
             else:
                 sampler.resume(position["epoch"], position["samples_in_epoch"])
+                # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
+                warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
         return dataloader
 
     def _rebatch(self, dataloader: Any) -> Any:
@@ -528,6 +542,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         step = self._step_in_run
         optimizer = self.optimizers[0]
         self._hparams_by_batch[step] = _hyperparameters(optimizer)
+        self._global_step_by_batch = {b: g for b, g in self._global_step_by_batch.items() if b >= step - 2}
+        self._global_step_by_batch[step] = self.lightning_module.trainer.global_step
         self._finish_deferred(step - 2)
         self.executor.feed(step, split_microbatches(batch, self.num_microbatches))
         actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
@@ -543,6 +559,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         if loss is None:
             return torch.zeros((), device=self.root_device)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
+        if self.on_nonfinite == "skip":
+            self.lightning_module.log("skipped_updates", float(len(self.skipped_updates)))
         return loss
 
     def _publish_loss(self, step: int) -> None:
@@ -573,6 +591,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 self._deferred.launch(batch, shared)
             else:
                 gradients.sum_shared(shared)
+        if not self._gradients_finite(batch):
+            self._hparams_by_batch.pop(batch)
+            optimizer.zero_grad(set_to_none=True)
+            return
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
@@ -589,6 +611,36 @@ class PipeDream2BWStrategy(ParallelStrategy):
         else:
             self._step_optimizer(hparams)
         optimizer.zero_grad(set_to_none=True)
+
+    def _gradients_finite(self, batch: int) -> bool:
+        """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
+        (replicas already hold the same averaged gradients) and every stage skips batch ``batch``'s update."""
+        finite = gradients.all_finite(self._local_params)
+        if self.on_nonfinite == "skip":
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+            with self._collectives(batch):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
+            if flag.item() == 0:
+                return True
+            self.skipped_updates.append(self._batch_step(batch))
+            rank_zero_info(
+                f"pd2bw: non-finite gradients in the batch of step {self._batch_step(batch)}: its update is skipped on "
+                f"every stage ({len(self.skipped_updates)} skipped so far)"
+            )
+            return False
+        if finite:
+            return True
+        names = self._parameter_names()
+        bad = [names.get(id(p), ["?"])[0] for p in self._local_params if not gradients.all_finite([p])]
+        raise FloatingPointError(
+            f"non-finite gradients in the batch of step {self._batch_step(batch)} on {self._describe_rank(self.global_rank)}"
+            f" (e.g. {', '.join(bad[:3])}). Lower the learning rate or clip gradients (trainer.gradient_clip_val), "
+            "check the data, or let the pipeline skip such updates: PipeDream2BWStrategy(on_nonfinite='skip')"
+        )
+
+    def _batch_step(self, batch: int) -> int:
+        """The Lightning step (global_step) that fed batch ``batch`` of this run segment."""
+        return self._global_step_by_batch.get(batch, -1)
 
     def _step_optimizer(self, hparams: list[dict[str, Any]], hooks: bool = True) -> None:
         """``optimizer.step()`` with a batch's hyper-parameters (its Lightning step's learning rate);
@@ -609,7 +661,13 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     def _defers_shared_sums(self, trainer: pl.Trainer) -> bool:
         """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
-        return self.mode == "2bw" and bool(self._shared) and not trainer.gradient_clip_val and not self._draining
+        return (
+            self.mode == "2bw"
+            and bool(self._shared)
+            and not trainer.gradient_clip_val
+            and not self._draining
+            and self.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
+        )
 
     def _finish_deferred(self, until_batch: int) -> None:
         """Apply the deferred tied-parameter updates of batches <= ``until_batch`` to the newest weights.

@@ -46,6 +46,14 @@ def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int)
             grad.copy_(value)
 
 
+def all_finite(params: Sequence[nn.Parameter]) -> bool:
+    """Whether every gradient entry is finite (one device sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
 def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
     """A parameter held by several stages (a tied embedding) gets the sum of their gradients on each."""
     for param, group in shared:

@@ -59,6 +59,7 @@ class Watchdog:
         self.interval = min(max(timeout / 6, 0.05), 5.0)
         self._exit = exit
         self._stop = threading.Event()
+        self._ending = threading.Lock()
         self._thread: threading.Thread | None = None
         self._seen: dict[int, tuple[int, float]] = {}
         self.verdict: str | None = None
@@ -90,12 +91,14 @@ class Watchdog:
         """Publish this rank's own failure (an exception it raised); the first report wins."""
         self._publish(f"{self.describe(self.rank)} failed: {reason}")
 
-    def wait_for_verdict(self, seconds: float) -> str | None:
-        """Block until some rank's failure is known (the watchdog then ends the process) or ``seconds`` pass."""
+    def end_on_verdict(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for some rank's failure to be known, then end this process with it (a
+        communication error in the main thread is usually a peer's death); returns if none is known."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self.verdict is None:
             time.sleep(self.interval / 2)
-        return self.verdict
+        if self.verdict is not None:
+            self._end(self.verdict)
 
     def _publish(self, message: str) -> None:
         try:
@@ -152,12 +155,17 @@ class Watchdog:
 
     def _end(self, message: str) -> None:
         self.verdict = message
+        if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
+            time.sleep(60)
+            return
         print(
             f"\npd2bw: {message}. {self.describe(self.rank)} exits with code {EXIT_CODE}; resume from the last "
             "checkpoint (ckpt_path=...)",
             file=sys.stderr,
             flush=True,
         )
+        if self.rank == 0:  # rank 0 may host the store: give the others time to read the verdict from it
+            time.sleep(3 * self.interval + 0.5)
         self._exit(EXIT_CODE)
 
 

@@ -38,6 +38,7 @@ class Case:
     sparsity: str | None = None  # a key of SPARSITY: a lightning_pd2bw.sparsity callback
     micro_batch: int = MICRO_BATCH  # samples per microbatch (the reference groups its gradients the same way)
     plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
+    poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
     extra: dict = field(default_factory=dict)
 
     @property
@@ -139,6 +140,8 @@ CASES = {
             "gpt_2bw_resume_midepoch", mode="2bw", steps=7, checkpoint_every=3, sparsity="gmp_uniform", schedule=True
         ),
         Case("gpt_flush_resume_midepoch", steps=7, checkpoint_every=3, sparsity="rigl_erk", schedule=True),
+        Case("gpt_flush_nonfinite_skip", steps=5, poison_step=2, schedule=True),
+        Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
     ]
 }

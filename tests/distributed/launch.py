@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("run_cases.py")
@@ -28,3 +31,53 @@ def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> N
         raise AssertionError(
             f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stderr: str
+    seconds: float  # from launch to exit
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(script: Path, args: list[str], world: int, timeout: float = 240) -> list[RankResult]:
+    """Start ``world`` processes as a cluster scheduler does (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*), with no
+    agent watching them; wait for all (killing any still alive after ``timeout``)."""
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
+            )
+        )
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            _, err = proc.communicate(timeout=max(timeout - (time.monotonic() - start), 1))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            _, err = proc.communicate()
+            err += f"\n[test] rank {rank} still running after {timeout} s: killed"
+        results.append(RankResult(rank, proc.returncode, err, time.monotonic() - start))
+    return results

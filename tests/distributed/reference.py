@@ -60,6 +60,11 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
                 for n, g in zip(weights, torch.autograd.grad(loss, list(weights.values()), allow_unused=True)):
                     if g is not None:
                         grads[n] += g
+        if step == case.poison_step:  # a NaN loss: the update is skipped, the weights stay, the schedule moves on
+            if scheduler is not None:
+                scheduler.step()
+            history.append({n: p.detach().clone() for n, p in names.items()})
+            continue
         for n, p in names.items():
             p.grad = grads[n]
         if sparsity is not None:

@@ -62,6 +62,23 @@ class Trajectory(Callback):
         self.points.append([trainer.global_step, self.sparsity.step, measured["overall_target"]])
 
 
+class PoisonLoss(Callback):
+    """The loss of batch ``step`` becomes NaN on the last stage (its forward runs in Lightning step ``step``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        executor = trainer.strategy.executor
+        loss_fn = executor.loss_fn
+
+        def poisoned(output, batch):
+            loss = loss_fn(output, batch)
+            return loss * float("nan") if trainer.global_step == self.step else loss
+
+        executor.loss_fn = poisoned
+
+
 def with_sparsity(case: Case, callbacks: list) -> tuple[list, object]:
     sparsity = sparsity_callback(case)
     if sparsity is None:
@@ -87,6 +104,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         **layout,
         mode=case.mode,
         recompute=case.recompute,
+        on_nonfinite="skip" if case.poison_step is not None else "stop",
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return pl.Trainer(
@@ -110,6 +128,8 @@ def run(case: Case, out: Path, world: int) -> None:
     pl.seed_everything(0)
     model = build_model(case)
     callbacks: list = [FixedMask()] if case.mask else []
+    if case.poison_step is not None:
+        callbacks.append(PoisonLoss(case.poison_step))
     ckpt_dir = out / "checkpoints"
     if case.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=case.checkpoint_every, save_top_k=-1))
@@ -122,6 +142,7 @@ def run(case: Case, out: Path, world: int) -> None:
     if strategy.grid.replica == 0:
         torch.save(strategy.lightning_module_state_dict(), out / f"stage-{strategy.grid.stage}.pt")
     counters = {
+        "skipped": strategy.skipped_updates,
         "stage": strategy.grid.stage,
         "max_versions": executor.versions.max_versions_held,
         "max_stashed": executor.max_stashed,

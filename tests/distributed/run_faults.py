@@ -1,0 +1,97 @@
+"""One rank of a job that fails on purpose: ``run_faults.py OUT FAULT RANK STEP [STAGES]``.
+
+Started once per rank with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set (as a cluster scheduler
+starts them; no agent that would kill the others), so only pd2bw's watchdog stands between a dead
+peer and a hang. Faults, injected on global rank RANK at training step STEP:
+  kill          SIGKILL the process at the start of the step
+  raise         raise an exception in the step
+  kill_in_save  SIGKILL while writing its shard of the second checkpoint (last.ckpt is overwritten)
+  nonfinite     the step's loss becomes NaN (on_nonfinite="stop": the stages that see it raise)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import lightning_pd2bw.checkpoint as ckpt  # noqa: E402
+from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.run_cases import PoisonLoss  # noqa: E402
+
+FAILURE_TIMEOUT = 3.0
+
+
+class Fault(Callback):
+    def __init__(self, kind: str, rank: int, step: int) -> None:
+        self.kind, self.rank, self.step = kind, rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        print(f"injecting {self.kind} on rank {self.rank} at step {self.step}", file=sys.stderr, flush=True)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "raise":
+            raise RuntimeError("injected fault in training step")
+
+
+def die_in_second_save(rank: int) -> None:
+    original, calls = ckpt.write_shard, []
+
+    def write_shard(tmp: Path, stage: int, checkpoint: dict):
+        calls.append(tmp)
+        if len(calls) == 2 and int(os.environ["RANK"]) == rank:
+            (tmp / ckpt.shard_name(stage)).write_bytes(b"partial shard")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(tmp, stage, checkpoint)
+
+    ckpt.write_shard = write_shard
+
+
+def main() -> None:
+    out, kind, rank, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    stages = int(sys.argv[5]) if len(sys.argv) > 5 else int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    case = Case("fault", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=8)
+    pl.seed_everything(0)
+    callbacks: list = [PoisonLoss(step)] if kind == "nonfinite" else [Fault(kind, rank, step)]
+    if kind == "kill_in_save":
+        die_in_second_save(rank)
+        callbacks.append(ModelCheckpoint(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2))
+    strategy = PipeDream2BWStrategy(
+        num_stages=stages,
+        num_microbatches=case.num_microbatches,
+        timeout=timedelta(seconds=300),  # the process group alone would wait this long
+        failure_timeout=FAILURE_TIMEOUT,
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=case.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=kind == "kill_in_save",
+        callbacks=callbacks,
+    )
+    trainer.fit(build_model(case), train_dataloaders=dataloader(case))
+    print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

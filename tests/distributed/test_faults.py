@@ -1,0 +1,79 @@
+"""No hangs: a rank that dies or fails makes every other rank exit within a bounded time, naming it;
+a rank killed while a checkpoint is written leaves the previous checkpoint intact and loadable.
+
+The ranks are started as a cluster scheduler starts them (one process each, no agent that would
+kill the rest), with a process-group timeout of 300 s: only the watchdog (failure_timeout=3 s)
+can end them in the time these tests allow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_pd2bw.checkpoint import consolidate, read_manifest, read_stage
+from lightning_pd2bw.pipeline.watchdog import EXIT_CODE
+
+from .launch import ROOT, launch_ranks
+
+RUNNER = ROOT / "tests" / "distributed" / "run_faults.py"
+BOUND = 60.0  # seconds from launch to the last exit: start-up (~10 s on 2 cores) + a few steps + 3 s timeout
+
+
+def run(tmp_path, kind: str, rank: int, step: int, world: int, stages: int | None = None):
+    args = [str(tmp_path), kind, str(rank), str(step)] + ([str(stages)] if stages else [])
+    results = launch_ranks(RUNNER, args, world, timeout=150)
+    slowest = max(r.seconds for r in results)
+    logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
+    assert slowest < BOUND, f"a rank took {slowest:.0f} s to exit:\n{logs}"
+    assert all(r.returncode != 0 for r in results), f"every rank exits non-zero:\n{logs}"
+    assert not any("finished" in r.stderr for r in results), logs
+    return results, logs
+
+
+@pytest.mark.parametrize(
+    "world,stages,victim",
+    [(2, 2, 1), (4, 4, 2), (4, 2, 3)],
+    ids=["2 ranks, stage 1 killed", "4 ranks d=4, stage 2 killed", "4 ranks 2x2, replica 1 stage 1 killed"],
+)
+def test_killed_stage_ends_every_rank(tmp_path, world, stages, victim):
+    results, logs = run(tmp_path, "kill", victim, 3, world, stages)
+    name = f"rank {victim} (stage {victim % stages} of {stages}, replica {victim // stages})"
+    for r in results:
+        if r.rank == victim:
+            assert r.returncode == -9
+        else:
+            assert r.returncode == EXIT_CODE, logs
+            assert f"{name} on " in r.stderr and "killed or unresponsive" in r.stderr, logs
+
+
+def test_killed_store_host_ends_every_rank(tmp_path):
+    results, logs = run(tmp_path, "kill", 0, 3, 2)
+    assert results[1].returncode == EXIT_CODE and "rendezvous store" in results[1].stderr, logs
+
+
+def test_raising_stage_is_named_by_the_others(tmp_path):
+    results, logs = run(tmp_path, "raise", 0, 3, 2)
+    assert results[0].returncode == 1 and "injected fault" in results[0].stderr, logs
+    assert results[1].returncode == EXIT_CODE, logs
+    assert "rank 0 (stage 0 of 2, replica 0) failed: RuntimeError: injected fault in training step" in results[1].stderr
+
+
+def test_nonfinite_stop_ends_every_rank(tmp_path):
+    results, logs = run(tmp_path, "nonfinite", 0, 2, 2)
+    assert "FloatingPointError: non-finite gradients in the batch of step 2" in logs
+    assert "on_nonfinite='skip'" in logs
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    """last.ckpt is rewritten every 2 steps; rank 1 dies while writing its shard of the second one."""
+    results, logs = run(tmp_path, "kill_in_save", 1, 99, 2)
+    last = tmp_path / "last.ckpt"
+    manifest = read_manifest(last)
+    assert manifest["global_step"] == 2 and manifest["weight_versions"]["drained"], json.dumps(manifest)
+    assert (tmp_path / "last.ckpt.tmp" / "stage-001.pt").read_bytes() == b"partial shard"  # the crashed save
+    state = consolidate(last)  # every shard reads back and matches its checksum
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert read_stage(last, 1)["optimizer_states"][0]["state"], "optimizer state is in the shard"
