@@ -337,3 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{written}: {manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step "
         f"{manifest['global_step']} -> one file ({written.stat().st_size / 2**20:.1f} MiB)"
     )
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> None:
+    torchrun_script(RUNNER, [str(out), *cases], world, timeout)
+
+
+def torchrun_script(script: Path, args: list[str], world: int, timeout: float = 600) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [
         sys.executable,
@@ -22,9 +26,8 @@ def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> N
         "torch.distributed.run",
         f"--nproc-per-node={world}",
         "--standalone",
-        str(RUNNER),
-        str(out),
-        *cases,
+        str(script),
+        *args,
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if result.returncode != 0:

@@ -1,0 +1,80 @@
+"""Write a checkpoint at one layout, load it at another: ``torchrun ... run_reshard.py OUT save|load STAGES``.
+
+save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank of replica 0 writes its stage's
+      optimizer state by parameter name (``saved-optim-stage-S.pt``).
+load: resume from that checkpoint with ``STAGES`` stages (and the world's width); at the start of
+      training (after the restore, before any step) replica 0 writes what it loaded
+      (``loaded-stage-S.pt``: weights, optimizer state by name, sparsity masks), then trains to
+      ``case.steps`` and writes its final weights (``final-stage-S.pt``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.run_cases import trainer_for, with_sparsity  # noqa: E402
+
+CASE = Case("reshard", mode="flush", num_microbatches=4, steps=6, schedule=True, sparsity="gmp_uniform")
+SAVE_STEPS = 3
+
+
+def optimizer_by_name(trainer: pl.Trainer) -> dict[str, dict]:
+    strategy = trainer.strategy
+    optimizer = trainer.optimizers[0]
+    names = strategy._parameter_names()
+    return {names[id(p)][0]: dict(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]}
+
+
+class DumpLoaded(Callback):
+    def __init__(self, out: Path, sparsity) -> None:
+        self.out, self.sparsity = out, sparsity
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if strategy.grid.replica == 0:
+            torch.save(
+                {
+                    "weights": {k: v.clone() for k, v in module.state_dict().items() if not v.is_meta},
+                    "optimizer": optimizer_by_name(trainer),
+                    "masks": dict(self.sparsity.sparsifier.masks),
+                    "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+                },
+                self.out / f"loaded-stage-{strategy.grid.stage}.pt",
+            )
+
+
+def main() -> None:
+    out, phase, stages = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    world = int(os.environ["WORLD_SIZE"])
+    out.mkdir(parents=True, exist_ok=True)
+    case = Case(**{**CASE.__dict__, "num_stages": stages})
+    pl.seed_everything(0)
+    if phase == "save":
+        callbacks, _ = with_sparsity(case, [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_STEPS)])
+        trainer = trainer_for(case, SAVE_STEPS, callbacks, world)
+        trainer.fit(build_model(case), train_dataloaders=dataloader(case))
+        if trainer.strategy.grid.replica == 0:
+            torch.save(optimizer_by_name(trainer), out / f"saved-optim-stage-{trainer.strategy.grid.stage}.pt")
+        return
+    path = next((out / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
+    callbacks, sparsity = with_sparsity(case, [])
+    trainer = trainer_for(case, case.steps, [*callbacks, DumpLoaded(out, sparsity)], world)
+    trainer.fit(build_model(case), train_dataloaders=dataloader(case), ckpt_path=path)
+    strategy = trainer.strategy
+    if strategy.grid.replica == 0:
+        torch.save(strategy.lightning_module_state_dict(), out / f"final-stage-{strategy.grid.stage}.pt")
+
+
+if __name__ == "__main__":
+    main()

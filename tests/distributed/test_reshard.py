@@ -1,0 +1,103 @@
+"""Resharding: a checkpoint written at one depth x width resumes at another with identical weights,
+optimizer state, sparsity masks and schedule; ``consolidate`` exports one file for the plain module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lightning_pd2bw.checkpoint import consolidate, read_manifest, read_meta, read_stage
+
+from .launch import ROOT, torchrun_script
+from .reference import reference_weights
+from .run_reshard import CASE, SAVE_STEPS
+
+RUNNER = ROOT / "tests" / "distributed" / "run_reshard.py"
+LAYOUTS = {"4x1->2x1": (4, 4, 2, 2), "2x2->2x1": (4, 2, 2, 2)}  # save world, save depth, load world, load depth
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("reshard")
+    for name, (save_world, save_depth, load_world, load_depth) in LAYOUTS.items():
+        out = root / name.replace(">", "")
+        torchrun_script(RUNNER, [str(out), "save", str(save_depth)], save_world)
+        torchrun_script(RUNNER, [str(out), "load", str(load_depth)], load_world)
+    return {name: root / name.replace(">", "") for name in LAYOUTS}
+
+
+def loaded(folder) -> dict:
+    parts = [torch.load(f, weights_only=False) for f in sorted(folder.glob("loaded-stage-*.pt"))]
+    return {k: {n: v for p in parts for n, v in p[k].items()} for k in ("weights", "optimizer", "masks")} | {
+        "lr": parts[0]["lr"]
+    }
+
+
+def saved_masks(path) -> dict:
+    masks = {}
+    for stage in range(read_manifest(path)["num_stages"]):
+        for state in read_stage(path, stage)["callbacks"].values():
+            if isinstance(state, dict) and state.get("sparsifier"):
+                masks.update(state["sparsifier"]["masks"])
+    return masks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resharded_state_is_identical(resharded, name):
+    folder = resharded[name]
+    path = next((folder / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
+    manifest = read_manifest(path)
+    _, save_depth, _, load_depth = LAYOUTS[name]
+    assert manifest["num_stages"] == save_depth and manifest["global_step"] == SAVE_STEPS
+    got = loaded(folder)
+    weights = consolidate(path)
+    assert set(got["weights"]) == set(weights)
+    for key, value in weights.items():
+        torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=0)
+    saved_optim = {}
+    for file in folder.glob("saved-optim-stage-*.pt"):
+        saved_optim.update(torch.load(file, weights_only=False))
+    assert set(got["optimizer"]) == set(saved_optim) and saved_optim
+    for param, state in saved_optim.items():
+        assert set(got["optimizer"][param]) == set(state), param
+        for key, value in state.items():
+            torch.testing.assert_close(got["optimizer"][param][key], value, rtol=0, atol=0)
+    masks = saved_masks(path)
+    assert masks and set(got["masks"]) == set(masks)
+    for key, mask in masks.items():
+        assert torch.equal(got["masks"][key].cpu(), mask.cpu()), key
+    schedule = read_meta(path)["lr_schedulers"][0]
+    assert schedule["last_epoch"] == SAVE_STEPS and got["lr"] == schedule["_last_lr"]  # restored, not restarted
+
+
+def test_depth_change_then_training_equals_single_process(resharded):
+    """Flush is layout-independent: 3 steps at 4x1, 3 more at 2x1 = 6 steps of the single-process reference
+    (same width, so the restored data position continues the same sample order)."""
+    folder = resharded["4x1->2x1"]
+    final = {}
+    for file in folder.glob("final-stage-*.pt"):
+        final.update(torch.load(file, weights_only=True))
+    expected = reference_weights(replace(CASE, num_stages=2), 1)
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_consolidate_exports_one_file_for_the_plain_module(resharded, tmp_path):
+    from .cases import build_model
+
+    path = next((resharded["2x2->2x1"] / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
+    out = tmp_path / "model.ckpt"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_pd2bw.checkpoint", str(path), str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "2 stages x 2 replicas at step 3 -> one file" in done.stdout
+    single = torch.load(out, weights_only=False)
+    model = build_model(CASE)
+    model.configure_model()
+    model.load_state_dict(single["state_dict"])  # strict: every key of the plain, non-pipelined module
+    assert single["global_step"] == SAVE_STEPS
