@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test lint schedules
+.PHONY: venv train test soak lint schedules
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ test: venv  ## lint + every test that fits CI's budget
 	$(BIN)/ruff check lightning_pd2bw tests
 	$(BIN)/ruff format --check lightning_pd2bw tests
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine counters stay bounded
+	OMP_NUM_THREADS=1 PD2BW_SOAK_STEPS=$${PD2BW_SOAK_STEPS:-3000} $(BIN)/python -m pytest -q tests/distributed/test_soak.py
 
 schedules: venv  ## regenerate the schedule pictures quoted in the README
 	$(BIN)/python -m lightning_pd2bw.pipeline.draw

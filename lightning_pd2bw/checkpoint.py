@@ -195,7 +195,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"checkpoint {str(path)!r}: {MANIFEST} is corrupt ({error}); use another checkpoint") from error
+        raise ValueError(
+            f"checkpoint {str(path)!r}: {MANIFEST} is corrupt ({error}); use another checkpoint"
+        ) from error
     if manifest.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r} has format {manifest.get('format')}; this version reads {FORMAT}")
     return manifest
@@ -217,7 +219,9 @@ def _load_checked(path: Path, name: str, manifest: dict[str, Any], map_location:
     try:
         return torch.load(file, map_location=map_location, weights_only=False)
     except Exception as error:
-        raise ValueError(f"checkpoint {str(path)!r}: {name} cannot be read ({error}); use another checkpoint") from error
+        raise ValueError(
+            f"checkpoint {str(path)!r}: {name} cannot be read ({error}); use another checkpoint"
+        ) from error
 
 
 def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -290,7 +294,8 @@ def _merge_callbacks(into: dict[str, Any], states: dict[str, Any], wanted: set[s
         if sparsifier:
             target = into[key]["sparsifier"]
             target["masks"].update({n: m for n, m in sparsifier["masks"].items() if n in wanted})
-            target["layer_targets"].update({n: t for n, t in sparsifier["layer_targets"].items() if n in wanted})
+            targets = sparsifier.get("layer_targets", {})
+            target["layer_targets"].update({n: t for n, t in targets.items() if n in wanted})
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -69,6 +69,8 @@ class StrategySchema:
     clip_mode: str = "global"
     layers_per_stage: list[int] | None = None  # null: the planner's time-balanced cut (pd2bw-train)
     plan: str | None = None  # auto: depth, microbatch size and recomputation chosen at start-up by the planner
+    on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf gradient does (skip: every stage drops that update)
+    failure_timeout: float | None = 180.0  # seconds without a heartbeat before a rank counts as dead
 
 
 @dataclass
@@ -270,7 +272,25 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             "stages or a deeper model"
         )
     _check_data(cfg)
+    check_checkpoint(cfg.get("ckpt_path"), num_layers)
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
+
+
+def check_checkpoint(path: Any, num_layers: int | None) -> None:
+    """``ckpt_path`` names a complete pd2bw checkpoint of this model (any depth x width: it is resharded)."""
+    if not path:
+        return
+    from .checkpoint import read_manifest
+
+    try:
+        manifest = read_manifest(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"ckpt_path={path}: {error}") from None
+    if num_layers is not None and manifest["num_layers"] != num_layers:
+        raise ConfigError(
+            f"ckpt_path={path} was written for a model with {manifest['num_layers']} pipeline layers; model.* "
+            f"here builds {num_layers}. Use the checkpoint's model settings (its run directory's config.yaml)"
+        )
 
 
 def _check_auto(cfg: Any, world: int) -> RunLayout:

@@ -442,7 +442,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 warnings.warn(
                     f"pd2bw: the training sampler is a {type(sampler).__name__}, not Lightning's DistributedSampler: "
                     "the resumed epoch restarts from its first batch (batches may repeat). Let Lightning inject "
-                    "the sampler (use_distributed_sampler=True) for an exact data position"
+                    "the sampler (use_distributed_sampler=True) for an exact data position",
+                    stacklevel=2,
                 )
             else:
                 sampler.resume(position["epoch"], position["samples_in_epoch"])
@@ -724,6 +725,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         for step in list(self._losses_in_flight):
             self._take_loss(step)
         self._step_in_run = 0
+        self._global_step_by_batch.clear()  # batch numbers restart after a drain
 
     def on_validation_start(self) -> None:
         self.drain()

@@ -174,7 +174,9 @@ def connect(timeout: float) -> dist.Store:
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return dist.distributed_c10d._get_default_store()  # e.g. init_method="file://...": share the group's
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)), wait_for_workers=False)
+    return dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)), wait_for_workers=False
+    )
 
 
 def is_peer_failure(error: BaseException) -> bool:

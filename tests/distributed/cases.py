@@ -136,9 +136,7 @@ CASES = {
         Case("gpt_2bw_d2w2_sparse_static", mode="2bw", steps=5, sparsity="static_random"),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),
         # checkpoints mid-epoch (no steps_per_epoch): the data position is restored from the checkpoint
-        Case(
-            "gpt_2bw_resume_midepoch", mode="2bw", steps=7, checkpoint_every=3, sparsity="gmp_uniform", schedule=True
-        ),
+        Case("gpt_2bw_resume_midepoch", mode="2bw", steps=7, checkpoint_every=3, sparsity="gmp_uniform", schedule=True),
         Case("gpt_flush_resume_midepoch", steps=7, checkpoint_every=3, sparsity="rigl_erk", schedule=True),
         Case("gpt_flush_nonfinite_skip", steps=5, poison_step=2, schedule=True),
         Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),

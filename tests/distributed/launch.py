@@ -69,9 +69,7 @@ def launch_ranks(script: Path, args: list[str], world: int, timeout: float = 240
             NODE_RANK="0",
         )
         procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
-            )
+            subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         )
     results = []
     for rank, proc in enumerate(procs):

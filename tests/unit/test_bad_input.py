@@ -78,3 +78,20 @@ def test_sequence_longer_than_context():
     model = GPT(GPTConfig.from_name("tiny"))
     with pytest.raises(ValueError, match="sequence length 65 exceeds the model's block_size=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_reliability_arguments():
+    with pytest.raises(ValueError, match=r"on_nonfinite='ignore'\) is invalid; valid: stop, skip"):
+        PipeDream2BWStrategy(on_nonfinite="ignore")
+    with pytest.raises(ValueError, match=r"failure_timeout=0\) must be > 0 seconds, or None"):
+        PipeDream2BWStrategy(failure_timeout=0)
+
+
+def test_hydra_strategy_keys_reach_the_strategy():
+    from hydra.utils import instantiate
+
+    from tests.unit.test_config import load
+
+    cfg = load("tiny", ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30"))
+    strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
+    assert (strategy.on_nonfinite, strategy.failure_timeout) == ("skip", 30)

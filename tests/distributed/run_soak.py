@@ -1,0 +1,89 @@
+"""A long 2BW run with validation and checkpoints: ``torchrun --nproc-per-node 2 run_soak.py OUT STEPS``.
+
+Every 10 steps each rank records its resident memory and the engine's bookkeeping (weight versions,
+stashed and in-flight microbatches, pending losses, hyper-parameters and deferred sums) to
+``OUT/soak-rank-R.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import Case, build_model, dataloader, dataset  # noqa: E402
+
+EVERY = 40  # validation and a checkpoint every EVERY steps
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Counters(Callback):
+    def __init__(self) -> None:
+        self.points: list[dict] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step % 10:
+            return
+        strategy = trainer.strategy
+        executor = strategy.executor
+        self.points.append(
+            {
+                "step": trainer.global_step,
+                "rss": rss_bytes(),
+                "versions": executor.versions.num_versions,
+                "stashed": len(executor._stash),
+                "in_flight": len(executor._microbatches) + len(executor._received) + len(executor._to_send),
+                "losses": len(executor.losses) + len(strategy._losses_in_flight),
+                "hparams": len(strategy._hparams_by_batch) + len(strategy._deferred_hparams),
+                "step_map": len(strategy._global_step_by_batch),
+            }
+        )
+
+
+def main() -> None:
+    out, steps = Path(sys.argv[1]), int(sys.argv[2])
+    case = Case("soak", mode="2bw", num_microbatches=4, steps=steps)
+    pl.seed_everything(0)
+    counters = Counters()
+    val = DataLoader(dataset(case), batch_size=8, shuffle=False)
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(
+            num_stages=2, num_microbatches=4, timeout=timedelta(seconds=120), failure_timeout=30
+        ),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        val_check_interval=EVERY,
+        limit_val_batches=2,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            counters,
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=2, monitor="step", mode="max"),
+        ],
+    )
+    trainer.fit(build_model(case), train_dataloaders=dataloader(case), val_dataloaders=val)
+    (out / f"soak-rank-{trainer.global_rank}.json").write_text(json.dumps(counters.points))
+
+
+if __name__ == "__main__":
+    main()
