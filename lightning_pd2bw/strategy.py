@@ -5,16 +5,9 @@ What Lightning sees as one training step ``s`` is one segment of the pipeline sc
 engine owns ``zero_grad``, ``backward`` and ``optimizer.step``; Lightning still counts steps, steps
 LR schedulers, logs and checkpoints.
 
-Order inside one update (STEP of batch b), identical on every stage:
-  1. the next weight version is made writable (2BW: the stale buffer is recycled);
-  2. gradients are averaged over the data-parallel replicas, then summed over the stages that share
-     a parameter (GPT's tied embedding);
-  3. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule);
-  4. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
-     scalar per step) or per stage (``clip_mode="stage"``);
-  5. ``optimizer.step()`` with the hyper-parameters (lr, ...) that batch b's Lightning step had;
-     optimizer step post-hooks (e.g. sparsity masks) run here, on the new version;
-  6. gradients are cleared.
+The update of each batch (replica averaging, tied sums, the non-finite policy, clipping, the
+optimizer step with that batch's hyper-parameters) is ``update.py``; checkpoint I/O and resharding
+``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``.
 In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
 ``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
 
@@ -25,11 +18,9 @@ in-flight backwards and the last update run; afterwards the version rule restart
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,12 +30,11 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from . import checkpoint as ckpt
+from .auto_plan import AutoPlan
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
 from .pipeline.executor import StageExecutor
@@ -52,18 +42,15 @@ from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import materialize, release
 from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
-from .pipeline.timeline import REDUCE, SHARED_STEP
 from .pipeline.versions import WeightVersions
 from .pipeline.watchdog import Watchdog
+from .sharded_checkpoints import ShardedCheckpoints
 from .sigterm import defer_sigterm_check
+from .update import UpdatePath, _hyperparameters
 
 CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 CLIP_MODES = ("global", "stage")
 NONFINITE_POLICIES = ("stop", "skip")
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
 def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
@@ -93,7 +80,7 @@ def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-class PipeDream2BWStrategy(ParallelStrategy):
+class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStrategy):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
     Args:
@@ -370,58 +357,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
         )
         self._report_layout(layers)
 
-    def _plan_automatically(self, trainer: pl.Trainer, layers: list[nn.Module]) -> list[range]:
-        """Profile, plan and adopt the fastest configuration that fits (``plan="auto"``)."""
-        from .planner.auto import plan_on_world
-        from .planner.profile import bytes_per_element
-        from .planner.search import format_table
-
-        loader = trainer.fit_loop._data_source.dataloader()
-        sample = next(iter(loader))
-        if self.global_batch_size is None:
-            self.global_batch_size = getattr(loader, "batch_size", None) and loader.batch_size * self.world_size
-        if not self.global_batch_size:
-            raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
-        module = self.lightning_module
-        best, cluster, ranked = plan_on_world(
-            layers,
-            sample,
-            module.pipeline_inputs,
-            module.pipeline_loss,
-            device=self.root_device,
-            num_nodes=self.num_nodes,
-            global_batch=self.global_batch_size,
-            mode=self.mode,
-            weight_bytes=bytes_per_element(str(self.precision_plugin.precision))[0],
-            autocast=self.precision_plugin.train_step_context,
-        )
-        chosen = best.candidate
-        self.planned = best
-        self._requested_stages = chosen.depth
-        self._requested_microbatches = best.num_microbatches
-        self.recompute = chosen.recompute
-        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
-        rank_zero_info(
-            f"pd2bw plan=auto on {cluster.name}: global batch {self.global_batch_size}; chosen width {chosen.width} x "
-            f"depth {chosen.depth}, micro_batch_size {chosen.micro_batch_size}, {best.num_microbatches} microbatches, "
-            f"recompute={chosen.recompute}; predicted {best.throughput:.2f} samples/s\n{format_table(ranked, limit=5)}"
-        )
-        if trainer.logger is not None:
-            trainer.logger.log_hyperparams(
-                {
-                    "plan": {
-                        "num_stages": chosen.depth,
-                        "data_parallel_size": chosen.width,
-                        "micro_batch_size": chosen.micro_batch_size,
-                        "num_microbatches": best.num_microbatches,
-                        "recompute": chosen.recompute,
-                        "predicted_samples_per_sec": best.throughput,
-                        "stage_layers": [[r.start, r.stop] for r in best.stages],
-                    }
-                }
-            )
-        return list(best.stages)
-
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders get a resumable sampler (exact data position on resume, see ``data/resume.py``);
         under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
@@ -450,28 +385,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
                 warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
         return dataloader
-
-    def _rebatch(self, dataloader: Any) -> Any:
-        from torch.utils.data import DataLoader
-
-        per_replica = self.global_batch_size // self.data_parallel_size
-        if dataloader.batch_size == per_replica:
-            return dataloader
-        if dataloader.batch_size is None:
-            raise ValueError("plan='auto' re-batches the dataloader and needs a DataLoader built with batch_size=...")
-        return DataLoader(
-            dataloader.dataset,
-            batch_size=per_replica,
-            sampler=dataloader.sampler
-            if not isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
-            else None,
-            num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn,
-            pin_memory=dataloader.pin_memory,
-            drop_last=dataloader.drop_last,
-            worker_init_fn=dataloader.worker_init_fn,
-            persistent_workers=dataloader.persistent_workers,
-        )
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -581,132 +494,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
         work.wait()
         return value
 
-    def _apply_update(self, batch: int) -> None:
-        trainer = self.lightning_module.trainer
-        optimizer = self.optimizers[0]
-        shared = [(param, group) for param, group, _, _ in self._shared]
-        defer = self._defers_shared_sums(trainer)
-        with self._collectives(batch):
-            gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
-            if defer:
-                self._deferred.launch(batch, shared)
-            else:
-                gradients.sum_shared(shared)
-        if not self._gradients_finite(batch):
-            self._hparams_by_batch.pop(batch)
-            optimizer.zero_grad(set_to_none=True)
-            return
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
-            self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        hparams = self._hparams_by_batch.pop(batch)
-        if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
-            handle = optimizer.register_step_pre_hook(
-                lambda opt, *_: self._deferred_hparams.__setitem__(batch, _hyperparameters(opt))
-            )
-            try:
-                self._step_optimizer(hparams)
-            finally:
-                handle.remove()
-        else:
-            self._step_optimizer(hparams)
-        optimizer.zero_grad(set_to_none=True)
-
-    def _gradients_finite(self, batch: int) -> bool:
-        """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
-        (replicas already hold the same averaged gradients) and every stage skips batch ``batch``'s update."""
-        finite = gradients.all_finite(self._local_params)
-        if self.on_nonfinite == "skip":
-            flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
-            with self._collectives(batch):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
-            if flag.item() == 0:
-                return True
-            self.skipped_updates.append(self._batch_step(batch))
-            rank_zero_info(
-                f"pd2bw: non-finite gradients in the batch of step {self._batch_step(batch)}: its update is skipped on "
-                f"every stage ({len(self.skipped_updates)} skipped so far)"
-            )
-            return False
-        if finite:
-            return True
-        names = self._parameter_names()
-        bad = [names.get(id(p), ["?"])[0] for p in self._local_params if not gradients.all_finite([p])]
-        raise FloatingPointError(
-            f"non-finite gradients in the batch of step {self._batch_step(batch)} on {self._describe_rank(self.global_rank)}"
-            f" (e.g. {', '.join(bad[:3])}). Lower the learning rate or clip gradients (trainer.gradient_clip_val), "
-            "check the data, or let the pipeline skip such updates: PipeDream2BWStrategy(on_nonfinite='skip')"
-        )
-
-    def _batch_step(self, batch: int) -> int:
-        """The Lightning step (global_step) that fed batch ``batch`` of this run segment."""
-        return self._global_step_by_batch.get(batch, -1)
-
-    def _step_optimizer(self, hparams: list[dict[str, Any]], hooks: bool = True) -> None:
-        """``optimizer.step()`` with a batch's hyper-parameters (its Lightning step's learning rate);
-        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter)."""
-        optimizer = self.optimizers[0]
-        current = _hyperparameters(optimizer)
-        for group, values in zip(optimizer.param_groups, hparams):
-            group.update(values)
-        saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-        if not hooks:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-        try:
-            optimizer.step()
-        finally:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
-        for group, values in zip(optimizer.param_groups, current):
-            group.update(values)
-
-    def _defers_shared_sums(self, trainer: pl.Trainer) -> bool:
-        """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
-        return (
-            self.mode == "2bw"
-            and bool(self._shared)
-            and not trainer.gradient_clip_val
-            and not self._draining
-            and self.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
-        )
-
-    def _finish_deferred(self, until_batch: int) -> None:
-        """Apply the deferred tied-parameter updates of batches <= ``until_batch`` to the newest weights.
-
-        Called before batch ``until_batch + 2``'s first forward: the newest version is then the one
-        that batch's update made, not yet read by anyone; every other gradient is left untouched.
-        """
-        for batch in self._deferred.batches_until(until_batch):
-            recorder = self.executor.recorder
-            start = recorder.now() if recorder is not None else 0.0
-            sums = self._deferred.take(batch)
-            self.executor.versions.use_latest()
-            others = [(p, p.grad) for p in self._local_params]
-            for param in self._local_params:
-                param.grad = None
-            for param, grad in sums:
-                param.grad = grad
-            self._step_optimizer(self._deferred_hparams.pop(batch), hooks=False)
-            for param, grad in others:
-                param.grad = grad
-            if recorder is not None:
-                recorder.add(SHARED_STEP, batch, -1, -1, start)
-
-    def _collectives(self, batch: int) -> Any:
-        """Marks gradient collectives inside an update on the timeline (when one is recorded)."""
-        recorder = self.executor.recorder
-        return recorder.span(REDUCE, batch) if recorder is not None else nullcontext()
-
-    def _clip_gradients(self, clip_val: float | None, algorithm: Any) -> None:
-        if not clip_val:
-            return
-        if str(getattr(algorithm, "value", algorithm)) == "value":
-            torch.nn.utils.clip_grad_value_(self._local_params, clip_val)
-            return
-        not_counted = {id(p) for p, _, _, counts in self._shared if not counts}
-        group = self.groups.pipeline if self.clip_mode == "global" else None
-        gradients.clip_by_norm(self._local_params, clip_val, not_counted, group, self.root_device)
-
     # ------------------------------------------------------------------ drains
     def drain(self) -> None:
         """Finish every in-flight microbatch and update; the version rule restarts."""
@@ -762,134 +549,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
         dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
         values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in message[0].items()}
         module.log_dict(values, prog_bar=True, sync_dist=True)
-
-    # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.drain()  # a checkpoint is always taken at a drain
-        return {k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta}
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the partitioned, materialised stage
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if optimizer is not None:
-            names = self._parameter_names()
-            checkpoint["optimizer_param_names"] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        ckpt.save_sharded(
-            Path(filepath),
-            checkpoint,
-            self.layout(),
-            stage=self.grid.stage,
-            writes_shard=self.grid.replica == 0,
-            is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
-            gather=self._gather_objects,
-        )
-
-    def _gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _parameter_names(self) -> dict[int, list[str]]:
-        names: dict[int, list[str]] = {}
-        for name, param in self.lightning_module.named_parameters(remove_duplicate=False):
-            if not param.is_meta:
-                names.setdefault(id(param), []).append(name)
-        return names
-
-    def layout(self) -> dict[str, Any]:
-        versions = self.executor.versions if self.executor is not None else None
-        return {
-            "num_stages": self.num_stages,
-            "data_parallel_size": self.data_parallel_size,
-            "num_microbatches": self.num_microbatches,
-            "mode": self.mode,
-            "num_layers": self.stage_layers[-1].stop if self.stage_layers else None,
-            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
-            # a checkpoint is taken at a drain: one version per stage, nothing in flight
-            "weight_versions": {
-                "drained": True,
-                "versions_held": versions.num_versions if versions else 1,
-                "updates_applied": versions.latest if versions else 0,
-            },
-            "data": self._data_position(),
-        }
-
-    def _data_position(self) -> dict[str, Any] | None:
-        """Where the training data stands: samples of this epoch's global order consumed by every replica."""
-        trainer = self.lightning_module.trainer
-        loader = trainer.fit_loop._combined_loader
-        if loader is None or len(loader.flattened) != 1:
-            return None
-        batch_size = getattr(loader.flattened[0], "batch_size", None)
-        if batch_size is None:
-            return None
-        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {
-            "epoch": trainer.current_epoch,
-            "batches_in_epoch": batches,
-            "batch_size_per_replica": batch_size,
-            "samples_in_epoch": batches * batch_size * self.data_parallel_size,
-        }
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        meta = ckpt.read_meta(checkpoint_path)
-        manifest = meta["pd2bw"]
-        num_layers = self.stage_layers[-1].stop
-        if manifest["num_layers"] != num_layers:
-            raise ValueError(
-                f"checkpoint {str(checkpoint_path)!r} was written for a model with {manifest['num_layers']} pipeline "
-                f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
-            )
-        self._resume_data = manifest.get("data")
-        if ckpt.same_layout(manifest, self.stage_layers):
-            shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
-        else:
-            rank_zero_info(
-                f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
-                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
-                f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
-            )
-            optimizer = self.optimizers[0] if self.optimizers else None
-            names = self._parameter_names()
-            shard = ckpt.reshard(
-                checkpoint_path,
-                {k for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
-                [names[id(p)] for g in optimizer.param_groups for p in g["params"]] if optimizer else [],
-                optimizer.state_dict() if optimizer else None,
-                map_location=self.root_device,
-            )
-        return meta | shard
-
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
-        missing = sorted(set(local) - set(checkpoint["state_dict"]))
-        if strict and missing:
-            raise KeyError(
-                f"the checkpoint does not hold this stage's entries {missing[:5]}: it was written for another model; "
-                "build the same model as the checkpoint's run"
-            )
-        wrong = [
-            f"{k}: checkpoint {tuple(v.shape)}, model {tuple(local[k].shape)}"
-            for k, v in checkpoint["state_dict"].items()
-            if k in local and tuple(v.shape) != tuple(local[k].shape)
-        ]
-        if wrong:
-            raise ValueError(
-                f"the checkpoint's shapes differ from this model's ({'; '.join(wrong[:3])}): it was written for another "
-                "model configuration; build the same model (model.* settings) as the checkpoint's run"
-            )
-        module.load_state_dict(checkpoint["state_dict"], strict=False)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(filepath, ignore_errors=True)
 
     def teardown(self) -> None:
         from lightning.fabric.utilities.optimizer import _optimizers_to_device

@@ -99,3 +99,12 @@ def test_consolidated_checkpoint_loads_into_plain_module(trained):
 
 def test_four_process_cases_exist():
     assert FOUR and all(CASES[n].num_stages * width_of(n) == 4 for n in FOUR)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].poison_step is not None])
+def test_nonfinite_update_skipped_by_every_stage(trained, name):
+    """The NaN batch's update is skipped on every stage (the weights match the skip reference above)."""
+    case, width = as_run(trained, name)
+    for rank in range(case.num_stages * width):
+        counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
+        assert counters["skipped"] == [case.poison_step]

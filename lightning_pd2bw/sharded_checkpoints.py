@@ -1,0 +1,142 @@
+"""Sharded checkpoint I/O of ``PipeDream2BWStrategy`` (a mixin): what each rank writes, the manifest's
+layout and data position, loading at the same or another layout (resharding). The file format and
+its atomic publication live in ``checkpoint.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from . import checkpoint as ckpt
+
+
+class ShardedCheckpoints:
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.drain()  # a checkpoint is always taken at a drain
+        return {k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the partitioned, materialised stage
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if optimizer is not None:
+            names = self._parameter_names()
+            checkpoint["optimizer_param_names"] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        ckpt.save_sharded(
+            Path(filepath),
+            checkpoint,
+            self.layout(),
+            stage=self.grid.stage,
+            writes_shard=self.grid.replica == 0,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+            gather=self._gather_objects,
+        )
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _parameter_names(self) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for name, param in self.lightning_module.named_parameters(remove_duplicate=False):
+            if not param.is_meta:
+                names.setdefault(id(param), []).append(name)
+        return names
+
+    def layout(self) -> dict[str, Any]:
+        versions = self.executor.versions if self.executor is not None else None
+        return {
+            "num_stages": self.num_stages,
+            "data_parallel_size": self.data_parallel_size,
+            "num_microbatches": self.num_microbatches,
+            "mode": self.mode,
+            "num_layers": self.stage_layers[-1].stop if self.stage_layers else None,
+            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
+            # a checkpoint is taken at a drain: one version per stage, nothing in flight
+            "weight_versions": {
+                "drained": True,
+                "versions_held": versions.num_versions if versions else 1,
+                "updates_applied": versions.latest if versions else 0,
+            },
+            "data": self._data_position(),
+        }
+
+    def _data_position(self) -> dict[str, Any] | None:
+        """Where the training data stands: samples of this epoch's global order consumed by every replica."""
+        trainer = self.lightning_module.trainer
+        loader = trainer.fit_loop._combined_loader
+        if loader is None or len(loader.flattened) != 1:
+            return None
+        batch_size = getattr(loader.flattened[0], "batch_size", None)
+        if batch_size is None:
+            return None
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {
+            "epoch": trainer.current_epoch,
+            "batches_in_epoch": batches,
+            "batch_size_per_replica": batch_size,
+            "samples_in_epoch": batches * batch_size * self.data_parallel_size,
+        }
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        meta = ckpt.read_meta(checkpoint_path)
+        manifest = meta["pd2bw"]
+        num_layers = self.stage_layers[-1].stop
+        if manifest["num_layers"] != num_layers:
+            raise ValueError(
+                f"checkpoint {str(checkpoint_path)!r} was written for a model with {manifest['num_layers']} pipeline "
+                f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
+            )
+        self._resume_data = manifest.get("data")
+        if ckpt.same_layout(manifest, self.stage_layers):
+            shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
+        else:
+            rank_zero_info(
+                f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
+                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
+                f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
+            )
+            optimizer = self.optimizers[0] if self.optimizers else None
+            names = self._parameter_names()
+            shard = ckpt.reshard(
+                checkpoint_path,
+                {k for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
+                [names[id(p)] for g in optimizer.param_groups for p in g["params"]] if optimizer else [],
+                optimizer.state_dict() if optimizer else None,
+                map_location=self.root_device,
+            )
+        return meta | shard
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
+        missing = sorted(set(local) - set(checkpoint["state_dict"]))
+        if strict and missing:
+            raise KeyError(
+                f"the checkpoint does not hold this stage's entries {missing[:5]}: it was written for another model; "
+                "build the same model as the checkpoint's run"
+            )
+        wrong = [
+            f"{k}: checkpoint {tuple(v.shape)}, model {tuple(local[k].shape)}"
+            for k, v in checkpoint["state_dict"].items()
+            if k in local and tuple(v.shape) != tuple(local[k].shape)
+        ]
+        if wrong:
+            raise ValueError(
+                f"the checkpoint's shapes differ from this model's ({'; '.join(wrong[:3])}): it was written for another "
+                "model configuration; build the same model (model.* settings) as the checkpoint's run"
+            )
+        module.load_state_dict(checkpoint["state_dict"], strict=False)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)

@@ -1,0 +1,164 @@
+"""The update of one batch, identical on every stage (a mixin of ``PipeDream2BWStrategy``).
+
+Order inside one update (STEP of batch b):
+  1. the next weight version is made writable (2BW: the stale buffer is recycled; the executor does it);
+  2. gradients are averaged over the data-parallel replicas, then summed over the stages that share
+     a parameter (GPT's tied embedding; under 2BW without clipping that sum is deferred, see
+     ``_finish_deferred``);
+  3. the non-finite policy: ``stop`` raises, ``skip`` agrees over the pipeline and drops the update;
+  4. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule);
+  5. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
+     scalar per step) or per stage (``clip_mode="stage"``);
+  6. ``optimizer.step()`` with the hyper-parameters (lr, ...) that batch b's Lightning step had;
+     optimizer step post-hooks (e.g. sparsity masks) run here, on the new version;
+  7. gradients are cleared.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from .pipeline import gradients
+from .pipeline.timeline import REDUCE, SHARED_STEP
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+class UpdatePath:
+    """Replica averaging, tied sums, the non-finite policy, clipping and the optimizer step."""
+
+    def _apply_update(self, batch: int) -> None:
+        trainer = self.lightning_module.trainer
+        optimizer = self.optimizers[0]
+        shared = [(param, group) for param, group, _, _ in self._shared]
+        defer = self._defers_shared_sums(trainer)
+        with self._collectives(batch):
+            gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
+            if defer:
+                self._deferred.launch(batch, shared)
+            else:
+                gradients.sum_shared(shared)
+        if not self._gradients_finite(batch):
+            self._hparams_by_batch.pop(batch)
+            optimizer.zero_grad(set_to_none=True)
+            return
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
+            self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        hparams = self._hparams_by_batch.pop(batch)
+        if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
+            handle = optimizer.register_step_pre_hook(
+                lambda opt, *_: self._deferred_hparams.__setitem__(batch, _hyperparameters(opt))
+            )
+            try:
+                self._step_optimizer(hparams)
+            finally:
+                handle.remove()
+        else:
+            self._step_optimizer(hparams)
+        optimizer.zero_grad(set_to_none=True)
+
+    def _gradients_finite(self, batch: int) -> bool:
+        """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
+        (replicas already hold the same averaged gradients) and every stage skips batch ``batch``'s update."""
+        finite = gradients.all_finite(self._local_params)
+        if self.on_nonfinite == "skip":
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+            with self._collectives(batch):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
+            if flag.item() == 0:
+                return True
+            self.skipped_updates.append(self._batch_step(batch))
+            rank_zero_info(
+                f"pd2bw: non-finite gradients in the batch of step {self._batch_step(batch)}: its update is skipped on "
+                f"every stage ({len(self.skipped_updates)} skipped so far)"
+            )
+            return False
+        if finite:
+            return True
+        names = self._parameter_names()
+        bad = [names.get(id(p), ["?"])[0] for p in self._local_params if not gradients.all_finite([p])]
+        raise FloatingPointError(
+            f"non-finite gradients in the batch of step {self._batch_step(batch)} on {self._describe_rank(self.global_rank)}"
+            f" (e.g. {', '.join(bad[:3])}). Lower the learning rate or clip gradients (trainer.gradient_clip_val), "
+            "check the data, or let the pipeline skip such updates: PipeDream2BWStrategy(on_nonfinite='skip')"
+        )
+
+    def _batch_step(self, batch: int) -> int:
+        """The Lightning step (global_step) that fed batch ``batch`` of this run segment."""
+        return self._global_step_by_batch.get(batch, -1)
+
+    def _step_optimizer(self, hparams: list[dict[str, Any]], hooks: bool = True) -> None:
+        """``optimizer.step()`` with a batch's hyper-parameters (its Lightning step's learning rate);
+        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter)."""
+        optimizer = self.optimizers[0]
+        current = _hyperparameters(optimizer)
+        for group, values in zip(optimizer.param_groups, hparams):
+            group.update(values)
+        saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        if not hooks:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        try:
+            optimizer.step()
+        finally:
+            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
+        for group, values in zip(optimizer.param_groups, current):
+            group.update(values)
+
+    def _defers_shared_sums(self, trainer: pl.Trainer) -> bool:
+        """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
+        return (
+            self.mode == "2bw"
+            and bool(self._shared)
+            and not trainer.gradient_clip_val
+            and not self._draining
+            and self.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
+        )
+
+    def _finish_deferred(self, until_batch: int) -> None:
+        """Apply the deferred tied-parameter updates of batches <= ``until_batch`` to the newest weights.
+
+        Called before batch ``until_batch + 2``'s first forward: the newest version is then the one
+        that batch's update made, not yet read by anyone; every other gradient is left untouched.
+        """
+        for batch in self._deferred.batches_until(until_batch):
+            recorder = self.executor.recorder
+            start = recorder.now() if recorder is not None else 0.0
+            sums = self._deferred.take(batch)
+            self.executor.versions.use_latest()
+            others = [(p, p.grad) for p in self._local_params]
+            for param in self._local_params:
+                param.grad = None
+            for param, grad in sums:
+                param.grad = grad
+            self._step_optimizer(self._deferred_hparams.pop(batch), hooks=False)
+            for param, grad in others:
+                param.grad = grad
+            if recorder is not None:
+                recorder.add(SHARED_STEP, batch, -1, -1, start)
+
+    def _collectives(self, batch: int) -> Any:
+        """Marks gradient collectives inside an update on the timeline (when one is recorded)."""
+        recorder = self.executor.recorder
+        return recorder.span(REDUCE, batch) if recorder is not None else nullcontext()
+
+    def _clip_gradients(self, clip_val: float | None, algorithm: Any) -> None:
+        if not clip_val:
+            return
+        if str(getattr(algorithm, "value", algorithm)) == "value":
+            torch.nn.utils.clip_grad_value_(self._local_params, clip_val)
+            return
+        not_counted = {id(p) for p, _, _, counts in self._shared if not counts}
+        group = self.groups.pipeline if self.clip_mode == "global" else None
+        gradients.clip_by_norm(self._local_params, clip_val, not_counted, group, self.root_device)
