@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -67,23 +66,11 @@ class AutoPlan:
         return list(best.stages)
 
     def _rebatch(self, dataloader: Any) -> Any:
-        from torch.utils.data import DataLoader
+        from .data.resume import rebuild
 
         per_replica = self.global_batch_size // self.data_parallel_size
         if dataloader.batch_size == per_replica:
             return dataloader
         if dataloader.batch_size is None:
             raise ValueError("plan='auto' re-batches the dataloader and needs a DataLoader built with batch_size=...")
-        return DataLoader(
-            dataloader.dataset,
-            batch_size=per_replica,
-            sampler=dataloader.sampler
-            if not isinstance(dataloader.dataset, torch.utils.data.IterableDataset)
-            else None,
-            num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn,
-            pin_memory=dataloader.pin_memory,
-            drop_last=dataloader.drop_last,
-            worker_init_fn=dataloader.worker_init_fn,
-            persistent_workers=dataloader.persistent_workers,
-        )
+        return rebuild(dataloader, batch_size=per_replica)

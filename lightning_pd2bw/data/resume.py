@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -57,15 +58,12 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(order[self.rank :: self.num_replicas])
 
 
-def make_resumable(loader: DataLoader) -> DataLoader:
-    """The same loader with a ``ResumableDistributedSampler`` (other samplers are returned unchanged)."""
-    sampler = loader.sampler
-    if type(sampler) is not DistributedSampler:
-        return loader
-    return DataLoader(
-        loader.dataset,
+def rebuild(loader: DataLoader, **changes: Any) -> DataLoader:
+    """The same loader (dataset, workers, collate, ...) with ``batch_size`` and/or ``sampler`` replaced."""
+    iterable = isinstance(loader.dataset, IterableDataset)
+    args = dict(
         batch_size=loader.batch_size,
-        sampler=ResumableDistributedSampler(sampler),
+        sampler=None if iterable else loader.sampler,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
@@ -76,3 +74,12 @@ def make_resumable(loader: DataLoader) -> DataLoader:
         prefetch_factor=loader.prefetch_factor,
         persistent_workers=loader.persistent_workers,
     )
+    return DataLoader(loader.dataset, **(args | changes))
+
+
+def make_resumable(loader: DataLoader) -> DataLoader:
+    """The same loader with a ``ResumableDistributedSampler`` (other samplers are returned unchanged)."""
+    sampler = loader.sampler
+    if type(sampler) is not DistributedSampler:
+        return loader
+    return rebuild(loader, sampler=ResumableDistributedSampler(sampler))
