@@ -43,7 +43,6 @@ from .pipeline.materialize import materialize, release
 from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
-from .pipeline.watchdog import Watchdog
 from .sharded_checkpoints import ShardedCheckpoints
 from .sigterm import defer_sigterm_check
 from .update import UpdatePath, _hyperparameters
@@ -177,7 +176,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                 "failure detection off"
             )
         self.failure_timeout = failure_timeout
-        self._watchdog: Watchdog | None = None
+        self._watchdog: watchdog.Watchdog | None = None
         self._num_nodes = 1
         self.grid: ProcessGrid | None = None
         self.executor: StageExecutor | None = None
