@@ -341,7 +341,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self.setup_optimizers(trainer)
             self._keep_local_parameters()
         self.setup_precision_plugin()
-        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device)
+        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device, self.groups.link)
         versions = WeightVersions(self._local_params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(
             local,

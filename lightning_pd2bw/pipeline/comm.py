@@ -1,14 +1,33 @@
-"""Point-to-point transport between neighbouring stages of one pipeline.
+"""Point-to-point transport between neighbouring stages of one pipeline, designed from NCCL's semantics.
 
-Activations travel as a small int64 header (count, dtype, shape of each tensor) followed by the
-tensors, so stages need no shape inference. Gradients travel back without a header: the receiver
-sent the matching activations and knows their shapes. Sends are asynchronous (``isend``) and kept
-alive until ``wait_sends``; receives block, right before their data is used.
+NCCL (and so every GPU run) differs from gloo in two ways that decide whether a schedule can hang:
+
+- a send completes only when the peer posts the matching receive (gloo buffers it);
+- the operations of one communicator run in issue order on one stream. Unbatched ``isend``/``irecv`` on
+  the default group share *one* communicator per pair of ranks, for both directions.
+
+With one channel per pair, 1F1B's steady state is a cycle: stage r queues SEND_F then RECV_B while
+stage r+1 queues SEND_B then RECV_F, and neither send can complete. This transport therefore gives
+each *direction* of each stage pair its own process group (its own communicator and stream):
+activations flow on ``activations`` channels, gradients on ``gradients`` channels. On a channel only
+one rank sends, and both ends issue their operations in microbatch order, so every operation's match
+is the next one its peer posts; no cycle can form across channels because sends never block the
+sender's program. ``nccl_model.py`` replays the real action lists under these rules and proves it for
+every schedule, depth, width, clipping mode, tied parameters, drains and evaluation.
+
+Shapes travel once per boundary and input shape, not per microbatch: both ends key the shapes of a
+boundary's tensors by the microbatch's *input signature* (shapes and dtypes of the batch fields, which
+every stage of a pipeline sees alike) and the phase (train/eval). The first message of a new key is
+preceded by a small int64 header; afterwards the receiver allocates from its cache, with no host sync.
+Gradients travel back without a header: the receiver sent the matching activations and knows their
+shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +47,12 @@ _MAX_DIMS = 6
 _FIELDS = 2 + _MAX_DIMS  # dtype code, ndim, dims
 HEADER_SIZE = 1 + _MAX_TENSORS * _FIELDS
 
+Spec = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+def spec_of(tensors: Sequence[torch.Tensor]) -> Spec:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
 
 def encode_header(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """int64 header describing ``tensors`` (at most 8, each of rank <= 6)."""
@@ -38,6 +63,8 @@ def encode_header(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     for i, tensor in enumerate(tensors):
         if tensor.dim() > _MAX_DIMS:
             raise ValueError(f"a stage boundary tensor has rank {tensor.dim()}; at most {_MAX_DIMS} is supported")
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"a stage boundary tensor has dtype {tensor.dtype}; supported: {_DTYPES}")
         base = 1 + i * _FIELDS
         header[base] = _DTYPES.index(tensor.dtype)
         header[base + 1] = tensor.dim()
@@ -45,14 +72,14 @@ def encode_header(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     return header.to(device)
 
 
-def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+def decode_header(header: torch.Tensor) -> Spec:
     values = header.tolist()
     specs = []
     for i in range(values[0]):
         base = 1 + i * _FIELDS
         ndim = values[base + 1]
         specs.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
-    return specs
+    return tuple(specs)
 
 
 def carries_gradient(tensor: torch.Tensor) -> bool:
@@ -60,47 +87,106 @@ def carries_gradient(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point()
 
 
-class StageLink:
-    """Sends to and receives from the previous and next stage (global ranks, default group)."""
+def input_signature(value: Any) -> Hashable:
+    """What a microbatch looks like to every stage: the structure, shapes and dtypes of its tensors."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), str(value.dtype))
+    if isinstance(value, dict):
+        return tuple((key, input_signature(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(input_signature(item) for item in value))
+    return type(value).__name__
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+
+@dataclass(frozen=True)
+class LinkChannels:
+    """The four one-directional channels of a stage (None at the pipeline's ends)."""
+
+    activations_in: Any = None  # from the previous stage
+    activations_out: Any = None  # to the next stage
+    gradients_in: Any = None  # from the next stage
+    gradients_out: Any = None  # to the previous stage
+
+
+class StageLink:
+    """Sends to and receives from the previous and next stage over one-directional channels."""
+
+    def __init__(
+        self,
+        prev_rank: int | None,
+        next_rank: int | None,
+        device: torch.device,
+        channels: LinkChannels | None = None,
+    ) -> None:
+        channels = channels or LinkChannels()
+        if (prev_rank is not None and channels.activations_in is None) or (
+            next_rank is not None and channels.activations_out is None
+        ):
+            raise ValueError(
+                "StageLink needs one channel per direction to each neighbour (one shared channel deadlocks under "
+                "NCCL): pass channels=build_groups(grid, ...).link from lightning_pd2bw.pipeline.grid"
+            )
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
-        self._pending: list[tuple[dist.Work, object]] = []
+        self.channels = channels
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sent_specs: dict[Hashable, Spec] = {}
+        self._received_specs: dict[Hashable, Spec] = {}
+        self.headers_sent = 0  # counters: one header per boundary and input signature, not per microbatch
+        self.headers_received = 0
 
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+    def _isend(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
         # forget sends that have completed so their buffers are freed (2BW never drains in between)
         self._pending = [(work, buf) for work, buf in self._pending if not work.is_completed()]
         tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, dst), tensor))
+        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
 
-    def _recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        dist.irecv(tensor, src).wait()
-        return tensor
+    def _recv_all(self, tensors: list[torch.Tensor], src: int, group: Any) -> list[torch.Tensor]:
+        """Post every receive, then wait for all: in issue order on the channel, as the sender sent them."""
+        works = [dist.irecv(tensor, src, group=group) for tensor in tensors]
+        for work in works:
+            work.wait()
+        return tensors
 
-    def send_forward(self, tensors: Sequence[torch.Tensor]) -> None:
+    def send_forward(self, tensors: Sequence[torch.Tensor], key: Hashable) -> None:
         assert self.next_rank is not None
-        self._isend(encode_header(tensors, self.device), self.next_rank)
+        spec = spec_of(tensors)
+        known = self._sent_specs.get(key)
+        if known is None:
+            self._isend(encode_header(tensors, self.device), self.next_rank, self.channels.activations_out)
+            self._sent_specs[key] = spec
+            self.headers_sent += 1
+        elif known != spec:
+            raise RuntimeError(
+                f"the activations sent to rank {self.next_rank} changed shape for the same input shapes "
+                f"({known} -> {spec}): pd2bw exchanges a boundary's shapes once per input shape, so a stage's "
+                "outputs must be determined by the shapes of the batch (pad variable-length data to fixed shapes)"
+            )
         for tensor in tensors:
-            self._isend(tensor.detach(), self.next_rank)
+            self._isend(tensor.detach(), self.next_rank, self.channels.activations_out)
 
-    def recv_forward(self) -> list[torch.Tensor]:
+    def recv_forward(self, key: Hashable) -> list[torch.Tensor]:
         assert self.prev_rank is not None
-        header = self._recv(torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device), self.prev_rank)
-        return [
-            self._recv(torch.empty(shape, dtype=dtype, device=self.device), self.prev_rank)
-            for dtype, shape in decode_header(header)
-        ]
+        group = self.channels.activations_in
+        spec = self._received_specs.get(key)
+        if spec is None:
+            header = self._recv_all(
+                [torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)], self.prev_rank, group
+            )
+            spec = self._received_specs[key] = decode_header(header[0])
+            self.headers_received += 1
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
+        return self._recv_all(buffers, self.prev_rank, group)
 
     def send_backward(self, grads: Sequence[torch.Tensor]) -> None:
         assert self.prev_rank is not None
         for grad in grads:
-            self._isend(grad, self.prev_rank)
+            self._isend(grad, self.prev_rank, self.channels.gradients_out)
 
     def recv_backward(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         assert self.next_rank is not None
-        return [self._recv(torch.empty_like(t), self.next_rank) for t in like]
+        return self._recv_all([torch.empty_like(t) for t in like], self.next_rank, self.channels.gradients_in)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

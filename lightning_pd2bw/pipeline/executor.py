@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import schedule as S
 from .activations import ActivationMeter
-from .comm import StageLink, carries_gradient
+from .comm import StageLink, carries_gradient, input_signature
 from .timeline import WAIT_SENDS, Recorder
 from .versions import WeightVersions
 
@@ -64,6 +64,7 @@ class StageExecutor:
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         self._microbatches: dict[int, Any] = {}
+        self._keys: dict[int, tuple] = {}  # microbatch -> ("train", input signature): the link's shape cache key
         self._received: dict[int, list[torch.Tensor]] = {}
         self._stash: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = {}
         self._to_send: dict[int, Any] = {}
@@ -78,9 +79,12 @@ class StageExecutor:
         """Register batch ``batch``'s microbatches (needed on the first and the last stage)."""
         if len(microbatches) != self.num_microbatches:
             raise ValueError(f"expected {self.num_microbatches} microbatches, got {len(microbatches)}")
-        if self.is_first or self.is_last:
-            for j, microbatch in enumerate(microbatches):
-                self._microbatches[batch * self.num_microbatches + j] = microbatch
+        for j, microbatch in enumerate(microbatches):
+            k = batch * self.num_microbatches + j
+            if self.is_first or self.is_last:
+                self._microbatches[k] = microbatch
+            if self.num_stages > 1:
+                self._keys[k] = ("train", input_signature(microbatch))
 
     @property
     def num_stashed(self) -> int:
@@ -88,7 +92,7 @@ class StageExecutor:
 
     @property
     def in_flight(self) -> bool:
-        return bool(self._stash or self._received or self._to_send or self._grads_in)
+        return bool(self._stash or self._received or self._to_send or self._grads_in or self._keys)
 
     # ----------------------------------------------------------------- compute
     def run_layers(self, inputs: tuple[torch.Tensor, ...]) -> Any:
@@ -151,11 +155,12 @@ class StageExecutor:
             kind, k = action.kind, action.microbatch
             start = recorder.now() if recorder is not None else 0.0
             if kind == S.RECV_FORWARD:
-                self._received[k] = self.link.recv_forward()
+                key = self._keys.pop(k) if self.is_last else self._keys[k]
+                self._received[k] = self.link.recv_forward(key)
             elif kind == S.FORWARD:
                 self._forward(action)
             elif kind == S.SEND_FORWARD:
-                self.link.send_forward(self._to_send.pop(k))
+                self.link.send_forward(self._to_send.pop(k), self._keys.pop(k))
             elif kind == S.RECV_BACKWARD:
                 outputs = self._stash[k][1]
                 self._grads_in[k] = self.link.recv_backward([o for o in as_tuple(outputs) if carries_gradient(o)])
@@ -194,11 +199,12 @@ class StageExecutor:
         self.versions.use_latest()
         results = []
         for microbatch in microbatches:
-            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else tuple(self.link.recv_forward())
+            key = ("eval", input_signature(microbatch))
+            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else tuple(self.link.recv_forward(key))
             outputs = self.run_layers(inputs)
             if self.is_last:
                 results.append(metrics_fn(outputs, microbatch))
             else:
-                self.link.send_forward(as_tuple(outputs))
+                self.link.send_forward(as_tuple(outputs), key)
         self.link.wait_sends()
         return results

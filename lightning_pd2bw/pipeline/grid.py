@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .comm import LinkChannels
+
 
 def check_world_size(world_size: int, num_stages: int) -> int:
     """Data-parallel width for ``world_size`` processes, or a clear error."""
@@ -65,29 +67,48 @@ class ProcessGrid:
 
 @dataclass
 class Groups:
-    """Process groups this rank belongs to. Every rank creates every group, in the same order."""
+    """Process groups this rank belongs to. Every rank creates every group, in the same order.
+
+    ``pipeline``: the stages of one replica (global clip norm, non-finite agreement, evaluation results);
+    ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
+    behind an update's collective); ``replica``: one stage's data-parallel replicas (gradient averaging);
+    ``shared``: the stages holding a tied parameter; ``link``: one channel per direction to each neighbour
+    (``comm.py`` says why one shared channel deadlocks under NCCL).
+    """
 
     pipeline: object
     loss: object
     replica: object
     shared: dict[tuple[int, ...], object]
+    link: LinkChannels = field(default_factory=LinkChannels)
 
 
 def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
     mine: dict[str, object] = {}
+    links: dict[str, object] = {}
     for replica in range(grid.data_parallel_size):
         ranks = grid.pipeline_ranks(replica)
-        pipeline, loss = dist.new_group(ranks), dist.new_group(ranks)
+        pipeline = dist.new_group(ranks, group_desc=f"pd2bw/pipeline/replica{replica}")
+        loss = dist.new_group(ranks, group_desc=f"pd2bw/loss/replica{replica}")
         if replica == grid.replica:
             mine["pipeline"], mine["loss"] = pipeline, loss
+        for stage in range(grid.num_stages - 1):
+            pair = [ranks[stage], ranks[stage + 1]]
+            forward = dist.new_group(pair, group_desc=f"pd2bw/activations/replica{replica}/stage{stage}->{stage + 1}")
+            backward = dist.new_group(pair, group_desc=f"pd2bw/gradients/replica{replica}/stage{stage + 1}->{stage}")
+            if grid.rank == pair[0]:
+                links["activations_out"], links["gradients_in"] = forward, backward
+            if grid.rank == pair[1]:
+                links["activations_in"], links["gradients_out"] = forward, backward
     for stage in range(grid.num_stages):
-        group = dist.new_group(grid.replica_ranks(stage))
+        group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/replica/stage{stage}")
         if stage == grid.stage:
             mine["replica"] = group
     shared: dict[tuple[int, ...], object] = {}
     for stages in dict.fromkeys(shared_stage_sets):
         for replica in range(grid.data_parallel_size):
-            group = dist.new_group([replica * grid.num_stages + s for s in stages])
+            name = f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, stages))}"
+            group = dist.new_group([replica * grid.num_stages + s for s in stages], group_desc=name)
             if replica == grid.replica and grid.stage in stages:
                 shared[stages] = group
-    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared)
+    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links))

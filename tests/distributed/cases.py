@@ -39,11 +39,12 @@ class Case:
     micro_batch: int = MICRO_BATCH  # samples per microbatch (the reference groups its gradients the same way)
     plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
     poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
+    val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
     extra: dict = field(default_factory=dict)
 
     @property
     def drains(self) -> tuple[int, ...]:
-        every = self.checkpoint_every
+        every = self.checkpoint_every or self.val_every
         return tuple(range(every, self.steps, every)) if every else ()
 
 
@@ -140,6 +141,7 @@ CASES = {
         Case("gpt_flush_resume_midepoch", steps=7, checkpoint_every=3, sparsity="rigl_erk", schedule=True),
         Case("gpt_flush_nonfinite_skip", steps=5, poison_step=2, schedule=True),
         Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),
+        Case("gpt_2bw_validate", mode="2bw", num_microbatches=4, steps=5, val_every=2, clip=0.5),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
     ]
 }

@@ -1,7 +1,9 @@
 """Train cases over real processes: ``torchrun --nproc-per-node N run_cases.py OUT CASE...``.
 
 Each stage of replica 0 writes its trained weights to ``OUT/CASE/stage-R.pt``; every rank writes its
-engine counters (weight versions held, stashed microbatches) to ``OUT/CASE/rank-G.json``.
+engine counters (weight versions held, stashed microbatches) to ``OUT/CASE/rank-G.json`` and every
+``torch.distributed`` call it made to ``OUT/CASE/calls-rank-G.json`` (replayed under NCCL's semantics
+by ``test_nccl_traces.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
+from lightning_pd2bw.pipeline.nccl_model import record_calls  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import (  # noqa: E402
@@ -113,7 +116,9 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         devices=world,
         max_steps=steps,
         gradient_clip_val=case.clip,
-        limit_val_batches=0,
+        limit_val_batches=2 if case.val_every else 0,
+        val_check_interval=case.val_every,
+        num_sanity_val_steps=0,
         limit_train_batches=case.steps_per_epoch,
         logger=False,
         enable_progress_bar=False,
@@ -135,7 +140,11 @@ def run(case: Case, out: Path, world: int) -> None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=case.checkpoint_every, save_top_k=-1))
     callbacks, sparsity = with_sparsity(case, callbacks)
     trainer = trainer_for(case, case.steps, callbacks, world)
-    trainer.fit(model, train_dataloaders=dataloader(case))
+    with record_calls() as recorder:
+        trainer.fit(
+            model, train_dataloaders=dataloader(case), val_dataloaders=dataloader(case) if case.val_every else None
+        )
+    recorder.dump(out / f"calls-rank-{trainer.global_rank}.json")
     strategy = trainer.strategy
     executor = strategy.executor
     rank = trainer.global_rank

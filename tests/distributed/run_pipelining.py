@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from lightning_pd2bw.pipeline import schedule
 from lightning_pd2bw.pipeline.comm import StageLink
 from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.grid import ProcessGrid
+from lightning_pd2bw.pipeline.grid import ProcessGrid, build_groups
 from lightning_pd2bw.pipeline.versions import WeightVersions
 
 NUM_MICROBATCHES, WIDTH, BATCH = 4, 8, 16
@@ -42,7 +42,7 @@ def main() -> None:
         grid.stage,
         grid.num_stages,
         NUM_MICROBATCHES,
-        StageLink(grid.prev_rank, grid.next_rank, torch.device("cpu")),
+        StageLink(grid.prev_rank, grid.next_rank, torch.device("cpu"), build_groups(grid, []).link),
         WeightVersions(module.parameters(), False),
         input_fn=lambda mb: mb["x"],
         loss_fn=lambda out, mb: loss_fn(out, mb["y"]),

@@ -39,7 +39,21 @@ def as_run(trained, name: str) -> tuple:
     ]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+KNOWN_DEFECTS = {
+    # found while adding the case: 2BW with validation mid-run (a drain at on_validation_start) ends ~1e-2 away
+    # from the reference with drains at the validation steps; flush with validation, and 2BW with drains at
+    # checkpoints, match. Reproduced on the commit before the NCCL transport; see the issue note.
+    "gpt_2bw_validate": "2BW + mid-run validation differs from the drained 2BW reference (open defect)",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DEFECTS[n])) if n in KNOWN_DEFECTS else n
+        for n in CASES
+    ],
+)
 def test_pipeline_matches_reference(trained, name):
     case, width = as_run(trained, name)
     got = merged(trained[name])

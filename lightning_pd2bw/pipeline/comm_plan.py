@@ -1,0 +1,228 @@
+"""The communication program each rank of a pipeline issues, lowered from the schedules' action lists.
+
+``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
+stage and replica and emits, for each action, the calls the transport (``comm.py``) and the update
+(``update.py``, ``gradients.py``) make, in the strategy's order: the per-step SIGTERM flag and loss
+broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
+under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
+the same ones on the pipeline's own process groups, so the model cannot drift from the code.
+
+``transport="shared"`` lowers the transport this project had before (every message of a stage pair on
+the default group, one header per microbatch): the model shows it deadlocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import schedule as S
+from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
+
+
+@dataclass(frozen=True)
+class CommLayout:
+    mode: str
+    num_stages: int
+    num_microbatches: int
+    data_parallel_size: int = 1
+    steps: int = 3
+    clip: str | None = None  # None, "global" (an all-reduce of the norm over the pipeline) or "stage"
+    tied: bool = False  # a parameter shared by the first and the last stage (GPT's tied embedding)
+    skip_nonfinite: bool = False  # on_nonfinite="skip": an all-reduce over the pipeline per update
+    drain_after: tuple[int, ...] = ()  # Lightning steps after which the pipeline drains (validation, checkpoint)
+    eval_batches: int = 0  # validation batches run after each of those drains
+    boundary_tensors: int = 1  # tensors crossing each stage boundary
+    gradient_buckets: int = 1  # replica all-reduce buckets per update
+    transport: str = "directional"  # or "shared": the old single channel per pair of ranks
+
+
+class _Rank:
+    """One rank's program and the transport/strategy state that decides which calls it makes."""
+
+    def __init__(self, layout: CommLayout, replica: int, stage: int) -> None:
+        self.layout, self.replica, self.stage = layout, replica, stage
+        d = layout.num_stages
+        self.rank = replica * d + stage
+        self.world = tuple(range(d * layout.data_parallel_size))
+        self.pipeline = tuple(replica * d + s for s in range(d))
+        self.ops: list[Op] = []
+        self.handles = 0
+        self.pending_sends: list[int] = []
+        self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
+        self.losses: dict[int, int] = {}
+        self.deferred: dict[int, list[int]] = {}
+        self.sigterm: int | None = None
+        self.step_in_run = 0
+
+    # -------------------------------------------------------------- primitives
+    def issue(self, kind: str, channel: str, label: str, peer: int = -1, members: tuple[int, ...] = ()) -> int:
+        handle = self.handles
+        self.handles += 1
+        name = label.split(":")[0] if kind == COLLECTIVE else ""
+        self.ops.append(Op(kind, handle, channel, peer, members, name, label))
+        return handle
+
+    def wait(self, handle: int, label: str = "") -> None:
+        self.ops.append(Op(WAIT, handle, label=label))
+
+    def collective(self, name: str, channel: str, members: tuple[int, ...], label: str, block: bool = True) -> int:
+        handle = self.issue(COLLECTIVE, channel, f"{name}: {label}", members=members)
+        if block:
+            self.wait(handle, label)
+        return handle
+
+    # -------------------------------------------------------------- transport (comm.py)
+    def _channel(self, direction: str, low_stage: int) -> str:
+        if self.layout.transport == "shared":
+            return "default_pg"
+        r = self.replica
+        if direction == "activations":
+            return f"pd2bw/activations/replica{r}/stage{low_stage}->{low_stage + 1}"
+        return f"pd2bw/gradients/replica{r}/stage{low_stage + 1}->{low_stage}"
+
+    def send_forward(self, phase: str, label: str) -> None:
+        channel, peer = self._channel("activations", self.stage), self.rank + 1
+        if self.layout.transport == "shared" or ("out", phase) not in self.headers:
+            self.headers.add(("out", phase))
+            self.pending_sends.append(self.issue(SEND, channel, f"{label} header", peer))
+        for _ in range(self.layout.boundary_tensors):
+            self.pending_sends.append(self.issue(SEND, channel, label, peer))
+
+    def recv_forward(self, phase: str, label: str) -> None:
+        channel, peer = self._channel("activations", self.stage - 1), self.rank - 1
+        if self.layout.transport == "shared" or ("in", phase) not in self.headers:
+            self.headers.add(("in", phase))
+            self.wait(self.issue(RECV, channel, f"{label} header", peer), label)
+        for handle in [self.issue(RECV, channel, label, peer) for _ in range(self.layout.boundary_tensors)]:
+            self.wait(handle, label)
+
+    def send_backward(self, label: str) -> None:
+        channel = self._channel("gradients", self.stage - 1)
+        for _ in range(self.layout.boundary_tensors):
+            self.pending_sends.append(self.issue(SEND, channel, label, self.rank - 1))
+
+    def recv_backward(self, label: str) -> None:
+        channel = self._channel("gradients", self.stage)
+        for handle in [self.issue(RECV, channel, label, self.rank + 1) for _ in range(self.layout.boundary_tensors)]:
+            self.wait(handle, label)
+
+    def wait_sends(self) -> None:
+        for handle in self.pending_sends:
+            self.wait(handle, "wait_sends")
+        self.pending_sends.clear()
+
+    # -------------------------------------------------------------- the update (update.py)
+    def _shared(self) -> bool:
+        return self.layout.tied and self.layout.num_stages > 1 and self.stage in (0, self.layout.num_stages - 1)
+
+    def update(self, batch: int, draining: bool) -> None:
+        layout, label = self.layout, f"STEP(b{batch})"
+        if layout.data_parallel_size > 1:
+            replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
+            channel = f"pd2bw/replica/stage{self.stage}"
+            handles = [
+                self.collective("all_reduce", channel, replicas, f"{label} replica average", block=False)
+                for _ in range(layout.gradient_buckets)
+            ]
+            for handle in handles:
+                self.wait(handle, label)
+        if self._shared():
+            channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
+            members = (self.pipeline[0], self.pipeline[-1])
+            defer = layout.mode == "2bw" and not layout.clip and not draining and not layout.skip_nonfinite
+            handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not defer)
+            if defer:
+                self.deferred[batch] = [handle]
+        pipeline = f"pd2bw/pipeline/replica{self.replica}"
+        if layout.skip_nonfinite:
+            self.collective("all_reduce", pipeline, self.pipeline, f"{label} non-finite agreement")
+        if layout.clip == "global":
+            self.collective("all_reduce", pipeline, self.pipeline, f"{label} clip norm")
+
+    def finish_deferred(self, until: int) -> None:
+        for batch in sorted(b for b in self.deferred if b <= until):
+            for handle in self.deferred.pop(batch):
+                self.wait(handle, f"deferred tied sum of b{batch}")
+
+    def run(self, actions: list[S.Action], draining: bool = False) -> None:
+        for action in actions:
+            label = str(action)
+            if action.kind == S.RECV_FORWARD:
+                self.recv_forward("train", label)
+            elif action.kind == S.SEND_FORWARD:
+                self.send_forward("train", label)
+            elif action.kind == S.RECV_BACKWARD:
+                self.recv_backward(label)
+            elif action.kind == S.SEND_BACKWARD:
+                self.send_backward(label)
+            elif action.kind == S.STEP:
+                self.update(action.batch, draining)
+
+    # -------------------------------------------------------------- the strategy's step, drain, evaluation
+    def take_loss(self, batch: int) -> None:
+        if batch in self.losses:
+            self.wait(self.losses.pop(batch), f"loss of b{batch}")
+
+    def training_step(self) -> None:
+        layout = self.layout
+        if self.sigterm is not None:  # Lightning's SIGTERM flag, made asynchronous (sigterm.py)
+            self.wait(self.sigterm, "sigterm flag")
+        self.sigterm = self.collective("broadcast", "default_pg", self.world, "sigterm flag", block=False)
+        step = self.step_in_run
+        self.finish_deferred(step - 2)
+        self.run(S.segment(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, step))
+        loss_group = f"pd2bw/loss/replica{self.replica}"
+        self.losses[step] = self.collective("broadcast", loss_group, self.pipeline, f"loss of b{step}", block=False)
+        if layout.mode == "2bw":
+            self.step_in_run += 1
+            self.take_loss(step - 1)
+        else:
+            self.wait_sends()
+            self.take_loss(step)
+
+    def drain(self) -> None:
+        layout = self.layout
+        if layout.mode == "2bw" and self.step_in_run > 0:
+            last = self.step_in_run - 1
+            self.finish_deferred(last - 1)
+            self.run(S.drain(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, last), True)
+            self.wait_sends()
+        for batch in sorted(self.losses):
+            self.take_loss(batch)
+        self.step_in_run = 0
+
+    def evaluate(self) -> None:
+        layout = self.layout
+        for batch in range(layout.eval_batches):
+            for micro in range(layout.num_microbatches):
+                label = f"EVAL(b{batch},m{micro})"
+                if self.stage > 0:
+                    self.recv_forward("eval", label)
+                if self.stage < layout.num_stages - 1:
+                    self.send_forward("eval", label)
+            self.wait_sends()
+            pipeline = f"pd2bw/pipeline/replica{self.replica}"
+            for part in ("size", "data"):  # broadcast_object_list of the last stage's metrics
+                self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
+        if layout.eval_batches:
+            self.collective("all_reduce", "default_pg", self.world, "val metrics (sync_dist)")
+
+
+def programs(layout: CommLayout) -> Programs:
+    """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
+    S.validate(layout.mode, layout.num_stages, layout.num_microbatches)
+    ranks = [_Rank(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
+    for rank in ranks:
+        if rank._shared():  # setup: the first stage holding a tied parameter broadcasts it
+            members = (rank.pipeline[0], rank.pipeline[-1])
+            channel = f"pd2bw/shared/replica{rank.replica}/stages0-{layout.num_stages - 1}"
+            rank.collective("broadcast", channel, members, "tied parameter at setup")
+        for step in range(1, layout.steps + 1):
+            rank.training_step()
+            if step in layout.drain_after:  # validation (or a checkpoint): drain first
+                rank.drain()
+                rank.evaluate()
+        rank.drain()  # on_train_end
+        if rank.sigterm is not None:  # and settles the last SIGTERM flag
+            rank.wait(rank.sigterm, "sigterm flag")
+    return {rank.rank: rank.ops for rank in ranks}

@@ -1,0 +1,290 @@
+"""A model of NCCL's semantics that replays per-rank communication programs and finds deadlocks.
+
+gloo buffers sends and lets any two operations between two ranks overtake each other, so a CPU test
+cannot show a schedule that hangs on GPUs. This model can. Each rank's program is the sequence of
+communication calls it issues (``Op``), with the rules NCCL imposes:
+
+1. *Issue is asynchronous, completion is not*: ``isend``/``irecv``/``async_op=True`` collectives return at
+   once; a ``wait`` (explicit, or implied by a blocking call or a host read such as ``.item()``) blocks
+   the rank's program until that operation has completed.
+2. *One communicator, one stream, issue order*: the operations a rank issues on one communicator run in
+   the order issued; an operation starts only when every earlier one on that communicator has completed.
+   Point-to-point operations of a group use one communicator per pair of ranks, for both directions
+   (ProcessGroupNCCL's unbatched send/recv); collectives use the group's communicator.
+3. *Rendezvous*: a send completes only together with the matching receive (no buffering); a collective
+   completes only when every member has reached it, and all must be the same collective.
+
+``simulate`` advances every rank until all programs end (free of deadlock) or nothing can move (a
+deadlock, reported with each rank's blocked operation and the heads of the communicators). Programs
+come from two places: ``record_calls`` records what a real process issues through ``torch.distributed``
+(a run over gloo issues the same calls in the same order as one over NCCL), and ``comm_plan.py`` lowers
+the schedules' action lists for any layout without starting processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+SEND, RECV, COLLECTIVE, WAIT = "send", "recv", "collective", "wait"
+
+
+class Op(NamedTuple):
+    """One communication call of one rank. ``handle`` names the operation an issue creates or a wait awaits."""
+
+    kind: str
+    handle: int
+    channel: str = ""  # the process group (its description)
+    peer: int = -1  # send: destination, recv: source (global ranks)
+    members: tuple[int, ...] = ()  # collective: the group's global ranks
+    name: str = ""  # collective: all_reduce, broadcast, ...
+    label: str = ""  # where the call comes from (an action, an update part)
+
+    def __str__(self) -> str:
+        if self.kind == WAIT:
+            return f"wait(#{self.handle}{', ' + self.label if self.label else ''})"
+        where = f"{self.channel} peer {self.peer}" if self.kind in (SEND, RECV) else self.channel
+        return f"{self.kind}{'/' + self.name if self.name else ''}(#{self.handle} on {where}{', ' + self.label if self.label else ''})"
+
+    @staticmethod
+    def from_dict(data: dict) -> Op:
+        return Op(**{**data, "members": tuple(data.get("members", ()))})
+
+    def as_dict(self) -> dict:
+        return self._asdict()
+
+
+Programs = dict[int, list[Op]]
+
+
+class Deadlock(RuntimeError):
+    """No rank can move: the message lists each rank's blocked operation and each communicator's head."""
+
+
+class MismatchedCollective(RuntimeError):
+    """The members of a communicator reached different collectives."""
+
+
+def communicator(op: Op, rank: int) -> str:
+    """Which NCCL communicator (and stream) an operation runs on."""
+    if op.kind in (SEND, RECV):
+        low, high = sorted((rank, op.peer))
+        return f"{op.channel} p2p {low}-{high}"
+    return op.channel
+
+
+@dataclass
+class Outcome:
+    steps: int  # operations completed
+    max_queued: int  # the longest queue of issued, unfinished operations one rank had on one communicator
+
+
+def simulate(programs: Programs) -> Outcome:
+    """Run ``programs`` under NCCL's rules; raise ``Deadlock`` or ``MismatchedCollective``, else the outcome."""
+    ranks = sorted(programs)
+    pc = dict.fromkeys(ranks, 0)
+    queues: dict[tuple[str, int], deque[Op]] = defaultdict(deque)
+    done: dict[int, set[int]] = {r: set() for r in ranks}
+    dirty: list[tuple[str, int]] = []  # communicators whose head may now match
+    runnable = list(ranks)
+    completed = max_queued = 0
+
+    def advance(rank: int) -> None:
+        nonlocal max_queued
+        program = programs[rank]
+        while pc[rank] < len(program):
+            op = program[pc[rank]]
+            if op.kind == WAIT:
+                if op.handle not in done[rank]:
+                    return
+            else:
+                key = (communicator(op, rank), rank)
+                queues[key].append(op)
+                max_queued = max(max_queued, len(queues[key]))
+                if len(queues[key]) == 1:
+                    dirty.append(key)
+            pc[rank] += 1
+
+    def finish(key: tuple[str, int]) -> None:
+        nonlocal completed
+        queue = queues[key]
+        rank = key[1]
+        op = queue.popleft()
+        done[rank].add(op.handle)
+        completed += 1
+        runnable.append(rank)
+        if queue:
+            dirty.append(key)
+
+    while runnable or dirty:
+        while runnable:
+            advance(runnable.pop())
+        while dirty:
+            comm, rank = dirty.pop()
+            queue = queues[(comm, rank)]
+            if not queue:
+                continue
+            head = queue[0]
+            if head.kind in (SEND, RECV):
+                other = queues.get((comm, head.peer))
+                wanted = RECV if head.kind == SEND else SEND
+                if other and other[0].kind == wanted and other[0].peer == rank:
+                    finish((comm, rank))
+                    finish((comm, head.peer))
+            else:
+                heads = [queues.get((comm, member)) for member in head.members]
+                if all(q and q[0].kind == COLLECTIVE for q in heads):
+                    if len({q[0].name for q in heads}) > 1:
+                        raise MismatchedCollective(
+                            f"communicator {comm}: members reached different collectives: "
+                            + ", ".join(f"rank {m}: {q[0]}" for m, q in zip(head.members, heads))
+                        )
+                    for member in head.members:
+                        finish((comm, member))
+    stuck = [r for r in ranks if pc[r] < len(programs[r])]
+    leftover = {key: q for key, q in queues.items() if q}
+    if stuck or leftover:
+        raise Deadlock(_report(programs, pc, leftover))
+    return Outcome(completed, max_queued)
+
+
+def _report(programs: Programs, pc: dict[int, int], leftover: dict[tuple[str, int], deque[Op]]) -> str:
+    lines = ["deadlock under NCCL semantics:"]
+    for rank in sorted(programs):
+        if pc[rank] < len(programs[rank]):
+            lines.append(f"  rank {rank} blocked at op {pc[rank]}: {programs[rank][pc[rank]]}")
+        else:
+            lines.append(f"  rank {rank} finished its program")
+    for (comm, rank), queue in sorted(leftover.items()):
+        lines.append(
+            f"  rank {rank} on [{comm}] waits to run: {queue[0]}" + (f" (+{len(queue) - 1})" if len(queue) > 1 else "")
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- recording
+def _channel(group: Any) -> str:
+    import torch.distributed as dist
+
+    if group is None or group is dist.GroupMember.WORLD:
+        return "default_pg"
+    desc = getattr(group, "group_desc", "") or ""
+    return desc if desc and desc != "undefined" else f"group {group.group_name}"
+
+
+def _members(group: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD))
+
+
+class _RecordedWork:
+    """A ``Work`` whose ``wait`` is recorded (everything else is the real one's)."""
+
+    def __init__(self, work: Any, recorder: CallRecorder, handle: int, label: str) -> None:
+        self._work, self._recorder, self._handle, self._label = work, recorder, handle, label
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._recorder.ops.append(Op(WAIT, self._handle, label=self._label))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class CallRecorder:
+    """The communication program of this process, as ``Op``s (see ``record_calls``)."""
+
+    P2P = {"isend": SEND, "irecv": RECV, "send": SEND, "recv": RECV}
+    COLLECTIVES = (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_to_all_single",
+        "barrier",
+    )
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self._handles = 0
+
+    def _issue(self, **fields: Any) -> int:
+        handle = self._handles
+        self._handles += 1
+        self.ops.append(Op(handle=handle, **fields))
+        return handle
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            import torch.distributed as dist
+
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            params = bound.arguments
+            group = params.get("group")
+            if name in self.P2P:
+                peer_key = "dst" if self.P2P[name] == SEND else "src"
+                peer = params.get(peer_key)
+                if peer is None and params.get(f"group_{peer_key}") is not None:
+                    peer = dist.get_global_rank(group, params[f"group_{peer_key}"])
+                handle = self._issue(kind=self.P2P[name], channel=_channel(group), peer=int(peer), label=name)
+                asynchronous = name in ("isend", "irecv")
+            else:
+                handle = self._issue(
+                    kind=COLLECTIVE, channel=_channel(group), members=_members(group), name=name, label=name
+                )
+                asynchronous = bool(params.get("async_op", False))
+            result = fn(*args, **kwargs)
+            if asynchronous and result is not None:
+                return _RecordedWork(result, self, handle, name)
+            self.ops.append(Op(WAIT, handle, label=name))
+            return result
+
+        return recorded
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps([op.as_dict() for op in self.ops]))
+
+
+def load_program(path: Path) -> list[Op]:
+    return [Op.from_dict(item) for item in json.loads(Path(path).read_text())]
+
+
+@contextmanager
+def record_calls() -> Iterator[CallRecorder]:
+    """Record every ``torch.distributed`` point-to-point and collective call this process makes.
+
+    Instrumentation, not a mock: each call still runs. Composite helpers (``broadcast_object_list``,
+    ``all_gather_object``) are recorded through the primitives they call.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    recorder = CallRecorder()
+    saved = []
+    for name in (*recorder.P2P, *recorder.COLLECTIVES):
+        original = getattr(c10d, name)
+        wrapped = recorder.wrap(name, original)
+        for namespace in (dist, c10d):
+            saved.append((namespace, name, getattr(namespace, name)))
+            setattr(namespace, name, wrapped)
+    try:
+        yield recorder
+    finally:
+        for namespace, name, original in saved:
+            setattr(namespace, name, original)

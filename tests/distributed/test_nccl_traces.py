@@ -1,0 +1,96 @@
+"""The communication of real runs, replayed under NCCL's semantics.
+
+Every case of ``cases.py`` records each rank's ``torch.distributed`` calls (``run_cases.py``). A run over
+gloo issues the same calls in the same order as over NCCL, so replaying them in ``nccl_model`` shows
+whether the same job could hang on GPUs: no case may. Putting both directions of a stage pair back on
+one channel (the transport this project had before) must deadlock, and the lowering of the schedules
+(``comm_plan.programs``, used for the exhaustive layout sweep) must issue exactly the calls the real
+runs issued on the pipeline's own process groups.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_pd2bw.pipeline.comm_plan import CommLayout, programs
+from lightning_pd2bw.pipeline.nccl_model import SEND, WAIT, Deadlock, Op, load_program, simulate
+
+from .cases import CASES
+from .test_equivalence import as_run
+
+
+def recorded(folder) -> dict[int, list[Op]]:
+    files = sorted(folder.glob("calls-rank-*.json"))
+    assert files, f"no recorded calls in {folder}"
+    return {int(re.search(r"(\d+)\.json$", f.name).group(1)): load_program(f) for f in files}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_real_run_is_deadlock_free_under_nccl(trained, name):
+    calls = recorded(trained[name])
+    outcome = simulate(calls)
+    assert outcome.steps > 0
+    if as_run(trained, name)[0].num_stages > 1:  # plan="auto" may choose one stage
+        assert any(op.channel.startswith("pd2bw/activations/") for op in calls[0]), "the pipeline's messages recorded"
+
+
+def on_one_channel_per_pair(calls: dict[int, list[Op]]) -> dict[int, list[Op]]:
+    """The same calls with both directions of each stage pair on the default group (the old transport)."""
+    shared = re.compile(r"pd2bw/(activations|gradients)/")
+    return {
+        r: [op._replace(channel="default_pg") if shared.match(op.channel) else op for op in ops]
+        for r, ops in calls.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt_flush_sgd", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw"])
+def test_one_channel_per_pair_deadlocks(trained, name):
+    with pytest.raises(Deadlock, match="deadlock under NCCL semantics"):
+        simulate(on_one_channel_per_pair(recorded(trained[name])))
+
+
+def normalised(ops: list[Op]) -> list[tuple]:
+    """The pipeline's own calls: issues by kind, channel, peer and collective, and which of them each wait
+    awaits (waits on sends are left out: the transport forgets sends that completed by themselves)."""
+    ours = [op for op in ops if op.channel.startswith("pd2bw/") or op.kind == WAIT]
+    index: dict[int, tuple[int, str]] = {}
+    out: list[tuple] = []
+    for op in ours:
+        if op.kind == WAIT:
+            if op.handle in index and index[op.handle][1] != SEND:
+                out.append(("wait", index[op.handle][0]))
+        else:
+            index[op.handle] = (len(out), op.kind)
+            out.append((op.kind, op.channel, op.peer, op.members, op.name))
+    return out
+
+
+LOWERED = [
+    n
+    for n, c in CASES.items()
+    if not (c.sparsity or c.checkpoint_every or c.plan)  # their callbacks and saves add collectives of their own
+]
+
+
+@pytest.mark.parametrize("name", LOWERED)
+def test_lowering_issues_what_the_run_issued(trained, name):
+    case, width = as_run(trained, name)
+    layout = CommLayout(
+        mode=case.mode,
+        num_stages=case.num_stages,
+        num_microbatches=case.num_microbatches,
+        data_parallel_size=width,
+        steps=case.steps,
+        clip="global" if case.clip else None,
+        tied=True,  # GPT and BERT tie the token embedding to the output layer
+        skip_nonfinite=case.poison_step is not None,
+        drain_after=case.drains,
+        eval_batches=2 if case.val_every else 0,
+    )
+    lowered = programs(layout)
+    calls = recorded(trained[name])
+    assert set(lowered) == set(calls)
+    for rank in calls:
+        assert normalised(lowered[rank]) == normalised(calls[rank]), f"rank {rank}"

@@ -1,0 +1,149 @@
+"""NCCL's semantics as a model (``nccl_model``), and every schedule's lowering proven free of deadlock in it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lightning_pd2bw.pipeline.comm_plan import CommLayout, programs
+from lightning_pd2bw.pipeline.nccl_model import (
+    COLLECTIVE,
+    RECV,
+    SEND,
+    WAIT,
+    Deadlock,
+    MismatchedCollective,
+    Op,
+    simulate,
+)
+
+
+def send(h, peer, channel="c"):
+    return Op(SEND, h, channel, peer)
+
+
+def recv(h, peer, channel="c"):
+    return Op(RECV, h, channel, peer)
+
+
+def wait(h):
+    return Op(WAIT, h)
+
+
+def coll(h, members, name="all_reduce", channel="g"):
+    return Op(COLLECTIVE, h, channel, members=members, name=name)
+
+
+def test_matched_send_and_receive_complete():
+    assert simulate({0: [send(0, 1), wait(0)], 1: [recv(0, 0), wait(0)]}).steps == 2
+
+
+def test_a_send_does_not_complete_before_its_receive_is_posted():
+    # gloo would buffer rank 0's send and let rank 0 move on; NCCL does not
+    with pytest.raises(Deadlock, match="rank 0 blocked"):
+        simulate({0: [send(0, 1), wait(0)], 1: []})
+
+
+def test_one_channel_per_pair_is_a_cycle_in_1f1b_steady_state():
+    # stage 0: SEND_F then RECV_B; stage 1: SEND_B then RECV_F, both directions on one communicator
+    stage0 = [send(0, 1), recv(1, 1), wait(1)]
+    stage1 = [send(0, 0), recv(1, 0), wait(1)]
+    with pytest.raises(Deadlock):
+        simulate({0: stage0, 1: stage1})
+    # the same calls, each direction on its own communicator: no cycle
+    stage0 = [send(0, 1, "act"), recv(1, 1, "grad"), wait(1)]
+    stage1 = [send(0, 0, "grad"), recv(1, 0, "act"), wait(1)]
+    simulate({0: stage0, 1: stage1})
+
+
+def test_operations_on_one_communicator_run_in_issue_order():
+    # rank 1 posts its receives in the opposite order of rank 0's sends (same channel): stuck
+    with pytest.raises(Deadlock):
+        simulate({0: [send(0, 1), send(1, 1), wait(1)], 1: [recv(0, 0, "c"), wait(0)] + [recv(1, 0, "d"), wait(1)]})
+
+
+def test_a_collective_waits_for_every_member():
+    with pytest.raises(Deadlock):
+        simulate({0: [coll(0, (0, 1)), wait(0)], 1: [recv(0, 0, "x"), wait(0)], 2: [send(0, 1, "y"), wait(0)]})
+    assert simulate({0: [coll(0, (0, 1)), wait(0)], 1: [coll(0, (0, 1)), wait(0)]}).steps == 2
+
+
+def test_a_collective_behind_a_blocked_receive_deadlocks():
+    # rank 0 waits in an all-reduce that rank 1 reaches only after a message rank 0 sends after the all-reduce
+    rank0 = [coll(0, (0, 1)), wait(0), send(1, 1), wait(1)]
+    rank1 = [recv(0, 0), wait(0), coll(1, (0, 1)), wait(1)]
+    with pytest.raises(Deadlock):
+        simulate({0: rank0, 1: rank1})
+
+
+def test_mismatched_collectives_are_named():
+    with pytest.raises(MismatchedCollective, match="broadcast"):
+        simulate({0: [coll(0, (0, 1)), wait(0)], 1: [coll(0, (0, 1), "broadcast"), wait(0)]})
+
+
+@pytest.mark.parametrize("mode", ["flush", "2bw"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_the_old_transport_deadlocks(mode, num_stages):
+    """Every message of a stage pair on the default group (one communicator per pair), one header per
+    microbatch: what ``StageLink`` did before. It hangs under NCCL in both modes."""
+    layout = CommLayout(mode, num_stages, num_stages, transport="shared")
+    with pytest.raises(Deadlock):
+        simulate(programs(layout))
+
+
+UPDATES = {
+    "plain": {},
+    "clip_global": {"clip": "global"},
+    "clip_stage": {"clip": "stage"},
+    "skip_nonfinite": {"skip_nonfinite": True},
+}
+
+
+def sweep(microbatches):
+    for mode, num_stages, width, update, tied in itertools.product(
+        ("flush", "gpipe", "2bw"), range(2, 9), (1, 2), UPDATES, (False, True)
+    ):
+        for m in microbatches(num_stages):
+            yield CommLayout(
+                mode,
+                num_stages,
+                m,
+                width,
+                steps=4,
+                tied=tied,
+                drain_after=(2, 4),  # a drain in the steady state and at the end, each followed by evaluation
+                eval_batches=1,
+                **UPDATES[update],
+            )
+
+
+def check(layout: CommLayout) -> None:
+    try:
+        outcome = simulate(programs(layout))
+    except Deadlock as error:
+        raise AssertionError(f"{layout}\n{error}") from None
+    assert outcome.steps > 0
+
+
+def test_every_schedule_is_deadlock_free_under_nccl():
+    """flush, gpipe and 2bw; depth 2..8; m = d, d+1 and 16; width 1 and 2; no clipping, global or per-stage
+    clipping, the non-finite agreement; tied parameters on and off; drains and evaluation."""
+    count = 0
+    for layout in sweep(lambda d: sorted({d, d + 1, 16})):
+        check(layout)
+        count += 1
+    assert count == 3 * 7 * 2 * 4 * 2 * 3  # modes x depths x widths x updates x tied x m
+
+
+@pytest.mark.slow
+def test_every_schedule_is_deadlock_free_under_nccl_every_m():
+    """The same for every m in d..16 (about a minute)."""
+    for layout in sweep(lambda d: range(d, 17)):
+        check(layout)
+
+
+def test_the_lowering_sends_one_header_per_boundary_and_phase():
+    ops = programs(CommLayout("2bw", 2, 4, steps=3, drain_after=(3,), eval_batches=2))[0]
+    headers = [op for op in ops if op.kind == SEND and op.label.endswith("header")]
+    assert [op.label for op in headers] == ["SEND_F(m0,v0) header", "EVAL(b0,m0) header"]
