@@ -44,7 +44,8 @@ class RunMetrics(Callback):
         if steps <= 0:
             return
         samples = steps * self.global_batch_size / (now - start)
-        memory = torch.tensor([peak_memory_bytes(pl_module.device) / 1024**3], device=pl_module.device)
+        device = trainer.strategy.root_device  # the collective's device: NCCL groups take only GPU tensors
+        memory = torch.tensor([peak_memory_bytes(device) / 1024**3], device=device)
         per_rank = trainer.strategy.all_gather(memory).flatten().tolist()
         metrics = {"samples_per_sec": samples, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         stages = getattr(trainer.strategy, "num_stages", 0)

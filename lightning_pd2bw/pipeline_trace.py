@@ -82,7 +82,7 @@ class PipelineTrace(Callback):
 
     def _log_bubble(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        mine = torch.tensor([float(strategy.grid.stage), 1.0 - self._busy / self._window], device=pl_module.device)
+        mine = torch.tensor([float(strategy.grid.stage), 1.0 - self._busy / self._window], device=strategy.root_device)
         gathered = strategy.all_gather(mine).reshape(-1, 2).tolist()
         self._busy = self._window = 0.0
         by_stage: dict[int, list[float]] = {}

@@ -35,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from .auto_plan import AutoPlan
+from .compat import place_module
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
 from .pipeline.executor import StageExecutor
@@ -330,8 +331,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                     for sub in layers[index].modules():
                         if hasattr(sub, "reset_parameters") and sub is not layers[index]:
                             sub.reset_parameters()
-        device = self.root_device
-        module._apply(lambda t: t if t.is_meta else t.to(device))
+        place_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.groups = build_groups(self.grid, [s.stages for s in shared])
         self._shared = self._local_shared(layers, shared)
@@ -557,7 +557,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self._watchdog = None
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
-            self.lightning_module._apply(lambda t: t if t.is_meta else t.cpu())
+            place_module(self.lightning_module, torch.device("cpu"))
         self.precision_plugin.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()

@@ -7,6 +7,11 @@ newest version into it (one copy of the stage's weights per optimizer step) and 
 parameters there, so an in-place ``optimizer.step()`` turns it into the next version while the
 in-flight microbatches keep reading the previous one.
 
+Autocast note: a caching autocast region (``torch.autocast``'s default; Lightning's plugins turn the cache
+off) keeps the low-precision cast of each parameter, keyed by the parameter, whose ``.data`` a swap
+changes underneath it. Every swap therefore clears that cache, or a forward or a recomputation after a
+swap would run on the other version's cast.
+
 Autograd note: a forward saves views of ``p.data`` taken at forward time (e.g. ``weight.t()``),
 while a few ops save ``p`` itself; the executor therefore selects the microbatch's version before
 both its forward and its backward, so both kinds of saved tensors see the same version.
@@ -58,6 +63,7 @@ class WeightVersions:
         for param, storage in zip(self.parameters, self._storages[version]):
             param.data = storage
         self._active = version
+        torch.clear_autocast_cache()
 
     def use_latest(self) -> None:
         self.use(self.latest - self.drain_base)
@@ -78,6 +84,7 @@ class WeightVersions:
             self._storages[self.latest + 1] = target
         for param, storage in zip(self.parameters, self._storages[self.latest + 1]):
             param.data = storage
+        torch.clear_autocast_cache()  # the optimizer is about to change these weights in place
         self.latest += 1
         self._active = self.latest
         self.max_versions_held = max(self.max_versions_held, len(self._storages))

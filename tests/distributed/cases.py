@@ -39,6 +39,7 @@ class Case:
     micro_batch: int = MICRO_BATCH  # samples per microbatch (the reference groups its gradients the same way)
     plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
     poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
+    precision: str = "32-true"  # "bf16-mixed": CPU autocast; the reference autocasts each microbatch alike
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
     extra: dict = field(default_factory=dict)
 
@@ -141,6 +142,8 @@ CASES = {
         Case("gpt_flush_resume_midepoch", steps=7, checkpoint_every=3, sparsity="rigl_erk", schedule=True),
         Case("gpt_flush_nonfinite_skip", steps=5, poison_step=2, schedule=True),
         Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),
+        # the weight swaps of 2BW inside one autocast region, with recomputation (autocast's cast cache)
+        Case("gpt_2bw_bf16_recompute", mode="2bw", recompute=True, steps=5, precision="bf16-mixed"),
         Case("gpt_2bw_validate", mode="2bw", num_microbatches=4, steps=5, val_every=2, clip=0.5),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
     ]

@@ -55,8 +55,9 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
         count = width * case.num_microbatches
         for replica in range(width):
             for micro in _split(replica_batch(case, step, replica, width), case.num_microbatches):
-                logits = functional_call(model, weights, (micro["input_ids"],))
-                loss = model.pipeline_loss(logits, micro) / count
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+                    logits = functional_call(model, weights, (micro["input_ids"],))
+                    loss = model.pipeline_loss(logits, micro) / count
                 for n, g in zip(weights, torch.autograd.grad(loss, list(weights.values()), allow_unused=True)):
                     if g is not None:
                         grads[n] += g

@@ -115,6 +115,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         accelerator="cpu",
         devices=world,
         max_steps=steps,
+        precision=case.precision,
         gradient_clip_val=case.clip,
         limit_val_batches=2 if case.val_every else 0,
         val_check_interval=case.val_every,

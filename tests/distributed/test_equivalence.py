@@ -60,8 +60,10 @@ def test_pipeline_matches_reference(trained, name):
     expected = reference_weights(case, width)
     assert set(got) == set(expected), "every parameter (tied ones under each stage's name) is present"
     initial = reference_weights(replace(case, steps=0), width)
+    # float32: rounding only; bf16-mixed: the same bf16 ops, summed in another order (a stale cast is ~1e-2 off)
+    rtol, atol = (1e-5, 1e-6) if case.precision == "32-true" else (1e-3, 1e-3)
     for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{name} {k}: {m}")
+        torch.testing.assert_close(got[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{name} {k}: {m}")
     moved = max((expected[k] - initial[k]).abs().max().item() for k in expected)
     assert moved > 1e-3, "training moved the weights: the comparison is not between two untrained models"
 
