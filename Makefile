@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test soak lint schedules
+.PHONY: venv train test soak lint schedules gpu-check
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,3 +27,7 @@ soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine
 
 schedules: venv  ## regenerate the schedule pictures quoted in the README
 	$(BIN)/python -m lightning_pd2bw.pipeline.draw
+
+gpu-check: venv  ## on a machine with a CUDA device: the GPU tests and their numbers (skipped without one)
+	$(BIN)/python -c "import torch; print('[gpu-check] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
+	$(BIN)/python -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider

@@ -46,12 +46,25 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
 
 def resize_batch(batch: Any, size: int) -> Any:
     """``size`` samples from ``batch``: its first ones, or it repeated (a sample batch for profiling)."""
-    have = batch_size_of(batch)
+    if not isinstance(batch, (torch.Tensor, dict, list, tuple)):
+        return batch  # a non-tensor field travels unchanged
     if isinstance(batch, torch.Tensor):
+        have = batch.shape[0]
         repeats = -(-size // have)
         return batch.repeat(repeats, *[1] * (batch.dim() - 1))[:size] if repeats > 1 else batch[:size]
     if isinstance(batch, dict):
         return {k: resize_batch(v, size) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
         return type(batch)(resize_batch(v, size) for v in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor (in dicts, lists, tuples) moved to ``device``; other values unchanged."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
     return batch

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..pipeline.microbatch import resize_batch
+from ..pipeline.microbatch import resize_batch, to_device
 from .cost import ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec
-from .measure import measure_layers
+from .measure import measure_layers, synchronize
 from .search import divisors, search
 
 
@@ -36,8 +36,15 @@ def shared_layers(layers: Sequence[nn.Module]) -> tuple[tuple[int, int, int], ..
     return tuple(out)
 
 
+def sample_microbatch(sample_batch: Any, micro_batch_size: int, device: torch.device) -> Any:
+    """A profiling microbatch of ``micro_batch_size`` samples with every tensor (inputs *and* targets) on ``device``."""
+    return to_device(resize_batch(sample_batch, micro_batch_size), device)
+
+
 def measure_link(peer: int, device: torch.device, sizes: Sequence[int] = (256, 1 << 22)) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of messages between rank 0 and ``peer``; collective over the world."""
+    """(latency s, bandwidth bytes/s) of messages between rank 0 and ``peer``; collective over the world.
+
+    On a GPU a send returns once enqueued, so each round trip is timed with the device synchronised."""
     rank = dist.get_rank()
     results = []
     for size in sizes:
@@ -45,6 +52,7 @@ def measure_link(peer: int, device: torch.device, sizes: Sequence[int] = (256, 1
         times = []
         for _ in range(5):
             dist.barrier()
+            synchronize(device)
             start = time.perf_counter()
             if rank == 0:
                 dist.send(buffer, peer)
@@ -52,6 +60,7 @@ def measure_link(peer: int, device: torch.device, sizes: Sequence[int] = (256, 1
             elif rank == peer:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
+            synchronize(device)
             times.append((time.perf_counter() - start) / 2)
         results.append(statistics.median(times))
     latency = results[0]
@@ -105,7 +114,7 @@ def plan_on_world(
         shared = shared_layers(layers)
 
         def profile_for(micro: int) -> ModelProfile:
-            batch = resize_batch(sample_batch, micro)
+            batch = sample_microbatch(sample_batch, micro, device)
             profiles = measure_layers(
                 layers, input_fn(batch), device, loss_fn=lambda out: loss_fn(out, batch), autocast=autocast
             )

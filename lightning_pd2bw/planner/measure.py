@@ -31,7 +31,8 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _as_tuple(value) if isinstance(t, torch.Tensor))
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (GPU kernels and NCCL calls return before they finish)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -41,10 +42,10 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
     result = fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         result = fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
 

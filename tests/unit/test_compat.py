@@ -20,11 +20,11 @@ def test_place_module_tells_lightning_the_device():
     on a GPU rank, callbacks then all-gather CPU tensors over NCCL)."""
     module = TwoLayers()
     module.layers[1].to("meta")  # another stage's layer
-    place_module(module, torch.device("meta"))
-    assert module.device == torch.device("meta")
     place_module(module, torch.device("cpu"))
     assert module.device == torch.device("cpu")
     assert module.layers[0].weight.device.type == "cpu" and module.layers[1].weight.is_meta
+    place_module(module, torch.device("meta"))  # any device other than the one it was built on
+    assert module.device == torch.device("meta")
 
 
 def test_a_plain_apply_does_not_update_lightnings_device():

@@ -209,3 +209,13 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     assert refused.returncode != 0 and "no plan fits" in refused.stderr and "more devices" in refused.stderr
+
+
+def test_profiling_microbatch_has_inputs_and_targets_on_the_device():
+    """plan="auto" on a GPU moved only the inputs; the loss then met CPU labels (a device mismatch)."""
+    from lightning_pd2bw.planner.auto import sample_microbatch
+
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.ones(4, 8, dtype=torch.long), "n": 3}
+    micro = sample_microbatch(batch, 2, torch.device("meta"))
+    assert micro["input_ids"].is_meta and micro["labels"].is_meta and micro["n"] == 3
+    assert micro["labels"].shape == (2, 8)
