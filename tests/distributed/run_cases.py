@@ -157,6 +157,8 @@ def run(case: Case, out: Path, world: int) -> None:
         "max_versions": executor.versions.max_versions_held,
         "max_stashed": executor.max_stashed,
         "global_step": trainer.global_step,
+        "headers_sent": executor.link.headers_sent,
+        "headers_received": executor.link.headers_received,
     }
     if strategy.planned is not None:
         chosen = strategy.planned.candidate

@@ -10,6 +10,7 @@ runs issued on the pipeline's own process groups.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -94,3 +95,16 @@ def test_lowering_issues_what_the_run_issued(trained, name):
     assert set(lowered) == set(calls)
     for rank in calls:
         assert normalised(lowered[rank]) == normalised(calls[rank]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", ["gpt_2bw_d4_adamw", "gpt_flush_d2w2_adamw", "gpt_2bw_validate", "bert_2bw_adamw"])
+def test_shapes_travel_once_per_boundary_and_phase(trained, name):
+    """One header per boundary for training (every batch has the same shapes) and one for evaluation, not one
+    per microbatch: the steady state makes no host sync for shapes."""
+    case, width = as_run(trained, name)
+    phases = 2 if case.val_every else 1
+    for rank in range(case.num_stages * width):
+        counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
+        last, first = counters["stage"] == case.num_stages - 1, counters["stage"] == 0
+        assert counters["headers_sent"] == (0 if last else phases)
+        assert counters["headers_received"] == (0 if first else phases)
