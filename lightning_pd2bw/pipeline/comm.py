@@ -130,17 +130,37 @@ class StageLink:
         self.next_rank = next_rank
         self.device = device
         self.channels = channels
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, buffer, segment issued in)
+        self._segment = 0
         self._sent_specs: dict[Hashable, Spec] = {}
         self._received_specs: dict[Hashable, Spec] = {}
         self.headers_sent = 0  # counters: one header per boundary and input signature, not per microbatch
         self.headers_received = 0
 
     def _isend(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
-        # forget sends that have completed so their buffers are freed (2BW never drains in between)
-        self._pending = [(work, buf) for work, buf in self._pending if not work.is_completed()]
         tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, dst, group=group), tensor))
+        self._pending.append((dist.isend(tensor, dst, group=group), tensor, self._segment))
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends whose buffers are still held (bounded by two segments' sends)."""
+        return len(self._pending)
+
+    def begin_segment(self) -> None:
+        """Start a new segment of actions; settle the sends issued two segments ago.
+
+        2BW never drains between steps, so sends must be retired as it goes: a send's buffer (and its ``Work``)
+        is held until the send is known complete. gloo's ``Work.is_completed`` stays False until ``wait`` is
+        called, so pruning by it alone kept every send of the run (a leak of every boundary tensor). Waiting
+        for the sends of segment s-2 at the start of segment s never blocks for long: the neighbour receives
+        them in its segment s-1 at the latest, and it needs nothing from this stage's segment s to get there
+        (checked for every layout under NCCL's rules by ``comm_plan`` + ``nccl_model``).
+        """
+        self._segment += 1
+        for work, _, segment in self._pending:
+            if segment <= self._segment - 2:
+                work.wait()  # the same waits on every backend: traces replay deterministically
+        self._pending = [entry for entry in self._pending if entry[2] > self._segment - 2]
 
     def _recv_all(self, tensors: list[torch.Tensor], src: int, group: Any) -> list[torch.Tensor]:
         """Post every receive, then wait for all: in issue order on the channel, as the sender sent them."""
@@ -189,6 +209,6 @@ class StageLink:
         return self._recv_all([torch.empty_like(t) for t in like], self.next_rank, self.channels.gradients_in)
 
     def wait_sends(self) -> None:
-        for work, _ in self._pending:
+        for work, _, _ in self._pending:
             work.wait()
         self._pending.clear()

@@ -47,7 +47,8 @@ class _Rank:
         self.pipeline = tuple(replica * d + s for s in range(d))
         self.ops: list[Op] = []
         self.handles = 0
-        self.pending_sends: list[int] = []
+        self.pending_sends: list[tuple[int, int]] = []  # (handle, segment)
+        self.segment = 0
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
         self.deferred: dict[int, list[int]] = {}
@@ -84,9 +85,9 @@ class _Rank:
         channel, peer = self._channel("activations", self.stage), self.rank + 1
         if self.layout.transport == "shared" or ("out", phase) not in self.headers:
             self.headers.add(("out", phase))
-            self.pending_sends.append(self.issue(SEND, channel, f"{label} header", peer))
+            self.pending_sends.append((self.issue(SEND, channel, f"{label} header", peer), self.segment))
         for _ in range(self.layout.boundary_tensors):
-            self.pending_sends.append(self.issue(SEND, channel, label, peer))
+            self.pending_sends.append((self.issue(SEND, channel, label, peer), self.segment))
 
     def recv_forward(self, phase: str, label: str) -> None:
         channel, peer = self._channel("activations", self.stage - 1), self.rank - 1
@@ -99,7 +100,7 @@ class _Rank:
     def send_backward(self, label: str) -> None:
         channel = self._channel("gradients", self.stage - 1)
         for _ in range(self.layout.boundary_tensors):
-            self.pending_sends.append(self.issue(SEND, channel, label, self.rank - 1))
+            self.pending_sends.append((self.issue(SEND, channel, label, self.rank - 1), self.segment))
 
     def recv_backward(self, label: str) -> None:
         channel = self._channel("gradients", self.stage)
@@ -107,9 +108,17 @@ class _Rank:
             self.wait(handle, label)
 
     def wait_sends(self) -> None:
-        for handle in self.pending_sends:
+        for handle, _ in self.pending_sends:
             self.wait(handle, "wait_sends")
         self.pending_sends.clear()
+
+    def begin_segment(self) -> None:
+        """StageLink.begin_segment: the sends of two segments ago are waited for."""
+        self.segment += 1
+        for handle, segment in self.pending_sends:
+            if segment <= self.segment - 2:
+                self.wait(handle, "retire sends")
+        self.pending_sends = [(h, s) for h, s in self.pending_sends if s > self.segment - 2]
 
     # -------------------------------------------------------------- the update (update.py)
     def _shared(self) -> bool:
@@ -145,6 +154,7 @@ class _Rank:
                 self.wait(handle, f"deferred tied sum of b{batch}")
 
     def run(self, actions: list[S.Action], draining: bool = False) -> None:
+        self.begin_segment()
         for action in actions:
             label = str(action)
             if action.kind == S.RECV_FORWARD:

@@ -151,6 +151,7 @@ class StageExecutor:
     def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
         """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
         recorder = self.recorder
+        self.link.begin_segment()
         for action in actions:
             kind, k = action.kind, action.microbatch
             start = recorder.now() if recorder is not None else 0.0

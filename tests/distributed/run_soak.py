@@ -1,8 +1,10 @@
-"""A long 2BW run with validation and checkpoints: ``torchrun --nproc-per-node 2 run_soak.py OUT STEPS``.
+"""A long run: ``torchrun --nproc-per-node 2 run_soak.py OUT STEPS MODE DRAINS``.
 
+``DRAINS`` is ``drains`` (validation and a checkpoint every ``EVERY`` steps: the pipeline drains each time)
+or ``none`` (no validation, no checkpoint: 2BW never drains, the case that leaked every boundary send).
 Every 10 steps each rank records its resident memory and the engine's bookkeeping (weight versions,
-stashed and in-flight microbatches, pending losses, hyper-parameters and deferred sums) to
-``OUT/soak-rank-R.json``.
+stashed and in-flight microbatches, sends not yet retired, pending losses, hyper-parameters and deferred
+sums) to ``OUT/soak-rank-R.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader, dataset  # noqa: E402
 
-EVERY = 40  # validation and a checkpoint every EVERY steps
+EVERY = 40  # with drains: validation and a checkpoint every EVERY steps
 
 
 def rss_bytes() -> int:
@@ -50,6 +52,7 @@ class Counters(Callback):
                 "versions": executor.versions.num_versions,
                 "stashed": len(executor._stash),
                 "in_flight": len(executor._microbatches) + len(executor._received) + len(executor._to_send),
+                "sends": executor.link.pending_sends,
                 "losses": len(executor.losses) + len(strategy._losses_in_flight),
                 "hparams": len(strategy._hparams_by_batch) + len(strategy._deferred_hparams),
                 "step_map": len(strategy._global_step_by_batch),
@@ -58,29 +61,32 @@ class Counters(Callback):
 
 
 def main() -> None:
-    out, steps = Path(sys.argv[1]), int(sys.argv[2])
-    case = Case("soak", mode="2bw", num_microbatches=4, steps=steps)
+    out, steps, mode, drains = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "drains"
+    case = Case("soak", mode=mode, num_microbatches=4, steps=steps, micro_batch=16)  # 32 KiB per boundary tensor
     pl.seed_everything(0)
     counters = Counters()
-    val = DataLoader(dataset(case), batch_size=8, shuffle=False)
+    callbacks: list[Callback] = [counters]
+    if drains:
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=2, monitor="step", mode="max")
+        )
     trainer = pl.Trainer(
         strategy=PipeDream2BWStrategy(
-            num_stages=2, num_microbatches=4, timeout=timedelta(seconds=120), failure_timeout=30
+            num_stages=2, num_microbatches=4, mode=mode, timeout=timedelta(seconds=120), failure_timeout=30
         ),
         accelerator="cpu",
         devices=2,
         max_steps=steps,
-        val_check_interval=EVERY,
-        limit_val_batches=2,
+        val_check_interval=EVERY if drains else None,
+        limit_val_batches=2 if drains else 0,
         check_val_every_n_epoch=None,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[
-            counters,
-            ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=2, monitor="step", mode="max"),
-        ],
+        enable_checkpointing=drains,
+        callbacks=callbacks,
     )
+    val = DataLoader(dataset(case), batch_size=8, shuffle=False) if drains else None
     trainer.fit(build_model(case), train_dataloaders=dataloader(case), val_dataloaders=val)
     (out / f"soak-rank-{trainer.global_rank}.json").write_text(json.dumps(counters.points))
 
