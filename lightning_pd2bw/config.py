@@ -71,6 +71,7 @@ class StrategySchema:
     plan: str | None = None  # auto: depth, microbatch size and recomputation chosen at start-up by the planner
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf gradient does (skip: every stage drops that update)
     failure_timeout: float | None = 180.0  # seconds without a heartbeat before a rank counts as dead
+    hang_timeout: float | None = 600.0  # seconds with no action executed during training: a hang (stacks, exit 75)
 
 
 @dataclass

@@ -23,6 +23,7 @@ class ShardedCheckpoints:
         return True  # load into the partitioned, materialised stage
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.progress.tick(f"saving checkpoint {filepath}")
         optimizer = self.optimizers[0] if self.optimizers else None
         if optimizer is not None:
             names = self._parameter_names()

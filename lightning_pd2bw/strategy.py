@@ -99,6 +99,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
         failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
             then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
+        hang_timeout: seconds without progress (no action executed by a rank and the ranks it watches) during
+            training after which the job counts as stuck: every rank prints where it is and its Python stack,
+            and exits (code 75). Must exceed the longest single action or checkpoint write (``None``: off;
+            needs ``failure_timeout``).
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -125,6 +129,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         timeout: timedelta = timedelta(minutes=30),
         on_nonfinite: str = "stop",
         failure_timeout: float | None = 180.0,
+        hang_timeout: float | None = 600.0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if mode not in schedule.MODES:
@@ -176,7 +181,14 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                 f"PipeDream2BWStrategy(failure_timeout={failure_timeout}) must be > 0 seconds, or None to turn "
                 "failure detection off"
             )
+        if hang_timeout is not None and hang_timeout <= 0:
+            raise ValueError(
+                f"PipeDream2BWStrategy(hang_timeout={hang_timeout}) must be > 0 seconds, or None to turn progress "
+                "checks off"
+            )
         self.failure_timeout = failure_timeout
+        self.hang_timeout = hang_timeout
+        self.progress = watchdog.Progress()  # ticked by the executor at every action; read by the watchdog
         self._watchdog: watchdog.Watchdog | None = None
         self._num_nodes = 1
         self.grid: ProcessGrid | None = None
@@ -276,9 +288,12 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._watchdog = watchdog.Watchdog(
             watchdog.connect(self.failure_timeout),
             self.global_rank,
+            self.world_size,
             watched,
             self._describe_rank,
             self.failure_timeout,
+            hang_timeout=self.hang_timeout,
+            progress=self.progress,
         )
         self._watchdog.start()
 
@@ -296,6 +311,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             dog.end_on_verdict(dog.timeout + 4 * dog.interval)
         dog.stop(done=False)
         dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
+        dog.linger()  # this process may host the store: the others must read the verdict before it goes
         self._watchdog = None
 
     @contextmanager
@@ -354,6 +370,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             module.pipeline_loss,
             recompute=self.recompute,
         )
+        self.executor.progress = self.progress
         self._report_layout(layers)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -438,6 +455,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         trainer = self.lightning_module.trainer
         trainer.fit_loop._skip_backward = True
         self._settle_sigterm = defer_sigterm_check(trainer, self.root_device)
+        if self._watchdog is not None:
+            self._watchdog.arm()
         # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
         # counts Lightning steps, and each update uses its own batch's learning rate (see _apply_update)
         warnings.filterwarnings(
@@ -453,6 +472,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.executor is not None
         step = self._step_in_run
+        self.progress.tick(f"training step {step} (global step {self.lightning_module.trainer.global_step})")
         optimizer = self.optimizers[0]
         self._hparams_by_batch[step] = _hyperparameters(optimizer)
         self._global_step_by_batch = {b: g for b, g in self._global_step_by_batch.items() if b >= step - 2}
@@ -519,6 +539,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def on_train_end(self) -> None:
         self.drain()
         self._settle_sigterm()
+        if self._watchdog is not None:
+            self._watchdog.disarm()
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -534,6 +556,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         )
 
     def _evaluate(self, batch: Any, prefix: str) -> None:
+        self.progress.tick(f"{prefix}step")
         module = self.lightning_module
         size = len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
         count = self.num_microbatches if size % self.num_microbatches == 0 else 1

@@ -73,6 +73,7 @@ class StageExecutor:
         self.max_stashed = 0
         self.recorder: Recorder | None = None  # set one to record every action (timeline.py)
         self.meter: ActivationMeter | None = None  # set one to count stashed activation bytes
+        self.progress: Any = None  # set a watchdog.Progress to publish every action (hang detection)
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -150,10 +151,12 @@ class StageExecutor:
     # ----------------------------------------------------------------- driver
     def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
         """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
-        recorder = self.recorder
+        recorder, progress = self.recorder, self.progress
         self.link.begin_segment()
         for action in actions:
             kind, k = action.kind, action.microbatch
+            if progress is not None:
+                progress.tick(action)
             start = recorder.now() if recorder is not None else 0.0
             if kind == S.RECV_FORWARD:
                 key = self._keys.pop(k) if self.is_last else self._keys[k]

@@ -1,22 +1,32 @@
-"""Failure detection: no rank waits forever on a dead peer.
+"""Failure detection: no rank waits forever on a dead, failed or stuck peer.
 
 Every rank runs a watchdog thread with its own connection to the rendezvous store:
 
-* heartbeat: it increments ``hb/<rank>`` every ``interval`` seconds;
+* heartbeat: it increments ``hb/<rank>`` every ``interval`` seconds and publishes the rank's progress
+  (``state/<rank>``: actions executed so far and the current one, ticked by the main thread);
 * watch: it reads the counters of the ranks of its pipeline and of its stage's next replica (so
-  every rank is watched by someone); a counter that has not moved for ``timeout`` seconds means
+  every rank is watched by someone); a heartbeat that has not moved for ``timeout`` seconds means
   that rank died (killed, its host lost, its interpreter wedged);
-* verdict: the first rank to learn of a failure (its own exception, or a dead peer) writes one line
-  to ``failed``; every watchdog polls that key and, once it is set, prints it and ends its process
-  with exit code ``EXIT_CODE``: the main thread may be blocked inside a collective that would
-  otherwise wait for the process-group timeout.
+* progress: once armed (training started), if neither this rank nor any rank it watches has made
+  progress for ``hang_timeout`` seconds, the pipeline is stuck (a receive that never comes, a
+  mismatched collective, a transport deadlock) while every heartbeat still beats;
+* verdict: the first rank to learn of a failure (its own exception, a dead peer, a hang) writes one
+  line to ``verdict``; every watchdog polls that key and, once it is set, acknowledges it, prints it
+  with its own current action and Python stack (``faulthandler``) and ends its process with exit code
+  ``EXIT_CODE``: the main thread may be blocked inside a collective that would otherwise wait for the
+  process-group timeout.
 
-If the store itself stops answering, the process hosting it died (global rank 0, or torchrun's
-agent). Ranks that leave cleanly mark themselves ``done`` and are no longer watched.
+Global rank 0 usually hosts the store (Lightning's launcher, a scheduler's ``RANK``/``MASTER_*``): before
+it exits with a verdict it waits (bounded) until every other rank has acknowledged it, left, or is known
+dead, so no survivor mistakes the store's disappearance for the cause. Keys are scoped to the restart
+attempt (``TORCHELASTIC_RESTART_COUNT``): torchrun's agent keeps its store across ``--max-restarts``, and a
+restarted job must not read the previous attempt's verdict. Ranks that leave cleanly mark themselves
+``done`` and are no longer watched.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -27,8 +37,25 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-EXIT_CODE = 75  # EX_TEMPFAIL: a peer failed; the job may be resumed from its last checkpoint
+EXIT_CODE = 75  # EX_TEMPFAIL: the job ended early and may be resumed from its last checkpoint
 PREFIX = "pd2bw/watchdog/"
+
+
+def restart_attempt() -> int:
+    """torchrun's restart counter (0 outside torchrun or on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+class Progress:
+    """What the main thread is doing, ticked at every action; read by the watchdog thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.where: object = "starting"  # an action or a phase; formatted only when published
+
+    def tick(self, where: object) -> None:
+        self.count += 1
+        self.where = where
 
 
 class Watchdog:
@@ -37,9 +64,13 @@ class Watchdog:
     Args:
         store: a store client of the job's rendezvous (``connect`` builds one from the environment).
         rank: this process's global rank.
+        world_size: the number of ranks.
         watched: the ranks this one watches.
         describe: ``rank -> "rank 3 (stage 1, replica 1)"`` for messages.
         timeout: seconds without a heartbeat after which a peer is declared dead.
+        hang_timeout: seconds without progress of this rank and the ranks it watches after which the job is
+            declared stuck (None: not checked); only while ``arm``-ed.
+        progress: the main thread's ``Progress``.
         exit: how the process ends once a failure is known (tests may replace it).
     """
 
@@ -47,32 +78,57 @@ class Watchdog:
         self,
         store: dist.Store,
         rank: int,
+        world_size: int,
         watched: list[int],
         describe: Callable[[int], str],
         timeout: float,
+        hang_timeout: float | None = None,
+        progress: Progress | None = None,
         exit: Callable[[int], None] = os._exit,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"failure_timeout={timeout} must be > 0 seconds (or None to turn detection off)")
-        self.store, self.rank, self.describe, self.timeout = store, rank, describe, timeout
+        if hang_timeout is not None and hang_timeout <= 0:
+            raise ValueError(f"hang_timeout={hang_timeout} must be > 0 seconds (or None to turn it off)")
+        self.store, self.rank, self.world_size, self.describe = store, rank, world_size, describe
+        self.timeout, self.hang_timeout = timeout, hang_timeout
+        self.progress = progress or Progress()
+        self.prefix = f"{PREFIX}attempt{restart_attempt()}/"
         self.watched = sorted(set(watched) - {rank})
         self.interval = min(max(timeout / 6, 0.05), 5.0)
+        if hang_timeout is not None:
+            self.interval = min(self.interval, max(hang_timeout / 6, 0.05))
         self._exit = exit
         self._stop = threading.Event()
         self._ending = threading.Lock()
         self._thread: threading.Thread | None = None
         self._seen: dict[int, tuple[int, float]] = {}
+        self._published_state: str | None = None
+        self._armed_at: float | None = None
+        self._last_progress: tuple[tuple[int, ...], float] | None = None
         self.verdict: str | None = None
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.store.set(f"{PREFIX}info/{self.rank}", f"{socket.gethostname()} pid {os.getpid()}")
-        self.store.set(f"{PREFIX}done/{self.rank}", "0")
+        self.store.set(self._key(f"info/{self.rank}"), f"{socket.gethostname()} pid {os.getpid()}")
+        self.store.set(self._key(f"done/{self.rank}"), "0")
         self._beat()
         now = time.monotonic()
         self._seen = {peer: (-1, now) for peer in self.watched}
         self._thread = threading.Thread(target=self._run, name="pd2bw-watchdog", daemon=True)
         self._thread.start()
+
+    def arm(self) -> None:
+        """Start checking progress (training began)."""
+        self._last_progress = None
+        self._armed_at = time.monotonic()
+
+    def disarm(self) -> None:
+        """Stop checking progress (training ended: what follows may take any time)."""
+        self._armed_at = None
 
     def stop(self, done: bool = True) -> None:
         """Stop watching; ``done`` tells the peers this rank left on purpose."""
@@ -82,7 +138,7 @@ class Watchdog:
             self._thread = None
         if done:
             try:
-                self.store.set(f"{PREFIX}done/{self.rank}", "1")
+                self.store.set(self._key(f"done/{self.rank}"), "1")
             except Exception:  # the store may be gone already; leaving is still fine
                 pass
 
@@ -100,17 +156,43 @@ class Watchdog:
         if self.verdict is not None:
             self._end(self.verdict)
 
+    def linger(self) -> None:
+        """If this rank may host the store (global rank 0), wait until every other rank has read the verdict,
+        left, or is known dead (at most ``timeout`` seconds): the store dies with this process."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        while pending and time.monotonic() < deadline:
+            try:
+                pending = [r for r in pending if not self._has_left(r)]
+            except Exception:  # the store is gone: nobody can read it any more
+                return
+            time.sleep(0.05)
+
+    def _has_left(self, rank: int) -> bool:
+        keys = [self._key(f"{name}/{rank}") for name in ("seen", "dead")]
+        if any(self.store.check([key]) for key in keys):
+            return True
+        done = self._key(f"done/{rank}")
+        return self.store.check([done]) and self.store.get(done) == b"1"
+
     def _publish(self, message: str) -> None:
         try:
-            if self.store.add(f"{PREFIX}failed", 1) == 1:  # the first verdict wins
-                self.store.set(f"{PREFIX}verdict", message)
+            if self.store.add(self._key("failed"), 1) == 1:  # the first verdict wins
+                self.store.set(self._key("verdict"), message)
+            self.store.set(self._key(f"seen/{self.rank}"), "1")
         except Exception:
             pass
         self.verdict = self.verdict or message
 
     # ------------------------------------------------------------------ the thread
     def _beat(self) -> None:
-        self.store.add(f"{PREFIX}hb/{self.rank}", 1)
+        self.store.add(self._key(f"hb/{self.rank}"), 1)
+        state = f"{self.progress.count} {self.progress.where}"
+        if state != self._published_state:
+            self.store.set(self._key(f"state/{self.rank}"), state)
+            self._published_state = state
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -128,29 +210,55 @@ class Watchdog:
                 return
 
     def _check(self) -> str | None:
-        if self.store.add(f"{PREFIX}failed", 0) > 0:
+        if self.store.add(self._key("failed"), 0) > 0:
             deadline = time.monotonic() + self.timeout
-            while not self.store.check([f"{PREFIX}verdict"]) and time.monotonic() < deadline:
+            while not self.store.check([self._key("verdict")]) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            return self.store.get(f"{PREFIX}verdict").decode()
+            verdict = self.store.get(self._key("verdict")).decode()
+            self.store.set(self._key(f"seen/{self.rank}"), "1")
+            return verdict
         now = time.monotonic()
         for peer in self.watched:
-            count = self.store.add(f"{PREFIX}hb/{peer}", 0)
+            count = self.store.add(self._key(f"hb/{peer}"), 0)
             last, since = self._seen[peer]
             if count != last:
                 self._seen[peer] = (count, now)
-            elif now - since > self.timeout and self.store.add(f"{PREFIX}done/{peer}", 0) == 0:
-                where = self._info(peer)
+            elif now - since > self.timeout and self.store.add(self._key(f"done/{peer}"), 0) == 0:
+                self.store.set(self._key(f"dead/{peer}"), "1")
                 message = (
-                    f"{self.describe(peer)}{where} failed: killed or unresponsive (no heartbeat for "
+                    f"{self.describe(peer)}{self._info(peer)} failed: killed or unresponsive (no heartbeat for "
                     f"{now - since:.1f} s; detected by rank {self.rank})"
                 )
                 self._publish(message)
                 return self.verdict
-        return None
+        return self._check_progress(now)
+
+    def _check_progress(self, now: float) -> str | None:
+        if self.hang_timeout is None or self._armed_at is None:
+            return None
+        counts = (self.progress.count, *(self._state(peer)[0] for peer in self.watched))
+        if self._last_progress is None or self._last_progress[0] != counts:
+            self._last_progress = (counts, now)
+            return None
+        stalled = now - max(self._last_progress[1], self._armed_at)
+        if stalled <= self.hang_timeout:
+            return None
+        where = "; ".join(f"{self.describe(r)}: {self._state(r)[1]}" for r in range(self.world_size))
+        self._publish(
+            f"no progress for {stalled:.1f} s (hang_timeout={self.hang_timeout:g} s; detected by rank {self.rank}: "
+            f"neither it nor the ranks it watches executed an action). Each rank was at: {where}"
+        )
+        return self.verdict
+
+    def _state(self, rank: int) -> tuple[int, str]:
+        key = self._key(f"state/{rank}")
+        if not self.store.check([key]):
+            return -1, "not started"
+        count, _, where = self.store.get(key).decode().partition(" ")
+        return int(count), f"{where} (action #{count})"
 
     def _info(self, peer: int) -> str:
-        key = f"{PREFIX}info/{peer}"
+        key = self._key(f"info/{peer}")
         return f" on {self.store.get(key).decode()}" if self.store.check([key]) else ""
 
     def _end(self, message: str) -> None:
@@ -160,12 +268,17 @@ class Watchdog:
             return
         print(
             f"\npd2bw: {message}. {self.describe(self.rank)} exits with code {EXIT_CODE}; resume from the last "
-            "checkpoint (ckpt_path=...)",
+            f"checkpoint (ckpt_path=...). This rank was at: {self.progress.where} (action #{self.progress.count}); "
+            "its Python stacks:",
             file=sys.stderr,
             flush=True,
         )
-        if self.rank == 0:  # rank 0 may host the store: give the others time to read the verdict from it
-            time.sleep(3 * self.interval + 0.5)
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr is not a file (captured)
+            pass
+        sys.stderr.flush()
+        self.linger()
         self._exit(EXIT_CODE)
 
 

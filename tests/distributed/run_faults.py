@@ -7,6 +7,10 @@ peer and a hang. Faults, injected on global rank RANK at training step STEP:
   raise         raise an exception in the step
   kill_in_save  SIGKILL while writing its shard of the second checkpoint (last.ckpt is overwritten)
   nonfinite     the step's loss becomes NaN (on_nonfinite="stop": the stages that see it raise)
+  raise_slow_reader  raise, while every other rank's watchdog reads the verdict 2 s late (a loaded machine):
+                the failing rank hosts the store and must not take it away before they have read it
+  hang_recv     block forever in a receive from a neighbour that never sends (heartbeats keep beating)
+  mismatched    issue a collective no other rank issues (a broadcast of another shape on the world group)
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,12 +31,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_pd2bw.checkpoint as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+from lightning_pd2bw.pipeline import watchdog  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.run_cases import PoisonLoss  # noqa: E402
 
 FAILURE_TIMEOUT = 3.0
+HANG_TIMEOUT = 4.0  # one step of this model takes ~0.05 s: 4 s without an action is a hang
 
 
 class Fault(Callback):
@@ -44,8 +51,24 @@ class Fault(Callback):
         print(f"injecting {self.kind} on rank {self.rank} at step {self.step}", file=sys.stderr, flush=True)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.kind == "raise":
+        if self.kind in ("raise", "raise_slow_reader"):
             raise RuntimeError("injected fault in training step")
+        if self.kind == "hang_recv":
+            peer = (self.rank + 1) % trainer.world_size
+            torch.distributed.recv(torch.empty(4), src=peer, tag=777)  # nobody sends this
+        if self.kind == "mismatched":
+            torch.distributed.broadcast(torch.zeros(3), src=self.rank)  # nobody else issues it
+
+
+def read_verdicts_late() -> None:
+    original = watchdog.Watchdog._check
+
+    def check(self):
+        if self.store.add(self._key("failed"), 0) > 0:
+            time.sleep(2.0)
+        return original(self)
+
+    watchdog.Watchdog._check = check
 
 
 def die_in_second_save(rank: int) -> None:
@@ -68,6 +91,8 @@ def main() -> None:
     case = Case("fault", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=8)
     pl.seed_everything(0)
     callbacks: list = [PoisonLoss(step)] if kind == "nonfinite" else [Fault(kind, rank, step)]
+    if kind == "raise_slow_reader" and int(os.environ["RANK"]) != rank:
+        read_verdicts_late()
     if kind == "kill_in_save":
         die_in_second_save(rank)
         callbacks.append(ModelCheckpoint(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2))
@@ -76,6 +101,7 @@ def main() -> None:
         num_microbatches=case.num_microbatches,
         timeout=timedelta(seconds=300),  # the process group alone would wait this long
         failure_timeout=FAILURE_TIMEOUT,
+        hang_timeout=HANG_TIMEOUT,
     )
     trainer = pl.Trainer(
         strategy=strategy,

@@ -61,6 +61,35 @@ def test_raising_stage_is_named_by_the_others(tmp_path):
     assert "rank 0 (stage 0 of 2, replica 0) failed: RuntimeError: injected fault in training step" in results[1].stderr
 
 
+def test_failing_store_host_waits_until_its_verdict_is_read(tmp_path):
+    """The race that made the test above flaky, forced: rank 0 (the store's host) raises while rank 1's watchdog
+    reads the verdict 2 s late. Rank 0 stays until rank 1 acknowledged it; without that, rank 1 reported "the
+    rendezvous store stopped answering" instead of rank 0's error."""
+    results, logs = run(tmp_path, "raise_slow_reader", 0, 3, 2)
+    assert results[0].returncode == 1 and results[1].returncode == EXIT_CODE, logs
+    assert "rank 0 (stage 0 of 2, replica 0) failed: RuntimeError: injected fault in training step" in results[1].stderr
+    assert "rendezvous store" not in results[1].stderr, logs
+
+
+@pytest.mark.parametrize("world,stages,victim", [(2, 2, 1), (4, 2, 2)], ids=["2 ranks", "4 ranks 2x2"])
+def test_rank_stuck_in_a_receive_is_found_by_the_progress_watchdog(tmp_path, world, stages, victim):
+    """Every heartbeat keeps beating; only the lack of progress shows the hang (hang_timeout=4 s)."""
+    results, logs = run(tmp_path, "hang_recv", victim, 3, world, stages)
+    assert all(r.returncode == EXIT_CODE for r in results), logs
+    for r in results:
+        assert "no progress for" in r.stderr and "hang_timeout=4 s" in r.stderr, logs
+        assert f"{'rank ' + str(victim)} (stage {victim % stages} of {stages}, replica {victim // stages}):" in r.stderr
+        assert "its Python stacks:" in r.stderr and 'File "' in r.stderr, logs  # faulthandler's dump
+    stuck = results[victim].stderr
+    assert "in on_train_batch_start" in stuck, "the stuck rank's stack shows where it waits"
+
+
+def test_mismatched_collective_ends_every_rank(tmp_path):
+    results, logs = run(tmp_path, "mismatched", 1, 3, 2)
+    assert all(r.returncode == EXIT_CODE for r in results), logs
+    assert all("no progress for" in r.stderr for r in results), logs
+
+
 def test_nonfinite_stop_ends_every_rank(tmp_path):
     results, logs = run(tmp_path, "nonfinite", 0, 2, 2)
     assert "FloatingPointError: non-finite gradients in the batch of step 2" in logs
