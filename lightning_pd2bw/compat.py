@@ -6,8 +6,13 @@ instead of a feature silently doing nothing.
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch import nn
 
 
@@ -21,3 +26,24 @@ def place_module(module: nn.Module, device: torch.device) -> None:
     """
     module._apply(lambda t: t if t.is_meta else t.to(device))
     _update_properties(module, device=torch.device(device))
+
+
+def replace_sigterm_check(trainer: Any, check: Callable[[], None]) -> None:
+    """Replace the training epoch loop's per-step SIGTERM broadcast (rank 0's flag, blocking) with ``check``."""
+    loop = trainer.fit_loop.epoch_loop
+    if not isinstance(loop, _TrainingEpochLoop) or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        raise RuntimeError(
+            "this Lightning version has no _TrainingEpochLoop._broadcast_sigterm_tensor: update "
+            "lightning_pd2bw.compat.replace_sigterm_check for it"
+        )
+    loop._broadcast_sigterm_tensor = check
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """Set ``trainer.received_sigterm``: Lightning's loops raise ``SIGTERMException`` at the end of the batch."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def sigterm_handler_before_lightning(trainer: Any) -> Any:
+    """The SIGTERM handler installed before Lightning registered its own (a user's, or the default)."""
+    return trainer._signal_connector._original_handlers.get(signal.SIGTERM)

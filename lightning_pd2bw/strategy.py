@@ -7,7 +7,8 @@ LR schedulers, logs and checkpoints.
 
 The update of each batch (replica averaging, tied sums, the non-finite policy, clipping, the
 optimizer step with that batch's hyper-parameters) is ``update.py``; checkpoint I/O and resharding
-``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``.
+``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``;
+SIGTERM ``preemption.py``.
 In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
 ``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
 
@@ -17,20 +18,24 @@ in-flight backwards and the last update run; afterwards the version rule restart
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -44,8 +49,8 @@ from .pipeline.materialize import materialize, release
 from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
+from .preemption import Preemption
 from .sharded_checkpoints import ShardedCheckpoints
-from .sigterm import defer_sigterm_check
 from .update import UpdatePath, _hyperparameters
 
 CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
@@ -197,7 +202,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._step_in_run = 0
         self._hparams_by_batch: dict[int, list[dict[str, Any]]] = {}
         self._losses_in_flight: dict[int, tuple[torch.Tensor, Any]] = {}
-        self._settle_sigterm: Any = lambda: None
+        self._preemption: Preemption | None = None
         self._deferred = gradients.DeferredSharedSums()
         self._deferred_hparams: dict[int, list[dict[str, Any]]] = {}
         self._draining = False
@@ -304,6 +309,9 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def on_exception(self, exception: BaseException) -> None:
         """A peer's death shows up here as a communication error: wait for the watchdog to name it (it then
         ends this process); an error of this rank's own is published so that every other rank exits."""
+        if isinstance(exception, SIGTERMException) and self._preemption is not None and self._preemption.agreed:
+            self._stop_after_preemption(exception)
+            return
         dog = self._watchdog
         if dog is None:
             return
@@ -313,6 +321,30 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
         dog.linger()  # this process may host the store: the others must read the verdict before it goes
         self._watchdog = None
+
+    def _stop_after_preemption(self, exception: SystemExit) -> None:
+        """Every rank agreed on a SIGTERM at the same step: drain, write ``last.ckpt`` where the checkpoint
+        callback writes, and exit with ``EXIT_CODE`` ("resumable")."""
+        trainer = self.lightning_module.trainer
+        self._preemption.settle()
+        callback = trainer.checkpoint_callback
+        path = None
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            trainer.save_checkpoint(path)
+        else:
+            self.drain()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        exception.code = watchdog.EXIT_CODE
+        where = f"checkpoint written to {path}; resume with ckpt_path=last" if path else "no checkpoint callback"
+        print(
+            f"pd2bw: preempted (SIGTERM) at global step {trainer.global_step}: {where}. "
+            f"{self._describe_rank(self.global_rank)} exits with code {watchdog.EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -454,7 +486,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         # the engine owns zero_grad and backward (the same switch Lightning's SWA callback uses)
         trainer = self.lightning_module.trainer
         trainer.fit_loop._skip_backward = True
-        self._settle_sigterm = defer_sigterm_check(trainer, self.root_device)
+        self._preemption = Preemption(trainer, self.root_device)
+        self._preemption.install()
         if self._watchdog is not None:
             self._watchdog.arm()
         # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
@@ -538,7 +571,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     def on_train_end(self) -> None:
         self.drain()
-        self._settle_sigterm()
+        if self._preemption is not None:
+            self._preemption.settle()
         if self._watchdog is not None:
             self._watchdog.disarm()
 

@@ -175,9 +175,9 @@ class _Rank:
 
     def training_step(self) -> None:
         layout = self.layout
-        if self.sigterm is not None:  # Lightning's SIGTERM flag, made asynchronous (sigterm.py)
+        if self.sigterm is not None:  # the SIGTERM agreement, asynchronous (preemption.py)
             self.wait(self.sigterm, "sigterm flag")
-        self.sigterm = self.collective("broadcast", "default_pg", self.world, "sigterm flag", block=False)
+        self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
         self.finish_deferred(step - 2)
         self.run(S.segment(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, step))

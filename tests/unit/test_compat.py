@@ -32,3 +32,26 @@ def test_a_plain_apply_does_not_update_lightnings_device():
     module = TwoLayers()
     module._apply(lambda t: t.to("meta"))
     assert module.device == torch.device("cpu")
+
+
+def test_sigterm_internals_exist():
+    """``preemption.py`` replaces the epoch loop's per-step SIGTERM broadcast and sets the connector's flag."""
+    import signal
+
+    from lightning_pd2bw.compat import mark_sigterm_received, replace_sigterm_check, sigterm_handler_before_lightning
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    calls = []
+    replace_sigterm_check(trainer, lambda: calls.append(1))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == [1]
+    assert not trainer.received_sigterm
+    mark_sigterm_received(trainer)
+    assert trainer.received_sigterm
+    before = signal.getsignal(signal.SIGTERM)
+    trainer._signal_connector.register_signal_handlers()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not before  # Lightning's own handler is in place
+        assert sigterm_handler_before_lightning(trainer) is before
+    finally:
+        trainer._signal_connector.teardown()

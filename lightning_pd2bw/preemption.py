@@ -1,0 +1,78 @@
+"""Preemption: SIGTERM ends every rank at the same step, after a checkpoint, with a "resumable" exit code.
+
+Schedulers preempt with SIGTERM (SLURM, Kubernetes, torchrun's agent forwarding its own), to every rank or
+to one. Lightning 2.6's handler runs a blocking ``broadcast`` from inside the signal handler: a rank that is
+interrupted in a forward or a weight-version copy then waits in a collective its peers never reach (they
+are in a pipeline receive), and the job hangs with live heartbeats. Here:
+
+* the handler only records the signal (and, as Lightning's does, forwards it to the processes its
+  launcher started); nothing collective runs inside it;
+* at the start of every training step each rank issues, asynchronously, a MAX all-reduce of its own
+  flag over the world, and reads the previous step's result: every rank learns of a SIGTERM sent to any
+  one of them at the same step (one or two steps after it arrived), without a barrier per step;
+* then Lightning's ``received_sigterm`` is set on every rank alike, Lightning raises ``SIGTERMException``
+  at the end of that batch, and the strategy drains, writes ``last.ckpt`` into the checkpoint
+  callback's directory (when one is configured) and lets the process exit with ``EXIT_CODE`` (75).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+
+
+class Preemption:
+    """Records SIGTERM in the handler; agrees on it with every rank at training-step boundaries."""
+
+    def __init__(self, trainer: Any, device: torch.device) -> None:
+        self.trainer, self.device = trainer, device
+        self.received = False  # this rank got SIGTERM
+        self.agreed = False  # every rank knows that some rank got it
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def install(self) -> None:
+        """Replace Lightning's SIGTERM handler and its per-step broadcast (call after Lightning registered them)."""
+        if threading.current_thread() is threading.main_thread():
+            previous = compat.sigterm_handler_before_lightning(self.trainer)
+            chained = previous if callable(previous) else None
+
+            def on_sigterm(signum: int, frame: Any) -> None:
+                first = not self.received
+                self.received = True
+                launcher = self.trainer.strategy.launcher
+                if first and launcher is not None:  # Lightning's launcher started the other ranks: tell them
+                    launcher.kill(signum)
+                if self.trainer.world_size == 1:
+                    self._agree()
+                if chained is not None:
+                    chained(signum, frame)
+
+            signal.signal(signal.SIGTERM, on_sigterm)
+        compat.replace_sigterm_check(self.trainer, self.check)
+
+    def check(self) -> None:
+        """At the start of a training step: read the previous step's agreement, post this step's."""
+        stop = self.settle()
+        flag = torch.tensor([1 if self.received else 0], device=self.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if stop:
+            self._agree()
+
+    def settle(self) -> bool:
+        """Wait for the pending agreement; True if some rank had received SIGTERM."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())
+
+    def _agree(self) -> None:
+        self.agreed = True
+        compat.mark_sigterm_received(self.trainer)  # Lightning stops after this batch, on every rank alike

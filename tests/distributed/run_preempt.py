@@ -1,0 +1,108 @@
+"""One rank of a job that is preempted: ``run_preempt.py OUT WHO STEP STAGES MAX_STEPS [RESUME]``.
+
+Started once per rank as a scheduler starts them (RANK / WORLD_SIZE / MASTER_* set, no agent). At
+training step STEP, SIGTERM is sent to WHO (``all`` or one global rank) from a helper thread, 20 ms later:
+it lands wherever the main thread is (a forward, a receive, a weight-version copy), as a scheduler's does.
+A ModelCheckpoint writes into OUT/ckpt (every 100 steps: never, in these runs), so the preempted job leaves
+``OUT/ckpt/last.ckpt``. ``RESUME`` = ``last``: resume from it (no signal). ``RESUME`` = ``reference:G``: an
+uninterrupted run that writes a checkpoint (and so drains) at global step G, as the preempted run did.
+Replica 0's consolidated weights are saved to ``OUT/weights.pt`` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+
+
+class Preempt(Callback):
+    def __init__(self, who: str, step: int) -> None:
+        self.who, self.step = who, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step != self.step or self.who not in ("all", str(trainer.global_rank)):
+            return
+
+        def send() -> None:
+            time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=send, daemon=True).start()
+
+
+class SaveFinal(Callback):
+    def on_train_end(self, trainer: pl.Trainer, *args) -> None:
+        trainer.save_checkpoint(Path(sys.argv[1]) / "final.ckpt")  # every rank: a sharded checkpoint
+
+
+class SaveAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(Path(sys.argv[1]) / "reference.ckpt")
+
+
+def main() -> None:
+    out, who, step, stages, max_steps = (
+        Path(sys.argv[1]),
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+    )
+    resume = sys.argv[6] if len(sys.argv) > 6 else ""
+    case = Case("preempt", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=max_steps)
+    pl.seed_everything(0)
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=100, save_top_k=0),
+        SaveFinal(),
+    ]
+    if not resume:
+        callbacks.append(Preempt(who, step))
+    elif resume.startswith("reference:"):
+        callbacks.append(SaveAt(int(resume.split(":")[1])))
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(
+            num_stages=stages,
+            num_microbatches=case.num_microbatches,
+            timeout=timedelta(seconds=300),
+            failure_timeout=5.0,
+            hang_timeout=20.0,
+        ),
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(build_model(case), train_dataloaders=dataloader(case), ckpt_path="last" if resume == "last" else None)
+    if trainer.global_rank == 0:
+        torch.save(consolidate(out / "final.ckpt"), out / "weights.pt")
+    print(f"rank {trainer.global_rank} finished at step {trainer.global_step}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
