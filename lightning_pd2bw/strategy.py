@@ -280,7 +280,9 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         if not dist.is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+            store = watchdog.attempt_scoped_store(self._timeout)  # torchrun restarts reuse one store
+            extra = {"store": store} if store is not None else {}
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
         self._start_watchdog()
 

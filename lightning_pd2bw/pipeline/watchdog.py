@@ -292,6 +292,22 @@ def connect(timeout: float) -> dist.Store:
     )
 
 
+def attempt_scoped_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store for the default process group scoped to the restart attempt.
+
+    torchrun (torch 2.13, ``--standalone`` or c10d rendezvous) keeps one store server, on the same port, across
+    ``--max-restarts``, and ``env://`` initialisation adds no per-attempt prefix: a restarted worker can read the
+    previous attempt's addresses (gloo: "connection refused" to a dead rank; NCCL: a stale unique id, a hang),
+    depending on which rank writes first. Measured here with a plain gloo ``init_process_group`` + all-reduce:
+    the restarted attempt fails or succeeds by timing. Returns None outside torchrun's agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(f"pd2bw/attempt{restart_attempt()}/", client)
+
+
 def is_peer_failure(error: BaseException) -> bool:
     """An error raised because a peer went away (a closed connection, a failed collective)."""
     if isinstance(error, dist.DistError):
