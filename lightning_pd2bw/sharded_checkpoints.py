@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from . import checkpoint as ckpt
 
@@ -67,7 +67,23 @@ class ShardedCheckpoints:
                 "updates_applied": versions.latest if versions else 0,
             },
             "data": self._data_position(),
+            "horizon": self._horizon(),
         }
+
+    def _horizon(self) -> dict[str, int | None]:
+        """What the run's schedules were computed for: ``trainer.max_steps``, the module's ``*_steps``
+        hyper-parameters and the sparsity callbacks' step settings (a resume compares them)."""
+        trainer = self.lightning_module.trainer
+        out: dict[str, int | None] = {"trainer.max_steps": trainer.max_steps}
+        for key, value in self.lightning_module.hparams.items():
+            if key.endswith("steps") and (value is None or isinstance(value, int)):
+                out[f"model.{key}"] = value
+        for callback in trainer.callbacks:
+            if type(callback).__module__.startswith("lightning_pd2bw.sparsity"):
+                for key, value in vars(callback).items():
+                    if key.endswith(("_step", "_steps", "_interval")) and isinstance(value, int):
+                        out[f"{type(callback).__name__}.{key}"] = value
+        return out
 
     def _data_position(self) -> dict[str, Any] | None:
         """Where the training data stands: samples of this epoch's global order consumed by every replica."""
@@ -96,6 +112,13 @@ class ShardedCheckpoints:
                 f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
             )
         self._resume_data = manifest.get("data")
+        if changed := horizon_changes(manifest.get("horizon") or {}, self._horizon()):
+            rank_zero_warn(
+                f"pd2bw: resuming {checkpoint_path} with a different schedule horizon: {changed}. The learning-rate "
+                "and sparsity schedules follow the new values from here on, so the steps after the resume differ "
+                "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
+                "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys)"
+            )
         if ckpt.same_layout(manifest, self.stage_layers):
             shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
         else:
@@ -141,3 +164,8 @@ class ShardedCheckpoints:
             import shutil
 
             shutil.rmtree(filepath, ignore_errors=True)
+
+
+def horizon_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """``"trainer.max_steps 300 -> 600, model.max_steps 300 -> 600"`` for the keys both record that differ."""
+    return ", ".join(f"{k} {saved[k]} -> {current[k]}" for k in saved if k in current and saved[k] != current[k])

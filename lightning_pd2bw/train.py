@@ -9,7 +9,9 @@ ranks share one output directory.
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,40 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("mul", lambda a, b: int(a * b))
     if not OmegaConf.has_resolver("max"):
         OmegaConf.register_new_resolver("max", lambda a, b: max(a, b))
+    if not OmegaConf.has_resolver("pd2bw_run_name"):
+        OmegaConf.register_new_resolver("pd2bw_run_name", run_name, use_cache=True)
+
+
+def run_name() -> str:
+    """The run's directory name: the same on every rank of a job and across its restarts, different for two jobs.
+
+    ``PD2BW_RUN_ID`` (set it to share a directory on purpose) > torchrun's ``--rdzv-id`` (``--standalone``
+    draws a fresh one) > ``SLURM_JOB_ID`` > the start time and pid of the process that started the ranks: under
+    torchrun without ``--rdzv-id`` (its run id is then ``"none"`` for every job) the agent, which every local
+    worker shares and which outlives restarts; otherwise this process (Lightning's launcher passes rank 0's
+    directory to the ranks it starts).
+    """
+    if os.environ.get("PD2BW_RUN_ID"):
+        return os.environ["PD2BW_RUN_ID"]
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    pid = os.getppid() if run_id == "none" else os.getpid()
+    return f"{_start_time(pid):%Y-%m-%d_%H-%M-%S}-{pid}"
+
+
+def _start_time(pid: int) -> datetime.datetime:
+    """When process ``pid`` started (Linux ``/proc``; elsewhere: now)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return datetime.datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return datetime.datetime.now()
 
 
 def setup_hydra() -> None:

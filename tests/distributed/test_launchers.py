@@ -66,3 +66,17 @@ def test_torchrun_ranks_share_one_run_directory(tmp_path):
     assert len(runs) == 1, f"one output directory for all ranks, got {runs}"
     assert json.loads((runs[0] / "summary.json").read_text())["global_step"] == 6
     assert {p.name for p in runs[0].glob("train*.log")} == {"train0.log", "train1.log"}
+
+
+def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(tmp_path):
+    """torchrun's run id is "none" for every job started without --rdzv-id: each job still gets its own
+    directory (named after its agent), shared by its ranks."""
+    from .launch import free_port
+
+    for _ in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2"]
+        run([*command, "-m", "lightning_pd2bw.train", "dry_run=true"], tmp_path)
+    runs = sorted((tmp_path / "outputs").iterdir())
+    assert len(runs) == 2 and all("none" not in r.name for r in runs), runs
+    for directory in runs:
+        assert {p.name for p in directory.glob("train*.log")} == {"train0.log", "train1.log"}, directory

@@ -95,3 +95,12 @@ def test_hydra_strategy_keys_reach_the_strategy():
     cfg = load("tiny", ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30"))
     strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
     assert (strategy.on_nonfinite, strategy.failure_timeout) == ("skip", 30)
+
+
+def test_horizon_changes_names_each_changed_setting():
+    from lightning_pd2bw.sharded_checkpoints import horizon_changes
+
+    saved = {"trainer.max_steps": 300, "model.max_steps": 300, "model.warmup_steps": 20}
+    current = {"trainer.max_steps": 600, "model.max_steps": 600, "model.warmup_steps": 20, "new": 1}
+    assert horizon_changes(saved, current) == "trainer.max_steps 300 -> 600, model.max_steps 300 -> 600"
+    assert horizon_changes(saved, saved) == ""
