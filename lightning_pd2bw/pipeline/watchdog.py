@@ -16,9 +16,10 @@ Every rank runs a watchdog thread with its own connection to the rendezvous stor
   ``EXIT_CODE``: the main thread may be blocked inside a collective that would otherwise wait for the
   process-group timeout.
 
-Global rank 0 usually hosts the store (Lightning's launcher, a scheduler's ``RANK``/``MASTER_*``): before
-it exits with a verdict it waits (bounded) until every other rank has acknowledged it, left, or is known
-dead, so no survivor mistakes the store's disappearance for the cause. Keys are scoped to the restart
+Before a rank exits with a verdict it waits (bounded) until every other rank has acknowledged it (after
+printing its own stack), left, or is known dead: global rank 0 usually hosts the store (Lightning's launcher,
+a scheduler's ``RANK``/``MASTER_*``), so no survivor mistakes the store's disappearance for the cause, and no
+survivor's stack is disturbed by a peer's exit before it is printed. Keys are scoped to the restart
 attempt (``TORCHELASTIC_RESTART_COUNT``): torchrun's agent keeps its store across ``--max-restarts``, and a
 restarted job must not read the previous attempt's verdict. Ranks that leave cleanly mark themselves
 ``done`` and are no longer watched.
@@ -146,6 +147,7 @@ class Watchdog:
     def report(self, reason: str) -> None:
         """Publish this rank's own failure (an exception it raised); the first report wins."""
         self._publish(f"{self.describe(self.rank)} failed: {reason}")
+        self._acknowledge()
 
     def end_on_verdict(self, seconds: float) -> None:
         """Wait up to ``seconds`` for some rank's failure to be known, then end this process with it (a
@@ -157,11 +159,10 @@ class Watchdog:
             self._end(self.verdict)
 
     def linger(self) -> None:
-        """If this rank may host the store (global rank 0), wait until every other rank has read the verdict,
-        left, or is known dead (at most ``timeout`` seconds): the store dies with this process."""
-        if self.rank != 0:
-            return
-        deadline = time.monotonic() + self.timeout + 2 * self.interval
+        """Wait until every other rank has acknowledged the verdict (after printing its stack), left, or is known
+        dead (bounded): global rank 0 may host the store, which dies with it, and a rank that exits breaks its
+        peers' connections, which would move their main threads before their stacks are printed."""
+        deadline = time.monotonic() + min(self.timeout + 2 * self.interval, 60.0)
         pending = [r for r in range(self.world_size) if r != self.rank]
         while pending and time.monotonic() < deadline:
             try:
@@ -181,10 +182,15 @@ class Watchdog:
         try:
             if self.store.add(self._key("failed"), 1) == 1:  # the first verdict wins
                 self.store.set(self._key("verdict"), message)
-            self.store.set(self._key(f"seen/{self.rank}"), "1")
         except Exception:
             pass
         self.verdict = self.verdict or message
+
+    def _acknowledge(self) -> None:
+        try:
+            self.store.set(self._key(f"seen/{self.rank}"), "1")
+        except Exception:  # the store is gone: nobody waits for this any more
+            pass
 
     # ------------------------------------------------------------------ the thread
     def _beat(self) -> None:
@@ -214,9 +220,7 @@ class Watchdog:
             deadline = time.monotonic() + self.timeout
             while not self.store.check([self._key("verdict")]) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            verdict = self.store.get(self._key("verdict")).decode()
-            self.store.set(self._key(f"seen/{self.rank}"), "1")
-            return verdict
+            return self.store.get(self._key("verdict")).decode()
         now = time.monotonic()
         for peer in self.watched:
             count = self.store.add(self._key(f"hb/{peer}"), 0)
@@ -278,6 +282,7 @@ class Watchdog:
         except (AttributeError, ValueError, OSError):  # stderr is not a file (captured)
             pass
         sys.stderr.flush()
+        self._acknowledge()
         self.linger()
         self._exit(EXIT_CODE)
 

@@ -50,9 +50,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(script: Path, args: list[str], world: int, timeout: float = 240) -> list[RankResult]:
+def launch_ranks(
+    script: Path, args: list[str], world: int, timeout: float = 240, frozen: int | None = None
+) -> list[RankResult]:
     """Start ``world`` processes as a cluster scheduler does (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*), with no
-    agent watching them; wait for all (killing any still alive after ``timeout``)."""
+    agent watching them; wait for all (killing any still alive after ``timeout``). Rank ``frozen`` stops itself
+    (SIGSTOP) and never exits: it is killed once every other rank has exited."""
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -72,7 +75,11 @@ def launch_ranks(script: Path, args: list[str], world: int, timeout: float = 240
             subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         )
     results = []
-    for rank, proc in enumerate(procs):
+    order = [r for r in range(world) if r != frozen] + ([frozen] if frozen is not None else [])
+    for rank in order:
+        proc = procs[rank]
+        if rank == frozen:
+            proc.kill()
         try:
             _, err = proc.communicate(timeout=max(timeout - (time.monotonic() - start), 1))
         except subprocess.TimeoutExpired:
@@ -81,4 +88,4 @@ def launch_ranks(script: Path, args: list[str], world: int, timeout: float = 240
             _, err = proc.communicate()
             err += f"\n[test] rank {rank} still running after {timeout} s: killed"
         results.append(RankResult(rank, proc.returncode, err, time.monotonic() - start))
-    return results
+    return sorted(results, key=lambda r: r.rank)

@@ -4,6 +4,7 @@ Started once per rank with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set (as a c
 starts them; no agent that would kill the others), so only pd2bw's watchdog stands between a dead
 peer and a hang. Faults, injected on global rank RANK at training step STEP:
   kill          SIGKILL the process at the start of the step
+  freeze        SIGSTOP the process (every thread, the watchdog's too, stops; the process stays)
   raise         raise an exception in the step
   kill_in_save  SIGKILL while writing its shard of the second checkpoint (last.ckpt is overwritten)
   nonfinite     the step's loss becomes NaN (on_nonfinite="stop": the stages that see it raise)
@@ -51,6 +52,8 @@ class Fault(Callback):
         print(f"injecting {self.kind} on rank {self.rank} at step {self.step}", file=sys.stderr, flush=True)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.kind in ("raise", "raise_slow_reader"):
             raise RuntimeError("injected fault in training step")
         if self.kind == "hang_recv":

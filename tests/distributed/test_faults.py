@@ -24,8 +24,9 @@ BOUND = 60.0  # seconds from launch to the last exit: start-up (~10 s on 2 cores
 
 def run(tmp_path, kind: str, rank: int, step: int, world: int, stages: int | None = None):
     args = [str(tmp_path), kind, str(rank), str(step)] + ([str(stages)] if stages else [])
-    results = launch_ranks(RUNNER, args, world, timeout=150)
-    slowest = max(r.seconds for r in results)
+    frozen = rank if kind == "freeze" else None
+    results = launch_ranks(RUNNER, args, world, timeout=150, frozen=frozen)
+    slowest = max(r.seconds for r in results if r.rank != frozen)
     logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
     assert slowest < BOUND, f"a rank took {slowest:.0f} s to exit:\n{logs}"
     assert all(r.returncode != 0 for r in results), f"every rank exits non-zero:\n{logs}"
@@ -47,6 +48,13 @@ def test_killed_stage_ends_every_rank(tmp_path, world, stages, victim):
         else:
             assert r.returncode == EXIT_CODE, logs
             assert f"{name} on " in r.stderr and "killed or unresponsive" in r.stderr, logs
+
+
+def test_frozen_stage_is_named_by_the_others(tmp_path):
+    """SIGSTOP: the process stays, but nothing in it runs (not even its watchdog's heartbeat)."""
+    results, logs = run(tmp_path, "freeze", 1, 3, 2)
+    assert results[0].returncode == EXIT_CODE, logs
+    assert "rank 1 (stage 1 of 2, replica 0) on " in results[0].stderr and "killed or unresponsive" in results[0].stderr
 
 
 def test_killed_store_host_ends_every_rank(tmp_path):
