@@ -174,6 +174,25 @@ def resolve(path: str | Path) -> Path:
     return path
 
 
+def newest_checkpoint(directory: str | Path) -> Path | None:
+    """The complete pd2bw checkpoint in ``directory`` with the highest global step (then the newest), or None.
+    Unpublished saves (``*.tmp``, no manifest) are skipped; a crash between the two renames counts as its path."""
+    found = []
+    for path in Path(directory).glob("*") if Path(directory).is_dir() else []:
+        if path.name.endswith((".tmp", ".old")) or not path.is_dir():
+            continue
+        try:
+            manifest = read_manifest(path)
+        except (FileNotFoundError, ValueError):
+            continue
+        found.append((manifest["global_step"], resolve(path).stat().st_mtime, path))
+    for old in Path(directory).glob("*.old") if Path(directory).is_dir() else []:
+        path = old.with_name(old.name[: -len(".old")])
+        if not path.exists() and (old / MANIFEST).is_file():  # published, then crashed before the swap finished
+            found.append((read_manifest(path)["global_step"], old.stat().st_mtime, path))
+    return max(found)[2] if found else None
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     path = resolve(path)
     file = path / MANIFEST

@@ -209,6 +209,7 @@ def run(cfg) -> dict:
     from .config import check_run
 
     _pin_output_dir(cfg)
+    _resolve_last_checkpoint(cfg)
     layout = check_run(cfg)  # before any process or process group exists
     auto = cfg.strategy.get("plan") == "auto"
     if cfg.dry_run and auto:
@@ -263,6 +264,24 @@ def run(cfg) -> dict:
         print(f"summary: {json.dumps(summary)}\nrun directory: {out}")
         _finish_wandb(logger)
     return summary
+
+
+def _resolve_last_checkpoint(cfg) -> None:
+    """``ckpt_path=last``: the newest complete checkpoint the run's checkpoint callback wrote (a run restarted by
+    ``torchrun --max-restarts`` resumes from it: its ranks and restarts share the run directory), or a fresh
+    start when there is none yet."""
+    from omegaconf import open_dict
+
+    from .checkpoint import newest_checkpoint
+
+    if cfg.get("ckpt_path") != "last":
+        return
+    node = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    directory = Path(node.dirpath) if node and node.get("dirpath") else Path(cfg.paths.output_dir) / "checkpoints"
+    found = newest_checkpoint(directory)
+    print(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
+    with open_dict(cfg):
+        cfg.ckpt_path = str(found) if found else None
 
 
 def _pin_output_dir(cfg) -> None:

@@ -25,8 +25,9 @@ SMALL_RUN = [
 ]
 
 
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run(command: list[str], cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
+    env.update(extra_env)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
@@ -80,3 +81,15 @@ def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(tmp_path):
     assert len(runs) == 2 and all("none" not in r.name for r in runs), runs
     for directory in runs:
         assert {p.name for p in directory.glob("train*.log")} == {"train0.log", "train1.log"}, directory
+
+
+def test_ckpt_path_last_resumes_the_runs_newest_checkpoint(tmp_path):
+    """The switch a restarted job uses: same run directory (PD2BW_RUN_ID here; torchrun's agent or --rdzv-id
+    in a restart), ``ckpt_path=last`` picks the newest complete checkpoint of the run (or starts fresh)."""
+    train = [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "ckpt_path=last"]
+    first = run(train, tmp_path, PD2BW_RUN_ID="job")
+    assert "ckpt_path=last: no checkpoint in" in first.stdout
+    second = run([*train, "trainer.max_steps=9"], tmp_path, PD2BW_RUN_ID="job")
+    assert "ckpt_path=last: resuming from" in second.stdout and "step=6" in second.stdout.split("resuming from")[1]
+    assert "trainer.max_steps 6 -> 9" in second.stderr, "the changed horizon is said"
+    assert json.loads((tmp_path / "outputs" / "job" / "summary.json").read_text())["global_step"] == 9

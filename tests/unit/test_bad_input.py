@@ -85,6 +85,8 @@ def test_reliability_arguments():
         PipeDream2BWStrategy(on_nonfinite="ignore")
     with pytest.raises(ValueError, match=r"failure_timeout=0\) must be > 0 seconds, or None"):
         PipeDream2BWStrategy(failure_timeout=0)
+    with pytest.raises(ValueError, match=r"hang_timeout=-1\) must be > 0 seconds, or None"):
+        PipeDream2BWStrategy(hang_timeout=-1)
 
 
 def test_hydra_strategy_keys_reach_the_strategy():
@@ -92,9 +94,10 @@ def test_hydra_strategy_keys_reach_the_strategy():
 
     from tests.unit.test_config import load
 
-    cfg = load("tiny", ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30"))
+    cfg = load("tiny", ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30", "strategy.hang_timeout=null"))
     strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
-    assert (strategy.on_nonfinite, strategy.failure_timeout) == ("skip", 30)
+    assert (strategy.on_nonfinite, strategy.failure_timeout, strategy.hang_timeout) == ("skip", 30, None)
+    assert instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2).hang_timeout == 600
 
 
 def test_horizon_changes_names_each_changed_setting():
