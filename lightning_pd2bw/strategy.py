@@ -405,6 +405,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             recompute=self.recompute,
         )
         self.executor.progress = self.progress
+        self._drain_before_validation_zero_grad(module)
         self._report_layout(layers)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -569,7 +570,23 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._global_step_by_batch.clear()  # batch numbers restart after a drain
 
     def on_validation_start(self) -> None:
-        self.drain()
+        self.drain()  # a no-op mid-fit (drained before the zero-grad hook, below); trainer.validate() after fit
+
+    def _drain_before_validation_zero_grad(self, module: pl.LightningModule) -> None:
+        """Lightning calls ``on_validation_model_zero_grad`` (``module.zero_grad()``) right *before* the mid-fit
+        validation loop, i.e. before ``on_validation_start``. Under 2BW the batch in flight has half of its
+        gradients accumulated then: zeroing them made the drained update use only the backwards that ran in the
+        drain (2BW with validation ended ~1e-2 away from its rule). The drain must come first, so the module's
+        hook is wrapped on this instance: drain (with gradients on: not inside the val loop's no-grad), then the
+        module's own hook."""
+        hook = module.on_validation_model_zero_grad
+
+        def drain_then_zero_grad() -> None:
+            with torch.enable_grad():
+                self.drain()
+            hook()
+
+        module.on_validation_model_zero_grad = drain_then_zero_grad
 
     def on_train_end(self) -> None:
         self.drain()
@@ -614,6 +631,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self.lightning_module is not None and "on_validation_model_zero_grad" in vars(self.lightning_module):
+            del self.lightning_module.on_validation_model_zero_grad  # the class's hook again
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             place_module(self.lightning_module, torch.device("cpu"))

@@ -39,12 +39,7 @@ def as_run(trained, name: str) -> tuple:
     ]
 
 
-KNOWN_DEFECTS = {
-    # found while adding the case: 2BW with validation mid-run (a drain at on_validation_start) ends ~1e-2 away
-    # from the reference with drains at the validation steps; flush with validation, and 2BW with drains at
-    # checkpoints, match. Reproduced on the commit before the NCCL transport; see the issue note.
-    "gpt_2bw_validate": "2BW + mid-run validation differs from the drained 2BW reference (open defect)",
-}
+KNOWN_DEFECTS: dict[str, str] = {}  # case -> reason: strict xfail, so a fix flips it
 
 
 @pytest.mark.parametrize(
