@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from .compat import train_dataloader
 from .pipeline.grid import ProcessGrid
 
 
@@ -19,7 +20,7 @@ class AutoPlan:
         from .planner.profile import bytes_per_element
         from .planner.search import format_table
 
-        loader = trainer.fit_loop._data_source.dataloader()
+        loader = train_dataloader(trainer)
         sample = next(iter(loader))
         if self.global_batch_size is None:
             self.global_batch_size = getattr(loader, "batch_size", None) and loader.batch_size * self.world_size

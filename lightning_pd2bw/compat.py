@@ -47,3 +47,19 @@ def mark_sigterm_received(trainer: Any) -> None:
 def sigterm_handler_before_lightning(trainer: Any) -> Any:
     """The SIGTERM handler installed before Lightning registered its own (a user's, or the default)."""
     return trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+
+
+def skip_lightning_backward(trainer: Any) -> None:
+    """Lightning's automatic optimization skips ``zero_grad`` and ``backward`` (the switch its SWA callback uses):
+    the pipeline engine owns both."""
+    trainer.fit_loop._skip_backward = True
+
+
+def train_dataloader(trainer: Any) -> Any:
+    """The fit's training dataloader before Lightning wraps it (the planner samples a batch from it in ``setup``)."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def combined_train_loader(trainer: Any) -> Any:
+    """The fit loop's ``CombinedLoader`` of the training dataloaders (None before it is built)."""
+    return trainer.fit_loop._combined_loader

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from . import checkpoint as ckpt
+from .compat import combined_train_loader
 
 
 class ShardedCheckpoints:
@@ -88,7 +89,7 @@ class ShardedCheckpoints:
     def _data_position(self) -> dict[str, Any] | None:
         """Where the training data stands: samples of this epoch's global order consumed by every replica."""
         trainer = self.lightning_module.trainer
-        loader = trainer.fit_loop._combined_loader
+        loader = combined_train_loader(trainer)
         if loader is None or len(loader.flattened) != 1:
             return None
         batch_size = getattr(loader.flattened[0], "batch_size", None)

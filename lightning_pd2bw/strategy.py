@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from .auto_plan import AutoPlan
-from .compat import place_module
+from .compat import place_module, skip_lightning_backward
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
 from .pipeline.executor import StageExecutor
@@ -486,9 +486,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     # ------------------------------------------------------------------ training
     def on_train_start(self) -> None:
-        # the engine owns zero_grad and backward (the same switch Lightning's SWA callback uses)
         trainer = self.lightning_module.trainer
-        trainer.fit_loop._skip_backward = True
+        skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
         self._preemption = Preemption(trainer, self.root_device)
         self._preemption.install()
         if self._watchdog is not None:

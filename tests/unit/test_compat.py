@@ -55,3 +55,20 @@ def test_sigterm_internals_exist():
         assert sigterm_handler_before_lightning(trainer) is before
     finally:
         trainer._signal_connector.teardown()
+
+
+def test_fit_loop_internals_exist():
+    """The fit loop's attributes ``compat`` reads or sets are still there (a rename fails here, not silently)."""
+    import inspect
+
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    from lightning_pd2bw.compat import combined_train_loader, skip_lightning_backward
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    assert combined_train_loader(trainer) is None  # built when fit starts
+    assert hasattr(trainer.fit_loop, "_data_source")
+    # a property that reaches the automatic optimization (a plain attribute would be set and ignored)
+    assert isinstance(inspect.getattr_static(_FitLoop, "_skip_backward"), property)
+    skip_lightning_backward(trainer)
+    assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is True
