@@ -262,48 +262,66 @@ def same_layout(manifest: dict[str, Any], stage_layers: list[range]) -> bool:
 def reshard(
     path: str | Path,
     local_keys: set[str],
-    local_names: list[list[str]],
-    optimizer_state: dict[str, Any] | None,
+    local_names: list[list[list[str]]],
+    optimizer_states: list[dict[str, Any]],
     map_location: Any = "cpu",
 ) -> dict[str, Any]:
     """This stage's part of a checkpoint written with another layout.
 
-    ``local_keys`` are this stage's state-dict keys; ``local_names[i]`` are the names of this stage's optimizer parameter ``i`` (the optimizer's order);
-    ``optimizer_state`` is this stage's freshly built optimizer's ``state_dict()`` (its groups' layout).
-    Every saved shard is read; each entry is picked by parameter name.
+    ``local_keys`` are this stage's state-dict keys; ``local_names[k][i]`` are the names of parameter ``i`` of
+    this stage's optimizer ``k`` (in the optimizer's order); ``optimizer_states[k]`` is this stage's freshly
+    built optimizer ``k``'s ``state_dict()`` (its groups' layout). Every saved shard is read; each entry is
+    picked by parameter name, each optimizer's state from the same optimizer of the saving run.
     """
     manifest = read_manifest(path)
     state_dict: dict[str, torch.Tensor] = {}
-    per_param: dict[str, Any] = {}
-    saved_groups: list[dict[str, Any]] | None = None
+    per_param: list[dict[str, Any]] = [{} for _ in optimizer_states]
+    saved_groups: list[list[dict[str, Any]] | None] = [None for _ in optimizer_states]
     callbacks: dict[str, Any] = {}
     for stage in range(manifest["num_stages"]):
         shard = read_stage(path, stage, map_location)
         state_dict.update({k: v for k, v in shard["state_dict"].items() if k in local_keys})
-        if shard.get("optimizer_states"):
-            saved = shard["optimizer_states"][0]
-            saved_groups = saved_groups or saved["param_groups"]
-            for index, names in enumerate(shard["optimizer_param_names"]):
+        saved_states = shard.get("optimizer_states") or []
+        saved_names = _names_per_optimizer(shard.get("optimizer_param_names") or [])
+        if saved_states and len(saved_states) != len(optimizer_states):
+            raise ValueError(
+                f"{path} was written with {len(saved_states)} optimizer(s), this run configures {len(optimizer_states)}: "
+                "configure the same optimizers as the checkpoint's run"
+            )
+        for k, (saved, names_of) in enumerate(zip(saved_states, saved_names)):
+            saved_groups[k] = saved_groups[k] or saved["param_groups"]
+            for index, names in enumerate(names_of):
                 if index in saved["state"]:
                     for name in names:
-                        per_param.setdefault(name, saved["state"][index])
+                        per_param[k].setdefault(name, saved["state"][index])
         _merge_callbacks(callbacks, shard.get("callbacks", {}), local_keys)
     out: dict[str, Any] = {"state_dict": state_dict, "callbacks": callbacks}
-    if optimizer_state is not None and saved_groups is not None:
-        state = {}
-        for index, names in enumerate(local_names):
-            found = next((per_param[n] for n in names if n in per_param), None)
-            if found is not None:
-                state[index] = found
-        groups = []
-        for group, saved in zip(optimizer_state["param_groups"], saved_groups):
-            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]})
-        out["optimizer_states"] = [{"state": state, "param_groups": groups}]
+    if optimizer_states and all(g is not None for g in saved_groups):
+        out["optimizer_states"] = []
+        for names_of, fresh, saved_of, found_of in zip(local_names, optimizer_states, saved_groups, per_param):
+            state = {}
+            for index, names in enumerate(names_of):
+                found = next((found_of[n] for n in names if n in found_of), None)
+                if found is not None:
+                    state[index] = found
+            groups = [
+                {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
+                for group, saved in zip(fresh["param_groups"], saved_of)
+            ]
+            out["optimizer_states"].append({"state": state, "param_groups": groups})
     return out
 
 
+def _names_per_optimizer(saved: list[Any]) -> list[list[list[str]]]:
+    """``optimizer_param_names`` as one list per optimizer (checkpoints before several optimizers: one flat list)."""
+    if saved and saved[0] and isinstance(saved[0][0], str):
+        return [saved]
+    return saved
+
+
 def _merge_callbacks(into: dict[str, Any], states: dict[str, Any], wanted: set[str]) -> None:
-    """Callback states are per stage; sparsity masks (keyed by weight name) are gathered for ``wanted``."""
+    """Callback states are per stage; sparsity masks (keyed by weight name) are gathered for ``wanted``; the
+    per-layer target densities are every stage's view of the whole model (measuring is a collective), kept whole."""
     for key, state in states.items():
         sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
         if key not in into:
@@ -314,7 +332,7 @@ def _merge_callbacks(into: dict[str, Any], states: dict[str, Any], wanted: set[s
             target = into[key]["sparsifier"]
             target["masks"].update({n: m for n, m in sparsifier["masks"].items() if n in wanted})
             targets = sparsifier.get("layer_targets", {})
-            target["layer_targets"].update({n: t for n, t in targets.items() if n in wanted})
+            target["layer_targets"].update(targets)
 
 
 # ---------------------------------------------------------------------------------------------- export

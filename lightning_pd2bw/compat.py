@@ -7,11 +7,14 @@ instead of a feature silently doing nothing.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.pytorch.core import optimizer as lightning_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch import nn
 
@@ -63,3 +66,46 @@ def train_dataloader(trainer: Any) -> Any:
 def combined_train_loader(trainer: Any) -> Any:
     """The fit loop's ``CombinedLoader`` of the training dataloaders (None before it is built)."""
     return trainer.fit_loop._combined_loader
+
+
+@contextmanager
+def several_optimizers_allowed() -> Iterator[None]:
+    """Let ``configure_optimizers`` return several optimizers under automatic optimization.
+
+    Lightning refuses that (its loop would step only the first), but under ``strategy="pd2bw"`` the engine
+    steps every optimizer itself; Lightning still steps each optimizer's LR schedulers. The check that a
+    ``training_step`` does not take ``optimizer_idx`` (the removed multi-optimizer API) is kept.
+    """
+    original = lightning_optimizer._validate_multiple_optimizers_support
+
+    def only_optimizer_idx(optimizers: list[Any], model: Any) -> None:
+        original(optimizers[:1], model)
+
+    lightning_optimizer._validate_multiple_optimizers_support = only_optimizer_idx
+    try:
+        yield
+    finally:
+        lightning_optimizer._validate_multiple_optimizers_support = original
+
+
+@contextmanager
+def optimizer_hooks_suspended(optimizer: torch.optim.Optimizer, pre: bool = True, post: bool = True) -> Iterator[None]:
+    """Run ``optimizer.step()`` without its own step pre-hooks (``pre``) and/or post-hooks (``post``).
+
+    torch keeps them in private ordered dicts; ``run_post_hooks`` runs the post-hooks afterwards.
+    """
+    saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    if pre:
+        optimizer._optimizer_step_pre_hooks = OrderedDict()
+    if post:
+        optimizer._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
+
+
+def run_post_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's own step post-hooks, in registration order, as ``optimizer.step()`` calls them."""
+    for hook in list(optimizer._optimizer_step_post_hooks.values()):
+        hook(optimizer, (), {})

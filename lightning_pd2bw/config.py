@@ -31,7 +31,7 @@ class PresetSchema:
 class ModelSchema:
     _target_: str = MISSING
     config: PresetSchema = field(default_factory=PresetSchema)
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"  # adamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
     lr: float = 3e-4
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -72,6 +72,8 @@ class StrategySchema:
     on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf gradient does (skip: every stage drops that update)
     failure_timeout: float | None = 180.0  # seconds without a heartbeat before a rank counts as dead
     hang_timeout: float | None = 600.0  # seconds with no action executed during training: a hang (stacks, exit 75)
+    delay_correction: str | None = None  # error_feedback: correct 2BW's one-step gradient delay (no effect on flush)
+    delay_correction_strength: float = 1.0  # beta of W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))
 
 
 @dataclass

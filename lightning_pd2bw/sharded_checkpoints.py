@@ -25,10 +25,8 @@ class ShardedCheckpoints:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self.progress.tick(f"saving checkpoint {filepath}")
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if optimizer is not None:
-            names = self._parameter_names()
-            checkpoint["optimizer_param_names"] = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        if self.optimizers:
+            checkpoint["optimizer_param_names"] = self._optimizer_parameter_names()
         ckpt.save_sharded(
             Path(filepath),
             checkpoint,
@@ -51,6 +49,11 @@ class ShardedCheckpoints:
             if not param.is_meta:
                 names.setdefault(id(param), []).append(name)
         return names
+
+    def _optimizer_parameter_names(self) -> list[list[list[str]]]:
+        """Per optimizer, per parameter in its order: the parameter's names (a tied one has several)."""
+        names = self._parameter_names()
+        return [[names[id(p)] for g in optimizer.param_groups for p in g["params"]] for optimizer in self.optimizers]
 
     def layout(self) -> dict[str, Any]:
         versions = self.executor.versions if self.executor is not None else None
@@ -128,13 +131,11 @@ class ShardedCheckpoints:
                 f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
                 f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
             )
-            optimizer = self.optimizers[0] if self.optimizers else None
-            names = self._parameter_names()
             shard = ckpt.reshard(
                 checkpoint_path,
                 {k for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
-                [names[id(p)] for g in optimizer.param_groups for p in g["params"]] if optimizer else [],
-                optimizer.state_dict() if optimizer else None,
+                self._optimizer_parameter_names(),
+                [optimizer.state_dict() for optimizer in self.optimizers],
                 map_location=self.root_device,
             )
         return meta | shard

@@ -40,9 +40,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from .auto_plan import AutoPlan
-from .compat import place_module, skip_lightning_backward
+from .compat import place_module, several_optimizers_allowed, skip_lightning_backward
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
+from .pipeline.delay_correction import METHODS as delay_correction_methods
+from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import materialize, release
@@ -108,6 +110,11 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             training after which the job counts as stuck: every rank prints where it is and its Python stack,
             and exits (code 75). Must exceed the longest single action or checkpoint write (``None``: off;
             needs ``failure_timeout``).
+        delay_correction: ``"error_feedback"`` corrects 2BW's one-step gradient delay, optimizer-agnostic:
+            ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates (see
+            ``lightning_pd2bw/pipeline/delay_correction.py``); one extra buffer of the stage's weights.
+            ``None``: the plain 2BW rule. No effect under flush (no delay).
+        delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -135,6 +142,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         on_nonfinite: str = "stop",
         failure_timeout: float | None = 180.0,
         hang_timeout: float | None = 600.0,
+        delay_correction: str | None = None,
+        delay_correction_strength: float = 1.0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if mode not in schedule.MODES:
@@ -147,6 +156,19 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             raise ValueError(
                 f"PipeDream2BWStrategy(on_nonfinite={on_nonfinite!r}) is invalid; valid: {', '.join(NONFINITE_POLICIES)}"
             )
+        if delay_correction not in (None, *delay_correction_methods):
+            raise ValueError(
+                f"PipeDream2BWStrategy(delay_correction={delay_correction!r}) is invalid; valid: None, "
+                f"{', '.join(repr(m) for m in delay_correction_methods)}"
+            )
+        if delay_correction_strength <= 0:
+            raise ValueError(
+                f"PipeDream2BWStrategy(delay_correction_strength={delay_correction_strength}) must be > 0 "
+                "(1.0: the update extrapolated one step ahead)"
+            )
+        self.delay_correction = delay_correction
+        self.delay_correction_strength = delay_correction_strength
+        self._correction: ErrorFeedback | None = None
         self.on_nonfinite = on_nonfinite
         self.skipped_updates: list[int] = []
         if num_stages is not None and num_stages < 1:
@@ -388,8 +410,15 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._sync_shared_parameters()
         self._local_params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            with several_optimizers_allowed():  # the engine steps each of them (update.py)
+                self.setup_optimizers(trainer)
             self._keep_local_parameters()
+            if self.delay_correction is not None and self.mode == "2bw":
+                self._correction = ErrorFeedback(self._local_params, self.delay_correction_strength)
+            elif self.delay_correction is not None:
+                rank_zero_info(
+                    f"pd2bw: delay_correction={self.delay_correction!r} has no effect under mode={self.mode!r}"
+                )
         self.setup_precision_plugin()
         link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device, self.groups.link)
         versions = WeightVersions(self._local_params, double_buffer=self.mode == "2bw")
@@ -466,13 +495,18 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             dist.broadcast(param.data, src=source, group=group)
 
     def _keep_local_parameters(self) -> None:
-        """Drop other stages' (meta) parameters from the optimizer's groups."""
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"strategy='pd2bw' supports one optimizer; configure_optimizers returned {len(self.optimizers)}"
-            )
-        for group in self.optimizers[0].param_groups:
-            group["params"] = [p for p in group["params"] if not p.is_meta]
+        """Drop other stages' (meta) parameters from the optimizers' groups; no parameter in two optimizers."""
+        owner: dict[int, int] = {}
+        for index, optimizer in enumerate(self.optimizers):
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if not p.is_meta]
+                for param in group["params"]:
+                    if owner.setdefault(id(param), index) != index:
+                        name = self._parameter_names().get(id(param), ["?"])[0]
+                        raise ValueError(
+                            f"parameter {name} is in optimizers {owner[id(param)]} and {index} of configure_optimizers: "
+                            "give each parameter to one optimizer"
+                        )
 
     def _report_layout(self, layers: list[nn.Module]) -> None:
         lines = [
@@ -508,8 +542,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         assert self.executor is not None
         step = self._step_in_run
         self.progress.tick(f"training step {step} (global step {self.lightning_module.trainer.global_step})")
-        optimizer = self.optimizers[0]
-        self._hparams_by_batch[step] = _hyperparameters(optimizer)
+        self._hparams_by_batch[step] = [_hyperparameters(optimizer) for optimizer in self.optimizers]
         self._global_step_by_batch = {b: g for b, g in self._global_step_by_batch.items() if b >= step - 2}
         self._global_step_by_batch[step] = self.lightning_module.trainer.global_step
         self._finish_deferred(step - 2)

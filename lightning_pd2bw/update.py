@@ -6,18 +6,19 @@ Order inside one update (STEP of batch b):
      a parameter (GPT's tied embedding; under 2BW without clipping that sum is deferred, see
      ``_finish_deferred``);
   3. the non-finite policy: ``stop`` raises, ``skip`` agrees over the pipeline and drops the update;
-  4. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule);
+  4. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule), once per optimizer;
   5. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
-     scalar per step) or per stage (``clip_mode="stage"``);
-  6. ``optimizer.step()`` with the hyper-parameters (lr, ...) that batch b's Lightning step had;
-     optimizer step post-hooks (e.g. sparsity masks) run here, on the new version;
-  7. gradients are cleared.
+     scalar per step) or per stage (``clip_mode="stage"``), over every optimizer's parameters;
+  6. ``step()`` of every optimizer, in ``configure_optimizers``' order, each with the hyper-parameters
+     (lr, ...) that batch b's Lightning step had;
+  7. 2BW with ``delay_correction``: the correction of the one-step delay (``pipeline/delay_correction.py``);
+  8. the optimizers' step post-hooks (e.g. sparsity masks) run, on the new version;
+  9. gradients are cleared.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from .compat import optimizer_hooks_suspended, run_post_hooks
 from .pipeline import gradients
 from .pipeline.timeline import REDUCE, SHARED_STEP
 
@@ -39,7 +41,6 @@ class UpdatePath:
 
     def _apply_update(self, batch: int) -> None:
         trainer = self.lightning_module.trainer
-        optimizer = self.optimizers[0]
         shared = [(param, group) for param, group, _, _ in self._shared]
         defer = self._defers_shared_sums(trainer)
         with self._collectives(batch):
@@ -50,24 +51,35 @@ class UpdatePath:
                 gradients.sum_shared(shared)
         if not self._gradients_finite(batch):
             self._hparams_by_batch.pop(batch)
-            optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        for optimizer in self.optimizers:
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
             self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         hparams = self._hparams_by_batch.pop(batch)
-        if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
-            handle = optimizer.register_step_pre_hook(
-                lambda opt, *_: self._deferred_hparams.__setitem__(batch, _hyperparameters(opt))
-            )
-            try:
-                self._step_optimizer(hparams)
-            finally:
-                handle.remove()
-        else:
-            self._step_optimizer(hparams)
-        optimizer.zero_grad(set_to_none=True)
+        correction = self._correction if self.mode == "2bw" else None
+        with ExitStack() as stack:
+            if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
+                self._deferred_hparams[batch] = [[] for _ in self.optimizers]
+                for index, optimizer in enumerate(self.optimizers):
+                    record = self._deferred_hparams[batch].__setitem__
+                    handle = optimizer.register_step_pre_hook(
+                        lambda opt, *_, i=index, r=record: r(i, _hyperparameters(opt))
+                    )
+                    stack.callback(handle.remove)
+            self._step_optimizers(hparams, post_hooks=correction is None)
+        if correction is not None:
+            versions = self.executor.versions
+            correction.apply(versions.weights_of(versions.latest - 1), stale=batch >= 1)
+            for optimizer in self.optimizers:
+                run_post_hooks(optimizer)
+        self._zero_grad()
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def _gradients_finite(self, batch: int) -> bool:
         """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
@@ -99,22 +111,22 @@ class UpdatePath:
         """The Lightning step (global_step) that fed batch ``batch`` of this run segment."""
         return self._global_step_by_batch.get(batch, -1)
 
-    def _step_optimizer(self, hparams: list[dict[str, Any]], hooks: bool = True) -> None:
-        """``optimizer.step()`` with a batch's hyper-parameters (its Lightning step's learning rate);
-        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter)."""
-        optimizer = self.optimizers[0]
-        current = _hyperparameters(optimizer)
-        for group, values in zip(optimizer.param_groups, hparams):
-            group.update(values)
-        saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-        if not hooks:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
-        try:
-            optimizer.step()
-        finally:
-            optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
-        for group, values in zip(optimizer.param_groups, current):
-            group.update(values)
+    def _step_optimizers(
+        self, hparams: list[list[dict[str, Any]]], hooks: bool = True, post_hooks: bool = True
+    ) -> None:
+        """``step()`` of every optimizer with a batch's hyper-parameters (its Lightning step's learning rates);
+        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter);
+        ``post_hooks=False`` leaves the post-hooks to the caller (they run after the delay correction)."""
+        for optimizer, values in zip(self.optimizers, hparams, strict=True):
+            current = _hyperparameters(optimizer)
+            for group, saved in zip(optimizer.param_groups, values):
+                group.update(saved)
+            try:
+                with optimizer_hooks_suspended(optimizer, pre=not hooks, post=not (hooks and post_hooks)):
+                    optimizer.step()
+            finally:
+                for group, saved in zip(optimizer.param_groups, current):
+                    group.update(saved)
 
     def _defers_shared_sums(self, trainer: pl.Trainer) -> bool:
         """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
@@ -124,6 +136,7 @@ class UpdatePath:
             and not trainer.gradient_clip_val
             and not self._draining
             and self.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
+            and self._correction is None  # the correction needs every parameter's update of this step at once
         )
 
     def _finish_deferred(self, until_batch: int) -> None:
@@ -142,7 +155,7 @@ class UpdatePath:
                 param.grad = None
             for param, grad in sums:
                 param.grad = grad
-            self._step_optimizer(self._deferred_hparams.pop(batch), hooks=False)
+            self._step_optimizers(self._deferred_hparams.pop(batch), hooks=False)
             for param, grad in others:
                 param.grad = grad
             if recorder is not None:

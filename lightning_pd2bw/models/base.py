@@ -124,22 +124,49 @@ class PipelineLanguageModel(pl.LightningModule):
         self.log_dict({f"val_{k}": v for k, v in metrics.items()}, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
+        """``adamw`` | ``sgd`` | ``muon``: Muon for the blocks' weight matrices and AdamW for the rest (embeddings,
+        the head, norms, biases), as Muon's recipe pairs them; two optimizers, each with the warm-up/cosine
+        schedule (``strategy="pd2bw"`` steps both; Lightning's automatic optimization alone refuses two)."""
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         if hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+            optimizers = [torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)]
         elif hp.optimizer == "adamw":
-            # no weight decay on biases, norms (1-D tensors)
-            decay = [p for p in params if p.dim() >= 2]
-            no_decay = [p for p in params if p.dim() < 2]
-            groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+            optimizers = [self._adamw(params)]
+        elif hp.optimizer == "muon":
+            blocks = [layer for layer in self.layers if isinstance(layer, Block)]
+            matrices = list(
+                dict.fromkeys(p for b in blocks for p in b.parameters() if p.requires_grad and p.dim() == 2)
+            )
+            chosen = {id(p) for p in matrices}
+            rest = [p for p in params if id(p) not in chosen]
+            muon = torch.optim.Muon(
+                matrices, lr=hp.lr, weight_decay=hp.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw"
+            )
+            optimizers = [muon, self._adamw(rest)]
         else:
-            raise ValueError(f"optimizer={hp.optimizer!r} is not supported; valid: adamw, sgd")
+            raise ValueError(f"optimizer={hp.optimizer!r} is not supported; valid: adamw, sgd, muon")
         if not hp.warmup_steps and not hp.max_steps:
-            return optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            return optimizers[0] if len(optimizers) == 1 else optimizers
+        configured = [
+            {
+                "optimizer": optimizer,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor),
+                    "interval": "step",
+                },
+            }
+            for optimizer in optimizers
+        ]
+        return configured[0] if len(configured) == 1 else configured
+
+    def _adamw(self, params: list[nn.Parameter]) -> torch.optim.AdamW:
+        """AdamW without weight decay on biases and norms (1-D tensors)."""
+        hp = self.hparams
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
 
     def _lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""

@@ -65,6 +65,12 @@ class WeightVersions:
         self._active = version
         torch.clear_autocast_cache()
 
+    def weights_of(self, version: int) -> list[torch.Tensor]:
+        """The storages of absolute version ``version`` (read-only use: e.g. the weights before an update)."""
+        if version not in self._storages:
+            raise RuntimeError(f"weight version {version} is not held on this stage (held: {sorted(self._storages)})")
+        return self._storages[version]
+
     def use_latest(self) -> None:
         self.use(self.latest - self.drain_base)
 

@@ -68,7 +68,7 @@ class SparsityCallback(Callback):
         self._pending: dict[str, Any] | None = None
         self._handles: list[Any] = []
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._saved_lrs: list[float] | None = None
+        self._saved_lrs: dict[int, list[float]] = {}  # id(optimizer) -> its groups' lrs before the re-warm-up scaling
 
     # ------------------------------------------------------------------ the schedule
     def plan(self, step: int) -> MaskUpdate | None:
@@ -118,20 +118,21 @@ class SparsityCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self.before_step(self._optimizers)
+        if optimizer is self._optimizers[0]:  # once per update, whatever the number of optimizers
+            self.before_step(self._optimizers)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if self._saved_lrs is not None:
-            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
+        saved = self._saved_lrs.pop(id(optimizer), None)
+        if saved is not None:
+            for group, lr in zip(optimizer.param_groups, saved):
                 group["lr"] = lr
-            self._saved_lrs = None
         if optimizer is self._optimizers[-1]:
             self.after_step(self._optimizers)
 
     def _scale_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         factor = self.lr_factor(self.step)
         if factor != 1.0:
-            self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
+            self._saved_lrs[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
 

@@ -21,6 +21,8 @@ MICRO_BATCH = 2
 
 @dataclass(frozen=True)
 class Case:
+    """One training run; ``bf16_update`` cases are compared at bf16 tolerance (see ``test_equivalence``)."""
+
     name: str
     model: str = "gpt"  # gpt | bert
     mode: str = "flush"
@@ -41,7 +43,15 @@ class Case:
     poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
     precision: str = "32-true"  # "bf16-mixed": CPU autocast; the reference autocasts each microbatch alike
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
+    correction: bool = False  # delay_correction="error_feedback" (2BW): W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
     extra: dict = field(default_factory=dict)
+
+    @property
+    def bf16_update(self) -> bool:
+        """bf16 arithmetic inside the update: autocast, or Muon (torch's Newton-Schulz runs in bfloat16, so a
+        float32 rounding difference in a gradient can flip a bf16 rounding: the single-process reference itself
+        moves by up to 5e-4 on these cases when its gradients get 1e-7 relative noise)."""
+        return self.precision != "32-true" or self.optimizer == "muon"
 
     @property
     def drains(self) -> tuple[int, ...]:
@@ -146,5 +156,26 @@ CASES = {
         Case("gpt_2bw_bf16_recompute", mode="2bw", recompute=True, steps=5, precision="bf16-mixed"),
         Case("gpt_2bw_validate", mode="2bw", num_microbatches=4, steps=5, val_every=2, clip=0.5),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
+        # several optimizers (Muon for the blocks' matrices + AdamW for the rest, each with its schedule)
+        Case("gpt_flush_muon", optimizer="muon", steps=5, schedule=True, clip=0.5),
+        Case("gpt_2bw_muon", mode="2bw", optimizer="muon", steps=5, schedule=True),
+        Case("gpt_2bw_d2w2_muon_resume", mode="2bw", optimizer="muon", steps=7, checkpoint_every=3, schedule=True),
+        Case("gpt_2bw_muon_sparse_static", mode="2bw", optimizer="muon", steps=5, sparsity="static_random", clip=0.5),
+        # the error-feedback delay correction, with one optimizer and with two, at depth 2 and 4 and width 2
+        Case("gpt_2bw_ef_adamw", mode="2bw", steps=6, correction=True, schedule=True),
+        Case("gpt_2bw_ef_muon_drain", mode="2bw", optimizer="muon", steps=7, correction=True, val_every=3),
+        Case("gpt_2bw_d4_ef_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=6, correction=True, clip=0.5),
+        Case(
+            "gpt_2bw_d4_ef_muon",
+            mode="2bw",
+            optimizer="muon",
+            num_stages=4,
+            num_microbatches=4,
+            steps=6,
+            correction=True,
+        ),
+        Case("gpt_2bw_d2w2_ef_muon", mode="2bw", optimizer="muon", steps=6, correction=True, clip=0.5),
+        Case("gpt_2bw_d2w2_ef_adamw_sparse", mode="2bw", steps=6, correction=True, sparsity="static_random"),
+        Case("bert_2bw_ef_muon", mode="2bw", model="bert", optimizer="muon", steps=5, correction=True),
     ]
 }

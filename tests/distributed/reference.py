@@ -3,6 +3,9 @@
 Flush: plain gradient accumulation over every microbatch of every replica, one update per batch.
 2BW:   the same averaged gradient, but evaluated at the weights of version max(t-1, 0) counted
        from the last drain, and applied to the newest weights: W(t+1) = W(t) - lr * grad f(W(t-1)).
+Delay correction (error feedback): with D(t) the optimizers' update of step t, the weights become
+       W(t) + D(t) + (D(t) - D(t-1)) when step t's gradient was stale (not the first step after a drain).
+Several optimizers: each steps its own parameters with its own schedule.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
     model = build_model(case)
     model.configure_model()
     configured = model.configure_optimizers()
-    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    scheduler = configured["lr_scheduler"]["scheduler"] if isinstance(configured, dict) else None
+    entries = configured if isinstance(configured, list) else [configured]
+    optimizers = [e["optimizer"] if isinstance(e, dict) else e for e in entries]
+    schedulers = [e["lr_scheduler"]["scheduler"] for e in entries if isinstance(e, dict)]
     names = dict(model.named_parameters())
     masks = {n: m for n, p in names.items() if case.mask and (m := mask_for(n, p)) is not None}
 
@@ -42,9 +46,10 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
     if sparsity is not None:
         sparsity.sparsifier = sparsity.build(model)
         if (change := sparsity.change_at(0)) is not None:
-            sparsity.sparsifier.update(0, change, [optimizer])
+            sparsity.sparsifier.update(0, change, optimizers)
     history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
     drain_base = 0
+    previous_update: dict[str, torch.Tensor] | None = None  # D(t-1) of the delay correction
     for step in range(case.steps):
         if step in case.drains:
             drain_base = step
@@ -62,28 +67,36 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
                     if g is not None:
                         grads[n] += g
         if step == case.poison_step:  # a NaN loss: the update is skipped, the weights stay, the schedule moves on
-            if scheduler is not None:
+            for scheduler in schedulers:
                 scheduler.step()
             history.append({n: p.detach().clone() for n, p in names.items()})
             continue
         for n, p in names.items():
             p.grad = grads[n]
         if sparsity is not None:
-            sparsity.before_step([optimizer])
+            sparsity.before_step(optimizers)
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         factor = sparsity.lr_factor(sparsity.step) if sparsity is not None else 1.0
-        lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] *= factor
-        optimizer.step()
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
+        for optimizer in optimizers:
+            lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+            optimizer.step()
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+        with torch.no_grad():
+            update = {n: p - history[-1][n] for n, p in names.items()}
+            if case.correction and case.mode == "2bw" and relative >= 1 and previous_update is not None:
+                for n, p in names.items():
+                    p += update[n] - previous_update[n]
+            previous_update = update
         if sparsity is not None:
-            sparsity.after_step([optimizer])
-        optimizer.zero_grad(set_to_none=True)
+            sparsity.after_step(optimizers)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         apply_masks()
-        if scheduler is not None:
+        for scheduler in schedulers:
             scheduler.step()
         history.append({n: p.detach().clone() for n, p in names.items()})
     masks = dict(sparsity.sparsifier.masks) if sparsity is not None else {}

@@ -51,7 +51,8 @@ class FixedMask(Callback):
                 param.mul_(mask)
 
         apply()
-        trainer.optimizers[0].register_step_post_hook(apply)
+        for optimizer in trainer.optimizers:
+            optimizer.register_step_post_hook(apply)
 
 
 class Trajectory(Callback):
@@ -82,6 +83,19 @@ class PoisonLoss(Callback):
         executor.loss_fn = poisoned
 
 
+def masked_state_nonzero(optimizers: list, sparsity) -> int:
+    """Entries of masked weights, and of every optimizer state tensor of a masked weight's shape, that are not 0."""
+    count = 0
+    for name, mask in sparsity.sparsifier.masks.items():
+        param, pruned = sparsity.sparsifier.local[name], ~mask
+        count += int(param.detach()[pruned].count_nonzero())
+        for optimizer in optimizers:
+            for value in optimizer.state.get(param, {}).values():
+                if torch.is_tensor(value) and value.shape == param.shape:
+                    count += int(value[pruned].count_nonzero())
+    return count
+
+
 def with_sparsity(case: Case, callbacks: list) -> tuple[list, object]:
     sparsity = sparsity_callback(case)
     if sparsity is None:
@@ -108,6 +122,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         mode=case.mode,
         recompute=case.recompute,
         on_nonfinite="skip" if case.poison_step is not None else "stop",
+        delay_correction="error_feedback" if case.correction else None,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return pl.Trainer(
@@ -160,6 +175,8 @@ def run(case: Case, out: Path, world: int) -> None:
         "headers_sent": executor.link.headers_sent,
         "headers_received": executor.link.headers_received,
     }
+    if sparsity is not None:
+        counters["masked_state_nonzero"] = masked_state_nonzero(trainer.optimizers, sparsity)
     if strategy.planned is not None:
         chosen = strategy.planned.candidate
         counters["plan"] = {"width": chosen.width, "depth": chosen.depth, "micro": chosen.micro_batch_size}

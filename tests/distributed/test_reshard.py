@@ -62,6 +62,7 @@ def test_resharded_state_is_identical(resharded, name):
     for file in folder.glob("saved-optim-stage-*.pt"):
         saved_optim.update(torch.load(file, weights_only=False))
     assert set(got["optimizer"]) == set(saved_optim) and saved_optim
+    assert {key.split(":")[0] for key in saved_optim} == {"0", "1"}  # both optimizers hold state
     for param, state in saved_optim.items():
         assert set(got["optimizer"][param]) == set(state), param
         for key, value in state.items():
@@ -70,8 +71,10 @@ def test_resharded_state_is_identical(resharded, name):
     assert masks and set(got["masks"]) == set(masks)
     for key, mask in masks.items():
         assert torch.equal(got["masks"][key].cpu(), mask.cpu()), key
-    schedule = read_meta(path)["lr_schedulers"][0]
-    assert schedule["last_epoch"] == SAVE_STEPS and got["lr"] == schedule["_last_lr"]  # restored, not restarted
+    schedules = read_meta(path)["lr_schedulers"]
+    assert len(schedules) == len(got["lr"]) == 2  # Muon's and AdamW's
+    for schedule, lrs in zip(schedules, got["lr"]):
+        assert schedule["last_epoch"] == SAVE_STEPS and lrs == schedule["_last_lr"]  # restored, not restarted
 
 
 def test_depth_change_then_training_equals_single_process(resharded):
@@ -82,8 +85,9 @@ def test_depth_change_then_training_equals_single_process(resharded):
     for file in folder.glob("final-stage-*.pt"):
         final.update(torch.load(file, weights_only=True))
     expected = reference_weights(replace(CASE, num_stages=2), 1)
+    rtol, atol = (1e-3, 1e-3) if CASE.bf16_update else (1e-5, 1e-6)  # Muon: see Case.bf16_update
     for key, value in expected.items():
-        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(final[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_consolidate_exports_one_file_for_the_plain_module(resharded, tmp_path):

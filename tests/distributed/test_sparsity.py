@@ -120,3 +120,12 @@ def test_ddp_replicas_hold_identical_masks_and_zeros(tmp_path):
         assert torch.equal(second["masks"][name], mask)
         assert torch.count_nonzero(first["weights"][name][~mask]) == 0
         assert 0.2 < mask.float().mean() < 0.8
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].sparsity])
+def test_masks_zero_weights_and_every_optimizers_state(trained, name):
+    """Pruned entries stay zero in the weights and in every optimizer's state (Muon's momentum, AdamW's moments)."""
+    case = CASES[name]
+    for rank in range(case.num_stages * width_of(name)):
+        counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
+        assert counters["masked_state_nonzero"] == 0

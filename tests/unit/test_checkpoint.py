@@ -128,7 +128,7 @@ def test_ckpt_path_is_checked_before_launch(saved, tmp_path):
 
 def test_reshard_gathers_by_name(saved):
     optimizer_state = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0, 1]}]}
-    part = ckpt.reshard(saved, {"layers.0.w", "layers.1.w"}, [["layers.0.w"], ["layers.1.w"]], optimizer_state)
+    part = ckpt.reshard(saved, {"layers.0.w", "layers.1.w"}, [[["layers.0.w"], ["layers.1.w"]]], [optimizer_state])
     assert set(part["state_dict"]) == {"layers.0.w", "layers.1.w"}
     assert part["optimizer_states"][0]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]  # saved hyper-parameters
     masks = part["callbacks"]["Sparsity"]["sparsifier"]["masks"]
