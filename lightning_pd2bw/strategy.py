@@ -41,6 +41,7 @@ from torch import nn
 
 from .auto_plan import AutoPlan
 from .compat import place_module, several_optimizers_allowed, skip_lightning_backward
+from .drain_callback import DrainBeforeTrainEnd
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
 from .pipeline.delay_correction import METHODS as delay_correction_methods
@@ -169,6 +170,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
         self._correction: ErrorFeedback | None = None
+        self._trainer_with_drain: pl.Trainer | None = None
         self.on_nonfinite = on_nonfinite
         self.skipped_updates: list[int] = []
         if num_stages is not None and num_stages < 1:
@@ -383,6 +385,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         module = self.lightning_module
         layers = pipeline_layers_of(module)
         self._check_trainer(trainer)
+        DrainBeforeTrainEnd.install(trainer)  # removed again in teardown
+        self._trainer_with_drain = trainer
         if self.plan == "auto":
             self.stage_layers = self._plan_automatically(trainer, layers)
         elif self.layers_per_stage is not None:
@@ -663,6 +667,9 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._trainer_with_drain is not None:
+            DrainBeforeTrainEnd.remove(self._trainer_with_drain)
+            self._trainer_with_drain = None
         if self.lightning_module is not None and "on_validation_model_zero_grad" in vars(self.lightning_module):
             del self.lightning_module.on_validation_model_zero_grad  # the class's hook again
         _optimizers_to_device(self.optimizers, torch.device("cpu"))
