@@ -29,6 +29,7 @@ class CommLayout:
     clip: str | None = None  # None, "global" (an all-reduce of the norm over the pipeline) or "stage"
     tied: bool = False  # a parameter shared by the first and the last stage (GPT's tied embedding)
     skip_nonfinite: bool = False  # on_nonfinite="skip": an all-reduce over the pipeline per update
+    delay_correction: bool = False  # the correction needs every update at once: tied sums are not deferred
     drain_after: tuple[int, ...] = ()  # Lightning steps after which the pipeline drains (validation, checkpoint)
     eval_batches: int = 0  # validation batches run after each of those drains
     boundary_tensors: int = 1  # tensors crossing each stage boundary
@@ -138,7 +139,13 @@ class _Rank:
         if self._shared():
             channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
             members = (self.pipeline[0], self.pipeline[-1])
-            defer = layout.mode == "2bw" and not layout.clip and not draining and not layout.skip_nonfinite
+            defer = (
+                layout.mode == "2bw"
+                and not layout.clip
+                and not draining
+                and not layout.skip_nonfinite
+                and not layout.delay_correction
+            )
             handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not defer)
             if defer:
                 self.deferred[batch] = [handle]

@@ -97,6 +97,7 @@ UPDATES = {
     "clip_global": {"clip": "global"},
     "clip_stage": {"clip": "stage"},
     "skip_nonfinite": {"skip_nonfinite": True},
+    "delay_correction": {"delay_correction": True},
 }
 
 
@@ -133,7 +134,7 @@ def test_every_schedule_is_deadlock_free_under_nccl():
     for layout in sweep(lambda d: sorted({d, d + 1, 16})):
         check(layout)
         count += 1
-    assert count == 3 * 7 * 2 * 4 * 2 * 3  # modes x depths x widths x updates x tied x m
+    assert count == 3 * 7 * 2 * len(UPDATES) * 2 * 3  # modes x depths x widths x updates x tied x m
 
 
 @pytest.mark.slow

@@ -1,0 +1,157 @@
+"""Model quality at equal steps: Flush vs 2BW vs 2BW + delay correction, AdamW and Muon, several seeds, two corpora.
+
+    python benchmarks/convergence.py                 # 3 seeds x 6 settings x 2 corpora, 300 steps each
+    python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
+
+Every run is ``pd2bw-train`` as a user starts it (GPT tiny, 2 CPU processes, the same data order and
+initialisation per seed for every setting). Validation every ``--val-every`` steps on held-out text (the
+corpus's last 5%; each validation drains 2BW's pipeline, the same for every 2BW setting). Prints the final
+validation loss per setting (mean and spread over seeds, gap to Flush with the same optimizer) and writes
+``OUT/convergence.png`` (validation curves) and ``OUT/convergence.json``. Runs already finished under ``OUT``
+are reused, so an interrupted benchmark continues where it stopped.
+
+Corpora: ``stdlib`` (the embedded corpus: Python source) and ``packages`` (the English descriptions of the
+Python packages installed next to this one: each ``*.dist-info/METADATA``; text no setting was tuned on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {  # name -> Hydra overrides
+    "flush": ["strategy.mode=flush"],
+    "2bw": ["strategy.mode=2bw"],
+    "2bw+ef": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback"],
+}
+OPTIMIZERS = ("adamw", "muon")
+
+
+def packages_corpus(out: Path) -> Path:
+    """The installed packages' descriptions, concatenated in name order (about 1 MB here)."""
+    path = out / "packages.txt"
+    if not path.exists():
+        site = Path(sysconfig.get_paths()["purelib"])
+        texts = [p.read_text(errors="replace") for p in sorted(site.glob("*.dist-info/METADATA"))]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(texts))
+    return path
+
+
+def run(out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: argparse.Namespace) -> Path:
+    folder = out / corpus / f"{optimizer}-{setting}-seed{seed}"
+    if (folder / "summary.json").exists():
+        return folder
+    data = [] if corpus == "stdlib" else [f"data.paths=[{packages_corpus(out)}]"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_pd2bw.train",
+        "model=gpt_tiny",
+        "data.seq_len=64",
+        f"model.optimizer={optimizer}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={args.val_every}",
+        "trainer.limit_val_batches=16",
+        "trainer.log_every_n_steps=10",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_checkpointing=false",
+        f"seed={seed}",
+        f"model.config.seed={1234 + seed}",
+        f"paths.output_dir={folder}",
+        *SETTINGS[setting],
+        *data,
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return folder
+
+
+def curve(folder: Path) -> list[tuple[int, float]]:
+    """(step, val_loss) from the run's CSV log."""
+    points = []
+    for metrics in folder.glob("csv/*/metrics.csv"):
+        with metrics.open() as f:
+            for row in csv.DictReader(f):
+                if row.get("val_loss"):
+                    points.append((int(row["step"]), float(row["val_loss"])))
+    return sorted(points)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--val-every", type=int, default=50)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--corpora", default="stdlib,packages")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    for corpus in args.corpora.split(","):
+        for optimizer in args.optimizers.split(","):
+            for setting in args.settings.split(","):
+                runs = [run(args.out, corpus, optimizer, setting, s, args) for s in range(args.seeds)]
+                curves = [curve(f) for f in runs]
+                finals = [c[-1][1] for c in curves]
+                results[f"{corpus}/{optimizer}/{setting}"] = {"final": finals, "curves": curves}
+                print(f"{corpus:9s} {optimizer:6s} {setting:7s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
+    print(table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "convergence.png", args.steps)
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = [
+        "| corpus | optimizer | setting | val loss (mean ± sd) | vs Flush (same optimizer) |",
+        "|---|---|---|---|---|",
+    ]
+    for key, value in results.items():
+        corpus, optimizer, setting = key.split("/")
+        finals = value["final"]
+        mean = statistics.mean(finals)
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        flush = results.get(f"{corpus}/{optimizer}/flush")
+        gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
+        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = sorted({k.split("/")[0] for k in results})
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4), squeeze=False)
+    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--"}
+    colors = {"adamw": "tab:blue", "muon": "tab:red"}
+    for ax, corpus in zip(axes[0], corpora):
+        for key, value in results.items():
+            c, optimizer, setting = key.split("/")
+            if c != corpus or not value["curves"][0]:
+                continue
+            steps_axis = [s for s, _ in value["curves"][0]]
+            mean = [statistics.mean(curve[i][1] for curve in value["curves"]) for i in range(len(steps_axis))]
+            ax.plot(steps_axis, mean, styles[setting], color=colors[optimizer], label=f"{optimizer} {setting}")
+        ax.set_title(f"{corpus}: validation loss (mean over seeds)")
+        ax.set_xlabel("step")
+        ax.set_xlim(0, steps)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
