@@ -30,6 +30,12 @@ SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
     "2bw": ["strategy.mode=2bw"],
     "2bw+ef": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback"],
+    # tried, not a default: the update extrapolated two steps ahead (--settings flush,2bw+ef2)
+    "2bw+ef2": [
+        "strategy.mode=2bw",
+        "strategy.delay_correction=error_feedback",
+        "strategy.delay_correction_strength=2",
+    ],
 }
 OPTIMIZERS = ("adamw", "muon")
 
@@ -93,7 +99,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--corpora", default="stdlib,packages")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default="flush,2bw,2bw+ef")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
     args = parser.parse_args()
     results: dict[str, dict] = {}
@@ -135,7 +141,7 @@ def plot(results: dict[str, dict], path: Path, steps: int) -> None:
 
     corpora = sorted({k.split("/")[0] for k in results})
     fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4), squeeze=False)
-    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--"}
+    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--", "2bw+ef2": "-."}
     colors = {"adamw": "tab:blue", "muon": "tab:red"}
     for ax, corpus in zip(axes[0], corpora):
         for key, value in results.items():

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw"]
+KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw", "2bw+ef"]  # 2bw+ef: with the delay correction
 MiB = 2**20
 
 
@@ -112,7 +112,9 @@ def main() -> None:
             f" (>= 0.9) | 2bw/flush {speed['2bw'] / speed['flush']:.2f} (>= 1.15 at m=4) | flush efficiency "
             f"{efficiency:.3f} vs ideal m/(m+d-1) {ideal:.3f} ({efficiency / ideal - 1:+.1%}; within 5%), flush/2bw "
             f"{speed['flush'] / speed['2bw']:.3f} ({speed['flush'] / speed['2bw'] / ideal - 1:+.1%}) | "
-            f"2bw bubble {bubble:.1%} (< 5%) | 2bw/gpipe stashed activations {stash / gpipe:.2f} vs d/m {d / m:.2f}"
+            f"2bw bubble {bubble:.1%} (< 5%) | 2bw/gpipe stashed activations {stash / gpipe:.2f} vs d/m {d / m:.2f} | "
+            f"2bw+ef/flush {speed['2bw+ef'] / speed['flush']:.2f} (>= 1.15 at m=4), 2bw+ef/2bw "
+            f"{speed['2bw+ef'] / speed['2bw']:.3f}"
         )
     traced = results["2bw", overhead_m]["samples_per_sec"]
     print(

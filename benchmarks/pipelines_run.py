@@ -96,11 +96,12 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool, out: Path) ->
     probe = Probe(meter)
     callbacks: list[pl.Callback] = [probe]
     tracer = None
-    if kind in ("flush", "2bw"):
+    if kind in ("flush", "2bw", "2bw+ef"):
         strategy: Any = PipeDream2BWStrategy(
             num_stages=world,
             num_microbatches=m,
-            mode=kind,
+            mode="flush" if kind == "flush" else "2bw",
+            delay_correction="error_feedback" if kind == "2bw+ef" else None,
             layers_per_stage=even_cut(len(model.pipeline_layers()), world),
         )
         batch = m * MICRO

@@ -1,0 +1,56 @@
+"""The default main job trains without loss spikes in both modes: the first 60 steps of its 150-step schedule,
+its model and settings, through pd2bw-train as users start it (with AdamW and no delay correction, 2BW's loss
+went 3.4 -> 4.7 -> 9.0 -> 6.5 at steps 19-22)."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import sys
+
+import pytest
+import yaml
+
+from .test_launchers import run
+
+STEPS, HORIZON, WINDOW, LIMIT = 60, 150, 10, 1.5
+
+
+def train_losses(folder) -> list[float]:
+    rows = []
+    for metrics in folder.glob("csv/*/metrics.csv"):
+        with metrics.open() as f:
+            rows += [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r.get("train_loss")]
+    return [loss for _, loss in sorted(rows)]
+
+
+@pytest.mark.parametrize("mode", ["2bw", "flush"])
+def test_default_settings_do_not_spike(tmp_path, mode):
+    out = tmp_path / mode
+    run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_pd2bw.train",
+            # the default recipe's model and every setting (optimizer, LR, warm-up, clipping, batch)
+            f"model.max_steps={HORIZON}",
+            f"trainer.max_steps={STEPS}",
+            f"strategy.mode={mode}",
+            "trainer.log_every_n_steps=1",
+            "trainer.val_check_interval=1000",
+            "trainer.limit_val_batches=0",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_progress_bar=false",
+            f"paths.output_dir={out}",
+        ],
+        tmp_path,
+    )
+    losses = train_losses(out)
+    assert len(losses) >= STEPS - 1  # 2BW reports a step's loss when its batch's last backward ran: the next step
+    warmup = yaml.safe_load((out / "config.yaml").read_text())["model"]["warmup_steps"]
+    for step in range(warmup, len(losses)):
+        median = statistics.median(losses[step - WINDOW : step])
+        assert losses[step] <= LIMIT * median, (
+            f"{mode}: train loss {losses[step]:.2f} at step {step}, median of the {WINDOW} before {median:.2f}: "
+            f"{[round(x, 2) for x in losses]}"
+        )
