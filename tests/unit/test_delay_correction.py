@@ -1,0 +1,52 @@
+"""The error-feedback delay correction's rule, by hand, and its bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pd2bw import PipeDream2BWStrategy
+from lightning_pd2bw.pipeline.delay_correction import ErrorFeedback
+
+
+def test_rule_by_hand():
+    """SGD (lr 1) on fixed gradients g1, g2: D(t) = -g(t); W(2) = W(1) + D(2) + beta (D(2) - D(1))."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    correction = ErrorFeedback([w], beta=0.5)
+    before = w.detach().clone()
+    with torch.no_grad():
+        w -= torch.tensor([0.1, 0.2])  # D(1) = -(0.1, 0.2), fresh gradient: no correction
+    correction.apply([before], stale=False)
+    torch.testing.assert_close(w.detach(), torch.tensor([0.9, 1.8]))
+    before = w.detach().clone()
+    with torch.no_grad():
+        w -= torch.tensor([0.3, 0.0])  # D(2) = -(0.3, 0)
+    correction.apply([before], stale=True)
+    # 0.9 - 0.3 + 0.5 * (-0.3 + 0.1) = 0.5;  1.8 + 0 + 0.5 * (0 + 0.2) = 1.9
+    torch.testing.assert_close(w.detach(), torch.tensor([0.5, 1.9]))
+    assert correction.held_bytes == 2 * 4  # one buffer of the weights: D(t-1)
+
+
+def test_first_stale_update_without_history_is_plain():
+    w = torch.nn.Parameter(torch.ones(3))
+    correction = ErrorFeedback([w])
+    before = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(2)
+    correction.apply([before], stale=True)  # no D(t-1) yet: nothing to feed back
+    torch.testing.assert_close(w.detach(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"delay_correction": "nesterov"}, r"\(delay_correction='nesterov'\) is invalid; valid: None, 'error_feedback'"),
+        (
+            {"delay_correction": "error_feedback", "delay_correction_strength": 0},
+            r"\(delay_correction_strength=0\) must be > 0",
+        ),
+    ],
+)
+def test_bad_options_name_the_key(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PipeDream2BWStrategy(**kwargs)
