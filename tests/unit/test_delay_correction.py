@@ -40,7 +40,10 @@ def test_first_stale_update_without_history_is_plain():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"delay_correction": "nesterov"}, r"\(delay_correction='nesterov'\) is invalid; valid: None, 'error_feedback'"),
+        (
+            {"delay_correction": "nesterov"},
+            r"\(delay_correction='nesterov'\) is invalid; valid: None, 'error_feedback'",
+        ),
         (
             {"delay_correction": "error_feedback", "delay_correction_strength": 0},
             r"\(delay_correction_strength=0\) must be > 0",
