@@ -72,7 +72,13 @@ class UpdatePath:
             self._step_optimizers(hparams, post_hooks=correction is None)
         if correction is not None:
             versions = self.executor.versions
-            correction.apply(versions.weights_of(versions.latest - 1), stale=batch >= 1)
+            before = versions.weights_of(versions.latest - 1)
+            if defer:  # the tied parameters are corrected with their deferred update
+                deferred = {id(param) for param, _ in shared}
+                moved = [(p, w) for p, w in zip(self._local_params, before, strict=True) if id(p) not in deferred]
+                correction.apply([w for _, w in moved], stale=batch >= 1, parameters=[p for p, _ in moved])
+            else:
+                correction.apply(before, stale=batch >= 1)
             for optimizer in self.optimizers:
                 run_post_hooks(optimizer)
         self._zero_grad()
@@ -136,7 +142,6 @@ class UpdatePath:
             and not trainer.gradient_clip_val
             and not self._draining
             and self.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
-            and self._correction is None  # the correction needs every parameter's update of this step at once
         )
 
     def _finish_deferred(self, until_batch: int) -> None:
@@ -155,7 +160,10 @@ class UpdatePath:
                 param.grad = None
             for param, grad in sums:
                 param.grad = grad
+            before = [param.detach().clone() for param, _ in sums] if self._correction is not None else []
             self._step_optimizers(self._deferred_hparams.pop(batch), hooks=False)
+            if self._correction is not None:
+                self._correction.apply(before, stale=batch >= 1, parameters=[param for param, _ in sums])
             for param, grad in others:
                 param.grad = grad
             if recorder is not None:

@@ -29,7 +29,6 @@ class CommLayout:
     clip: str | None = None  # None, "global" (an all-reduce of the norm over the pipeline) or "stage"
     tied: bool = False  # a parameter shared by the first and the last stage (GPT's tied embedding)
     skip_nonfinite: bool = False  # on_nonfinite="skip": an all-reduce over the pipeline per update
-    delay_correction: bool = False  # the correction needs every update at once: tied sums are not deferred
     drain_after: tuple[int, ...] = ()  # Lightning steps after which the pipeline drains (validation, checkpoint)
     eval_batches: int = 0  # validation batches run after each of those drains
     boundary_tensors: int = 1  # tensors crossing each stage boundary
@@ -144,7 +143,6 @@ class _Rank:
                 and not layout.clip
                 and not draining
                 and not layout.skip_nonfinite
-                and not layout.delay_correction
             )
             handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not defer)
             if defer:

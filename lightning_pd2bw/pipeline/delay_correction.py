@@ -28,30 +28,38 @@ METHODS = ("error_feedback",)
 
 
 class ErrorFeedback:
-    """``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` on a stage's parameters."""
+    """``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` on a stage's parameters, each with its own D(t-1).
+
+    The rule is per parameter, so a parameter may be updated apart from the others (2BW's deferred tied
+    parameters): ``apply`` takes the parameters one update moved, by default all of them.
+    """
 
     def __init__(self, parameters: Sequence[torch.nn.Parameter], beta: float = 1.0) -> None:
         if beta <= 0:
             raise ValueError(f"delay correction strength beta={beta} must be > 0")
         self.parameters = list(parameters)
         self.beta = beta
-        self.previous: list[torch.Tensor] | None = None  # D(t-1)
+        self.previous: dict[int, torch.Tensor] = {}  # id(parameter) -> D(t-1)
 
     @torch.no_grad()
-    def apply(self, before: Sequence[torch.Tensor], stale: bool) -> None:
-        """After the optimizer moved the parameters from ``before`` (W(t)) to W(t) + D(t): add the correction
-        when update t's gradient was ``stale``; remember D(t) either way."""
-        weights = [p.data for p in self.parameters]
+    def apply(
+        self,
+        before: Sequence[torch.Tensor],
+        stale: bool,
+        parameters: Sequence[torch.nn.Parameter] | None = None,
+    ) -> None:
+        """After an update moved ``parameters`` from ``before`` (W(t)) to W(t) + D(t): add the correction
+        when the update's gradient was ``stale``; remember D(t) either way."""
+        parameters = self.parameters if parameters is None else list(parameters)
+        weights = [p.data for p in parameters]
         delta = torch._foreach_sub(weights, list(before))
-        if stale and self.previous is not None:
-            error = torch._foreach_sub(delta, self.previous)
-            torch._foreach_add_(weights, error, alpha=self.beta)
-        self.previous = delta
-
-    def reset(self) -> None:
-        """Forget D(t-1) (a drain: the next update's gradient is fresh)."""
-        self.previous = None
+        if stale:
+            pairs = [(w, d, self.previous[id(p)]) for p, w, d in zip(parameters, weights, delta) if id(p) in self.previous]
+            if pairs:
+                moved, now, previous = (list(x) for x in zip(*pairs))
+                torch._foreach_add_(moved, torch._foreach_sub(now, previous), alpha=self.beta)
+        self.previous.update((id(p), d) for p, d in zip(parameters, delta))
 
     @property
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.previous or [])
+        return sum(t.numel() * t.element_size() for t in self.previous.values())

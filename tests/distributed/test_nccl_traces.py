@@ -87,7 +87,6 @@ def test_lowering_issues_what_the_run_issued(trained, name):
         clip="global" if case.clip else None,
         tied=True,  # GPT and BERT tie the token embedding to the output layer
         skip_nonfinite=case.poison_step is not None,
-        delay_correction=case.correction,
         drain_after=case.drains,
         eval_batches=2 if case.val_every else 0,
     )

@@ -53,3 +53,24 @@ def test_first_stale_update_without_history_is_plain():
 def test_bad_options_name_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PipeDream2BWStrategy(**kwargs)
+
+
+
+def test_parameters_updated_apart_keep_their_own_history():
+    """2BW defers the tied parameters' update: each parameter's correction uses its own last update,
+    whichever call applied it (by hand, beta = 2: W(2) = W(1) + D(2) + 2 (D(2) - D(1)))."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    correction = ErrorFeedback([a, b], beta=2.0)
+    updates = [(torch.tensor([0.1, -0.2]), torch.tensor([0.3, 0.0, -0.1])), (torch.tensor([0.4, 0.1]), torch.ones(3))]
+    for t, (da, db) in enumerate(updates):
+        before = a.detach().clone()
+        with torch.no_grad():
+            a += da
+        correction.apply([before], stale=t >= 1, parameters=[a])  # the main update: a only
+        before = b.detach().clone()
+        with torch.no_grad():
+            b += db
+        correction.apply([before], stale=t >= 1, parameters=[b])  # the deferred one: b
+    torch.testing.assert_close(a.detach(), torch.tensor([0.5, -0.1]) + 2 * torch.tensor([0.3, 0.3]))
+    torch.testing.assert_close(b.detach(), torch.tensor([1.3, 1.0, 0.9]) + 2 * torch.tensor([0.7, 1.0, 1.1]))
+    assert correction.held_bytes == 5 * 4

@@ -97,7 +97,6 @@ UPDATES = {
     "clip_global": {"clip": "global"},
     "clip_stage": {"clip": "stage"},
     "skip_nonfinite": {"skip_nonfinite": True},
-    "delay_correction": {"delay_correction": True},
 }
 
 
