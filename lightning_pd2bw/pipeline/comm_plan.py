@@ -138,12 +138,7 @@ class _Rank:
         if self._shared():
             channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
             members = (self.pipeline[0], self.pipeline[-1])
-            defer = (
-                layout.mode == "2bw"
-                and not layout.clip
-                and not draining
-                and not layout.skip_nonfinite
-            )
+            defer = layout.mode == "2bw" and not layout.clip and not draining and not layout.skip_nonfinite
             handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not defer)
             if defer:
                 self.deferred[batch] = [handle]

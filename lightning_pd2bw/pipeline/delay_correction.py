@@ -15,7 +15,7 @@ updates whose gradient was stale: not to the first update after a drain (its gra
 weights), and never under flush. Because the corrections telescope (their sum is
 ``beta * (D(last) - D(first))``), the weights travel the same total distance as without it; what changes is
 when. Cost: one buffer the size of the stage's weights (``D(t-1)``), and one subtract, one subtract-scale-add
-per update (``torch._foreach_*``). It holds no state across a drain, so checkpoints need none.
+per update (``torch._foreach_*``, in place but for D(t)). It holds no state across a drain, so checkpoints need none.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ class ErrorFeedback:
         weights = [p.data for p in parameters]
         delta = torch._foreach_sub(weights, list(before))
         if stale:
-            pairs = [(w, d, self.previous[id(p)]) for p, w, d in zip(parameters, weights, delta) if id(p) in self.previous]
+            pairs = [
+                (w, d, self.previous[id(p)]) for p, w, d in zip(parameters, weights, delta) if id(p) in self.previous
+            ]
             if pairs:
                 moved, now, previous = (list(x) for x in zip(*pairs))
-                torch._foreach_add_(moved, torch._foreach_sub(now, previous), alpha=self.beta)
+                torch._foreach_sub_(previous, now)  # D(t-1) - D(t), in the buffer about to be dropped
+                torch._foreach_add_(moved, previous, alpha=-self.beta)
         self.previous.update((id(p), d) for p, d in zip(parameters, delta))
 
     @property

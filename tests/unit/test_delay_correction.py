@@ -55,7 +55,6 @@ def test_bad_options_name_the_key(kwargs, message):
         PipeDream2BWStrategy(**kwargs)
 
 
-
 def test_parameters_updated_apart_keep_their_own_history():
     """2BW defers the tied parameters' update: each parameter's correction uses its own last update,
     whichever call applied it (by hand, beta = 2: W(2) = W(1) + D(2) + 2 (D(2) - D(1)))."""
