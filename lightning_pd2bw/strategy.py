@@ -48,7 +48,7 @@ from .pipeline.delay_correction import METHODS as delay_correction_methods
 from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
-from .pipeline.materialize import materialize, release
+from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
 from .pipeline.microbatch import split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
@@ -74,7 +74,18 @@ def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
             f"{', '.join(missing)}. Define pipeline_layers() -> ordered layers, pipeline_inputs(batch) -> first "
             "layer's input and pipeline_loss(output, batch) -> loss (see DESIGN.md, 'The partition contract')"
         )
-    return list(layers_fn() if callable(layers_fn) else sequential)
+    layers = list(layers_fn() if callable(layers_fn) else sequential)
+    owned = {id(p) for layer in layers for p in layer.parameters()}
+    outside = [name for name, p in module.named_parameters() if id(p) not in owned]
+    if outside:
+        raise ValueError(
+            f"{type(module).__name__} has parameters outside pipeline_layers(): {', '.join(outside[:5])}"
+            f"{' ...' if len(outside) > 5 else ''}. The stage that runs a layer owns its parameters (double-buffers, "
+            "averages, clips, checkpoints them); a parameter in no layer has no owner. Move it into the layer that uses "
+            "it (e.g. an input scale into the first layer, a loss temperature into the last one and read it there), "
+            "or register it as a buffer if it is not trained"
+        )
+    return layers
 
 
 def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
@@ -374,8 +385,9 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; each stage materialises only its layers."""
-        with torch.device("meta"):
+        """``configure_model`` builds the parameters on the meta device (buffers stay real, see
+        ``pipeline/materialize.py``); each stage materialises and initialises only its layers."""
+        with parameters_on_meta():
             yield
 
     # ------------------------------------------------------------------ setup: partition the module
@@ -398,20 +410,18 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         for index, layer in enumerate(layers):
             if index not in self.stage_layers[self.grid.stage]:
                 release(layer)
-        if materialize(local, self.root_device):
-            init = getattr(module, "init_pipeline_layer", None)
-            for index in self.stage_layers[self.grid.stage]:
-                if init is not None:
-                    init(index)
-                else:
-                    for sub in layers[index].modules():
-                        if hasattr(sub, "reset_parameters") and sub is not layers[index]:
-                            sub.reset_parameters()
+        init = getattr(module, "init_pipeline_layer", None)
+        materialized = materialize(local, self.root_device)
+        if materialized:
+            initialize_layers(layers, self.stage_layers[self.grid.stage], module, init)
         place_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.groups = build_groups(self.grid, [s.stages for s in shared])
+        self._sync_replicas(local)
         self._shared = self._local_shared(layers, shared)
         self._sync_shared_parameters()
+        if materialized:
+            check_initialized(layers, self.stage_layers[self.grid.stage], by_init_layer=init is not None)
         self._local_params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
         if trainer.state.fn == TrainerFn.FITTING:
             with several_optimizers_allowed():  # the engine steps each of them (update.py)
@@ -491,6 +501,13 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             first = item.stages[0]
             out.append((param, self.groups.shared[item.stages], self.grid.rank_of(first), self.grid.stage == first))
         return out
+
+    @torch.no_grad()
+    def _sync_replicas(self, local: list[nn.Module]) -> None:
+        """Every replica of a stage starts from replica 0's weights and buffers (as DDP does): one broadcast."""
+        if self.data_parallel_size > 1:
+            tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
+            gradients.broadcast_flat(tensors, self.grid.replica_ranks()[0], self.groups.replica)
 
     @torch.no_grad()
     def _sync_shared_parameters(self) -> None:

@@ -223,6 +223,9 @@ def programs(layout: CommLayout) -> Programs:
     S.validate(layout.mode, layout.num_stages, layout.num_microbatches)
     ranks = [_Rank(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
+        if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights
+            replicas = tuple(r * layout.num_stages + rank.stage for r in range(layout.data_parallel_size))
+            rank.collective("broadcast", f"pd2bw/replica/stage{rank.stage}", replicas, "stage weights at setup")
         if rank._shared():  # setup: the first stage holding a tied parameter broadcasts it
             members = (rank.pipeline[0], rank.pipeline[-1])
             channel = f"pd2bw/shared/replica{rank.replica}/stages0-{layout.num_stages - 1}"

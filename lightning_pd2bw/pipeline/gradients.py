@@ -1,4 +1,5 @@
-"""Gradient collectives of one pipeline update: replica averaging, shared-parameter sums, clipping.
+"""Gradient collectives of one pipeline update: replica averaging, shared-parameter sums, clipping (and the
+broadcast that starts every replica of a stage from the same weights).
 
 Plain torch.distributed (no Lightning). Run at a STEP action, in the same order on every stage.
 """
@@ -114,3 +115,17 @@ def clip_by_norm(
     for param in params:
         if param.grad is not None:
             param.grad.mul_(coefficient.to(param.grad.dtype))
+
+
+@torch.no_grad()
+def broadcast_flat(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast ``tensors`` (any dtypes) from global rank ``src`` as one message of their bytes."""
+    if not tensors:
+        return
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        t.copy_(flat[offset : offset + size].view(t.dtype).view(t.shape))
+        offset += size

@@ -1,15 +1,53 @@
-"""Materialise a stage's layers from the meta device, keeping shared parameters shared."""
+"""Build a model without its weights, then give each stage its own layers, initialised or refused.
+
+``parameters_on_meta`` is the context ``configure_model`` runs in: every parameter goes to the meta device as
+it is registered (no memory, no initialisation cost), while buffers keep the values their constructor computed
+(causal masks, rotary tables, position ids: small, and recomputing them is the model's business).
+``materialize`` gives a stage's meta tensors real storage filled with a poison (NaN, or the dtype's minimum
+for integers); ``initialize`` runs the model's own initialisation; ``unwritten`` names every tensor the
+initialisation left poisoned, so a missing ``reset_parameters`` is an error at setup, never garbage weights.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within the context, a parameter moves to the meta device when a module registers it.
+
+    A module that allocates ``torch.empty(...)`` for a weight pays no memory (the pages are never touched) and
+    its ``reset_parameters`` runs on the meta tensor (free); buffers stay real.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _poison(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        return torch.full_like(like, float("nan"), device=device)
+    if like.dtype == torch.bool:
+        return torch.zeros_like(like, device=device)
+    return torch.full_like(like, torch.iinfo(like.dtype).min, device=device)
+
+
 def materialize(layers: Sequence[nn.Module], device: torch.device) -> bool:
-    """Give every meta parameter/buffer of ``layers`` real (uninitialised) storage on ``device``.
+    """Give every meta parameter/buffer of ``layers`` real storage on ``device``, filled with a poison.
 
     A parameter referenced by several modules gets one new tensor, re-tied everywhere.
     Returns True when anything was on the meta device (the caller then initialises it).
@@ -23,15 +61,105 @@ def materialize(layers: Sequence[nn.Module], device: torch.device) -> bool:
                     continue
                 found = True
                 if id(param) not in replaced:
-                    replaced[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                    replaced[id(param)] = nn.Parameter(_poison(param, device), param.requires_grad)
                 setattr(module, name, replaced[id(param)])
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None and buffer.is_meta:
                     found = True
-                    module._buffers[name] = torch.empty_like(buffer, device=device)
+                    module._buffers[name] = _poison(buffer, device)
     return found
+
+
+def post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """Children before their parent, as constructors run (a parent's init may overwrite its children's)."""
+    for child in module.children():
+        yield from post_order(child)
+    yield module
+
+
+def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> the innermost Hugging Face ``PreTrainedModel`` holding it (one with ``_init_weights``)."""
+    owners: dict[int, nn.Module] = {}
+    for candidate in root.modules():  # outer models first: inner ones overwrite their own modules
+        if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config"):
+            owners.update((id(sub), candidate) for sub in candidate.modules())
+    return owners
+
+
+@torch.no_grad()
+def initialize(layer: nn.Module, owners: dict[int, nn.Module]) -> None:
+    """The layer's modules, children first: a Hugging Face model's ``_init_weights`` for its own modules,
+    ``reset_parameters`` (or torch's ``_reset_parameters``, e.g. ``nn.MultiheadAttention``) for the rest,
+    the layer itself included."""
+    for module in post_order(layer):
+        owner = owners.get(id(module))
+        if owner is not None:
+            owner._init_weights(module)
+            continue
+        reset: Callable[[], None] | None = getattr(module, "reset_parameters", None) or getattr(
+            module, "_reset_parameters", None
+        )
+        if callable(reset):
+            reset()
+
+
+@torch.no_grad()
+def unwritten(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the tensors still holding the poison anywhere (NaN for floats, the minimum for integers)."""
+    checked = {n: t for n, t in tensors.items() if t.dtype != torch.bool and t.numel()}
+    if not checked:
+        return []
+    flags = torch.stack(
+        [
+            t.isnan().any()
+            if t.dtype.is_floating_point or t.dtype.is_complex
+            else (t == torch.iinfo(t.dtype).min).all()
+            for t in checked.values()
+        ]
+    ).tolist()
+    return [name for name, bad in zip(checked, flags) if bad]
 
 
 def release(layer: nn.Module) -> None:
     """Drop a layer this stage does not run: its tensors move to the meta device (no memory)."""
     layer.to("meta")
+
+
+def initialize_layers(
+    layers: Sequence[nn.Module], indices: Sequence[int], root: nn.Module, init_layer: Callable[[int], None] | None
+) -> None:
+    """Initialise layers ``indices`` (materialised with a poison): the model's ``init_pipeline_layer(index)`` when
+    it has one, else each module's own initialisation (``initialize``)."""
+    owners = hf_owners(root) if init_layer is None else {}
+    for index in indices:
+        if init_layer is not None:
+            init_layer(index)
+        else:
+            initialize(layers[index], owners)
+
+
+def check_initialized(layers: Sequence[nn.Module], indices: Sequence[int], by_init_layer: bool) -> None:
+    """Refuse a stage whose layers still hold the poison after initialisation (and the broadcasts of tied and
+    replicated tensors), naming the tensor, the module that owns it and the fix."""
+    for index in indices:
+        layer = layers[index]
+        tensors = dict(layer.named_parameters(remove_duplicate=False))
+        tensors.update(layer.named_buffers(remove_duplicate=False))
+        bad = unwritten(tensors)
+        if not bad:
+            continue
+        name = bad[0]
+        owner_name = name.rpartition(".")[0]
+        owner = type(layer.get_submodule(owner_name)).__name__
+        how = (
+            "init_pipeline_layer(index) left it unwritten"
+            if by_init_layer
+            else (f"{owner} has no reset_parameters() and no Hugging Face _init_weights covers it")
+        )
+        raise RuntimeError(
+            f"pd2bw: {name!r} of pipeline layer {index} ({type(layer).__name__}) was not initialised after the model "
+            f"was built on the meta device ({how}; {len(bad)} tensor(s): {', '.join(bad[:4])}). Fix: give {owner} a "
+            "reset_parameters() that writes every parameter and buffer it owns, or define "
+            "init_pipeline_layer(self, index) on the LightningModule to initialise layer `index` (see README, "
+            "'Bring your own model')"
+        )
