@@ -8,7 +8,7 @@ the strategy calls the three pieces itself, stage by stage.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,7 +39,7 @@ class PipelineLanguageModel(pl.LightningModule):
         super().__init__()
         self.config = config
         self.save_hyperparameters(
-            {"config": asdict(config)}
+            {"config": asdict(config) if is_dataclass(config) else getattr(config, "to_dict", lambda: repr(config))()}
             | {
                 "optimizer": optimizer,
                 "lr": lr,
@@ -76,6 +76,10 @@ class PipelineLanguageModel(pl.LightningModule):
         for layer in self.layers:
             x = layer(x)
         return x
+
+    def block_layers(self) -> list[nn.Module]:
+        """The transformer blocks (Muon's matrices and the default sparsity targets come from them)."""
+        return [layer for layer in self.layers if isinstance(layer, Block)]
 
     # ------------------------------------------------------------- contract
     def pipeline_layers(self) -> nn.ModuleList:
@@ -134,7 +138,7 @@ class PipelineLanguageModel(pl.LightningModule):
         elif hp.optimizer == "adamw":
             optimizers = [self._adamw(params)]
         elif hp.optimizer == "muon":
-            blocks = [layer for layer in self.layers if isinstance(layer, Block)]
+            blocks = self.block_layers()
             matrices = list(
                 dict.fromkeys(p for b in blocks for p in b.parameters() if p.requires_grad and p.dim() == 2)
             )

@@ -1,0 +1,61 @@
+"""Train a Hugging Face model through ``HFCausalLM`` under torchrun; each rank saves its stage's weights.
+
+    torchrun --nproc-per-node=W*2 run_hf.py OUT FAMILY MODE
+
+Every rank seeds its RNG differently before ``fit``: the replicas of a stage must still start equal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_pd2bw import PipeDream2BWStrategy
+from tests.distributed.hf_models import MICRO, MICROBATCHES, STAGES, STEPS, build, samples
+
+
+class SaveStage(pl.Callback):
+    def __init__(self, out: Path, rank: int) -> None:
+        self.out, self.rank = out, rank
+
+    def save(self, module: pl.LightningModule, what: str) -> None:
+        state = {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False) if not p.is_meta}
+        torch.save(state, self.out / f"{what}-rank-{self.rank}.pt")
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.save(module, "initial")
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.save(module, "final")
+
+
+def main() -> None:
+    out, family, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(100 + rank)  # no common seed: equal replicas come from the strategy
+    loader = torch.utils.data.DataLoader(samples(family), batch_size=MICRO * MICROBATCHES, shuffle=False)
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(
+            num_stages=STAGES, num_microbatches=MICROBATCHES, mode=mode, timeout=timedelta(seconds=60)
+        ),
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[SaveStage(out, rank)],
+    )
+    trainer.fit(build(family), loader)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Layers leave the meta device initialised as the whole module on one device would be, or setup refuses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pd2bw.pipeline.materialize import (
+    check_initialized,
+    initialize_layers,
+    materialize,
+    parameters_on_meta,
+    unwritten,
+)
+from lightning_pd2bw.strategy import pipeline_layers_of
+
+
+class CausalMix(nn.Module):
+    """A layer with its own parameter, a child Linear, torch's MultiheadAttention and a causal-mask buffer."""
+
+    def __init__(self, width: int = 8, length: int = 6) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("mask", torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1))
+        self.register_buffer("positions", torch.arange(length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.attn(x, x, x, attn_mask=self.mask[: x.shape[1], : x.shape[1]])
+        return self.proj(out)
+
+
+def build() -> list[nn.Module]:
+    return [nn.Embedding(10, 8), CausalMix(), nn.LayerNorm(8), nn.Linear(8, 10)]  # top-level Linear: the layer
+
+
+def staged(layers: list[nn.Module]) -> list[nn.Module]:
+    assert materialize(layers, torch.device("cpu"))
+    initialize_layers(layers, range(len(layers)), nn.ModuleList(layers), None)
+    check_initialized(layers, range(len(layers)), by_init_layer=False)
+    return layers
+
+
+def test_same_values_as_on_one_device():
+    """Same seed, same values: every module initialised, the layer itself included, children first."""
+    torch.manual_seed(0)
+    plain = build()
+    with parameters_on_meta():
+        meta = build()
+    assert all(p.is_meta for layer in meta for p in layer.parameters())
+    assert not any(b.is_meta for layer in meta for b in layer.buffers()), "buffers keep their computed values"
+    torch.manual_seed(0)
+    staged(meta)
+    for a, b in zip(plain, meta):
+        for (name, x), (_, y) in zip(
+            [*a.named_parameters(), *a.named_buffers()], [*b.named_parameters(), *b.named_buffers()], strict=True
+        ):
+            torch.testing.assert_close(y, x, rtol=0, atol=0, msg=name)
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(meta[1](x), plain[1](x))
+
+
+class Scaled(nn.Module):
+    """No reset_parameters: its parameter's constructor value is lost on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def test_unwritten_parameter_is_refused_by_name():
+    with parameters_on_meta():
+        layers = [nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), Scaled())]
+    materialize(layers, torch.device("cpu"))
+    initialize_layers(layers, [0, 1], nn.ModuleList(layers), None)
+    assert unwritten(dict(layers[1].named_parameters())) == ["1.scale"]
+    with pytest.raises(RuntimeError, match=r"'1.scale' of pipeline layer 1 \(Sequential\).*Fix: give Scaled a reset_"):
+        check_initialized(layers, [0, 1], by_init_layer=False)
+
+
+def test_meta_buffer_left_unwritten_is_refused():
+    with torch.device("meta"):  # built by hand on meta: the buffer's value is gone too
+        layers = [CausalMix()]
+    materialize(layers, torch.device("cpu"))
+    initialize_layers(layers, [0], nn.ModuleList(layers), None)
+    with pytest.raises(RuntimeError, match="'positions' of pipeline layer 0 .*init_pipeline_layer"):
+        check_initialized(layers, [0], by_init_layer=False)
+
+
+def test_hugging_face_init_weights():
+    """A transformers model's layers get its own _init_weights (GPT-2: N(0, 0.02), residual projections scaled by
+    1/sqrt(2 n_layer), norms 1 and 0), not torch's defaults."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=16)
+    with parameters_on_meta():
+        model = transformers.GPT2LMHeadModel(config)
+    blocks = list(model.transformer.h)
+    materialize(blocks, torch.device("cpu"))
+    initialize_layers(blocks, range(len(blocks)), model, None)
+    check_initialized(blocks, range(len(blocks)), by_init_layer=False)
+    block = blocks[0]
+    assert abs(block.attn.c_attn.weight.std().item() - 0.02) < 0.002
+    assert abs(block.attn.c_proj.weight.std().item() - 0.02 / 8**0.5) < 0.001
+    assert torch.equal(block.ln_1.weight, torch.ones(64)) and torch.equal(block.attn.c_attn.bias, torch.zeros(192))
+
+
+def test_llama_rotary_tables_are_the_plain_modules():
+    transformers = pytest.importorskip("transformers")
+    from lightning_pd2bw.models.hf import HFCausalLM
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64
+    )
+    plain = HFCausalLM(config)
+    plain.configure_model()
+    with parameters_on_meta():
+        meta = HFCausalLM(config)
+        meta.configure_model()
+    layers = list(meta.layers)
+    materialize(layers, torch.device("cpu"))
+    initialize_layers(layers, range(len(layers)), meta, meta.init_pipeline_layer)
+    check_initialized(layers, range(len(layers)), by_init_layer=True)
+    torch.testing.assert_close(meta.layers[1].rotary.inv_freq, plain.layers[1].rotary.inv_freq, rtol=0, atol=0)
+    meta.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(meta(ids), plain.hf_model(ids).logits)
+
+
+def test_parameters_outside_the_layers_are_refused():
+    class WithTemperature(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+            self.temperature = nn.Parameter(torch.ones(()))
+
+        def pipeline_inputs(self, batch):
+            return batch
+
+        def pipeline_loss(self, out, batch):
+            return (out / self.temperature).sum()
+
+    with pytest.raises(ValueError, match=r"parameters outside pipeline_layers\(\): temperature\. .*Move it into the"):
+        pipeline_layers_of(WithTemperature())
