@@ -118,13 +118,17 @@ class PipelineLanguageModel(pl.LightningModule):
         return 6.0 * (linear + head) + 12.0 * c.n_layer * c.block_size * c.n_embd
 
     # ------------------------------------------------------------- plain training
+    def _plain_forward(self, batch: dict[str, torch.Tensor]) -> Any:
+        inputs = self.pipeline_inputs(batch)
+        return self(*inputs) if isinstance(inputs, tuple) else self(inputs)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.pipeline_loss(self(self.pipeline_inputs(batch)), batch)
+        loss = self.pipeline_loss(self._plain_forward(batch), batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        metrics = self.pipeline_metrics(self(self.pipeline_inputs(batch)), batch)
+        metrics = self.pipeline_metrics(self._plain_forward(batch), batch)
         self.log_dict({f"val_{k}": v for k, v in metrics.items()}, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:

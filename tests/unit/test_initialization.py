@@ -142,3 +142,23 @@ def test_parameters_outside_the_layers_are_refused():
 
     with pytest.raises(ValueError, match=r"parameters outside pipeline_layers\(\): temperature\. .*Move it into the"):
         pipeline_layers_of(WithTemperature())
+
+
+def test_hf_model_trains_unchanged_without_the_pipeline():
+    """The same module under Lightning's default strategy: its loss is the Hugging Face model's own."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+
+    from lightning_pd2bw.models.hf import HFCausalLM
+
+    model = HFCausalLM(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    ids = torch.randint(0, 32, (8, 8))
+    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long)} for i in range(8)]
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(rows, batch_size=4))
+    model.eval()  # GPT-2's dropout
+    batch = {"input_ids": ids[:4], "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    expected = model.hf_model(**batch, labels=batch["input_ids"]).loss
+    torch.testing.assert_close(model.pipeline_loss(model(ids[:4], batch["attention_mask"]), batch), expected)
