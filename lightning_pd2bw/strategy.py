@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +36,12 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from .auto_plan import AutoPlan
 from .compat import place_module, several_optimizers_allowed, skip_lightning_backward
+from .contract import pipeline_layers_of
 from .drain_callback import DrainBeforeTrainEnd
 from .pipeline import gradients, schedule, watchdog
 from .pipeline.comm import StageLink
@@ -49,43 +50,15 @@ from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
-from .pipeline.microbatch import split_microbatches
+from .pipeline.microbatch import batch_size_of, check_last_batch, split_microbatches
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
 from .preemption import Preemption
 from .sharded_checkpoints import ShardedCheckpoints
 from .update import UpdatePath, _hyperparameters
 
-CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 CLIP_MODES = ("global", "stage")
 NONFINITE_POLICIES = ("stop", "skip")
-
-
-def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
-    """The partition contract (DESIGN.md), or an error naming what is missing."""
-    layers_fn = getattr(module, "pipeline_layers", None)
-    sequential = getattr(module, "layers", None)
-    missing = [name for name in CONTRACT[1:] if not callable(getattr(module, name, None))]
-    if not callable(layers_fn) and not isinstance(sequential, nn.Sequential):
-        missing.insert(0, "pipeline_layers (or an nn.Sequential attribute named layers)")
-    if missing:
-        raise TypeError(
-            f"{type(module).__name__} does not implement the pd2bw partition contract: missing "
-            f"{', '.join(missing)}. Define pipeline_layers() -> ordered layers, pipeline_inputs(batch) -> first "
-            "layer's input and pipeline_loss(output, batch) -> loss (see DESIGN.md, 'The partition contract')"
-        )
-    layers = list(layers_fn() if callable(layers_fn) else sequential)
-    owned = {id(p) for layer in layers for p in layer.parameters()}
-    outside = [name for name, p in module.named_parameters() if id(p) not in owned]
-    if outside:
-        raise ValueError(
-            f"{type(module).__name__} has parameters outside pipeline_layers(): {', '.join(outside[:5])}"
-            f"{' ...' if len(outside) > 5 else ''}. The stage that runs a layer owns its parameters (double-buffers, "
-            "averages, clips, checkpoints them); a parameter in no layer has no owner. Move it into the layer that uses "
-            "it (e.g. an input scale into the first layer, a loss temperature into the last one and read it there), "
-            "or register it as a buffer if it is not trained"
-        )
-    return layers
 
 
 def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
@@ -449,7 +422,21 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         )
         self.executor.progress = self.progress
         self._drain_before_validation_zero_grad(module)
+        self._warn_unused_steps(module)
         self._report_layout(layers)
+
+    def _check_last_batch(self, dataloader: Any, trainer: pl.Trainer) -> None:
+        """A last batch that does not split into microbatches fails before the epoch, when the run reaches it."""
+        try:
+            samples = len(dataloader.sampler)
+        except TypeError:  # an iterable dataset: no length
+            return
+        size = dataloader.batch_size
+        full = samples // size if size else 0
+        limit = trainer.limit_train_batches
+        reaches_last = (trainer.max_steps == -1 or trainer.max_steps > full) and limit in (None, 1.0)
+        if reaches_last or (size and size % self.num_microbatches):
+            check_last_batch(samples, size, dataloader.drop_last, self.num_microbatches)
 
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders get a resumable sampler (exact data position on resume, see ``data/resume.py``);
@@ -464,6 +451,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if self.plan == "auto" and self.planned is not None:
             dataloader = self._rebatch(dataloader)
         dataloader = make_resumable(dataloader)
+        self._check_last_batch(dataloader, trainer)
         position, self._resume_data = self._resume_data, None
         if position is not None and position["samples_in_epoch"]:
             sampler = dataloader.sampler
@@ -571,6 +559,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
         with self.precision_plugin.train_step_context():
             self.executor.run(actions, self._apply_update)
+        self.executor.versions.use_latest()  # callbacks' on_train_batch_end sees the newest weights
         self._publish_loss(step)
         if self.mode == "2bw":
             self._step_in_run += 1
@@ -655,6 +644,27 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "test_")
 
+    def stage_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This stage's own parameters by name (what a callback may read or change; other stages' layers hold
+        meta tensors here). Under 2BW between steps they are the newest weights."""
+        names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
+        for param in self._local_params:
+            yield names[id(param)], param
+
+    def _warn_unused_steps(self, module: pl.LightningModule) -> None:
+        """The pipeline evaluates through ``pipeline_metrics``: a user's own validation/test step is not called."""
+        if callable(getattr(module, "pipeline_metrics", None)):
+            return
+        for hook in ("validation_step", "test_step"):
+            owner = next(c for c in type(module).__mro__ if hook in vars(c))
+            if owner is not pl.LightningModule:
+                rank_zero_warn(
+                    f"pd2bw: {type(module).__name__}.{hook} is not called under strategy='pd2bw' (the batch runs "
+                    "through the pipeline; the last stage computes the metrics). It logs the mean of "
+                    "pipeline_loss as 'val_loss'/'test_loss'; define pipeline_metrics(output, batch) -> dict of "
+                    "scalar tensors to log your own metrics"
+                )
+
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "predict is not supported under strategy='pd2bw'; consolidate the checkpoint with "
@@ -664,7 +674,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def _evaluate(self, batch: Any, prefix: str) -> None:
         self.progress.tick(f"{prefix}step")
         module = self.lightning_module
-        size = len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch[0])
+        size = batch_size_of(batch)
         count = self.num_microbatches if size % self.num_microbatches == 0 else 1
         metrics_fn = getattr(module, "pipeline_metrics", None) or (
             lambda out, b: {"loss": module.pipeline_loss(out, b)}

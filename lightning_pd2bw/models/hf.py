@@ -15,8 +15,9 @@ embeddings recomputed on its stage from the hidden states (nothing but activatio
 The loss is Hugging Face's: cross-entropy of the logits at t against ``labels`` (default: ``input_ids``) at t+1,
 ignoring -100; with ``shift_labels=False`` the labels are already aligned (this project's datasets).
 
-Supported families (``FAMILIES``): GPT-2 and the Llama layout (Llama, Mistral, Qwen2, Qwen3). Adding one is a
-``Family`` entry: where the base model, its embeddings, blocks, final norm and rotary embedding live.
+Supported families (``FAMILIES``): GPT-2 and the Llama layout (Llama, Mistral, Qwen2, Qwen3) as causal LMs, BERT
+as a masked LM (``HFMaskedLM``). Adding one is a ``Family`` entry: where the base model, its embeddings, blocks,
+final norm, rotary embedding and head live, and whether attention is causal.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ from .base import IGNORE_INDEX, PipelineLanguageModel
 
 @dataclass(frozen=True)
 class Family:
-    base: str  # the base model's attribute on the *ForCausalLM
-    tokens: str  # token embedding
-    blocks: str  # the decoder blocks (a ModuleList)
-    norm: str  # final norm
+    """Where a family's parts live: attribute paths (dotted) on the base model, ``head`` on the task model."""
+
+    base: str  # the base model's attribute on the task model (*ForCausalLM, *ForMaskedLM)
+    tokens: str  # token embedding (or the whole embeddings module, called with the token ids)
+    blocks: str  # the blocks (a ModuleList)
+    norm: str | None = None  # final norm
     positions: str | None = None  # learned position embedding, added (GPT-2's wpe)
     dropout: str | None = None  # after the embeddings
     rotary: str | None = None  # rotary position embedding, recomputed in every block
+    head: str | None = None  # the task head on the task model (default: its output embeddings)
+    causal: bool = True  # causal (decoder) or bidirectional (encoder) attention mask
 
 
 LLAMA = Family(base="model", tokens="embed_tokens", blocks="layers", norm="norm", rotary="rotary_emb")
@@ -51,7 +56,16 @@ FAMILIES: dict[str, Family] = {
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": LLAMA,
+    "bert": Family(base="bert", tokens="embeddings", blocks="encoder.layer", head="cls", causal=False),
 }
+
+
+def _part(module: nn.Module, path: str | None) -> nn.Module | None:
+    if path is None:
+        return None
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
 
 
 def _with_mask(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> Any:
@@ -77,37 +91,41 @@ class Embeddings(nn.Module):
 class DecoderBlock(nn.Module):
     """One decoder block, called with what the base model's forward would pass it (no cache)."""
 
-    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None) -> None:
+    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None, causal: bool = True) -> None:
         super().__init__()
         self.block = block
         self.rotary = copy.deepcopy(rotary)  # buffers only; each stage holds its blocks' copies
+        self.causal = causal
         self.__dict__["config"] = config  # not a module
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        if self.causal:
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
         extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids=position_ids)}
         out = self.block(hidden, attention_mask=mask, position_ids=position_ids, use_cache=False, **extra)
         return _with_mask(out[0] if isinstance(out, tuple) else out, attention_mask)
 
 
 class Head(nn.Module):
-    """The last layer: final norm and the LM head (logits)."""
+    """The last layer: final norm (if any) and the head (logits)."""
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, norm: nn.Module | None, lm_head: nn.Module) -> None:
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(hidden if self.norm is None else self.norm(hidden))
 
 
 def _config_of(config: Any) -> Any:
@@ -138,6 +156,13 @@ class HFCausalLM(PipelineLanguageModel):
 
         return AutoModelForCausalLM.from_config(self.config)
 
+    def hf_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The Hugging Face model's own loss on ``batch`` (what ``pipeline_loss`` reproduces)."""
+        labels = batch.get("labels", batch["input_ids"])
+        return self.hf_model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels
+        ).loss
+
     def build_layers(self) -> list[nn.Module]:
         model = self.build_model()
         family = FAMILIES.get(getattr(model.config, "model_type", ""))
@@ -148,11 +173,14 @@ class HFCausalLM(PipelineLanguageModel):
                 "naming its base model, embeddings, blocks, final norm and rotary embedding"
             )
         self.__dict__["hf_model"] = model  # the layers hold its modules; not registered twice
-        base = getattr(model, family.base)
-        part = lambda name: getattr(base, name) if name else None  # noqa: E731
-        embeddings = Embeddings(part(family.tokens), part(family.positions), part(family.dropout))
-        blocks = [DecoderBlock(block, model.config, part(family.rotary)) for block in part(family.blocks)]
-        return [embeddings, *blocks, Head(part(family.norm), model.get_output_embeddings())]
+        base = _part(model, family.base)
+        embeddings = Embeddings(_part(base, family.tokens), _part(base, family.positions), _part(base, family.dropout))
+        blocks = [
+            DecoderBlock(block, model.config, _part(base, family.rotary), family.causal)
+            for block in _part(base, family.blocks)
+        ]
+        head = _part(model, family.head) if family.head else model.get_output_embeddings()
+        return [embeddings, *blocks, Head(_part(base, family.norm), head)]
 
     def configure_model(self) -> None:
         if self.layers is None:
@@ -207,3 +235,25 @@ class HFCausalLM(PipelineLanguageModel):
         head = self.hf_model.get_output_embeddings().weight.numel()
         context = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", 2048)
         return 6.0 * (matrices + head) + 12.0 * len(blocks) * context * c.hidden_size
+
+
+class HFMaskedLM(HFCausalLM):
+    """A ``transformers`` masked LM (BERT) as a pipeline: embeddings, encoder blocks (bidirectional attention;
+    a padding ``attention_mask`` travels along), the MLM head; the loss is cross-entropy against ``labels``
+    (-100 where nothing is predicted), unshifted. Batches: ``{"input_ids", "labels", optional "attention_mask"}``.
+    """
+
+    def __init__(self, config: Any | Callable[[], nn.Module], **optim: Any) -> None:
+        super().__init__(config, shift_labels=False, **optim)
+
+    def build_model(self) -> nn.Module:
+        if callable(self.config) and not hasattr(self.config, "to_dict"):
+            return self.config()
+        from transformers import AutoModelForMaskedLM
+
+        return AutoModelForMaskedLM.from_config(self.config)
+
+    def hf_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.hf_model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
+        ).loss

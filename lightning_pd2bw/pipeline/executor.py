@@ -102,6 +102,23 @@ class StageExecutor:
             value = layer(*value) if isinstance(value, tuple) else layer(value)
         return value
 
+    def _boundary(self, outputs: Any) -> tuple[torch.Tensor, ...]:
+        """What crosses to the next stage: a tensor or a tuple of tensors, else an error naming the layer."""
+        sent = as_tuple(outputs)
+        if isinstance(sent, tuple) and sent and all(isinstance(t, torch.Tensor) for t in sent):
+            return sent
+        kinds = (
+            type(outputs).__name__
+            if not isinstance(outputs, tuple)
+            else f"({', '.join(type(v).__name__ for v in outputs)})"
+        )
+        raise TypeError(
+            f"pd2bw: the last layer of stage {self.stage} ({type(self.layers[-1]).__name__}) returned {kinds}, which "
+            "cannot cross to the next stage. A layer at a stage boundary returns a tensor or a tuple of tensors "
+            "(floating-point ones carry gradients; integer or bool ones, e.g. an attention mask, travel without): "
+            "return a tuple instead of a dict or a dataclass, and leave out None entries"
+        )
+
     def _forward(self, action: S.Action) -> None:
         k = action.microbatch
         self.versions.use(action.weight_version)
@@ -120,7 +137,7 @@ class StageExecutor:
                 self._stash[k] = (inputs, loss / self.num_microbatches)
             else:
                 self._stash[k] = (inputs, outputs)
-                self._to_send[k] = as_tuple(outputs)
+                self._to_send[k] = self._boundary(outputs)
         if self.is_first:
             self._microbatches.pop(k, None)
         self.max_stashed = max(self.max_stashed, len(self._stash))

@@ -1,4 +1,8 @@
-"""Split a batch (tensors, or dicts/lists/tuples of them) into equal microbatches along dimension 0."""
+"""Split a batch (tensors, or dicts/lists/tuples of them) into equal microbatches along dimension 0.
+
+A list or tuple of plain values (strings, numbers: what ``default_collate`` leaves of a text field) is a
+per-sample field and is split like a tensor; any other non-tensor value travels whole to every microbatch.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,20 @@ from typing import Any
 import torch
 
 
+def _per_sample(batch: Any) -> bool:
+    """A list/tuple of plain values (no tensors or containers): one value per sample."""
+    return (
+        isinstance(batch, (list, tuple))
+        and len(batch) > 0
+        and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch)
+    )
+
+
 def _sizes(batch: Any) -> set[int]:
     if isinstance(batch, torch.Tensor):
-        return {batch.shape[0]}
+        return {batch.shape[0]} if batch.dim() else set()
+    if _per_sample(batch):
+        return {len(batch)}
     if isinstance(batch, dict):
         return set().union(*map(_sizes, batch.values())) if batch else set()
     if isinstance(batch, (list, tuple)):
@@ -19,7 +34,10 @@ def _sizes(batch: Any) -> set[int]:
 
 def _take(batch: Any, index: int, count: int) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch.chunk(count)[index]
+        return batch.chunk(count)[index] if batch.dim() else batch
+    if _per_sample(batch):
+        size = len(batch) // count
+        return type(batch)(batch[index * size : (index + 1) * size])
     if isinstance(batch, dict):
         return {k: _take(v, index, count) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
@@ -39,7 +57,8 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     if size % num_microbatches:
         raise ValueError(
             f"batch size {size} is not divisible into num_microbatches={num_microbatches}: the per-replica batch "
-            f"must be micro_batch_size x num_microbatches; use a batch size that is a multiple of {num_microbatches}"
+            f"must be micro_batch_size x num_microbatches; use a batch size that is a multiple of {num_microbatches}, "
+            "and DataLoader(drop_last=True) if the last batch of an epoch is smaller"
         )
     return [_take(batch, j, num_microbatches) for j in range(num_microbatches)]
 
@@ -68,3 +87,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def check_last_batch(samples_per_replica: int | None, batch_size: int | None, drop_last: bool, m: int) -> None:
+    """Before an epoch runs: refuse a loader whose last batch cannot be cut into ``m`` equal microbatches."""
+    if batch_size and batch_size % m:
+        raise ValueError(
+            f"the DataLoader's batch_size={batch_size} is not divisible into num_microbatches={m}: use a multiple of {m}"
+        )
+    if not samples_per_replica or not batch_size or drop_last:
+        return
+    last = samples_per_replica % batch_size
+    if last and last % m:
+        raise ValueError(
+            f"the last batch of each epoch holds {last} samples per replica ({samples_per_replica} samples, "
+            f"batch_size={batch_size}), which do not split into num_microbatches={m}: pass drop_last=True to the "
+            "DataLoader (or trainer.limit_train_batches to stop before it)"
+        )

@@ -22,16 +22,21 @@ from tests.distributed.hf_models import MICRO, MICROBATCHES, STAGES, STEPS, buil
 class SaveStage(pl.Callback):
     def __init__(self, out: Path, rank: int) -> None:
         self.out, self.rank = out, rank
+        self.seen: list[dict[str, torch.Tensor]] = []  # the weights callbacks see at on_train_batch_end
 
-    def save(self, module: pl.LightningModule, what: str) -> None:
-        state = {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False) if not p.is_meta}
+    def save(self, trainer: pl.Trainer, what: str) -> None:
+        state = {n: p.detach().clone() for n, p in trainer.strategy.stage_parameters()}
         torch.save(state, self.out / f"{what}-rank-{self.rank}.pt")
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self.save(module, "initial")
+        self.save(trainer, "initial")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: object) -> None:
+        self.seen.append({n: p.detach().clone() for n, p in trainer.strategy.stage_parameters()})
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self.save(module, "final")
+        self.save(trainer, "final")
+        torch.save(self.seen, self.out / f"batch-end-rank-{self.rank}.pt")
 
 
 def main() -> None:
