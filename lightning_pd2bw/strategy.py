@@ -50,7 +50,7 @@ from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
-from .pipeline.microbatch import batch_size_of, check_last_batch, split_microbatches
+from .pipeline.microbatch import batch_size_of, check_last_batch, join_microbatches, split_microbatches, to_device
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
 from .preemption import Preemption
@@ -665,11 +665,20 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                     "scalar tensors to log your own metrics"
                 )
 
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "predict is not supported under strategy='pd2bw'; consolidate the checkpoint with "
-            "lightning_pd2bw.checkpoint.consolidate(path) and predict with strategy='auto'"
-        )
+    def predict_step(self, batch: Any, batch_idx: int = 0, dataloader_idx: int = 0) -> Any:
+        """The batch through the pipeline (forward only, newest weights); the last stage applies the module's
+        ``pipeline_predict(output, batch)`` to each microbatch (default: the output itself) and every stage of the
+        pipeline returns the batch's predictions, concatenated along dimension 0, in order."""
+        self.progress.tick("predict_step")
+        module = self.lightning_module
+        size = batch_size_of(batch)
+        count = self.num_microbatches if size % self.num_microbatches == 0 else 1
+        predict_fn = getattr(module, "pipeline_predict", None) or (lambda output, _: output)
+        with self.precision_plugin.predict_step_context():
+            results = self.executor.evaluate(split_microbatches(batch, count), predict_fn)
+        message = [join_microbatches(to_device(results, torch.device("cpu")))] if self.executor.is_last else [None]
+        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
+        return to_device(message[0], self.root_device)
 
     def _evaluate(self, batch: Any, prefix: str) -> None:
         self.progress.tick(f"{prefix}step")

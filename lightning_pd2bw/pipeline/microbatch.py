@@ -104,3 +104,18 @@ def check_last_batch(samples_per_replica: int | None, batch_size: int | None, dr
             f"batch_size={batch_size}), which do not split into num_microbatches={m}: pass drop_last=True to the "
             "DataLoader (or trainer.limit_train_batches to stop before it)"
         )
+
+
+def join_microbatches(parts: list[Any]) -> Any:
+    """The inverse of ``split_microbatches`` for results: tensors concatenated along dimension 0, dicts, lists
+    and tuples joined field by field (a list of per-sample values concatenated); anything else as a list."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else torch.stack(parts)
+    if isinstance(first, dict):
+        return {k: join_microbatches([p[k] for p in parts]) for k in first}
+    if _per_sample(first):
+        return type(first)(v for p in parts for v in p)
+    if isinstance(first, (list, tuple)):
+        return type(first)(join_microbatches(list(f)) for f in zip(*parts))
+    return parts

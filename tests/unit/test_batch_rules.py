@@ -45,3 +45,13 @@ def test_boundary_output_that_cannot_cross_is_named(outputs, shown):
     with pytest.raises(TypeError, match=rf"last layer of stage 0 \(ReturnsDict\) {shown}.*tuple of tensors"):
         StageExecutor._boundary(stage, outputs)
     assert StageExecutor._boundary(stage, (torch.ones(1), torch.ones(1, dtype=torch.long)))[1].dtype == torch.long
+
+
+def test_predictions_join_in_order():
+    from lightning_pd2bw.pipeline.microbatch import join_microbatches
+
+    batch = {"logits": torch.arange(12.0).view(6, 2), "text": ["a", "b", "c", "d", "e", "f"]}
+    parts = split_microbatches(batch, 3)
+    joined = join_microbatches(parts)
+    assert torch.equal(joined["logits"], batch["logits"]) and joined["text"] == batch["text"]
+    assert torch.equal(join_microbatches([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
