@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,9 +121,58 @@ def unwritten(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, bad in zip(checked, flags) if bad]
 
 
+_READS = {"item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__array__", "cpu", "cuda"}
+
+
+def _refuse_reads(func: Any, args: Any, kwargs: dict) -> None:
+    """Raise for what would read values of another stage's placeholder or mix it with real tensors."""
+    name = getattr(func, "__name__", "")
+    flat = [b for a in (*args, *kwargs.values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
+    real = [a for a in flat if type(a) is torch.Tensor and not a.is_meta]
+    moved = name == "to" and any(
+        isinstance(a, (str, torch.device)) and torch.device(a).type != "meta" for a in (*args[1:], *kwargs.values())
+    )
+    if name in _READS or real or moved:
+        raise RuntimeError(
+            f"pd2bw: {name or func}() on a parameter of a layer another pipeline stage runs: this process holds only "
+            "its own stage's layers (the others are meta placeholders). In a callback, iterate "
+            "trainer.strategy.stage_parameters() (this stage's (name, parameter) pairs) instead of pl_module.parameters()"
+        )
+
+
+class OtherStageTensor(torch.Tensor):
+    """What computing on an ``OtherStageParameter`` gives: still a meta placeholder that refuses to be read."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        _refuse_reads(func, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class OtherStageParameter(nn.Parameter):
+    """A meta placeholder for a parameter another stage holds. Shape, dtype and meta-only ops work (summaries,
+    copies); reading its values (``.item()``, ``float()``, ``.cpu()``...), directly or from a result computed on it,
+    or mixing it with real tensors raises an error that says where it lives and what to use instead."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        _refuse_reads(func, args, kwargs)
+        return torch.Tensor.__torch_function__.__func__(OtherStageTensor, func, (OtherStageTensor,), args, kwargs)
+
+
 def release(layer: nn.Module) -> None:
-    """Drop a layer this stage does not run: its tensors move to the meta device (no memory)."""
+    """Drop a layer this stage does not run: its tensors move to the meta device (no memory), its parameters
+    become ``OtherStageParameter`` placeholders."""
     layer.to("meta")
+    placeholders: dict[int, nn.Parameter] = {}
+    for module in layer.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not isinstance(param, OtherStageParameter):
+                if id(param) not in placeholders:
+                    placeholders[id(param)] = OtherStageParameter(param.detach(), param.requires_grad)
+                module._parameters[name] = placeholders[id(param)]
 
 
 def initialize_layers(

@@ -162,3 +162,23 @@ def test_hf_model_trains_unchanged_without_the_pipeline():
     batch = {"input_ids": ids[:4], "attention_mask": torch.ones(4, 8, dtype=torch.long)}
     expected = model.hf_model(**batch, labels=batch["input_ids"]).loss
     torch.testing.assert_close(model.pipeline_loss(model(ids[:4], batch["attention_mask"]), batch), expected)
+
+
+def test_other_stages_parameters_refuse_to_be_read_with_the_way_out():
+    """A callback walking pl_module.parameters() meets other stages' placeholders: shapes and meta-only ops work,
+    reading values (directly or from a result) or mixing with real tensors names the fix."""
+    from lightning_pd2bw.pipeline.materialize import release
+
+    layer = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    release(layer)
+    weight = layer[0].weight
+    assert weight.shape == (4, 3) and sum(p.numel() for p in layer.parameters()) == 12 + 4 + 4 + 4
+    assert layer.state_dict().keys() == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    for read in (
+        lambda: weight.norm().item(),
+        lambda: float(weight.abs().sum()),
+        lambda: weight * torch.ones(4, 3),
+        lambda: weight.detach().to("cpu"),
+    ):
+        with pytest.raises(RuntimeError, match=r"another pipeline stage runs.*trainer\.strategy\.stage_parameters\(\)"):
+            read()
