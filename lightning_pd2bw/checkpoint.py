@@ -4,7 +4,9 @@ Layout of a checkpoint ``PATH`` (a directory, so ``ModelCheckpoint``'s ``*.ckpt`
 
     PATH/manifest.json    written last: step, layout, weight-version state, data position, sparsity,
                           and every file's size and sha256 (a checkpoint without it was never published)
-    PATH/meta.pt          Lightning's loops, schedulers, hparams ...
+    PATH/trainer.pt       Lightning's loops, schedulers, hparams ... (written as meta.pt before; still read.
+                          Not "meta.pt": that name makes Lightning's consolidate_checkpoint take the
+                          directory for one of its own sharded checkpoints, and fail)
     PATH/stage-000.pt     stage 0: its state_dict entries, optimizer state (with parameter names),
                           callback states
     PATH/stage-001.pt     ...
@@ -30,7 +32,8 @@ from typing import Any
 
 import torch
 
-META_FILE = "meta.pt"
+META_FILE = "trainer.pt"
+LEGACY_META_FILE = "meta.pt"  # checkpoints written before this name changed
 MANIFEST = "manifest.json"
 FORMAT = 1
 SHARD_KEYS = ("state_dict", "optimizer_states", "optimizer_param_names", "callbacks")
@@ -202,7 +205,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
                 f"{str(path)!r} is a single-file checkpoint, not a pd2bw checkpoint directory; load it with "
                 "strategy='auto' (or consolidate it: it already is one)"
             )
-        if path.is_dir() and (path / META_FILE).exists():
+        if path.is_dir() and any((path / name).exists() for name in (META_FILE, LEGACY_META_FILE)):
             raise ValueError(
                 f"checkpoint {str(path)!r} has no {MANIFEST}: its save never finished (it was interrupted); "
                 "resume from the previous checkpoint"
@@ -245,7 +248,8 @@ def _load_checked(path: Path, name: str, manifest: dict[str, Any], map_location:
 
 def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
     manifest = read_manifest(path)
-    meta = _load_checked(resolve(path), META_FILE, manifest, "cpu", verify)
+    name = LEGACY_META_FILE if LEGACY_META_FILE in manifest["files"] else META_FILE
+    meta = _load_checked(resolve(path), name, manifest, "cpu", verify)
     meta["pd2bw"] = manifest
     return meta
 

@@ -63,7 +63,7 @@ def saved(tmp_path):
 def test_manifest_records_layout_files_and_sparsity(saved):
     manifest = ckpt.read_manifest(saved)
     assert manifest["global_step"] == 5 and manifest["num_stages"] == 2
-    assert set(manifest["files"]) == {"stage-000.pt", "stage-001.pt", "meta.pt"}
+    assert set(manifest["files"]) == {"stage-000.pt", "stage-001.pt", "trainer.pt"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in manifest["files"].values())
     assert manifest["sparsity"]["density"] == {
         "layers.0.w": pytest.approx(1 / 3, abs=1e-5),
@@ -134,3 +134,15 @@ def test_reshard_gathers_by_name(saved):
     masks = part["callbacks"]["Sparsity"]["sparsifier"]["masks"]
     assert set(masks) == {"layers.0.w", "layers.1.w"}
     json.dumps(ckpt.read_manifest(saved))
+
+
+def test_not_mistaken_for_a_lightning_sharded_checkpoint_and_old_name_still_read(saved):
+    """Lightning's consolidate_checkpoint recognises its own sharded checkpoints by a ``meta.pt`` file: ours has
+    none. A checkpoint written under the old name (``meta.pt`` in its manifest) still loads."""
+    assert not (saved / "meta.pt").exists()
+    step = ckpt.read_meta(saved)["pd2bw"]["global_step"]
+    manifest = json.loads((saved / ckpt.MANIFEST).read_text())
+    manifest["files"]["meta.pt"] = manifest["files"].pop("trainer.pt")
+    (saved / "trainer.pt").rename(saved / "meta.pt")
+    (saved / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.read_meta(saved)["pd2bw"]["global_step"] == step
