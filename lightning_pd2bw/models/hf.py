@@ -163,6 +163,15 @@ class HFCausalLM(PipelineLanguageModel):
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels
         ).loss
 
+    def save_pretrained(self, directory: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the model in Hugging Face's own format (config + safetensors), which ``AutoModelFor*.from_pretrained``
+        loads. ``state_dict``: this module's weights by its names, e.g. ``lightning_pd2bw.checkpoint.consolidate(ckpt)``
+        of a pipelined run, loaded into a freshly built module; default: the module's current weights."""
+        self.configure_model()
+        if state_dict is not None:
+            self.load_state_dict(state_dict)
+        self.hf_model.save_pretrained(directory)
+
     def build_layers(self) -> list[nn.Module]:
         model = self.build_model()
         family = FAMILIES.get(getattr(model.config, "model_type", ""))

@@ -182,3 +182,31 @@ def test_other_stages_parameters_refuse_to_be_read_with_the_way_out():
     ):
         with pytest.raises(RuntimeError, match=r"another pipeline stage runs.*trainer\.strategy\.stage_parameters\(\)"):
             read()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_trained_weights_export_to_hugging_face(tmp_path, family):
+    """A consolidated state dict (this module's names) written as a Hugging Face model loads with
+    from_pretrained and computes the same logits; tied weights stay tied."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_pd2bw.models.hf import HFCausalLM, HFMaskedLM
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+        kind, auto = HFCausalLM, transformers.AutoModelForCausalLM
+    else:
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=32
+        )
+        kind, auto = HFMaskedLM, transformers.AutoModelForMaskedLM
+    trained = kind(config)
+    trained.configure_model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # "training"
+    kind(config).save_pretrained(str(tmp_path), trained.state_dict())
+    loaded = auto.from_pretrained(str(tmp_path)).eval()
+    trained.eval()
+    ids = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(loaded(ids).logits, trained(ids))
+    assert loaded.get_input_embeddings().weight is loaded.get_output_embeddings().weight
