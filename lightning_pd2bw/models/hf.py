@@ -144,6 +144,8 @@ class HFCausalLM(PipelineLanguageModel):
     cosine decay).
     """
 
+    auto_model = "AutoModelForCausalLM"  # the transformers class that builds the model from its config
+
     def __init__(self, config: Any | Callable[[], nn.Module], shift_labels: bool = True, **optim: Any) -> None:
         super().__init__(_config_of(config), **optim)
         self.shift_labels = shift_labels
@@ -152,9 +154,9 @@ class HFCausalLM(PipelineLanguageModel):
         """The Hugging Face model (on the meta device under ``strategy="pd2bw"``)."""
         if callable(self.config) and not hasattr(self.config, "to_dict"):
             return self.config()
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        return AutoModelForCausalLM.from_config(self.config)
+        return getattr(transformers, self.auto_model).from_config(self.config)
 
     def hf_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The Hugging Face model's own loss on ``batch`` (what ``pipeline_loss`` reproduces)."""
@@ -252,17 +254,7 @@ class HFMaskedLM(HFCausalLM):
     (-100 where nothing is predicted), unshifted. Batches: ``{"input_ids", "labels", optional "attention_mask"}``.
     """
 
+    auto_model = "AutoModelForMaskedLM"
+
     def __init__(self, config: Any | Callable[[], nn.Module], **optim: Any) -> None:
         super().__init__(config, shift_labels=False, **optim)
-
-    def build_model(self) -> nn.Module:
-        if callable(self.config) and not hasattr(self.config, "to_dict"):
-            return self.config()
-        from transformers import AutoModelForMaskedLM
-
-        return AutoModelForMaskedLM.from_config(self.config)
-
-    def hf_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.hf_model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"]
-        ).loss
