@@ -21,14 +21,17 @@ def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.T
     return [{k: v[j * size : (j + 1) * size] for k, v in batch.items()} for j in range(count)]
 
 
-def reference_weights(case: Case, width: int) -> dict[str, torch.Tensor]:
-    return reference_run(case, width)[0]
+def reference_weights(case: Case, width: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return reference_run(case, width, device)[0]
 
 
-def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Final state dict and sparsity masks (empty without sparsity)."""
+def reference_run(
+    case: Case, width: int, device: str = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``."""
     model = build_model(case)
     model.configure_model()
+    model.to(device)
     configured = model.configure_optimizers()
     entries = configured if isinstance(configured, list) else [configured]
     optimizers = [e["optimizer"] if isinstance(e, dict) else e for e in entries]
@@ -59,8 +62,11 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
         grads = {n: torch.zeros_like(t) for n, t in weights.items()}
         count = width * case.num_microbatches
         for replica in range(width):
-            for micro in _split(replica_batch(case, step, replica, width), case.num_microbatches):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"):
+            batch = {k: v.to(device) for k, v in replica_batch(case, step, replica, width).items()}
+            for micro in _split(batch, case.num_microbatches):
+                with torch.autocast(
+                    torch.device(device).type, dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"
+                ):
                     logits = functional_call(model, weights, (micro["input_ids"],))
                     loss = model.pipeline_loss(logits, micro) / count
                 for n, g in zip(weights, torch.autograd.grad(loss, list(weights.values()), allow_unused=True)):
@@ -100,4 +106,4 @@ def reference_run(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict
             scheduler.step()
         history.append({n: p.detach().clone() for n, p in names.items()})
     masks = dict(sparsity.sparsifier.masks) if sparsity is not None else {}
-    return {k: v for k, v in model.state_dict().items()}, masks
+    return {k: v.cpu() for k, v in model.state_dict().items()}, masks

@@ -1,0 +1,184 @@
+"""One GPU, ``bf16-mixed``: pd2bw's step against plain Lightning training the same layers.
+
+    python benchmarks/gpu_stage.py                  # GPT-1.3B-shaped stage slice (6 blocks of 2048), m = 4
+    python benchmarks/gpu_stage.py --layers 2 --seq 512 --micro 2   # a smaller slice
+
+The model is a GPT with GPT-1.3B's width, heads, context and vocabulary and ``--layers`` blocks (a depth-4
+stage of the 24-block model, with the embedding and head of the first and last stage). The same global
+batch (``m`` microbatches of ``--micro`` sequences) is trained by
+
+- ``lightning``: plain Lightning on one device, ``accumulate_grad_batches=m`` (the reference step);
+- ``flush`` / ``2bw``: ``PipeDream2BWStrategy(num_stages=1, num_microbatches=m)``, the pipeline engine's
+  step (executor, weight versions, update path) on one stage.
+
+Each run reports the steady-state step time (after ``--warmup`` steps, the device synchronised at each
+optimizer step in every run), tokens/s and MFU from Lightning's ``Throughput`` with the device's peak from
+``get_available_flops``, ``torch.cuda.max_memory_allocated``, and for the pipeline runs the planner's
+predicted memory of the stage (``planner.cost.stage_memory`` over the layers as ``plan="auto"`` profiles
+them on this device). Prints one table; ``--json PATH`` writes the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pd2bw import PipeDream2BWStrategy
+from lightning_pd2bw.models import GPT, GPTConfig
+from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
+from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
+from lightning_pd2bw.planner.measure import measure_layers
+
+GiB = 2**30
+
+
+class RandomTokens(Dataset):
+    """Random token windows (the step's cost does not depend on the text)."""
+
+    def __init__(self, count: int, seq: int, vocab: int) -> None:
+        self.tokens = torch.randint(0, vocab, (count, seq + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index, :-1], "labels": self.tokens[index, 1:]}
+
+
+class StepClock(pl.Callback):
+    """Marks the end of every optimizer step, with the device synchronised (the same in every run)."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
+        self.marks: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.accumulate == 0:
+            torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+
+
+def predicted_stage_bytes(model: GPT, batch: dict[str, torch.Tensor], micro: int, m: int, mode: str) -> float:
+    """The planner's peak for this one-stage pipeline, from layers profiled on the device as ``plan="auto"`` does."""
+    layers = list(model.pipeline_layers())
+    device = torch.device("cuda")
+    sample = sample_microbatch(batch, micro, device)
+    profiles = measure_layers(
+        layers,
+        model.pipeline_inputs(sample),
+        device,
+        loss_fn=lambda out: model.pipeline_loss(out, sample),
+        autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
+    )
+    profile = ModelProfile(profiles, weight_bytes=4, optimizer_states=2, shared=shared_layers(layers))
+    parts = stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, mode), m)
+    return float(sum(parts.values()))
+
+
+def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -> dict[str, Any]:
+    pl.seed_everything(0)
+    model = GPT(config, lr=1e-4)
+    m, micro = args.m, args.micro
+    if kind == "lightning":
+        strategy: Any = "auto"
+        batch, accumulate = micro, m
+    else:
+        strategy = PipeDream2BWStrategy(num_stages=1, num_microbatches=m, mode=kind, failure_timeout=None)
+        batch, accumulate = m * micro, 1
+    clock = StepClock(accumulate)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=args.warmup + args.steps,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
+    peak = torch.cuda.max_memory_allocated()
+    marks = clock.marks[args.warmup - 1 :]
+    step_s = sorted(b - a for a, b in zip(marks, marks[1:]))[len(marks) // 2 - 1]  # median steady-state step
+    samples = m * micro
+    peak_flops = get_available_flops(torch.device("cuda"), torch.bfloat16)
+    throughput = Throughput(available_flops=peak_flops, world_size=1, window_size=2)
+    flops = model.flops_per_token() * samples * config.block_size  # one step's training FLOPs
+    for i in range(2):  # the window of one median step: its rates
+        throughput.update(
+            time=i * step_s, batches=i, samples=i * samples, lengths=i * samples * config.block_size, flops=flops
+        )
+    rates = throughput.compute()
+    record = {
+        "kind": kind,
+        "step_s": step_s,
+        "tokens_per_sec": rates["device/items_per_sec"],
+        "mfu": rates.get("device/mfu"),
+        "max_memory_allocated": peak,
+    }
+    if kind != "lightning":
+        sample = next(iter(DataLoader(data, batch_size=micro)))
+        record["predicted_bytes"] = predicted_stage_bytes(model, sample, micro, m, kind)
+    del trainer, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6, help="transformer blocks in the slice")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro", type=int, default=2, help="sequences per microbatch")
+    parser.add_argument("--m", type=int, default=4, help="microbatches per step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runs", default="lightning,2bw,flush")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_stage.py needs a CUDA device")
+    config = GPTConfig.from_name("gpt1.3b", n_layer=args.layers, block_size=args.seq)
+    data = RandomTokens((args.warmup + args.steps + 1) * args.m * args.micro, args.seq, config.vocab_size)
+    records = [run(kind, config, args, data) for kind in args.runs.split(",")]
+    print(
+        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; GPT {args.layers} x {config.n_embd} (heads "
+        f"{config.n_head}, vocab {config.vocab_size}), seq {args.seq}, microbatch {args.micro}, m = {args.m}, bf16-mixed"
+    )
+    base = next((r for r in records if r["kind"] == "lightning"), None)
+    print(
+        f"{'run':>9} | {'step s':>7} {'vs Lightning':>12} | {'tokens/s':>9} {'MFU':>6} | {'peak GiB':>8} {'planner GiB':>11}"
+    )
+    for r in records:
+        overhead = f"{r['step_s'] / base['step_s'] - 1:+.1%}" if base else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        predicted = f"{r['predicted_bytes'] / GiB:.2f}" if "predicted_bytes" in r else "-"
+        print(
+            f"{r['kind']:>9} | {r['step_s']:>7.4f} {overhead:>12} | {r['tokens_per_sec']:>9.0f} {mfu:>6} | "
+            f"{r['max_memory_allocated'] / GiB:>8.2f} {predicted:>11}"
+        )
+    for r in records:
+        if "predicted_bytes" in r:
+            print(
+                f"  {r['kind']}: planner / measured peak {r['predicted_bytes'] / r['max_memory_allocated']:.3f} (target within 10%)"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
