@@ -18,7 +18,7 @@ INIT_STD = 0.02  # GPT-2 / BERT initialisation
 
 def normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     with torch.no_grad():
-        param.copy_(torch.randn(param.shape, generator=generator) * std)
+        param.copy_(torch.randn(param.shape, generator=generator, device=generator.device) * std)
 
 
 def ones_zeros_(norm: nn.LayerNorm) -> None:

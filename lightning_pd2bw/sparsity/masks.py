@@ -139,10 +139,10 @@ class Sparsifier:
         for name, param in self.local.items():
             # the same seed on every stage and replica, whatever the layout
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()) + step)
-            keep = torch.randperm(param.numel(), generator=generator)[
+            keep = torch.randperm(param.numel(), generator=generator, device=generator.device)[
                 : keep_count(param.numel(), self.layer_targets[name])
             ]
-            mask = torch.zeros(param.numel(), dtype=torch.bool)
+            mask = torch.zeros(param.numel(), dtype=torch.bool, device=generator.device)
             mask[keep] = True
             masks[name] = mask.view(param.shape).to(param.device)
         return masks

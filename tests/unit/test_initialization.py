@@ -210,3 +210,22 @@ def test_trained_weights_export_to_hugging_face(tmp_path, family):
     ids = torch.randint(0, 32, (2, 8))
     torch.testing.assert_close(loaded(ids).logits, trained(ids))
     assert loaded.get_input_embeddings().weight is loaded.get_output_embeddings().weight
+
+
+def test_seeded_init_ignores_the_default_device():
+    """Lightning's single-device strategy runs ``configure_model`` under ``torch.device(root_device)``: the seeded
+    initialisation draws on its CPU generator's device (found on an H100: plain Lightning could not build our GPT).
+    The meta device stands in for CUDA here: under it, the draws would have no data."""
+    from lightning_pd2bw.models import GPT, GPTConfig
+
+    reference, model = GPT(GPTConfig()), GPT(GPTConfig())
+    reference.configure_model()
+    model.configure_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    with torch.device("meta"):
+        for index in range(len(model.layers)):
+            model.init_pipeline_layer(index)
+    for (name, expected), got in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(expected, got), name
