@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.models import GPT, GPTConfig
+from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers
@@ -67,8 +69,12 @@ class StepClock(pl.Callback):
             self.marks.append(time.perf_counter())
 
 
-def predicted_stage_bytes(model: GPT, batch: dict[str, torch.Tensor], micro: int, m: int, mode: str) -> float:
-    """The planner's peak for this one-stage pipeline, from layers profiled on the device as ``plan="auto"`` does."""
+def predicted_stage_bytes(config: GPTConfig, batch: dict[str, torch.Tensor], micro: int, m: int, mode: str) -> float:
+    """The planner's peak for this one-stage pipeline, from layers profiled on the device as ``plan="auto"`` does
+    (the layers built on the meta device, each materialised and timed alone)."""
+    model = GPT(config)
+    with parameters_on_meta():
+        model.configure_model()
     layers = list(model.pipeline_layers())
     device = torch.device("cuda")
     sample = sample_microbatch(batch, micro, device)
@@ -132,7 +138,8 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     }
     if kind != "lightning":
         sample = next(iter(DataLoader(data, batch_size=micro)))
-        record["predicted_bytes"] = predicted_stage_bytes(model, sample, micro, m, kind)
+        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, kind)
+    print(f"[gpu_stage] {record}", file=sys.stderr, flush=True)
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
