@@ -13,7 +13,7 @@ batch (``m`` microbatches of ``--micro`` sequences) is trained by
 
 Each run reports the steady-state step time (after ``--warmup`` steps, the device synchronised at each
 optimizer step in every run), tokens/s and MFU from Lightning's ``Throughput`` with the device's peak from
-``get_available_flops``, ``torch.cuda.max_memory_allocated``, and for the pipeline runs the planner's
+``get_available_flops``, ``torch.cuda.max_memory_allocated`` (less what was allocated before the run), and for the pipeline runs the planner's
 predicted memory of the stage (``planner.cost.stage_memory`` over the layers as ``plan="auto"`` profiles
 them on this device). Prints one table; ``--json PATH`` writes the records.
 """
@@ -115,9 +115,10 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         enable_model_summary=False,
         callbacks=[clock],
     )
+    before = torch.cuda.memory_allocated()  # what earlier runs left (the process group's buffers, caches)
     torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - before
     marks = clock.marks[args.warmup - 1 :]
     step_s = sorted(b - a for a, b in zip(marks, marks[1:]))[len(marks) // 2 - 1]  # median steady-state step
     samples = m * micro
