@@ -50,7 +50,14 @@ from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
 from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
-from .pipeline.microbatch import batch_size_of, check_last_batch, join_microbatches, split_microbatches, to_device
+from .pipeline.microbatch import (
+    batch_device,
+    batch_size_of,
+    check_last_batch,
+    join_microbatches,
+    split_microbatches,
+    to_device,
+)
 from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from .pipeline.versions import WeightVersions
 from .preemption import Preemption
@@ -546,6 +553,13 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return closure()  # the pipeline applies updates at its STEP actions
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """A middle stage's batch stays on the host (``batch_device``); the LightningModule's transfer hooks
+        still run on every stage, so a hook that reshapes the batch does so alike everywhere."""
+        if self.executor is not None:
+            device = batch_device(self.executor.stage, self.executor.num_stages, device or self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.executor is not None

@@ -34,17 +34,27 @@ def buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> list[
 
 def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int) -> None:
     """Average gradients over the data-parallel replicas of this stage: flattened buckets, all-reduced
-    asynchronously, then divided and copied back (element-wise the same sums as one call per tensor)."""
+    asynchronously, then divided and copied back (element-wise the same sums as one call per tensor).
+
+    At most two buckets are flattened at a time (the next one's all-reduce runs while the previous is
+    copied back), so the extra memory is two buckets, not a second copy of every gradient."""
     if size <= 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    flat = [(bucket, torch._utils._flatten_dense_tensors(bucket)) for bucket in buckets(grads)]
-    works = [dist.all_reduce(buffer, group=group, async_op=True) for _, buffer in flat]
-    for work, (bucket, buffer) in zip(works, flat):
+    in_flight: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+
+    def finish(bucket: list[torch.Tensor], buffer: torch.Tensor, work: Any) -> None:
         work.wait()
         buffer.div_(size)
-        for grad, value in zip(bucket, torch._utils._unflatten_dense_tensors(buffer, bucket)):
-            grad.copy_(value)
+        torch._foreach_copy_(bucket, torch._utils._unflatten_dense_tensors(buffer, bucket))
+
+    for bucket in buckets(grads):
+        buffer = torch._utils._flatten_dense_tensors(bucket)
+        in_flight.append((bucket, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+        if len(in_flight) > 1:
+            finish(*in_flight.pop(0))
+    for entry in in_flight:
+        finish(*entry)
 
 
 def all_finite(params: Sequence[nn.Parameter]) -> bool:
@@ -105,16 +115,22 @@ def clip_by_norm(
 ) -> None:
     """Clip by the global L2 norm: this stage's squares (shared parameters counted on one stage only,
     ``not_counted`` holds the others' ids) summed over ``group`` (None: this stage's norm alone)."""
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in not_counted]
     squares = torch.zeros((), device=device, dtype=torch.float32)
-    for param in params:
-        if param.grad is not None and id(param) not in not_counted:
-            squares += param.grad.float().pow(2).sum()
+    for group_grads in _by_dtype(counted):  # one fused norm kernel per dtype, no loop over tensors
+        squares += torch.stack(torch._foreach_norm(group_grads)).float().pow(2).sum()
     if group is not None:
         dist.all_reduce(squares, group=group)
     coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-    for param in params:
-        if param.grad is not None:
-            param.grad.mul_(coefficient.to(param.grad.dtype))
+    for group_grads in _by_dtype([p.grad for p in params if p.grad is not None]):
+        torch._foreach_mul_(group_grads, coefficient.to(group_grads[0].dtype))
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
 
 
 @torch.no_grad()

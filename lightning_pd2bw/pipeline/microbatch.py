@@ -89,6 +89,12 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def batch_device(stage: int, num_stages: int, device: torch.device) -> torch.device:
+    """Where a stage needs its batch: only the first stage (inputs) and the last (targets) read its values; a
+    middle stage keys its link by the batch's shapes alone, so its copy stays on the host (no transfer)."""
+    return device if stage in (0, num_stages - 1) else torch.device("cpu")
+
+
 def check_last_batch(samples_per_replica: int | None, batch_size: int | None, drop_last: bool, m: int) -> None:
     """Before an epoch runs: refuse a loader whose last batch cannot be cut into ``m`` equal microbatches."""
     if batch_size and batch_size % m:

@@ -85,8 +85,8 @@ class WeightVersions:
                 target = self._storages.pop(stale)
             else:
                 target = [torch.empty_like(p.data) for p in self.parameters]
-            for buffer, param in zip(target, self.parameters):
-                buffer.copy_(param.data)
+            if target:  # one fused copy of the stage's weights
+                torch._foreach_copy_(target, [param.data for param in self.parameters])
             self._storages[self.latest + 1] = target
         for param, storage in zip(self.parameters, self._storages[self.latest + 1]):
             param.data = storage

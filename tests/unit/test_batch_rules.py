@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.microbatch import check_last_batch, split_microbatches
+from lightning_pd2bw.pipeline.microbatch import batch_device, check_last_batch, split_microbatches
 
 
 def test_per_sample_fields_are_split_and_others_travel_whole():
@@ -55,3 +55,10 @@ def test_predictions_join_in_order():
     joined = join_microbatches(parts)
     assert torch.equal(joined["logits"], batch["logits"]) and joined["text"] == batch["text"]
     assert torch.equal(join_microbatches([torch.tensor(1.0), torch.tensor(2.0)]), torch.tensor([1.0, 2.0]))
+
+
+def test_only_the_end_stages_take_the_batch_to_the_device():
+    gpu = torch.device("cuda", 3)
+    assert [batch_device(s, 4, gpu) for s in range(4)] == [gpu, torch.device("cpu"), torch.device("cpu"), gpu]
+    assert batch_device(0, 1, gpu) == gpu
+    assert [batch_device(s, 2, gpu) for s in range(2)] == [gpu, gpu]
