@@ -107,6 +107,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             ``lightning_pd2bw/pipeline/delay_correction.py``); one extra buffer of the stage's weights.
             ``None``: the plain 2BW rule. No effect under flush (no delay).
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
+        boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
+            ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
+            receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
+            ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype.
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -136,6 +140,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         hang_timeout: float | None = 600.0,
         delay_correction: str | None = None,
         delay_correction_strength: float = 1.0,
+        boundary_dtype: str | torch.dtype | None = "auto",
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if mode not in schedule.MODES:
@@ -158,6 +163,12 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                 f"PipeDream2BWStrategy(delay_correction_strength={delay_correction_strength}) must be > 0 "
                 "(1.0: the update extrapolated one step ahead)"
             )
+        if not (boundary_dtype in (None, "auto") or isinstance(boundary_dtype, torch.dtype)):
+            raise ValueError(
+                f"PipeDream2BWStrategy(boundary_dtype={boundary_dtype!r}) is invalid; valid: 'auto', None or a "
+                "floating-point torch.dtype (e.g. torch.bfloat16)"
+            )
+        self.boundary_dtype = boundary_dtype
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
         self._correction: ErrorFeedback | None = None
@@ -426,6 +437,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             module.pipeline_inputs,
             module.pipeline_loss,
             recompute=self.recompute,
+            boundary_dtype=self._resolved_boundary_dtype(),
         )
         self.executor.progress = self.progress
         self._drain_before_validation_zero_grad(module)
@@ -553,6 +565,14 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return closure()  # the pipeline applies updates at its STEP actions
+
+    def _resolved_boundary_dtype(self) -> torch.dtype | None:
+        if self.boundary_dtype != "auto":
+            return self.boundary_dtype
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        return (
+            torch.bfloat16 if isinstance(self.precision_plugin, MixedPrecision) and precision == "bf16-mixed" else None
+        )
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """A middle stage's batch stays on the host (``batch_device``); the LightningModule's transfer hooks

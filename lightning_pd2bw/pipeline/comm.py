@@ -204,9 +204,11 @@ class StageLink:
         for grad in grads:
             self._isend(grad, self.prev_rank, self.channels.gradients_out)
 
-    def recv_backward(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def recv_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Gradients for the activations ``like`` sent, in ``dtype`` when they were sent in it."""
         assert self.next_rank is not None
-        return self._recv_all([torch.empty_like(t) for t in like], self.next_rank, self.channels.gradients_in)
+        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
+        return self._recv_all(buffers, self.next_rank, self.channels.gradients_in)
 
     def wait_sends(self) -> None:
         for work, _, _ in self._pending:

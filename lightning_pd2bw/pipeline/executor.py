@@ -51,8 +51,10 @@ class StageExecutor:
         input_fn: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         recompute: bool = False,
+        boundary_dtype: torch.dtype | None = None,
     ) -> None:
         self.layers = list(layers)
+        self.boundary_dtype = boundary_dtype  # floating-point boundary tensors travel in it (None: their own)
         self.stage = stage
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
@@ -119,6 +121,13 @@ class StageExecutor:
             "return a tuple instead of a dict or a dataclass, and leave out None entries"
         )
 
+    def _wire(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The tensors as they cross the boundary: floating-point ones in ``boundary_dtype``."""
+        dtype = self.boundary_dtype
+        if dtype is None:
+            return tensors
+        return tuple(t.detach().to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
+
     def _forward(self, action: S.Action) -> None:
         k = action.microbatch
         self.versions.use(action.weight_version)
@@ -137,7 +146,7 @@ class StageExecutor:
                 self._stash[k] = (inputs, loss / self.num_microbatches)
             else:
                 self._stash[k] = (inputs, outputs)
-                self._to_send[k] = self._boundary(outputs)
+                self._to_send[k] = self._wire(self._boundary(outputs))
         if self.is_first:
             self._microbatches.pop(k, None)
         self.max_stashed = max(self.max_stashed, len(self._stash))
@@ -159,7 +168,7 @@ class StageExecutor:
             outputs.backward()
         else:
             pairs = [(o, g) for o, g in zip(as_tuple(outputs), self._grads_in.pop(k)) if o.requires_grad]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         if not self.is_first:
             self._to_send[k] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if carries_gradient(t)
@@ -184,7 +193,8 @@ class StageExecutor:
                 self.link.send_forward(self._to_send.pop(k), self._keys.pop(k))
             elif kind == S.RECV_BACKWARD:
                 outputs = self._stash[k][1]
-                self._grads_in[k] = self.link.recv_backward([o for o in as_tuple(outputs) if carries_gradient(o)])
+                like = [o for o in as_tuple(outputs) if carries_gradient(o)]
+                self._grads_in[k] = self.link.recv_backward(like, self.boundary_dtype)
             elif kind == S.BACKWARD:
                 self._backward(action)
             elif kind == S.SEND_BACKWARD:
@@ -226,6 +236,6 @@ class StageExecutor:
             if self.is_last:
                 results.append(metrics_fn(outputs, microbatch))
             else:
-                self.link.send_forward(as_tuple(outputs), key)
+                self.link.send_forward(self._wire(as_tuple(outputs)), key)
         self.link.wait_sends()
         return results

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
+from lightning_pd2bw.pipeline.partition import balanced_partition, layer_parameter_counts
+
 from .cases import Case, build_model, mask_for, replica_batch, sparsity_callback
 
 
@@ -21,17 +23,35 @@ def _split(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.T
     return [{k: v[j * size : (j + 1) * size] for k, v in batch.items()} for j in range(count)]
 
 
-def reference_weights(case: Case, width: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    return reference_run(case, width, device)[0]
+def round_at_stage_boundaries(model: torch.nn.Module, num_stages: int) -> None:
+    """Under bf16-mixed the pipeline sends activations (and their gradients) across a stage boundary in
+    bfloat16: round the output of each stage's last layer alike (the cut is the strategy's default one)."""
+    layers = list(model.pipeline_layers())
+    cut = balanced_partition(layer_parameter_counts(layers), num_stages)
+
+    def to_bf16(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output.to(torch.bfloat16) if output.is_floating_point() else output
+
+    for span in cut[:-1]:
+        layers[span[-1]].register_forward_hook(to_bf16)
+
+
+def reference_weights(
+    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True
+) -> dict[str, torch.Tensor]:
+    return reference_run(case, width, device, bf16_boundaries)[0]
 
 
 def reference_run(
-    case: Case, width: int, device: str = "cpu"
+    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``."""
+    """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``.
+    ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does."""
     model = build_model(case)
     model.configure_model()
     model.to(device)
+    if case.precision == "bf16-mixed" and bf16_boundaries:
+        round_at_stage_boundaries(model, case.num_stages)
     configured = model.configure_optimizers()
     entries = configured if isinstance(configured, list) else [configured]
     optimizers = [e["optimizer"] if isinstance(e, dict) else e for e in entries]

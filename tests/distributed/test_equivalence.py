@@ -56,8 +56,11 @@ def test_pipeline_matches_reference(trained, name):
     assert set(got) == set(expected), "every parameter (tied ones under each stage's name) is present"
     initial = reference_weights(replace(case, steps=0), width)
     # float32: rounding only; bf16 in the update (autocast, Muon): the same bf16 ops, summed in another order
-    # (a stale cast is ~1e-2 off)
+    # (a stale cast is ~1e-2 off); bf16-mixed also rounds activations and gradients at the stage boundaries
+    # (AdamW turns a rounding in a near-zero gradient into a step-sized move: up to 1.2e-3 measured here)
     rtol, atol = (1e-3, 1e-3) if case.bf16_update else (1e-5, 1e-6)
+    if case.precision == "bf16-mixed":
+        rtol, atol = 2e-3, 2e-3
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{name} {k}: {m}")
     moved = max((expected[k] - initial[k]).abs().max().item() for k in expected)
@@ -67,6 +70,9 @@ def test_pipeline_matches_reference(trained, name):
         for rule in wrong:
             other = reference_weights(rule, width)
             assert max((other[k] - expected[k]).abs().max().item() for k in expected) > 3 * atol
+    if case.precision == "bf16-mixed" and case.num_stages > 1:  # the wire's bf16 rounding is what was modelled
+        fp32_wire = reference_weights(case, width, bf16_boundaries=False)
+        assert max((fp32_wire[k] - expected[k]).abs().max().item() for k in expected) > 3 * atol
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].correction])
