@@ -58,13 +58,13 @@ class PipelineTrace(Callback):
         trainer.strategy.barrier("pipeline_trace")  # a common time origin for all ranks
         self.recorder = Recorder(time.perf_counter(), trainer.strategy.root_device)
         trainer.strategy.executor.recorder = self.recorder
-        self._last = self.recorder.now()
+        self._last = self.recorder.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.recorder is None:
             return
+        now = self.recorder.clock()  # on a GPU: the one wait per step of a traced run (actions use CUDA events)
         events = self.recorder.take()
-        now = self.recorder.now()
         self._busy += busy_seconds(events)
         self._window += now - self._last
         step = trainer.global_step - 1  # global_step already counts this batch
@@ -78,7 +78,7 @@ class PipelineTrace(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.recorder is not None and trainer.training:
             self.recorder.take()  # the drain and the validation are not pipeline bubble
-            self._last = self.recorder.now()
+            self._last = self.recorder.clock()
 
     def _log_bubble(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy

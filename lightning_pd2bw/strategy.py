@@ -175,6 +175,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._trainer_with_drain: pl.Trainer | None = None
         self.on_nonfinite = on_nonfinite
         self.skipped_updates: list[int] = []
+        self._finite_watch = gradients.FiniteWatch()  # "stop": flags read from the host without a sync
         if num_stages is not None and num_stages < 1:
             raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
         if num_stages is not None and num_microbatches is not None:
@@ -640,6 +641,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             finally:
                 self._draining = False
             self.executor.finish_drain()
+        if self.on_nonfinite == "stop":
+            self.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
         for step in list(self._losses_in_flight):
             self._take_loss(step)
         self._step_in_run = 0

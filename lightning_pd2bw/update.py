@@ -90,26 +90,35 @@ class UpdatePath:
     def _gradients_finite(self, batch: int) -> bool:
         """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
         (replicas already hold the same averaged gradients) and every stage skips batch ``batch``'s update."""
-        finite = gradients.all_finite(self._local_params)
-        if self.on_nonfinite == "skip":
-            flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
-            with self._collectives(batch):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
-            if flag.item() == 0:
-                return True
-            self.skipped_updates.append(self._batch_step(batch))
-            rank_zero_info(
-                f"pd2bw: non-finite gradients in the batch of step {self._batch_step(batch)}: its update is skipped on "
-                f"every stage ({len(self.skipped_updates)} skipped so far)"
-            )
-            return False
-        if finite:
+        if self.on_nonfinite == "stop":
+            self._finite_watch.push(self._batch_step(batch), self._local_params)
+            self.raise_if_nonfinite()
             return True
+        # skip: the decision is needed before this update (the one host sync per update of this policy)
+        flag = gradients.nonfinite_flag(self._local_params, self.root_device)
+        with self._collectives(batch):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
+        if flag.item() == 0:
+            return True
+        self.skipped_updates.append(self._batch_step(batch))
+        rank_zero_info(
+            f"pd2bw: non-finite gradients in the batch of step {self._batch_step(batch)}: its update is skipped on "
+            f"every stage ({len(self.skipped_updates)} skipped so far)"
+        )
+        return False
+
+    def raise_if_nonfinite(self, wait: bool = False) -> None:
+        """``stop``: raise for the first update whose gradients were non-finite, once its flags are on the host
+        (``wait=True``: wait for every pending one, e.g. before a drain's checkpoint or the end of training)."""
+        found = self._finite_watch.poll(wait)
+        if found is None:
+            return
+        step, bad = found
         names = self._parameter_names()
-        bad = [names.get(id(p), ["?"])[0] for p in self._local_params if not gradients.all_finite([p])]
+        shown = [names.get(id(p), ["?"])[0] for p in bad]
         raise FloatingPointError(
-            f"non-finite gradients in the batch of step {self._batch_step(batch)} on {self._describe_rank(self.global_rank)}"
-            f" (e.g. {', '.join(bad[:3])}). Lower the learning rate or clip gradients (trainer.gradient_clip_val), "
+            f"non-finite gradients in the batch of step {step} on {self._describe_rank(self.global_rank)}"
+            f" (e.g. {', '.join(shown[:3])}). Lower the learning rate or clip gradients (trainer.gradient_clip_val), "
             "check the data, or let the pipeline skip such updates: PipeDream2BWStrategy(on_nonfinite='skip')"
         )
 

@@ -57,12 +57,52 @@ def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int)
         finish(*entry)
 
 
-def all_finite(params: Sequence[nn.Parameter]) -> bool:
-    """Whether every gradient entry is finite (one device sync)."""
+def nonfinite_flag(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """A one-element float tensor on ``device``: 1.0 if any gradient entry is non-finite, else 0.0 (no sync)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        return torch.zeros(1, device=device)
+    return torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not().float().reshape(1)
+
+
+class FiniteWatch:
+    """The ``stop`` policy's check without a host sync per update.
+
+    ``push`` computes one flag per gradient on the device and starts copying them to the host (pinned memory,
+    non-blocking, a CUDA event behind the copy); ``poll`` reads the flags of every update whose copy has
+    landed (all of them with ``wait=True``, e.g. at a drain) and returns the first update with a non-finite
+    gradient. On the CPU the flags are read at once, so the run stops at the update that saw them; on a GPU
+    at the first update after the copy landed (typically the next one), before the weights are saved."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, list[nn.Parameter], torch.Tensor, Any]] = []
+
+    def push(self, step: int, params: Sequence[nn.Parameter]) -> None:
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return
+        flags = torch.stack([torch.isfinite(p.grad).all() for p in with_grad])
+        event = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self.pending.append((step, with_grad, flags, event))
+
+    def poll(self, wait: bool = False) -> tuple[int, list[nn.Parameter]] | None:
+        """(update, its parameters with non-finite gradients) of the first such update read, else None."""
+        while self.pending:
+            step, params, flags, event = self.pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return None
+                event.synchronize()
+            self.pending.pop(0)
+            if not bool(flags.all()):  # host memory: no device sync
+                return step, [p for p, finite in zip(params, flags.tolist()) if not finite]
+        return None
 
 
 def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,36 +49,67 @@ class Event:
 
 
 class Recorder:
-    """Collects a stage's events; ``take()`` hands them over and starts afresh."""
+    """Collects a stage's events; ``take()`` hands them over and starts afresh.
+
+    On a CUDA device the work is asynchronous: a stamp is a CUDA event recorded on the current stream (no
+    synchronisation per action); stamps are turned into seconds when ``take()`` or ``clock()`` is called,
+    which waits once for the last of them. On the CPU a stamp is the host clock."""
 
     def __init__(self, origin: float | None = None, device: torch.device | None = None) -> None:
         self.origin = time.perf_counter() if origin is None else origin
         self.device = device
         self.events: list[Event] = []
+        self._cuda = device is not None and device.type == "cuda"
+        self._pending: list[tuple[str, int, int, int, Any, Any]] = []
+        if self._cuda:
+            torch.cuda.synchronize(device)  # the device is idle: its first event is at the host's time
+            self._origin_event = self._event()
+            self._origin_seconds = time.perf_counter() - self.origin
 
-    def now(self) -> float:
-        return time.perf_counter() - self.origin
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-    def sync(self) -> None:
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # GPU work is asynchronous: time it done
+    def now(self) -> Any:
+        """A stamp: seconds since the origin (CPU), or a CUDA event on the stream (resolved by ``take``)."""
+        return self._event() if self._cuda else time.perf_counter() - self.origin
 
-    def add(self, kind: str, batch: int, microbatch: int, version: int, start: float) -> None:
+    def clock(self) -> float:
+        """Seconds since the origin once the device has run what is queued (on CUDA: one wait)."""
+        if not self._cuda:
+            return self.now()
+        stamp = self._event()
+        stamp.synchronize()
+        return self._seconds(stamp)
+
+    def _seconds(self, stamp: Any) -> float:
+        return stamp if not self._cuda else self._origin_seconds + self._origin_event.elapsed_time(stamp) / 1e3
+
+    def add(self, kind: str, batch: int, microbatch: int, version: int, start: Any) -> None:
         """Record a span that began at ``start`` (``self.now()`` then) and ends now."""
-        self.sync()
-        self.events.append(Event(kind, batch, microbatch, version, start, self.now()))
+        self._pending.append((kind, batch, microbatch, version, start, self.now()))
+        if not self._cuda:
+            self._resolve()
 
-    def action(self, action: S.Action, start: float) -> None:
+    def _resolve(self) -> None:
+        if self._cuda and self._pending:
+            self._pending[-1][5].synchronize()
+        for kind, batch, microbatch, version, start, end in self._pending:
+            self.events.append(Event(kind, batch, microbatch, version, self._seconds(start), self._seconds(end)))
+        self._pending.clear()
+
+    def action(self, action: S.Action, start: Any) -> None:
         self.add(action.kind, action.batch, action.microbatch, action.weight_version, start)
 
     @contextmanager
     def span(self, kind: str, batch: int = -1) -> Iterator[None]:
-        self.sync()
         start = self.now()
         yield
         self.add(kind, batch, -1, -1, start)
 
     def take(self) -> list[Event]:
+        self._resolve()
         events, self.events = self.events, []
         return events
 

@@ -8,7 +8,10 @@ ranks on one device); the NCCL transport itself is proven by ``tests/unit/test_n
 
 from __future__ import annotations
 
+import traceback
+import warnings
 from dataclasses import replace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.callbacks import RunMetrics
+from lightning_pd2bw.pipeline.timeline import Recorder
 
 from ..distributed.cases import SEQ_LEN, Case, build_model, dataloader
 from ..distributed.reference import reference_weights
@@ -89,3 +93,80 @@ def test_plan_auto_profiles_on_the_gpu():
     assert probe.devices == {"cuda:0"}
     assert trainer.strategy.planned is not None
     print(f"\n[gpu-check] plan=auto on {torch.cuda.get_device_name()}: {trainer.strategy.planned.candidate}")
+
+
+class SyncCounter(Callback):
+    """From step ``first`` on, CUDA's sync debug mode reports every synchronizing call; keeps those whose innermost
+    frame outside torch is pd2bw's own code (Lightning's logging is Lightning's business)."""
+
+    def __init__(self, first: int = 2) -> None:
+        self.first = first
+        self.ours: list[str] = []
+        self.seen = 0
+        self._saved: Any = None
+
+    def _capture(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing" not in str(message):
+            return
+        self.seen += 1
+        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename]
+        frames = [f for f in frames if f.filename != __file__]
+        innermost = frames[-1] if frames else None
+        if innermost is not None and "lightning_pd2bw" in innermost.filename:
+            self.ours.append(f"{innermost.filename}:{innermost.lineno} {innermost.line}")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step >= self.first:
+            self._saved = warnings.catch_warnings()  # restores the filters and showwarning on exit
+            self._saved.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._capture
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if self._saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+
+
+def test_steady_state_steps_make_no_host_sync():
+    """No ``.item()``, ``.tolist()``, blocking copy or stream sync from the engine inside a 2BW step (the
+    ``stop`` policy reads its non-finite flags from pinned host memory a step later)."""
+    case = Case("gpu_sync", mode="2bw", num_stages=1, num_microbatches=2, steps=6, precision="bf16-mixed")
+    counter = SyncCounter()
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(num_stages=1, num_microbatches=2, failure_timeout=None),
+        accelerator="gpu",
+        devices=1,
+        precision=case.precision,
+        max_steps=case.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[counter],
+    )
+    trainer.fit(build_model(case), train_dataloaders=dataloader(case))
+    print(f"\n[gpu-check] steady-state steps: {counter.seen} synchronizing calls in all, pd2bw's own: {counter.ours}")
+    assert counter.ours == []
+
+
+def test_timeline_recorder_uses_cuda_events_not_syncs():
+    recorder = Recorder(device=torch.device("cuda"))
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(4):
+            start = recorder.now()
+            x = (x @ x).tanh()
+            recorder.add("F", 0, k, 0, start)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    events = recorder.take()
+    assert [e.microbatch for e in events] == [0, 1, 2, 3]
+    assert all(e.end > e.start for e in events)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(events, events[1:]))
+    print(f"\n[gpu-check] recorder: 2048^2 matmul + tanh spans {[round(e.seconds * 1e3, 3) for e in events]} ms")

@@ -59,3 +59,30 @@ def test_clip_by_norm_equals_torch(group):
         torch.testing.assert_close(p.grad, t.grad, rtol=1e-6, atol=1e-7)
     total = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
     assert abs(total.item() - 1.0) < 1e-5
+
+
+def test_finite_watch_names_the_first_nonfinite_update_and_its_parameters():
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    watch = gradients.FiniteWatch()
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    watch.push(7, [a, b])
+    assert watch.poll() is None and not watch.pending
+    a.grad, b.grad = torch.ones(3), torch.tensor([1.0, float("nan")])
+    watch.push(8, [a, b])
+    a.grad = torch.tensor([float("inf"), 0.0, 0.0])
+    watch.push(9, [a, b])
+    step, bad = watch.poll(wait=True)
+    assert step == 8 and bad == [b]
+    step, bad = watch.poll(wait=True)
+    assert step == 9 and bad == [a, b]
+    assert watch.poll(wait=True) is None
+
+
+def test_nonfinite_flag_stays_on_the_device():
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([0.0, float("-inf")])
+    flag = gradients.nonfinite_flag([p], torch.device("cpu"))
+    assert flag.shape == (1,) and flag.item() == 1.0
+    p.grad = torch.zeros(2)
+    assert gradients.nonfinite_flag([p], torch.device("cpu")).item() == 0.0
+    assert gradients.nonfinite_flag([nn.Parameter(torch.zeros(1))], torch.device("cpu")).item() == 0.0
