@@ -95,9 +95,12 @@ def test_plan_auto_profiles_on_the_gpu():
     print(f"\n[gpu-check] plan=auto on {torch.cuda.get_device_name()}: {trainer.strategy.planned.candidate}")
 
 
+OWNERS = ("/lightning_pd2bw/", "/lightning/", "/pytorch_lightning/")  # whose code made a call
+
+
 class SyncCounter(Callback):
     """From step ``first`` on, CUDA's sync debug mode reports every synchronizing call; keeps those whose innermost
-    frame outside torch is pd2bw's own code (Lightning's logging is Lightning's business)."""
+    frame of pd2bw's or Lightning's code is pd2bw's (Lightning's own logging is Lightning's business)."""
 
     def __init__(self, first: int = 2) -> None:
         self.first = first
@@ -109,11 +112,9 @@ class SyncCounter(Callback):
         if "synchronizing" not in str(message):
             return
         self.seen += 1
-        frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename]
-        frames = [f for f in frames if f.filename != __file__]
-        innermost = frames[-1] if frames else None
-        if innermost is not None and "lightning_pd2bw" in innermost.filename:
-            self.ours.append(f"{innermost.filename}:{innermost.lineno} {innermost.line}")
+        frames = [f for f in traceback.extract_stack() if any(part in f.filename for part in OWNERS)]
+        if frames and "lightning_pd2bw" in frames[-1].filename:  # the innermost of pd2bw's or Lightning's frames
+            self.ours.append(f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].line}")
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step >= self.first:
