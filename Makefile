@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test soak lint schedules gpu-check
+.PHONY: venv train test soak lint schedules gpu-check gpu-bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -31,3 +31,10 @@ schedules: venv  ## regenerate the schedule pictures quoted in the README
 gpu-check: venv  ## on a machine with a CUDA device: the GPU tests and their numbers (skipped without one)
 	$(BIN)/python -c "import torch; print('[gpu-check] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
 	$(BIN)/python -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider
+
+BENCH_PY ?= $(BIN)/python
+gpu-bench: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU machine (1 GPU, 16 cores), ~10 min: the engine's step vs Lightning on the GPU, then CPU pipelines at d = 2, 4, 8 (BENCH_PY=python3 where python3 already has torch with CUDA)
+	$(BENCH_PY) benchmarks/gpu_stage.py
+	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 2 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
+	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 4 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
+	$(BENCH_PY) benchmarks/pipelines.py --m 8 --procs 8 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench

@@ -74,6 +74,7 @@ class StrategySchema:
     hang_timeout: float | None = 600.0  # seconds with no action executed during training: a hang (stacks, exit 75)
     delay_correction: str | None = None  # error_feedback: correct 2BW's one-step gradient delay (no effect on flush)
     delay_correction_strength: float = 1.0  # beta of W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))
+    boundary_dtype: str | None = "auto"  # auto: bfloat16 at stage boundaries under bf16-mixed | null | bfloat16 ...
 
 
 @dataclass

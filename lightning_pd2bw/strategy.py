@@ -79,6 +79,19 @@ def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None:
+    """``"auto"``, None, or a floating-point dtype given as a ``torch.dtype`` or its name (``"bfloat16"``)."""
+    if value in (None, "auto"):
+        return value
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"PipeDream2BWStrategy(boundary_dtype={value!r}) is invalid; valid: 'auto', None or a floating-point "
+            "dtype (torch.bfloat16 or 'bfloat16', 'float16', 'float32')"
+        )
+    return dtype
+
+
 class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStrategy):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
@@ -110,7 +123,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
             ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
             receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
-            ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype.
+            ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype
+            (``torch.bfloat16`` or its name, ``"bfloat16"``).
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -163,12 +177,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                 f"PipeDream2BWStrategy(delay_correction_strength={delay_correction_strength}) must be > 0 "
                 "(1.0: the update extrapolated one step ahead)"
             )
-        if not (boundary_dtype in (None, "auto") or isinstance(boundary_dtype, torch.dtype)):
-            raise ValueError(
-                f"PipeDream2BWStrategy(boundary_dtype={boundary_dtype!r}) is invalid; valid: 'auto', None or a "
-                "floating-point torch.dtype (e.g. torch.bfloat16)"
-            )
-        self.boundary_dtype = boundary_dtype
+        self.boundary_dtype = _boundary_dtype(boundary_dtype)
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
         self._correction: ErrorFeedback | None = None

@@ -56,6 +56,7 @@ def test_no_boundary_dtype_sends_the_tensor_as_computed():
         (Precision(), "auto", None),
         (MixedPrecision("bf16-mixed", "cpu"), None, None),
         (Precision(), torch.bfloat16, torch.bfloat16),
+        (Precision(), "float16", torch.float16),
     ],
 )
 def test_auto_is_bf16_under_bf16_mixed_only(plugin, option, expected):
@@ -64,5 +65,6 @@ def test_auto_is_bf16_under_bf16_mixed_only(plugin, option, expected):
 
 
 def test_bad_boundary_dtype_is_named():
-    with pytest.raises(ValueError, match="boundary_dtype='bf16'.*torch.bfloat16"):
-        PipeDream2BWStrategy(boundary_dtype="bf16")
+    for bad in ("bf16", torch.int64):
+        with pytest.raises(ValueError, match="boundary_dtype=.*torch.bfloat16 or 'bfloat16'"):
+            PipeDream2BWStrategy(boundary_dtype=bad)
