@@ -1,4 +1,4 @@
-"""Run metrics for the progress bar and any logger: tokens/s, samples/s, learning rate, memory per stage."""
+"""Run metrics for the progress bar and any logger: tokens/s, samples/s, MFU, learning rate, memory per stage."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
 
@@ -20,38 +21,89 @@ def peak_memory_bytes(device: torch.device) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the matmuls of a Lightning precision setting run in (what the device's peak is quoted for)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float64 if precision.startswith("64") else torch.float32
+
+
 class RunMetrics(Callback):
-    """Logs ``tokens_per_sec`` (progress bar), ``samples_per_sec``, ``lr`` and peak memory per stage.
+    """Logs ``tokens_per_sec`` (progress bar), ``samples_per_sec``, ``mfu``, ``lr`` and peak memory per stage.
 
-    Throughput counts the *global* batch (all replicas) per optimizer step over the wall time since
-    the previous log, so pipeline stages are not double-counted."""
+    Rates come from Lightning's ``Throughput`` over the steps since the previous log, counted once per
+    *pipeline*: every stage of a pipeline works on the same samples, so Throughput's world size is the
+    data-parallel width and a "device" is one pipeline of ``num_stages`` devices (its peak FLOP/s is the
+    stages' sum). MFU is logged when the model counts its FLOPs (``flops_per_token()``) and the device's
+    peak is known (``get_available_flops``, or ``peak_flops`` given here for one device, e.g. a CPU)."""
 
-    def __init__(self, global_batch_size: int, seq_len: int) -> None:
+    def __init__(self, global_batch_size: int, seq_len: int, peak_flops: float | None = None) -> None:
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
-        self._since: tuple[float, int] | None = None
+        self.peak_flops = peak_flops
+        self.throughput: Throughput | None = None
+        self._width = 1
+        self._flops_per_step: float | None = None  # one replica's pipeline, one optimizer step
+        self._start: tuple[float, int] | None = None  # (time, global step) of the first timed step
+        self._updated_at = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stages = getattr(trainer.strategy, "num_stages", 0) or 1
+        self._width = max(1, trainer.world_size // stages)
+        device = trainer.strategy.root_device
+        peak = self.peak_flops
+        if peak is None and device.type == "cuda":
+            peak = get_available_flops(device, compute_dtype(str(trainer.precision)))
+        per_token = getattr(pl_module, "flops_per_token", None)
+        tokens = self.global_batch_size // self._width * self.seq_len
+        self._flops_per_step = per_token() * tokens if callable(per_token) else None
+        self.throughput = Throughput(
+            available_flops=peak * stages if peak else None, world_size=self._width, window_size=2
+        )
+        self._start = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self._since is None:
-            self._since = (time.perf_counter(), trainer.global_step)
+        if self._start is None and self.throughput is not None:
+            self._start = (time.perf_counter(), trainer.global_step)
+            self._updated_at = trainer.global_step
+            self._update(trainer.global_step)
+
+    def _update(self, step: int) -> None:
+        assert self.throughput is not None and self._start is not None
+        done = step - self._start[1]
+        samples = done * (self.global_batch_size // self._width)  # one replica's (every stage's) samples
+        elapsed = step - self._updated_at
+        self._updated_at = step
+        self.throughput.update(
+            time=time.perf_counter() - self._start[0],
+            batches=done,
+            samples=samples,
+            lengths=samples * self.seq_len,
+            flops=self._flops_per_step * elapsed if self._flops_per_step is not None else None,
+        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step % max(1, trainer.log_every_n_steps) != 0 or self._since is None:
+        step = trainer.global_step
+        if step % max(1, trainer.log_every_n_steps) != 0 or self._start is None or step <= self._updated_at:
             return
-        start, step = self._since
-        now = time.perf_counter()
-        steps = trainer.global_step - step
-        self._since = (now, trainer.global_step)
-        if steps <= 0:
-            return
-        samples = steps * self.global_batch_size / (now - start)
+        self._update(step)
+        assert self.throughput is not None
+        rates = self.throughput.compute()
+        metrics = {  # Throughput's device rates are one replica's pipeline; x width: the whole job's
+            "samples_per_sec": rates["device/samples_per_sec"] * self._width,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        }
+        if "device/mfu" in rates:
+            metrics["mfu"] = rates["device/mfu"]
         device = trainer.strategy.root_device  # the collective's device: NCCL groups take only GPU tensors
         memory = torch.tensor([peak_memory_bytes(device) / 1024**3], device=device)
         per_rank = trainer.strategy.all_gather(memory).flatten().tolist()
-        metrics = {"samples_per_sec": samples, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         stages = getattr(trainer.strategy, "num_stages", 0)
         if stages:  # pd2bw: ranks 0..d-1 are replica 0's stages
             metrics |= {f"memory/stage{stage}_gib": per_rank[stage] for stage in range(stages)}
         else:
             metrics |= {f"memory/rank{rank}_gib": value for rank, value in enumerate(per_rank)}
-        pl_module.log("tokens_per_sec", samples * self.seq_len, prog_bar=True, on_step=True, on_epoch=False)
+        tokens = rates["device/items_per_sec"] * self._width
+        pl_module.log("tokens_per_sec", tokens, prog_bar=True, on_step=True, on_epoch=False)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

@@ -1,0 +1,59 @@
+"""RunMetrics: tokens/s, samples/s and MFU from Lightning's Throughput, counted once per pipeline."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from lightning_pd2bw import PipeDream2BWStrategy
+from lightning_pd2bw.callbacks import RunMetrics, compute_dtype
+from lightning_pd2bw.data import LMDataset
+from lightning_pd2bw.models import GPT, GPTConfig
+
+SEQ, BATCH, PEAK = 16, 4, 1e12
+
+
+class Logged(Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        metrics = trainer.callback_metrics
+        if "mfu" in metrics and trainer.global_step % trainer.log_every_n_steps == 0:
+            self.rows.append({k: float(metrics[k]) for k in ("mfu", "tokens_per_sec", "samples_per_sec")})
+
+
+@pytest.mark.parametrize("strategy", ["pd2bw", "auto"])
+def test_mfu_is_the_models_flops_over_the_peak(strategy):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ))
+    logged = Logged()
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(num_stages=1, num_microbatches=2, failure_timeout=None)
+        if strategy == "pd2bw"
+        else "auto",
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        log_every_n_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RunMetrics(BATCH, SEQ, peak_flops=PEAK), logged],
+    )
+    data = LMDataset(torch.randint(0, 256, (BATCH * SEQ * 8,), dtype=torch.uint8), SEQ)
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, drop_last=True))
+    assert len(logged.rows) == 3
+    for row in logged.rows:
+        assert row["tokens_per_sec"] == pytest.approx(row["samples_per_sec"] * SEQ)
+        assert row["mfu"] == pytest.approx(row["tokens_per_sec"] * model.flops_per_token() / PEAK, rel=1e-4)
+
+
+def test_compute_dtype_of_precision_settings():
+    assert compute_dtype("bf16-mixed") == torch.bfloat16
+    assert compute_dtype("16-mixed") == torch.float16
+    assert compute_dtype("32-true") == torch.float32
