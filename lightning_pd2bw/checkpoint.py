@@ -369,20 +369,39 @@ def export(path: str | Path, out: str | Path) -> Path:
     return out
 
 
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """Write a sharded checkpoint of ``lightning_pd2bw.models.GPT`` as a Hugging Face GPT-2 directory."""
+    from .models.gpt2_export import save_gpt2
+
+    config = (read_meta(path).get("hyper_parameters") or {}).get("config")
+    if not isinstance(config, dict) or "n_layer" not in config:
+        raise ValueError(
+            f"{path}: no GPT config in the checkpoint's hyper-parameters; --format hf exports checkpoints of "
+            "lightning_pd2bw.models.GPT"
+        )
+    return save_gpt2(out, consolidate(path), config)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``pd2bw-consolidate CHECKPOINT_DIR OUT.ckpt``: export a sharded checkpoint as one file."""
+    """``pd2bw-consolidate CHECKPOINT_DIR OUT [--format torch|hf]``: export a sharded checkpoint as one file
+    (``torch``: a Lightning checkpoint of the whole module) or as a Hugging Face GPT-2 directory (``hf``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="pd2bw-consolidate", description=main.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory written by strategy='pd2bw'")
-    parser.add_argument("out", help="the single file to write (loads with strategy='auto')")
+    parser.add_argument("out", help="torch: the single file to write (loads with strategy='auto'); hf: a directory")
+    parser.add_argument("--format", choices=["torch", "hf"], default="torch")
     args = parser.parse_args(argv)
     manifest = read_manifest(args.checkpoint)
-    written = export(args.checkpoint, args.out)
-    print(
-        f"{written}: {manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step "
-        f"{manifest['global_step']} -> one file ({written.stat().st_size / 2**20:.1f} MiB)"
+    where = (
+        f"{manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step {manifest['global_step']}"
     )
+    if args.format == "hf":
+        directory = export_hf(args.checkpoint, args.out)
+        print(f"{directory}: {where} -> Hugging Face GPT-2 (GPT2LMHeadModel.from_pretrained({str(directory)!r}))")
+        return
+    written = export(args.checkpoint, args.out)
+    print(f"{written}: {where} -> one file ({written.stat().st_size / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

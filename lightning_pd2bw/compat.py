@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.pytorch.core import optimizer as lightning_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch import nn
 
 
@@ -109,3 +110,18 @@ def run_post_hooks(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's own step post-hooks, in registration order, as ``optimizer.step()`` calls them."""
     for hook in list(optimizer._optimizer_step_post_hooks.values()):
         hook(optimizer, (), {})
+
+
+def reinstantiate_dataloader(loader: Any, sampler: Any, **overrides: Any) -> Any:
+    """``loader`` re-created the way Lightning injects its ``DistributedSampler``: the same class with every
+    argument it was built with (workers, ``pin_memory_device``, ``multiprocessing_context``, ...), a custom
+    ``batch_sampler`` rebuilt around ``sampler``; ``overrides`` replace init arguments by name."""
+    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, sampler)
+    args = list(args)
+    names = list(getattr(loader, "__pl_saved_arg_names", ()))
+    for name, value in overrides.items():
+        if name in names[: len(args)]:
+            args[names.index(name)] = value
+        else:
+            kwargs[name] = value
+    return _reinstantiate_wrapped_cls(loader, *args, **kwargs)

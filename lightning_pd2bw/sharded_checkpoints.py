@@ -95,7 +95,10 @@ class ShardedCheckpoints:
         loader = combined_train_loader(trainer)
         if loader is None or len(loader.flattened) != 1:
             return None
-        batch_size = getattr(loader.flattened[0], "batch_size", None)
+        flat = loader.flattened[0]
+        batch_size = getattr(flat, "batch_size", None) or getattr(
+            getattr(flat, "batch_sampler", None), "batch_size", None
+        )
         if batch_size is None:
             return None
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed

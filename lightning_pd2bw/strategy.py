@@ -472,7 +472,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
         from torch.utils.data import DataLoader
 
-        from .data.resume import ResumableDistributedSampler, make_resumable
+        from .data.resume import ResumableDistributedSampler, make_resumable, samplers_of
 
         trainer = self.lightning_module.trainer
         if not isinstance(dataloader, DataLoader) or not trainer.training:
@@ -483,7 +483,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._check_last_batch(dataloader, trainer)
         position, self._resume_data = self._resume_data, None
         if position is not None and position["samples_in_epoch"]:
-            sampler = dataloader.sampler
+            found = [s for s in samplers_of(dataloader) if isinstance(s, ResumableDistributedSampler)]
+            sampler = found[0] if found else dataloader.sampler
             if not isinstance(sampler, ResumableDistributedSampler):
                 warnings.warn(
                     f"pd2bw: the training sampler is a {type(sampler).__name__}, not Lightning's DistributedSampler: "

@@ -58,28 +58,42 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(order[self.rank :: self.num_replicas])
 
 
-def rebuild(loader: DataLoader, **changes: Any) -> DataLoader:
-    """The same loader (dataset, workers, collate, ...) with ``batch_size`` and/or ``sampler`` replaced."""
-    iterable = isinstance(loader.dataset, IterableDataset)
-    args = dict(
-        batch_size=loader.batch_size,
-        sampler=None if iterable else loader.sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-    )
-    return DataLoader(loader.dataset, **(args | changes))
+def uses_batch_sampler(loader: DataLoader) -> bool:
+    """Whether ``loader`` batches with its own ``batch_sampler`` (not ``batch_size``)."""
+    return loader.batch_size is None and loader.batch_sampler is not None
+
+
+def samplers_of(loader: DataLoader) -> list[Any]:
+    """The loader's sampler and, with a custom batch sampler, the sampler inside it."""
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    return [loader.sampler] + ([inner] if inner is not None and inner is not loader.sampler else [])
+
+
+def distributed_sampler_of(loader: DataLoader) -> DistributedSampler | None:
+    """The ``DistributedSampler`` Lightning put in ``loader`` (or in its custom batch sampler), if any."""
+    return next((s for s in samplers_of(loader) if type(s) is DistributedSampler), None)
+
+
+def rebuild(loader: DataLoader, sampler: Any = None, **changes: Any) -> DataLoader:
+    """The same loader (class, dataset, workers, collate, pinning, ...) with ``sampler`` (default: its own) and
+    init arguments in ``changes`` (e.g. ``batch_size``) replaced: Lightning's own re-creation (``compat``)."""
+    from ..compat import reinstantiate_dataloader
+
+    if "batch_size" in changes and uses_batch_sampler(loader):
+        raise ValueError(
+            f"this DataLoader batches with its own batch_sampler ({type(loader.batch_sampler).__name__}); pd2bw "
+            f"cannot re-batch it to batch_size={changes['batch_size']}: build it with batch_size=... instead"
+        )
+    if sampler is None:
+        sampler = None if isinstance(loader.dataset, IterableDataset) else distributed_sampler_of(loader)
+        sampler = sampler if sampler is not None else loader.sampler
+    return reinstantiate_dataloader(loader, sampler, **changes)
 
 
 def make_resumable(loader: DataLoader) -> DataLoader:
-    """The same loader with a ``ResumableDistributedSampler`` (other samplers are returned unchanged)."""
-    sampler = loader.sampler
-    if type(sampler) is not DistributedSampler:
+    """The same loader with a ``ResumableDistributedSampler`` (also inside a custom batch sampler); loaders
+    without Lightning's ``DistributedSampler`` are returned unchanged."""
+    sampler = distributed_sampler_of(loader)
+    if sampler is None:
         return loader
     return rebuild(loader, sampler=ResumableDistributedSampler(sampler))

@@ -1,0 +1,81 @@
+"""Our GPT in Hugging Face's GPT-2 format: config.json + safetensors that ``GPT2LMHeadModel`` loads.
+
+Our GPT is GPT-2's architecture (learned positions, pre-norm blocks, tied embedding, biases everywhere);
+two things differ and are mapped here: GPT-2 stores its projections as ``Conv1D`` (weight ``[in, out]``,
+the transpose of ``nn.Linear``), and our MLP uses the exact (erf) GELU, which ``transformers`` offers as
+``activation_function="gelu"`` (GPT-2's checkpoints use the tanh approximation, ``gelu_new``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_BLOCK = {  # ours (under layers.{i+1}.) -> GPT-2's (under transformer.h.{i}.); True: a Conv1D weight
+    "ln_1.weight": ("ln_1.weight", False),
+    "ln_1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "attn.proj.weight": ("attn.c_proj.weight", True),
+    "attn.proj.bias": ("attn.c_proj.bias", False),
+    "ln_2.weight": ("ln_2.weight", False),
+    "ln_2.bias": ("ln_2.bias", False),
+    "fc.weight": ("mlp.c_fc.weight", True),
+    "fc.bias": ("mlp.c_fc.bias", False),
+    "fc_proj.weight": ("mlp.c_proj.weight", True),
+    "fc_proj.bias": ("mlp.c_proj.bias", False),
+}
+
+
+def gpt2_state_dict(state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """Our GPT's state dict (``layers.0`` embedding, ``layers.1..n_layer`` blocks, ``layers.{n_layer+1}`` head)
+    under GPT-2's names and layouts. Refuses a state dict that is not our GPT's, naming what is missing."""
+    head = f"layers.{n_layer + 1}"
+    names = {
+        "transformer.wte.weight": ("layers.0.wte.weight", False),
+        "transformer.wpe.weight": ("layers.0.wpe.weight", False),
+        "transformer.ln_f.weight": (f"{head}.ln_f.weight", False),
+        "transformer.ln_f.bias": (f"{head}.ln_f.bias", False),
+    }
+    for i in range(n_layer):
+        for ours, (theirs, conv) in _BLOCK.items():
+            names[f"transformer.h.{i}.{theirs}"] = (f"layers.{i + 1}.{ours}", conv)
+    missing = sorted(ours for ours, _ in names.values() if ours not in state)
+    extra = sorted(k for k in state if k not in {ours for ours, _ in names.values()} and not k.startswith(head))
+    if missing or extra or "layers.0.ln.weight" in state:
+        raise ValueError(
+            "--format hf exports lightning_pd2bw.models.GPT (GPT-2's architecture); this checkpoint's weights are not "
+            f"its layout (missing: {missing[:4]}, unexpected: {extra[:4]}). A Hugging Face-built model "
+            "(HFCausalLM, HFMaskedLM) exports with its own save_pretrained(directory, consolidate(checkpoint))"
+        )
+    out = {theirs: state[ours].t().contiguous() if conv else state[ours] for theirs, (ours, conv) in names.items()}
+    out["lm_head.weight"] = out["transformer.wte.weight"]  # tied, as in our GPT
+    return out
+
+
+def save_gpt2(directory: str | Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    """Write ``directory`` (config.json, model.safetensors) for ``GPT2LMHeadModel.from_pretrained``.
+    ``config``: our ``GPTConfig`` as a dict (a checkpoint's ``hyper_parameters["config"]``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hf_config = GPT2Config(
+        vocab_size=config["vocab_size"],
+        n_positions=config["block_size"],
+        n_embd=config["n_embd"],
+        n_layer=config["n_layer"],
+        n_head=config["n_head"],
+        activation_function="gelu",  # exact erf GELU, as our MLP
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(hf_config)
+    model.load_state_dict(gpt2_state_dict(state, config["n_layer"]), assign=True, strict=True)
+    model.tie_weights()
+    model.save_pretrained(directory)
+    return Path(directory)
