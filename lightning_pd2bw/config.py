@@ -60,6 +60,17 @@ class DataSchema:
 
 
 @dataclass
+class TokensDataSchema:
+    _target_: str = "lightning_pd2bw.data.tokens.TokenDataModule"
+    path: str = "data/tokens"  # a directory written by pd2bw-prepare-data
+    seq_len: int = 128
+    batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
+    shuffle: bool = True
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
 class StrategySchema:
     _target_: str = "lightning_pd2bw.PipeDream2BWStrategy"
     num_stages: int | None = None
@@ -167,6 +178,7 @@ class ClusterSchema:
 SCHEMAS = {
     ("model", "model_schema"): ModelSchema,
     ("data", "data_schema"): DataSchema,
+    ("data", "tokens_schema"): TokensDataSchema,
     ("strategy", "strategy_schema"): StrategySchema,
     ("trainer", "trainer_schema"): TrainerSchema,
     ("sparsity", "gradual_schema"): GradualSchema,
@@ -313,6 +325,23 @@ def _check_auto(cfg: Any, world: int) -> RunLayout:
     _check_data(cfg)
     per_device = cfg.global_batch_size // world
     return RunLayout(world, 0, 0, cfg.global_batch_size, 0, per_device, 0, cfg.data.seq_len)
+
+
+def check_tokens(cfg: Any) -> None:
+    """``data=tokens`` before a real run (a dry run needs no data): the corpus is there and fits the model."""
+    if not str(cfg.data.get("_target_", "")).endswith("TokenDataModule"):
+        return
+    from .data.tokens import read_index
+
+    try:
+        vocab = read_index(cfg.data.path)["vocab_size"]
+    except FileNotFoundError as error:
+        raise ConfigError(str(error)) from None
+    if vocab > vocab_of(cfg.model):
+        raise ConfigError(
+            f"data.path={cfg.data.path!r} holds a vocabulary of {vocab} tokens but the model's is "
+            f"{vocab_of(cfg.model)}; set model.config.vocab_size={-(-vocab // 64) * 64}"
+        )
 
 
 def _check_data(cfg: Any) -> None:

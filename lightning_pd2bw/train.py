@@ -132,6 +132,7 @@ def plan_text(cfg, layout, model) -> str:
         f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
         f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
     ]
+    lines.append(data_text(cfg))
     if (sparsity := sparsity_config(cfg)) is not None:
         lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
     for stage, (span, memory) in enumerate(zip(stages, memories)):
@@ -143,6 +144,29 @@ def plan_text(cfg, layout, model) -> str:
             f"{memory['activations'] / GiB:.2f}, workspace {memory['workspace'] / GiB:.2f})"
         )
     return "\n".join(lines)
+
+
+def data_text(cfg) -> str:
+    """What the run reads, and for a tokenized corpus whether it is there and how to prepare it."""
+    if not str(cfg.data.get("_target_", "")).endswith("TokenDataModule"):
+        source = cfg.data.get("hf_dataset") or cfg.data.get("paths") or "the embedded corpus (bytes)"
+        return f"data: {source}"
+    from .config import vocab_of
+    from .data.tokens import INDEX, read_index
+
+    path = cfg.data.path
+    vocab = vocab_of(cfg.model)
+    try:
+        index = read_index(path)
+    except FileNotFoundError:
+        return (
+            f"data: a tokenized corpus at data.path={path} (not there: no {INDEX}). Prepare it with: "
+            f"pd2bw-prepare-data {path} YOUR_TEXT_FILES_OR_DIRS --vocab-size {vocab} (or --tokenizer tokenizer.json)"
+        )
+    return (
+        f"data: {index['tokens']:,} tokens at {path} ({index['dtype']}, vocabulary {index['vocab_size']:,}; the "
+        f"model's {vocab:,})"
+    )
 
 
 def candidate_of(cfg, layout):
@@ -206,7 +230,7 @@ def run(cfg) -> dict:
     import lightning_pd2bw  # noqa: F401  (registers the strategy)
 
     from .callbacks import RunMetrics
-    from .config import check_run
+    from .config import check_run, check_tokens
 
     _pin_output_dir(cfg)
     _resolve_last_checkpoint(cfg)
@@ -224,6 +248,7 @@ def run(cfg) -> dict:
         text = plan_text(cfg, layout, model)
         print(f"dry run (nothing allocated, no process started)\n{text}")
         return {"dry_run": True}
+    check_tokens(cfg)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size // cfg.trainer.num_nodes)))
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)

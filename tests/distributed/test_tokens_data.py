@@ -1,0 +1,48 @@
+"""A tokenized corpus end to end, as a user runs it: ``pd2bw-prepare-data`` on local text (a BPE trained on the
+spot, nothing downloaded), then ``pd2bw-train data=tokens`` over two pipeline stages, and the gpt13b dry run
+naming what it expects."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from .test_launchers import ROOT, SMALL_RUN, run
+
+
+def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
+    texts = tmp_path / "texts"  # local text: this repository's sources (a copy: no __pycache__ written meanwhile)
+    texts.mkdir()
+    for source in sorted((ROOT / "lightning_pd2bw").rglob("*.py")):
+        (texts / f"{len(list(texts.iterdir())):03d}_{source.name}.txt").write_text(source.read_text())
+    corpus = tmp_path / "tokens"
+    prepared = run(
+        [sys.executable, "-m", "lightning_pd2bw.data.tokens", str(corpus), str(texts),
+         "--vocab-size", "512", "--val-fraction", "0.05"],
+        tmp_path,
+    )  # fmt: skip
+    assert "pd2bw-train data=tokens" in prepared.stdout
+    out = tmp_path / "run"
+    trained = run(
+        [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "data=tokens", f"data.path={corpus}",
+         "model.config.vocab_size=512", f"paths.output_dir={out}"],
+        tmp_path,
+    )  # fmt: skip
+    assert f"tokens at {corpus}" in trained.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 6 and summary["val_loss"] < math.log(512), summary
+
+
+def test_gpt13b_dry_run_says_what_data_it_expects(tmp_path):
+    result = run([sys.executable, "-m", "lightning_pd2bw.train", "recipe=gpt13b", "dry_run=true"], tmp_path)
+    assert "data: a tokenized corpus at data.path=data/gpt13b (not there" in result.stdout
+    assert "pd2bw-prepare-data data/gpt13b YOUR_TEXT_FILES_OR_DIRS --vocab-size 50304" in result.stdout
+
+
+def test_a_missing_corpus_stops_before_any_process_starts(tmp_path):
+    command = [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "data=tokens", f"data.path={tmp_path / 'no'}"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "Prepare one with: pd2bw-prepare-data" in result.stdout + result.stderr
