@@ -5,7 +5,8 @@ Order inside one update (STEP of batch b):
   2. gradients are averaged over the data-parallel replicas, then summed over the stages that share
      a parameter (GPT's tied embedding; under 2BW without clipping that sum is deferred, see
      ``_finish_deferred``);
-  3. the non-finite policy: ``stop`` raises, ``skip`` agrees over the pipeline and drops the update;
+  3. the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after the
+     flags reached the host, and at every drain), ``skip`` agrees over the pipeline and drops the update;
   4. ``on_before_optimizer_step`` hooks (callbacks, then the LightningModule), once per optimizer;
   5. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
      scalar per step) or per stage (``clip_mode="stage"``), over every optimizer's parameters;
