@@ -84,3 +84,37 @@ def test_missing_corpus_names_the_command(tmp_path):
         TokenDataset(tmp_path / "nothing", 8)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prepare(tmp_path / "out", [tmp_path / "absent.txt"])
+
+
+def test_resume_at_another_width_reads_each_window_once(texts, tmp_path):
+    """Two replicas read 3 batches each, the run is resumed on one replica: together they read every window of the
+    epoch once, in the epoch's order (the resumable sampler over the map-style token windows)."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_pd2bw.data.resume import make_resumable
+
+    prepare(tmp_path / "t", [texts], vocab_size=300)
+    data = TokenDataset(tmp_path / "t", 15)
+    batch = 2
+
+    def loader(rank: int, width: int) -> DataLoader:
+        sampler = DistributedSampler(data, num_replicas=width, rank=rank, shuffle=True, seed=7, drop_last=True)
+        return make_resumable(DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True))
+
+    def windows(b) -> list[tuple[int, ...]]:
+        return [tuple(row.tolist()) for row in b["input_ids"]]
+
+    before = []
+    for rank in range(2):
+        it = iter(loader(rank, 2))
+        before += [w for _ in range(3) for w in windows(next(it))]
+    resumed = loader(0, 1)
+    resumed.sampler.resume(0, 3 * batch * 2)
+    after = [w for b in resumed for w in windows(b)]
+    order = resumed.sampler.global_order()
+    every = [tuple(data[i]["input_ids"].tolist()) for i in order]
+    consumed = 3 * batch * 2
+    assert len(set(order)) == len(order) == len(data), "one replica now: the whole permutation, no padding"
+    assert sorted(before) == sorted(every[:consumed]), "the two replicas read the epoch's first windows"
+    assert after == every[consumed : consumed + len(after)], "the resumed replica continues the same order"
+    assert len(every) - consumed - len(after) < batch, "only a last partial batch is dropped (drop_last)"
