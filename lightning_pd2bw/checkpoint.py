@@ -369,19 +369,6 @@ def export(path: str | Path, out: str | Path) -> Path:
     return out
 
 
-def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Write a sharded checkpoint of ``lightning_pd2bw.models.GPT`` as a Hugging Face GPT-2 directory."""
-    from .models.gpt2_export import save_gpt2
-
-    config = (read_meta(path).get("hyper_parameters") or {}).get("config")
-    if not isinstance(config, dict) or "n_layer" not in config:
-        raise ValueError(
-            f"{path}: no GPT config in the checkpoint's hyper-parameters; --format hf exports checkpoints of "
-            "lightning_pd2bw.models.GPT"
-        )
-    return save_gpt2(out, consolidate(path), config)
-
-
 def main(argv: list[str] | None = None) -> None:
     """``pd2bw-consolidate CHECKPOINT_DIR OUT [--format torch|hf]``: export a sharded checkpoint as one file
     (``torch``: a Lightning checkpoint of the whole module) or as a Hugging Face GPT-2 directory (``hf``)."""
@@ -397,7 +384,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step {manifest['global_step']}"
     )
     if args.format == "hf":
-        directory = export_hf(args.checkpoint, args.out)
+        from .models.gpt2_export import export_checkpoint
+
+        directory = export_checkpoint(args.checkpoint, args.out)
         print(f"{directory}: {where} -> Hugging Face GPT-2 (GPT2LMHeadModel.from_pretrained({str(directory)!r}))")
         return
     written = export(args.checkpoint, args.out)

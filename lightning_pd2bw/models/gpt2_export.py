@@ -79,3 +79,17 @@ def save_gpt2(directory: str | Path, state: dict[str, torch.Tensor], config: dic
     model.tie_weights()
     model.save_pretrained(directory)
     return Path(directory)
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """A sharded checkpoint of ``lightning_pd2bw.models.GPT`` as a Hugging Face GPT-2 directory
+    (``pd2bw-consolidate PATH OUT --format hf``)."""
+    from ..checkpoint import consolidate, read_meta
+
+    config = (read_meta(path).get("hyper_parameters") or {}).get("config")
+    if not isinstance(config, dict) or "n_layer" not in config:
+        raise ValueError(
+            f"{path}: no GPT config in the checkpoint's hyper-parameters; --format hf exports checkpoints of "
+            "lightning_pd2bw.models.GPT"
+        )
+    return save_gpt2(out, consolidate(path), config)
