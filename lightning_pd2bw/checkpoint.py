@@ -1,84 +1,99 @@
-"""Sharded checkpoints: one file per pipeline stage, Lightning's metadata and a manifest, published atomically.
+"""Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), with a manifest, published atomically.
 
 Layout of a checkpoint ``PATH`` (a directory, so ``ModelCheckpoint``'s ``*.ckpt`` names work)::
 
-    PATH/manifest.json    written last: step, layout, weight-version state, data position, sparsity,
-                          and every file's size and sha256 (a checkpoint without it was never published)
-    PATH/trainer.pt       Lightning's loops, schedulers, hparams ... (written as meta.pt before; still read.
-                          Not "meta.pt": that name makes Lightning's consolidate_checkpoint take the
+    PATH/manifest.json    written last: format, step, layout, weight-version state, data position, sparsity,
+                          schedule horizon, every file's size (a checkpoint without it was never published)
+    PATH/trainer.pt       Lightning's loops, schedulers, hparams ... from global rank 0 (written as meta.pt before
+                          format 2; not "meta.pt": that name makes Lightning's consolidate_checkpoint take the
                           directory for one of its own sharded checkpoints, and fail)
-    PATH/stage-000.pt     stage 0: its state_dict entries, optimizer state (with parameter names),
-                          callback states
-    PATH/stage-001.pt     ...
+    PATH/.metadata        DCP's index of the entries (names in ``checkpoint_state.py``: model, optimizer state
+    PATH/__R_0.distcp     by parameter name, callbacks, masks), and the files the ranks wrote in parallel
 
-Every file is written to ``PATH.tmp`` and fsynced; once all stages have written, global rank 0 writes
-the manifest and swaps the directory into place (``PATH`` -> ``PATH.old``, ``PATH.tmp`` -> ``PATH``,
-remove ``PATH.old``). A crash at any point leaves a complete previous checkpoint: ``PATH`` itself, or
-``PATH.old`` during the two renames, which ``resolve`` then uses.
+Every rank writes its stage's entries into ``PATH.tmp`` (DCP writes each name once: replicas are deduplicated and
+the writes spread over the ranks; optionally asynchronously, from a copy staged on the host); once DCP has
+finished (its ``.metadata`` is written after every rank's files), global rank 0 writes the manifest and swaps
+the directory into place (``PATH`` -> ``PATH.old``, ``PATH.tmp`` -> ``PATH``, remove ``PATH.old``). A crash at any
+point leaves a complete previous checkpoint: ``PATH`` itself, or ``PATH.old`` during the two renames, which
+``resolve`` then uses.
 
-A checkpoint written at one depth x width loads at another (``reshard``): parameters, optimizer
-state and sparsity masks are keyed by parameter name, so each new stage gathers its own.
+Loading asks DCP for this stage's names only, at any depth x width (a reshard reads the bytes each new stage
+owns, nothing else). Format 1 (``stage-NNN.pt`` files, before DCP) is converted once by ``pd2bw-consolidate
+OLD NEW --upgrade`` (``consolidate.py``). ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(PATH, FILE)`` reads the entries
+too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
+
+from .checkpoint_state import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
 
 META_FILE = "trainer.pt"
 LEGACY_META_FILE = "meta.pt"  # checkpoints written before this name changed
 MANIFEST = "manifest.json"
-FORMAT = 1
-SHARD_KEYS = ("state_dict", "optimizer_states", "optimizer_param_names", "callbacks")
+FORMAT = 2
+_publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd2bw-publish")
 
 
-def shard_name(stage: int) -> str:
-    return f"stage-{stage:03d}.pt"
-
-
-def shard_file(path: str | Path, stage: int) -> Path:
-    return Path(path) / shard_name(stage)
+class OldFormatError(ValueError):
+    """A checkpoint written by an earlier version of lightning_pd2bw, in a format this one does not read."""
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
 
 
-def describe_file(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def write_shard(tmp: Path, stage: int, checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Write one stage's shard; returns its manifest entry (size, checksum, sparsity summary)."""
-    file = shard_file(tmp, stage)
-    torch.save({k: checkpoint[k] for k in SHARD_KEYS if k in checkpoint}, file)
-    _fsync(file)
-    return {"file": file.name, **describe_file(file), "sparsity": _mask_summary(checkpoint.get("callbacks", {}))}
-
-
-def write_meta(tmp: Path, checkpoint: dict[str, Any]) -> dict[str, Any]:
-    meta = {k: v for k, v in checkpoint.items() if k not in SHARD_KEYS}
+def write_meta(tmp: Path, checkpoint: dict[str, Any]) -> None:
     file = tmp / META_FILE
-    torch.save(meta, file)
-    _fsync(file)
-    return {"file": META_FILE, **describe_file(file)}
+    torch.save({k: v for k, v in checkpoint.items() if k not in STAGE_KEYS}, file)
+    fsync_file(file)
+
+
+def write_state(
+    folder: Path, entries: dict[str, Any], process_group: Any = None, asynchronous: bool = False, stager: Any = None
+) -> Future | None:
+    """DCP's collective save of every rank's entries into ``folder`` (no flattening: the names are ours).
+    ``asynchronous``: return once the entries are staged on the host (by ``stager``, a DCP ``AsyncStager`` kept
+    across saves so that its pinned host buffers are reused; None: DCP's default); the future completes when
+    every rank's files are written."""
+    writer = FileSystemWriter(folder, sync_files=True)
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    no_dist = not torch.distributed.is_initialized()
+    if asynchronous:
+        return dcp.async_save(
+            entries,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            async_stager=stager,
+            no_dist=no_dist,
+        )
+    dcp.save(entries, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
+    return None
 
 
 def _mask_summary(callbacks: dict[str, Any]) -> dict[str, Any]:
-    """Per-weight density of the sparsity masks in a shard's callback states (empty when dense)."""
+    """Per-weight density of the sparsity masks in a stage's callback states (empty when dense)."""
     out: dict[str, Any] = {}
     for state in callbacks.values():
         sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
@@ -91,11 +106,9 @@ def _mask_summary(callbacks: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def manifest_for(checkpoint: dict[str, Any], layout: dict[str, Any], entries: Iterable[dict]) -> dict[str, Any]:
-    entries = [e for e in entries if e]
+def manifest_for(checkpoint: dict[str, Any], layout: dict[str, Any], summaries: Iterable[dict]) -> dict[str, Any]:
     sparsity: dict[str, Any] = {}
-    for entry in entries:
-        summary = entry.pop("sparsity", None) or {}
+    for summary in summaries:
         if summary:
             sparsity["step"] = summary["step"]
             sparsity.setdefault("density", {}).update(summary["density"])
@@ -110,7 +123,6 @@ def manifest_for(checkpoint: dict[str, Any], layout: dict[str, Any], entries: It
         "epoch": checkpoint.get("epoch"),
         **layout,
         "sparsity": sparsity or None,
-        "files": {e["file"]: {"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries},
     }
 
 
@@ -120,30 +132,43 @@ def save_sharded(
     layout: dict[str, Any],
     *,
     stage: int,
-    writes_shard: bool,
     is_global_zero: bool,
     barrier: Callable[[str], None],
     gather: Callable[[Any], list[Any]],
-) -> None:
-    """Collective save: every stage of replica 0 writes its shard into ``PATH.tmp``, rank 0 the metadata
-    and, once every file is on disk, the manifest; then rank 0 publishes. ``gather`` collects one object
-    per rank on every rank (the shards' manifest entries)."""
+    process_group: Any = None,
+    asynchronous: bool = False,
+    stager: Any = None,
+) -> Future | None:
+    """Collective save: every rank gives its stage's entries to DCP in ``PATH.tmp``, rank 0 also the trainer
+    state; once DCP has finished, rank 0 writes the manifest and publishes. ``gather`` collects one object per
+    rank on every rank (the masks' summaries). ``asynchronous``: returns a future once the entries are staged
+    (on rank 0 it completes when the checkpoint is published); wait for it before the next save. An asynchronous
+    save needs a ``process_group`` of its own (gloo), not one that training uses at the same time."""
     tmp = path.with_name(path.name + ".tmp")
     if is_global_zero:
         if tmp.exists():
             shutil.rmtree(tmp)  # a save that crashed before publishing
         tmp.mkdir(parents=True)
     barrier("pd2bw_save_begin")
-    entries = [write_shard(tmp, stage, checkpoint)] if writes_shard else []
+    manifest = manifest_for(checkpoint, layout, gather(_mask_summary(checkpoint.get("callbacks", {}))))
     if is_global_zero:
-        entries.append(write_meta(tmp, checkpoint))
-    everything = [e for part in gather(entries) for e in part]
+        write_meta(tmp, checkpoint)
+    written = write_state(tmp, entries_of(checkpoint, stage), process_group, asynchronous, stager)
+    if written is not None:
+        return _publisher.submit(lambda: (written.result(), finish(tmp, path, manifest))) if is_global_zero else written
     if is_global_zero:
-        manifest = tmp / MANIFEST
-        manifest.write_text(json.dumps(manifest_for(checkpoint, layout, everything), indent=1))
-        _fsync(manifest)
-        publish(tmp, path)
+        finish(tmp, path, manifest)
     barrier("pd2bw_save_published")
+    return None
+
+
+def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0, once every file is in ``tmp``: the manifest (with every file's size), then the swap."""
+    files = {f.name: {"bytes": f.stat().st_size} for f in sorted(tmp.iterdir()) if f.is_file()}
+    file = tmp / MANIFEST
+    file.write_text(json.dumps({**manifest, "files": files}, indent=1))
+    fsync_file(file)
+    publish(tmp, path)
 
 
 def publish(tmp: Path, path: Path) -> None:
@@ -179,13 +204,16 @@ def resolve(path: str | Path) -> Path:
 
 def newest_checkpoint(directory: str | Path) -> Path | None:
     """The complete pd2bw checkpoint in ``directory`` with the highest global step (then the newest), or None.
-    Unpublished saves (``*.tmp``, no manifest) are skipped; a crash between the two renames counts as its path."""
+    Unpublished saves (``*.tmp``, no manifest) are skipped; a crash between the two renames counts as its path.
+    A checkpoint of an older format raises (``OldFormatError``) rather than being passed over."""
     found = []
     for path in Path(directory).glob("*") if Path(directory).is_dir() else []:
         if path.name.endswith((".tmp", ".old")) or not path.is_dir():
             continue
         try:
             manifest = read_manifest(path)
+        except OldFormatError:
+            raise
         except (FileNotFoundError, ValueError):
             continue
         found.append((manifest["global_step"], resolve(path).stat().st_mtime, path))
@@ -196,7 +224,7 @@ def newest_checkpoint(directory: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
+def read_manifest(path: str | Path, *, any_format: bool = False) -> dict[str, Any]:
     path = resolve(path)
     file = path / MANIFEST
     if not file.is_file():
@@ -220,178 +248,101 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint {str(path)!r}: {MANIFEST} is corrupt ({error}); use another checkpoint"
         ) from error
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") == 1 and not any_format:
+        raise OldFormatError(
+            f"checkpoint {str(path)!r} has format 1 (one stage-NNN.pt file per stage, written by lightning_pd2bw "
+            f"before its checkpoints moved to torch.distributed.checkpoint); this version reads format {FORMAT}. "
+            f"Convert it once: pd2bw-consolidate {path} NEW_PATH --upgrade, then resume from NEW_PATH"
+        )
+    if manifest.get("format") != FORMAT and not any_format:
         raise ValueError(f"checkpoint {str(path)!r} has format {manifest.get('format')}; this version reads {FORMAT}")
     return manifest
 
 
-def _load_checked(path: Path, name: str, manifest: dict[str, Any], map_location: Any, verify: bool) -> dict:
-    file = path / name
-    expected = manifest["files"].get(name)
-    if expected is None or not file.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} has no {name}; it is incomplete — use another checkpoint")
-    if verify:
-        found = describe_file(file)
-        if found != expected:
-            raise ValueError(
-                f"checkpoint {str(path)!r} is corrupt: {name} has {found['bytes']} bytes / sha256 "
-                f"{found['sha256'][:12]}..., the manifest says {expected['bytes']} / {expected['sha256'][:12]}...; "
-                "the file changed after it was written — use another checkpoint"
+def check_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its size (cheap: no re-read of the data)."""
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"checkpoint {str(path)!r} has no {name}; it is incomplete — use another checkpoint"
             )
+        if file.stat().st_size != expected["bytes"]:
+            raise ValueError(
+                f"checkpoint {str(path)!r} is corrupt: {name} has {file.stat().st_size} bytes, the manifest says "
+                f"{expected['bytes']}; the file changed after it was written — use another checkpoint"
+            )
+
+
+def _checked(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    manifest = read_manifest(path)
+    folder = resolve(path)
+    check_files(folder, manifest)
+    return folder, manifest
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    folder, manifest = _checked(path)
+    name = LEGACY_META_FILE if LEGACY_META_FILE in manifest["files"] else META_FILE
     try:
-        return torch.load(file, map_location=map_location, weights_only=False)
+        meta = torch.load(folder / name, map_location="cpu", weights_only=False)
     except Exception as error:
         raise ValueError(
-            f"checkpoint {str(path)!r}: {name} cannot be read ({error}); use another checkpoint"
+            f"checkpoint {str(folder)!r}: {name} cannot be read ({error}); use another checkpoint"
         ) from error
-
-
-def read_meta(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    manifest = read_manifest(path)
-    name = LEGACY_META_FILE if LEGACY_META_FILE in manifest["files"] else META_FILE
-    meta = _load_checked(resolve(path), name, manifest, "cpu", verify)
     meta["pd2bw"] = manifest
     return meta
 
 
-def read_stage(path: str | Path, stage: int, map_location: Any = "cpu", verify: bool = True) -> dict[str, Any]:
-    return _load_checked(resolve(path), shard_name(stage), read_manifest(path), map_location, verify)
+def _load(folder: Path, request: dict[str, Any]) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")  # reading alone is what we ask for
+            dcp.load(
+                request,
+                storage_reader=FileSystemReader(folder),
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                no_dist=True,  # each rank reads its own entries; no collective
+            )
+    except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        raise ValueError(f"checkpoint {str(folder)!r} cannot be read ({error}); use another checkpoint") from error
+
+
+def read_entries(path: str | Path, prefix: str = "", device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The entries whose names start with ``prefix`` (e.g. ``"model/"``, ``"masks/"``), read into new tensors."""
+    folder, _ = _checked(path)
+    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    request = {name: empty_for(entry, device) for name, entry in metadata.items() if name.startswith(prefix)}
+    _load(folder, request)
+    return request
+
+
+def load_stage(
+    path: str | Path,
+    *,
+    stage: int,
+    stage_layers: list[range],
+    model: dict[str, torch.Tensor],
+    names: list[list[list[str]]],
+    fresh: list[dict[str, Any]],
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """This stage's part of a checkpoint written at any depth x width: ``model`` (this stage's state-dict tensors)
+    is read in place; ``names[k][i]`` are the names of parameter ``i`` of this stage's optimizer ``k`` and
+    ``fresh[k]`` its ``state_dict()`` (its groups' layout). Returns Lightning's per-stage keys (``state_dict``,
+    ``optimizer_states``, ``callbacks``); only this stage's bytes are read."""
+    folder, manifest = _checked(path)
+    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    same = same_layout(manifest, stage_layers)
+    request = request_for(metadata, stage=stage, same_layout=same, model=model, names=names, device=device)
+    _load(folder, request)
+    return stage_checkpoint(request, stage=stage, same_layout=same, names=names, fresh=fresh)
 
 
 def same_layout(manifest: dict[str, Any], stage_layers: list[range]) -> bool:
     return [tuple(x) for x in manifest["stage_layers"]] == [(r.start, r.stop) for r in stage_layers]
 
 
-# ---------------------------------------------------------------------------------------------- resharding
-def reshard(
-    path: str | Path,
-    local_keys: set[str],
-    local_names: list[list[list[str]]],
-    optimizer_states: list[dict[str, Any]],
-    map_location: Any = "cpu",
-) -> dict[str, Any]:
-    """This stage's part of a checkpoint written with another layout.
-
-    ``local_keys`` are this stage's state-dict keys; ``local_names[k][i]`` are the names of parameter ``i`` of
-    this stage's optimizer ``k`` (in the optimizer's order); ``optimizer_states[k]`` is this stage's freshly
-    built optimizer ``k``'s ``state_dict()`` (its groups' layout). Every saved shard is read; each entry is
-    picked by parameter name, each optimizer's state from the same optimizer of the saving run.
-    """
-    manifest = read_manifest(path)
-    state_dict: dict[str, torch.Tensor] = {}
-    per_param: list[dict[str, Any]] = [{} for _ in optimizer_states]
-    saved_groups: list[list[dict[str, Any]] | None] = [None for _ in optimizer_states]
-    callbacks: dict[str, Any] = {}
-    for stage in range(manifest["num_stages"]):
-        shard = read_stage(path, stage, map_location)
-        state_dict.update({k: v for k, v in shard["state_dict"].items() if k in local_keys})
-        saved_states = shard.get("optimizer_states") or []
-        saved_names = _names_per_optimizer(shard.get("optimizer_param_names") or [])
-        if saved_states and len(saved_states) != len(optimizer_states):
-            raise ValueError(
-                f"{path} was written with {len(saved_states)} optimizer(s), this run configures {len(optimizer_states)}: "
-                "configure the same optimizers as the checkpoint's run"
-            )
-        for k, (saved, names_of) in enumerate(zip(saved_states, saved_names)):
-            saved_groups[k] = saved_groups[k] or saved["param_groups"]
-            for index, names in enumerate(names_of):
-                if index in saved["state"]:
-                    for name in names:
-                        per_param[k].setdefault(name, saved["state"][index])
-        _merge_callbacks(callbacks, shard.get("callbacks", {}), local_keys)
-    out: dict[str, Any] = {"state_dict": state_dict, "callbacks": callbacks}
-    if optimizer_states and all(g is not None for g in saved_groups):
-        out["optimizer_states"] = []
-        for names_of, fresh, saved_of, found_of in zip(local_names, optimizer_states, saved_groups, per_param):
-            state = {}
-            for index, names in enumerate(names_of):
-                found = next((found_of[n] for n in names if n in found_of), None)
-                if found is not None:
-                    state[index] = found
-            groups = [
-                {**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
-                for group, saved in zip(fresh["param_groups"], saved_of)
-            ]
-            out["optimizer_states"].append({"state": state, "param_groups": groups})
-    return out
-
-
-def _names_per_optimizer(saved: list[Any]) -> list[list[list[str]]]:
-    """``optimizer_param_names`` as one list per optimizer (checkpoints before several optimizers: one flat list)."""
-    if saved and saved[0] and isinstance(saved[0][0], str):
-        return [saved]
-    return saved
-
-
-def _merge_callbacks(into: dict[str, Any], states: dict[str, Any], wanted: set[str]) -> None:
-    """Callback states are per stage; sparsity masks (keyed by weight name) are gathered for ``wanted``; the
-    per-layer target densities are every stage's view of the whole model (measuring is a collective), kept whole."""
-    for key, state in states.items():
-        sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
-        if key not in into:
-            into[key] = dict(state) if isinstance(state, dict) else state
-            if sparsifier:
-                into[key]["sparsifier"] = {**sparsifier, "masks": {}, "layer_targets": {}}
-        if sparsifier:
-            target = into[key]["sparsifier"]
-            target["masks"].update({n: m for n, m in sparsifier["masks"].items() if n in wanted})
-            targets = sparsifier.get("layer_targets", {})
-            target["layer_targets"].update(targets)
-
-
-# ---------------------------------------------------------------------------------------------- export
 def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
     """The full model's state dict from a sharded checkpoint; loads into the plain module."""
-    manifest = read_manifest(path)
-    state: dict[str, torch.Tensor] = {}
-    for stage in range(manifest["num_stages"]):
-        state.update(read_stage(path, stage)["state_dict"])
-    return state
-
-
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write a single-file Lightning checkpoint of the whole model: ``Model.load_from_checkpoint(out)`` and
-    ``torch.load(out)["state_dict"]`` both work; the optimizer state stays in the sharded checkpoint."""
-    meta = read_meta(path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    single = {
-        "state_dict": consolidate(path),
-        "global_step": meta.get("global_step"),
-        "epoch": meta.get("epoch"),
-        "pytorch-lightning_version": meta.get("pytorch-lightning_version"),
-        **{k: meta[k] for k in ("hyper_parameters", "hparams_name") if k in meta},
-    }
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(single, tmp)
-    _fsync(tmp)
-    tmp.replace(out)
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``pd2bw-consolidate CHECKPOINT_DIR OUT [--format torch|hf]``: export a sharded checkpoint as one file
-    (``torch``: a Lightning checkpoint of the whole module) or as a Hugging Face GPT-2 directory (``hf``)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="pd2bw-consolidate", description=main.__doc__)
-    parser.add_argument("checkpoint", help="a checkpoint directory written by strategy='pd2bw'")
-    parser.add_argument("out", help="torch: the single file to write (loads with strategy='auto'); hf: a directory")
-    parser.add_argument("--format", choices=["torch", "hf"], default="torch")
-    args = parser.parse_args(argv)
-    manifest = read_manifest(args.checkpoint)
-    where = (
-        f"{manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step {manifest['global_step']}"
-    )
-    if args.format == "hf":
-        from .models.gpt2_export import export_checkpoint
-
-        directory = export_checkpoint(args.checkpoint, args.out)
-        print(f"{directory}: {where} -> Hugging Face GPT-2 (GPT2LMHeadModel.from_pretrained({str(directory)!r}))")
-        return
-    written = export(args.checkpoint, args.out)
-    print(f"{written}: {where} -> one file ({written.stat().st_size / 2**20:.1f} MiB)")
-
-
-if __name__ == "__main__":
-    main()
+    return {name[len("model/") :]: value for name, value in read_entries(path, "model/").items()}

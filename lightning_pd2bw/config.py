@@ -86,6 +86,7 @@ class StrategySchema:
     delay_correction: str | None = None  # error_feedback: correct 2BW's one-step gradient delay (no effect on flush)
     delay_correction_strength: float = 1.0  # beta of W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))
     boundary_dtype: str | None = "auto"  # auto: bfloat16 at stage boundaries under bf16-mixed | null | bfloat16 ...
+    async_checkpoint: bool = False  # true: checkpoints written in the background (DCP async_save) after a host copy
 
 
 @dataclass

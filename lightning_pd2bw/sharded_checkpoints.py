@@ -1,6 +1,7 @@
-"""Sharded checkpoint I/O of ``PipeDream2BWStrategy`` (a mixin): what each rank writes, the manifest's
-layout and data position, loading at the same or another layout (resharding). The file format and
-its atomic publication live in ``checkpoint.py``."""
+"""Sharded checkpoint I/O of ``PipeDream2BWStrategy`` (a mixin): what each rank gives to the save, the
+manifest's layout and data position, an asynchronous save in flight, loading at the same or another layout
+(resharding). The format (torch.distributed.checkpoint entries) and its atomic publication live in
+``checkpoint.py`` and ``checkpoint_state.py``."""
 
 from __future__ import annotations
 
@@ -25,18 +26,45 @@ class ShardedCheckpoints:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self.progress.tick(f"saving checkpoint {filepath}")
+        self.wait_for_checkpoint()  # the previous asynchronous save is published before the next one starts
         if self.optimizers:
             checkpoint["optimizer_param_names"] = self._optimizer_parameter_names()
-        ckpt.save_sharded(
+        self._checkpoint_in_flight = ckpt.save_sharded(
             Path(filepath),
             checkpoint,
             self.layout(),
             stage=self.grid.stage,
-            writes_shard=self.grid.replica == 0,
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
             gather=self._gather_objects,
+            process_group=self._checkpoint_group,
+            asynchronous=self.async_checkpoint,
+            stager=self._checkpoint_stager() if self.async_checkpoint else None,
         )
+
+    def _checkpoint_stager(self) -> Any:
+        """One DCP stager per run: its host copy (pinned on GPUs) of the stage's state is reused by every save."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.root_device.type == "cuda"
+            self._stager = DefaultStager(
+                StagingOptions(cuda, False, False, cuda)
+            )  # pinned, shared, async, non-blocking
+        return self._stager
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is written (and, on global rank 0, published)."""
+        pending, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+        if pending is not None:
+            self.progress.tick("waiting for the asynchronous checkpoint")
+            pending.result()
+
+    def close_checkpoint_stager(self) -> None:
+        self.wait_for_checkpoint()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _gather_objects(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -126,21 +154,21 @@ class ShardedCheckpoints:
                 "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
                 "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys)"
             )
-        if ckpt.same_layout(manifest, self.stage_layers):
-            shard = ckpt.read_stage(checkpoint_path, self.grid.stage, map_location=self.root_device)
-        else:
+        if not ckpt.same_layout(manifest, self.stage_layers):
             rank_zero_info(
                 f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
                 f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
                 f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
             )
-            shard = ckpt.reshard(
-                checkpoint_path,
-                {k for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
-                self._optimizer_parameter_names(),
-                [optimizer.state_dict() for optimizer in self.optimizers],
-                map_location=self.root_device,
-            )
+        shard = ckpt.load_stage(
+            checkpoint_path,
+            stage=self.grid.stage,
+            stage_layers=self.stage_layers,
+            model={k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
+            names=self._optimizer_parameter_names(),
+            fresh=[optimizer.state_dict() for optimizer in self.optimizers],
+            device=self.root_device,
+        )
         return meta | shard
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -125,6 +125,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
             ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype
             (``torch.bfloat16`` or its name, ``"bfloat16"``).
+        async_checkpoint: save checkpoints asynchronously (``torch.distributed.checkpoint.async_save``): training
+            waits only while each rank copies its state to host memory (one copy of the stage's weights and
+            optimizer state, pinned on GPUs); the files are written, and the checkpoint published, in the
+            background over a gloo group of its own. The next save and the end of training wait for it.
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -155,6 +159,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         delay_correction: str | None = None,
         delay_correction_strength: float = 1.0,
         boundary_dtype: str | torch.dtype | None = "auto",
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         if mode not in schedule.MODES:
@@ -178,6 +183,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                 "(1.0: the update extrapolated one step ahead)"
             )
         self.boundary_dtype = _boundary_dtype(boundary_dtype)
+        self.async_checkpoint = async_checkpoint
+        self._checkpoint_group: Any = None  # async saves: a gloo group of their own (training uses the default one)
+        self._checkpoint_in_flight: Any = None  # the future of an asynchronous save
+        self._stager: Any = None  # an asynchronous save's host copy, reused by every save
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
         self._correction: ErrorFeedback | None = None
@@ -320,6 +329,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             extra = {"store": store} if store is not None else {}
             _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+        if self.async_checkpoint and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
         self._start_watchdog()
 
     def _start_watchdog(self) -> None:
@@ -350,6 +361,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if isinstance(exception, SIGTERMException) and self._preemption is not None and self._preemption.agreed:
             self._stop_after_preemption(exception)
             return
+        self._checkpoint_in_flight = None  # an asynchronous save may wait on a dead peer: leave it unpublished
         dog = self._watchdog
         if dog is None:
             return
@@ -370,6 +382,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
             trainer.save_checkpoint(path)
+            self.wait_for_checkpoint()
         else:
             self.drain()
         if self._watchdog is not None:
@@ -747,6 +760,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
     def teardown(self) -> None:
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+        self.close_checkpoint_stager()  # waits for an asynchronous save first
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

@@ -36,13 +36,12 @@ def fold_masks(module: nn.Module, masks: Mapping[str, torch.Tensor] | None = Non
 def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """All sparsity masks stored by sparsity callbacks in a Lightning checkpoint (a ``.ckpt`` file, a
     loaded checkpoint dict, or a pd2bw checkpoint directory: every stage's masks)."""
-    from .. import checkpoint as ckpt
+    if not isinstance(checkpoint, Mapping) and Path(checkpoint).is_dir():
+        from ..checkpoint import read_entries
 
+        return {name[len("masks/") :]: mask for name, mask in read_entries(checkpoint, "masks/").items()}
     if isinstance(checkpoint, Mapping):
         states = [checkpoint.get("callbacks", {})]
-    elif Path(checkpoint).is_dir():
-        layout = ckpt.read_meta(checkpoint)["pd2bw"]
-        states = [ckpt.read_stage(checkpoint, s).get("callbacks", {}) for s in range(layout["num_stages"])]
     else:
         states = [torch.load(checkpoint, map_location="cpu", weights_only=False).get("callbacks", {})]
     masks: dict[str, torch.Tensor] = {}

@@ -44,6 +44,7 @@ class Case:
     precision: str = "32-true"  # "bf16-mixed": CPU autocast; the reference autocasts each microbatch alike
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
     correction: bool = False  # delay_correction="error_feedback" (2BW): W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
+    async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -159,7 +160,15 @@ CASES = {
         # several optimizers (Muon for the blocks' matrices + AdamW for the rest, each with its schedule)
         Case("gpt_flush_muon", optimizer="muon", steps=5, schedule=True, clip=0.5),
         Case("gpt_2bw_muon", mode="2bw", optimizer="muon", steps=5, schedule=True),
-        Case("gpt_2bw_d2w2_muon_resume", mode="2bw", optimizer="muon", steps=7, checkpoint_every=3, schedule=True),
+        Case(
+            "gpt_2bw_d2w2_muon_resume",
+            mode="2bw",
+            optimizer="muon",
+            steps=7,
+            checkpoint_every=3,
+            schedule=True,
+            async_checkpoint=True,  # replicas deduplicated by DCP; the resume reads the asynchronously written files
+        ),
         Case("gpt_2bw_muon_sparse_static", mode="2bw", optimizer="muon", steps=5, sparsity="static_random", clip=0.5),
         # the error-feedback delay correction, with one optimizer and with two, at depth 2 and 4 and width 2
         Case("gpt_2bw_ef_adamw", mode="2bw", steps=6, correction=True, schedule=True),

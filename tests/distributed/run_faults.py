@@ -75,16 +75,17 @@ def read_verdicts_late() -> None:
 
 
 def die_in_second_save(rank: int) -> None:
-    original, calls = ckpt.write_shard, []
+    """Rank ``rank`` writes part of its file of the second checkpoint, then is killed (SIGKILL)."""
+    original, calls = ckpt.write_state, []
 
-    def write_shard(tmp: Path, stage: int, checkpoint: dict):
-        calls.append(tmp)
+    def write_state(folder: Path, entries: dict, *args, **kwargs):
+        calls.append(folder)
         if len(calls) == 2 and int(os.environ["RANK"]) == rank:
-            (tmp / ckpt.shard_name(stage)).write_bytes(b"partial shard")
+            (folder / f"__{rank}_0.distcp").write_bytes(b"partial file")
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(tmp, stage, checkpoint)
+        return original(folder, entries, *args, **kwargs)
 
-    ckpt.write_shard = write_shard
+    ckpt.write_state = write_state
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_pd2bw.checkpoint import consolidate, read_manifest, read_meta, read_stage
+from lightning_pd2bw.checkpoint import consolidate, read_entries, read_manifest, read_meta
 
 from .launch import ROOT, torchrun_script
 from .reference import reference_weights
@@ -38,12 +38,7 @@ def loaded(folder) -> dict:
 
 
 def saved_masks(path) -> dict:
-    masks = {}
-    for stage in range(read_manifest(path)["num_stages"]):
-        for state in read_stage(path, stage)["callbacks"].values():
-            if isinstance(state, dict) and state.get("sparsifier"):
-                masks.update(state["sparsifier"]["masks"])
-    return masks
+    return {name[len("masks/") :]: mask for name, mask in read_entries(path, "masks/").items()}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -96,7 +91,7 @@ def test_consolidate_exports_one_file_for_the_plain_module(resharded, tmp_path):
     path = next((resharded["2x2->2x1"] / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
     out = tmp_path / "model.ckpt"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_pd2bw.checkpoint", str(path), str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "lightning_pd2bw.consolidate", str(path), str(out)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert "2 stages x 2 replicas at step 3 -> one file" in done.stdout

@@ -1,70 +1,103 @@
-"""Checkpoint files: atomic publication, the manifest, and clear errors for corrupt or foreign input."""
+"""Checkpoint files: DCP entries written by two real ranks (gloo), atomic publication, the manifest, reading only
+a stage's own bytes, the format-1 upgrade, and clear errors for corrupt or foreign input."""
 
 from __future__ import annotations
 
 import json
-import threading
+import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_pd2bw import checkpoint as ckpt
 from lightning_pd2bw.config import ConfigError, check_checkpoint
+from lightning_pd2bw.consolidate import main as consolidate_main
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
 
 
-def write(path, step: int = 5) -> None:
-    """A two-stage checkpoint written by two threads playing the two ranks (barrier and gather between them)."""
-    barrier = threading.Barrier(2)
-    gathered: list = [None, None]
+def stage_checkpoint(stage: int, step: int) -> dict:
+    return {
+        "global_step": step,
+        "epoch": 0,
+        "state_dict": {f"layers.{stage}.w": torch.full((3,), float(step + stage))},
+        "optimizer_states": [
+            {
+                "state": {0: {"exp_avg": torch.full((3,), -float(stage)), "step": torch.tensor(float(step))}},
+                "param_groups": [{"lr": 0.1, "params": [0]}],
+            }
+        ],
+        "optimizer_param_names": [[f"layers.{stage}.w"]],
+        "callbacks": {
+            "Sparsity": {"step": step, "sparsifier": {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}}
+        },
+    }
 
-    def gather(stage: int, entry):
-        gathered[stage] = entry
-        barrier.wait()
-        return list(gathered)
 
-    def rank(stage: int) -> None:
-        checkpoint = {
-            "global_step": step,
-            "epoch": 0,
-            "state_dict": {f"layers.{stage}.w": torch.full((3,), float(step + stage))},
-            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
-            "optimizer_param_names": [[f"layers.{stage}.w"]],
-            "callbacks": {
-                "Sparsity": {"step": step, "sparsifier": {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}}
-            },
-        }
-        ckpt.save_sharded(
-            path,
-            checkpoint,
+def _rank(rank: int, folder: str, saves: list[tuple[str, int, bool]]) -> None:
+    """One of two ranks (stage = rank): each save as ``(path, step, asynchronous)``."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    own_group = dist.new_group(backend="gloo")  # an asynchronous save's collectives run beside training's
+
+    def gather(obj):
+        out = [None, None]
+        dist.all_gather_object(out, obj)
+        return out
+
+    for path, step, asynchronous in saves:
+        pending = ckpt.save_sharded(
+            ckpt.Path(path),
+            stage_checkpoint(rank, step),
             LAYOUT,
-            stage=stage,
-            writes_shard=True,
-            is_global_zero=stage == 0,
-            barrier=lambda name: barrier.wait(),
-            gather=lambda entry: gather(stage, entry),
+            stage=rank,
+            is_global_zero=rank == 0,
+            barrier=lambda name: dist.barrier(),
+            gather=gather,
+            process_group=own_group if asynchronous else None,
+            asynchronous=asynchronous,
         )
+        if pending is not None:
+            pending.result()
+        dist.barrier()
+    dist.destroy_process_group()
 
-    threads = [threading.Thread(target=rank, args=(stage,)) for stage in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+
+def write(folder, saves) -> None:
+    mp.spawn(_rank, args=(str(folder), [(str(p), step, a) for p, step, a in saves]), nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Written once by two processes: ``step.ckpt`` (step 5), ``again.ckpt`` (step 5, then 9 over it) and
+    ``async.ckpt`` (step 7, asynchronous)."""
+    folder = tmp_path_factory.mktemp("written")
+    write(
+        folder,
+        [
+            (folder / "step.ckpt", 5, False),
+            (folder / "again.ckpt", 5, False),
+            (folder / "again.ckpt", 9, False),
+            (folder / "async.ckpt", 7, True),
+        ],
+    )
+    return folder
 
 
 @pytest.fixture
-def saved(tmp_path):
+def saved(written, tmp_path):
     path = tmp_path / "step.ckpt"
-    write(path)
+    shutil.copytree(written / "step.ckpt", path)
     return path
 
 
 def test_manifest_records_layout_files_and_sparsity(saved):
     manifest = ckpt.read_manifest(saved)
     assert manifest["global_step"] == 5 and manifest["num_stages"] == 2
-    assert set(manifest["files"]) == {"stage-000.pt", "stage-001.pt", "trainer.pt"}
-    assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in manifest["files"].values())
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"}  # DCP's, ours
+    assert all(f["bytes"] > 0 for f in manifest["files"].values())
     assert manifest["sparsity"]["density"] == {
         "layers.0.w": pytest.approx(1 / 3, abs=1e-5),
         "layers.1.w": pytest.approx(1 / 3, abs=1e-5),
@@ -74,11 +107,17 @@ def test_manifest_records_layout_files_and_sparsity(saved):
     assert not (saved.parent / "step.ckpt.tmp").exists()
 
 
-def test_republishing_keeps_one_complete_checkpoint(saved):
-    write(saved, step=9)
-    assert ckpt.read_manifest(saved)["global_step"] == 9
-    assert ckpt.consolidate(saved)["layers.1.w"][0] == 10
-    assert not (saved.parent / "step.ckpt.old").exists()
+def test_republishing_keeps_one_complete_checkpoint(written):
+    again = written / "again.ckpt"
+    assert ckpt.read_manifest(again)["global_step"] == 9
+    assert ckpt.consolidate(again)["layers.1.w"][0] == 10
+    assert not (written / "again.ckpt.old").exists() and not (written / "again.ckpt.tmp").exists()
+
+
+def test_asynchronous_save_is_published_complete(written):
+    path = written / "async.ckpt"
+    assert ckpt.read_manifest(path)["global_step"] == 7
+    assert_weights(ckpt.consolidate(path), 7.0, 8.0)
 
 
 def test_crash_between_the_two_renames_falls_back_to_old(saved):
@@ -91,10 +130,10 @@ def test_crash_between_the_two_renames_falls_back_to_old(saved):
     "damage, message",
     [
         (
-            lambda p: (p / "stage-001.pt").write_bytes((p / "stage-001.pt").read_bytes()[:-20]),
-            "is corrupt: stage-001.pt",
+            lambda p: (p / "__1_0.distcp").write_bytes((p / "__1_0.distcp").read_bytes()[:-20]),
+            "is corrupt: __1_0.distcp has",
         ),
-        (lambda p: (p / "stage-001.pt").unlink(), "has no stage-001.pt; it is incomplete"),
+        (lambda p: (p / "__1_0.distcp").unlink(), "has no __1_0.distcp; it is incomplete"),
         (lambda p: (p / "manifest.json").unlink(), "has no manifest.json: its save never finished"),
         (lambda p: (p / "manifest.json").write_text("{"), "manifest.json is corrupt"),
     ],
@@ -126,14 +165,79 @@ def test_ckpt_path_is_checked_before_launch(saved, tmp_path):
         check_checkpoint(tmp_path / "missing", 4)
 
 
+def assert_weights(state: dict, first: float, second: float) -> None:
+    assert set(state) == {"layers.0.w", "layers.1.w"}
+    assert torch.equal(state["layers.0.w"], torch.full((3,), first))
+    assert torch.equal(state["layers.1.w"], torch.full((3,), second))
+
+
+def load_whole_model_as_one_stage(path) -> dict:
+    model = {"layers.0.w": torch.zeros(3), "layers.1.w": torch.zeros(3)}
+    fresh = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0, 1]}]}
+    return ckpt.load_stage(
+        path, stage=0, stage_layers=[range(0, 4)], model=model, names=[[["layers.0.w"], ["layers.1.w"]]], fresh=[fresh]
+    ) | {"model": model}
+
+
 def test_reshard_gathers_by_name(saved):
-    optimizer_state = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0, 1]}]}
-    part = ckpt.reshard(saved, {"layers.0.w", "layers.1.w"}, [[["layers.0.w"], ["layers.1.w"]]], [optimizer_state])
-    assert set(part["state_dict"]) == {"layers.0.w", "layers.1.w"}
-    assert part["optimizer_states"][0]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]  # saved hyper-parameters
+    part = load_whole_model_as_one_stage(saved)
+    assert_weights(part["model"], 5.0, 6.0)  # read in place
+    assert all(part["state_dict"][k].data_ptr() == part["model"][k].data_ptr() for k in part["model"])
+    optimizer = part["optimizer_states"][0]
+    assert optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]  # saved hyper-parameters, this run's indices
+    assert torch.equal(optimizer["state"][1]["exp_avg"], torch.full((3,), -1.0))
+    assert optimizer["state"][0]["step"].device.type == "cpu" and optimizer["state"][0]["step"] == 5
     masks = part["callbacks"]["Sparsity"]["sparsifier"]["masks"]
-    assert set(masks) == {"layers.0.w", "layers.1.w"}
+    assert set(masks) == {"layers.0.w", "layers.1.w"} and torch.equal(masks["layers.1.w"], torch.tensor([1, 0, 0]))
     json.dumps(ckpt.read_manifest(saved))
+
+
+def test_a_stage_reads_only_its_own_bytes(saved):
+    """Stage 1's entries are overwritten with garbage of the same length: stage 0 still loads exactly (it never
+    reads them); stage 1 reads the garbage."""
+    metadata = FileSystemReader(saved).read_metadata()
+    for index, info in metadata.storage_data.items():
+        if index.fqn.endswith("layers.1.w") or index.fqn.endswith("layers.1.w/exp_avg"):
+            with open(saved / info.relative_path, "r+b") as handle:
+                handle.seek(info.offset)
+                handle.write(bytes(info.length))
+
+    def load(stage: int) -> dict:
+        model = {f"layers.{stage}.w": torch.zeros(3)}
+        fresh = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0]}]}
+        names = [[[f"layers.{stage}.w"]]]
+        return ckpt.load_stage(
+            saved, stage=stage, stage_layers=[range(0, 2), range(2, 4)], model=model, names=names, fresh=[fresh]
+        )
+
+    own = load(0)
+    assert torch.equal(own["state_dict"]["layers.0.w"], torch.full((3,), 5.0))
+    assert torch.equal(own["optimizer_states"][0]["state"][0]["exp_avg"], torch.zeros(3))  # -0.0: stage 0's value
+    with pytest.raises(ValueError, match="cannot be read"):
+        load(1)
+
+
+def test_format_1_checkpoints_name_their_version_and_upgrade(tmp_path):
+    """A checkpoint of the format before DCP (one ``stage-NNN.pt`` per stage, written here by hand as that version
+    wrote it) is refused with its version and the command that converts it; converted, it loads by name."""
+    old = tmp_path / "old.ckpt"
+    old.mkdir()
+    for stage in range(2):
+        shard = stage_checkpoint(stage, 5)
+        torch.save({k: shard[k] for k in ckpt.STAGE_KEYS}, old / f"stage-{stage:03d}.pt")
+    torch.save({"global_step": 5, "epoch": 0}, old / "meta.pt")
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": "0" * 64} for f in old.iterdir()}
+    (old / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "global_step": 5, "epoch": 0, **LAYOUT, "files": files}))
+    with pytest.raises(ckpt.OldFormatError, match=r"format 1 .*pd2bw-consolidate .*old.ckpt NEW_PATH --upgrade"):
+        ckpt.read_manifest(old)
+    with pytest.raises(ckpt.OldFormatError):
+        ckpt.newest_checkpoint(tmp_path)  # not silently passed over by ckpt_path=last
+    consolidate_main([str(old), str(tmp_path / "new.ckpt"), "--upgrade"])
+    new = tmp_path / "new.ckpt"
+    assert ckpt.read_manifest(new)["format"] == ckpt.FORMAT and ckpt.read_meta(new)["global_step"] == 5
+    part = load_whole_model_as_one_stage(new)
+    assert_weights(part["model"], 5.0, 6.0)
+    assert torch.equal(part["optimizer_states"][0]["state"][1]["exp_avg"], torch.full((3,), -1.0))
 
 
 def test_not_mistaken_for_a_lightning_sharded_checkpoint_and_old_name_still_read(saved):
@@ -142,7 +246,7 @@ def test_not_mistaken_for_a_lightning_sharded_checkpoint_and_old_name_still_read
     assert not (saved / "meta.pt").exists()
     step = ckpt.read_meta(saved)["pd2bw"]["global_step"]
     manifest = json.loads((saved / ckpt.MANIFEST).read_text())
-    manifest["files"]["meta.pt"] = manifest["files"].pop("trainer.pt")
+    manifest["files"]["meta.pt"] = manifest["files"].pop("trainer.pt")  # as format-2 checkpoints once named it
     (saved / "trainer.pt").rename(saved / "meta.pt")
     (saved / ckpt.MANIFEST).write_text(json.dumps(manifest))
     assert ckpt.read_meta(saved)["pd2bw"]["global_step"] == step

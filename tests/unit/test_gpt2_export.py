@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw import checkpoint as ckpt
+from lightning_pd2bw.consolidate import main as consolidate_main
 from lightning_pd2bw.data import LMDataset
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 from lightning_pd2bw.models.gpt2_export import gpt2_state_dict
@@ -40,7 +41,7 @@ def test_gpt_exports_to_gpt2_with_the_same_logits(tmp_path, capsys):
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ)
     path = trained_checkpoint(tmp_path, GPT(config, lr=1e-2))
-    ckpt.main([str(path), str(tmp_path / "hf"), "--format", "hf"])
+    consolidate_main([str(path), str(tmp_path / "hf"), "--format", "hf"])
     assert "GPT2LMHeadModel.from_pretrained" in capsys.readouterr().out
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
