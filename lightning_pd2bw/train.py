@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF, RECIPES = ROOT / "conf", ROOT / "recipes"
+# an installed wheel carries the configurations in the package (setup.py); a source checkout has them at the top
+_PACKAGED = Path(__file__).resolve().parent
+CONF = _PACKAGED / "conf" if (_PACKAGED / "conf" / "config.yaml").is_file() else ROOT / "conf"
+RECIPES = _PACKAGED / "recipes" if (_PACKAGED / "recipes" / "tiny.yaml").is_file() else ROOT / "recipes"
 
 
 def register_resolvers() -> None:
