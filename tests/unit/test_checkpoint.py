@@ -17,6 +17,7 @@ from lightning_pd2bw.config import ConfigError, check_checkpoint
 from lightning_pd2bw.consolidate import main as consolidate_main
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
+REPLICAS = {"num_stages": 1, "data_parallel_size": 2, "num_layers": 4, "stage_layers": [(0, 4)]}
 
 
 def stage_checkpoint(stage: int, step: int) -> dict:
@@ -37,8 +38,9 @@ def stage_checkpoint(stage: int, step: int) -> dict:
     }
 
 
-def _rank(rank: int, folder: str, saves: list[tuple[str, int, bool]]) -> None:
-    """One of two ranks (stage = rank): each save as ``(path, step, asynchronous)``."""
+def _rank(rank: int, folder: str, saves: list[tuple[str, int, bool, bool]]) -> None:
+    """One of two ranks: each save as ``(path, step, asynchronous, replicas)``; the ranks are the two stages of one
+    pipeline, or (``replicas``) two replicas of a one-stage pipeline, holding the same entries."""
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     own_group = dist.new_group(backend="gloo")  # an asynchronous save's collectives run beside training's
 
@@ -47,12 +49,13 @@ def _rank(rank: int, folder: str, saves: list[tuple[str, int, bool]]) -> None:
         dist.all_gather_object(out, obj)
         return out
 
-    for path, step, asynchronous in saves:
+    for path, step, asynchronous, replicas in saves:
+        stage = 0 if replicas else rank
         pending = ckpt.save_sharded(
             ckpt.Path(path),
-            stage_checkpoint(rank, step),
-            LAYOUT,
-            stage=rank,
+            stage_checkpoint(stage, step),
+            REPLICAS if replicas else LAYOUT,
+            stage=stage,
             is_global_zero=rank == 0,
             barrier=lambda name: dist.barrier(),
             gather=gather,
@@ -66,23 +69,17 @@ def _rank(rank: int, folder: str, saves: list[tuple[str, int, bool]]) -> None:
 
 
 def write(folder, saves) -> None:
-    mp.spawn(_rank, args=(str(folder), [(str(p), step, a) for p, step, a in saves]), nprocs=2)
+    mp.spawn(_rank, args=(str(folder), [(str(p), *rest) for p, *rest in saves]), nprocs=2)
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """Written once by two processes: ``step.ckpt`` (step 5), ``again.ckpt`` (step 5, then 9 over it) and
-    ``async.ckpt`` (step 7, asynchronous)."""
+    """Written once by two processes: ``step.ckpt`` (step 5), ``again.ckpt`` (step 5, then 9 over it),
+    ``async.ckpt`` (step 7, asynchronous) and ``replicas.ckpt`` (two replicas of one stage)."""
     folder = tmp_path_factory.mktemp("written")
-    write(
-        folder,
-        [
-            (folder / "step.ckpt", 5, False),
-            (folder / "again.ckpt", 5, False),
-            (folder / "again.ckpt", 9, False),
-            (folder / "async.ckpt", 7, True),
-        ],
-    )
+    saves = [("step.ckpt", 5, False, False), ("again.ckpt", 5, False, False), ("again.ckpt", 9, False, False)]
+    saves += [("async.ckpt", 7, True, False), ("replicas.ckpt", 5, False, True)]
+    write(folder, [(folder / name, *rest) for name, *rest in saves])
     return folder
 
 
@@ -118,6 +115,15 @@ def test_asynchronous_save_is_published_complete(written):
     path = written / "async.ckpt"
     assert ckpt.read_manifest(path)["global_step"] == 7
     assert_weights(ckpt.consolidate(path), 7.0, 8.0)
+
+
+def test_replicas_are_written_once_and_share_the_writing(written):
+    """Two replicas give DCP the same entries: each is written once, and both ranks write part of them."""
+    one_writer = (written / "step.ckpt" / "__0_0.distcp").stat().st_size  # stage 0's entries, from one rank
+    files = {f.name: f.stat().st_size for f in (written / "replicas.ckpt").glob("*.distcp")}
+    assert set(files) == {"__0_0.distcp", "__1_0.distcp"} and min(files.values()) > 0, files
+    assert sum(files.values()) == one_writer, files
+    assert_weights({"layers.1.w": torch.full((3,), 6.0), **ckpt.consolidate(written / "replicas.ckpt")}, 5.0, 6.0)
 
 
 def test_crash_between_the_two_renames_falls_back_to_old(saved):
