@@ -22,6 +22,16 @@ from .timeline import WAIT_SENDS, Recorder
 from .versions import WeightVersions
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """Shown under the error's traceback (Python >= 3.11); printed at once on older versions."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        import sys
+
+        print(note, file=sys.stderr, flush=True)
+
+
 def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
 
@@ -177,37 +187,45 @@ class StageExecutor:
     # ----------------------------------------------------------------- driver
     def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
         """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
-        recorder, progress = self.recorder, self.progress
         self.link.begin_segment()
-        for action in actions:
-            kind, k = action.kind, action.microbatch
-            if progress is not None:
-                progress.tick(action)
-            start = recorder.now() if recorder is not None else 0.0
-            if kind == S.RECV_FORWARD:
-                key = self._keys.pop(k) if self.is_last else self._keys[k]
-                self._received[k] = self.link.recv_forward(key)
-            elif kind == S.FORWARD:
-                self._forward(action)
-            elif kind == S.SEND_FORWARD:
-                self.link.send_forward(self._to_send.pop(k), self._keys.pop(k))
-            elif kind == S.RECV_BACKWARD:
-                outputs = self._stash[k][1]
-                like = [o for o in as_tuple(outputs) if carries_gradient(o)]
-                self._grads_in[k] = self.link.recv_backward(like, self.boundary_dtype)
-            elif kind == S.BACKWARD:
-                self._backward(action)
-            elif kind == S.SEND_BACKWARD:
-                self.link.send_backward(self._to_send.pop(k))
-            elif kind == S.STEP:
-                self.versions.begin_update()
-                step_fn(action.batch)
-                if self.meter is not None:
-                    self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
-            else:
-                raise ValueError(f"unknown action {action}")
-            if recorder is not None:
-                recorder.action(action, start)
+        for index, action in enumerate(actions):
+            try:
+                self._run_action(action, step_fn)
+            except Exception as error:
+                note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
+                add_note(error, note + S.listing(actions, marked=index))
+                raise
+
+    def _run_action(self, action: S.Action, step_fn: Callable[[int], None]) -> None:
+        recorder, progress = self.recorder, self.progress
+        kind, k = action.kind, action.microbatch
+        if progress is not None:
+            progress.tick(action)
+        start = recorder.now() if recorder is not None else 0.0
+        if kind == S.RECV_FORWARD:
+            key = self._keys.pop(k) if self.is_last else self._keys[k]
+            self._received[k] = self.link.recv_forward(key)
+        elif kind == S.FORWARD:
+            self._forward(action)
+        elif kind == S.SEND_FORWARD:
+            self.link.send_forward(self._to_send.pop(k), self._keys.pop(k))
+        elif kind == S.RECV_BACKWARD:
+            outputs = self._stash[k][1]
+            like = [o for o in as_tuple(outputs) if carries_gradient(o)]
+            self._grads_in[k] = self.link.recv_backward(like, self.boundary_dtype)
+        elif kind == S.BACKWARD:
+            self._backward(action)
+        elif kind == S.SEND_BACKWARD:
+            self.link.send_backward(self._to_send.pop(k))
+        elif kind == S.STEP:
+            self.versions.begin_update()
+            step_fn(action.batch)
+            if self.meter is not None:
+                self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
+        else:
+            raise ValueError(f"unknown action {action}")
+        if recorder is not None:
+            recorder.action(action, start)
 
     def finish_drain(self) -> None:
         """After a drain's actions: nothing may be in flight; the version rule restarts."""

@@ -19,31 +19,77 @@ concatenation for a whole run, used by tests and the schedule picture.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 Mode = Literal["flush", "gpipe", "2bw"]
 MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
 
-FORWARD, BACKWARD = "F", "B"
-SEND_FORWARD, RECV_FORWARD = "SEND_F", "RECV_F"
-SEND_BACKWARD, RECV_BACKWARD = "SEND_B", "RECV_B"
-STEP = "STEP"
+
+class Kind(str, Enum):
+    """What an action does; its text form (``str``, traces, logs) is the value."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_FORWARD = "SEND_F"
+    RECV_FORWARD = "RECV_F"
+    SEND_BACKWARD = "SEND_B"
+    RECV_BACKWARD = "RECV_B"
+    STEP = "STEP"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__  # the same dict key as its text, "F" (Enum hashes the member's name)
+
+
+FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
+SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
+SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
+_TEXT = re.compile(r"^(?:STEP\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$")
 
 
 @dataclass(frozen=True)
 class Action:
     """One instruction for one stage. ``microbatch`` is -1 for STEP."""
 
-    kind: str
+    kind: Kind
     batch: int
     microbatch: int = -1
     weight_version: int = -1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # "F" or Kind.FORWARD; anything else raises
 
     def __str__(self) -> str:
         if self.kind == STEP:
             return f"STEP(b{self.batch})"
         return f"{self.kind}(m{self.microbatch},v{self.weight_version})"
+
+    @classmethod
+    def parse(cls, text: str, num_microbatches: int) -> Action:
+        """The action ``str(action)`` wrote (its batch is ``microbatch // num_microbatches``)."""
+        found = _TEXT.match(text.strip())
+        if found is None:
+            raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
+        if found["batch"] is not None:
+            return cls(STEP, int(found["batch"]))
+        microbatch = int(found["microbatch"])
+        return cls(Kind(found["kind"]), microbatch // num_microbatches, microbatch, int(found["version"]))
+
+
+def listing(actions: Sequence[Action], marked: int | None = None) -> str:
+    """``actions`` as text, one line each, ``marked`` (an index) flagged: what a stage was running."""
+    return "\n".join(
+        f"{'>>' if i == marked else '  '} {i:4d} {action}{'   <- failed here' if i == marked else ''}"
+        for i, action in enumerate(actions)
+    )
 
 
 def warmup_forwards(stage: int, num_stages: int, num_microbatches: int) -> int:

@@ -109,3 +109,40 @@ def test_invalid_parameters_name_the_fix():
         S.segment("2bw", 0, 4, 2, 0)
     with pytest.raises(ValueError, match="valid: 2bw, flush, gpipe"):
         S.validate("pipedream", 2, 2)
+
+
+@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("num_stages, num_microbatches", LAYOUTS)
+def test_actions_round_trip_through_their_text(mode, num_stages, num_microbatches):
+    for stage in range(num_stages):
+        actions = S.stream(mode, stage, num_stages, num_microbatches, 3)
+        assert all(isinstance(a.kind, S.Kind) for a in actions)
+        assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
+
+
+def test_action_kinds_are_typed():
+    assert S.Action("RECV_B", 1, 5, 0).kind is S.Kind.RECV_BACKWARD and str(S.Kind.RECV_BACKWARD) == "RECV_B"
+    with pytest.raises(ValueError, match="'SEND' is not a valid Kind"):
+        S.Action("SEND", 0, 0, 0)
+    with pytest.raises(ValueError, match="'F\\(m1\\)' is not an action"):
+        S.Action.parse("F(m1)", 2)
+
+
+def test_a_failing_action_is_shown_marked_in_the_stage_list():
+    """Microbatch 1's input has the wrong width: the error carries the stage's actions with F(m1,v0) marked."""
+    import torch
+
+    from .test_timeline import single_stage_executor
+
+    executor, _ = single_stage_executor("flush", 2)
+    executor.feed(
+        0, [{"x": torch.randn(2, 4), "y": torch.randn(2, 1)}, {"x": torch.randn(2, 5), "y": torch.randn(2, 1)}]
+    )
+    actions = S.segment("flush", 0, 1, 2, 0)
+    with pytest.raises(RuntimeError) as error:
+        executor.run(actions, lambda batch: None)
+    (note,) = error.value.__notes__
+    failing = actions.index(S.Action(S.FORWARD, 0, 1, 0))
+    assert note.splitlines()[0] == f"pd2bw: stage 0 of 1 failed at action #{failing} F(m1,v0) of:"
+    assert note.splitlines()[1 + failing] == f">> {failing:4d} F(m1,v0)   <- failed here"
+    assert len(note.splitlines()) == 1 + len(actions) and "STEP(b0)" in note
