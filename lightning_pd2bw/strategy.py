@@ -49,6 +49,7 @@ from .pipeline.delay_correction import METHODS as delay_correction_methods
 from .pipeline.delay_correction import ErrorFeedback
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid, build_groups, check_world_size
+from .pipeline.ledger import BatchLedger
 from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
 from .pipeline.microbatch import (
     batch_device,
@@ -244,15 +245,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self.grid: ProcessGrid | None = None
         self.executor: StageExecutor | None = None
         self.stage_layers: list[range] = []
-        self._step_in_run = 0
-        self._hparams_by_batch: dict[int, list[dict[str, Any]]] = {}
-        self._losses_in_flight: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self._preemption: Preemption | None = None
-        self._deferred = gradients.DeferredSharedSums()
-        self._deferred_hparams: dict[int, list[dict[str, Any]]] = {}
         self._draining = False
         self._resume_data: dict[str, Any] | None = None
-        self._global_step_by_batch: dict[int, int] = {}
 
     # ------------------------------------------------------------------ grid and processes
     @property
@@ -607,12 +603,10 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.executor is not None
-        step = self._step_in_run
-        self.progress.tick(f"training step {step} (global step {self.lightning_module.trainer.global_step})")
-        self._hparams_by_batch[step] = [_hyperparameters(optimizer) for optimizer in self.optimizers]
-        self._global_step_by_batch = {b: g for b, g in self._global_step_by_batch.items() if b >= step - 2}
-        self._global_step_by_batch[step] = self.lightning_module.trainer.global_step
-        self._finish_deferred(step - 2)
+        global_step = self.lightning_module.trainer.global_step
+        self._finish_deferred(self.ledger.next_batch - 2)
+        step = self.ledger.open(global_step, [_hyperparameters(optimizer) for optimizer in self.optimizers])
+        self.progress.tick(f"training step {step} (global step {global_step})")
         self.executor.feed(step, split_microbatches(batch, self.num_microbatches))
         actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
         with self.precision_plugin.train_step_context():
@@ -620,11 +614,11 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self.executor.versions.use_latest()  # callbacks' on_train_batch_end sees the newest weights
         self._publish_loss(step)
         if self.mode == "2bw":
-            self._step_in_run += 1
-            loss = self._take_loss(step - 1)
+            loss = self.ledger.take_loss(step - 1)
         else:
             self.executor.finish_drain()
-            loss = self._take_loss(step)
+            loss = self.ledger.take_loss(step)
+            self.ledger.restart()
         if loss is None:
             return torch.zeros((), device=self.root_device)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
@@ -640,22 +634,15 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             value = torch.zeros((), device=self.root_device)
         last = self.grid.rank_of(self.num_stages - 1)
         work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
-        self._losses_in_flight[step] = (value, work)
-
-    def _take_loss(self, step: int) -> torch.Tensor | None:
-        if step not in self._losses_in_flight:
-            return None
-        value, work = self._losses_in_flight.pop(step)
-        work.wait()
-        return value
+        self.ledger.put_loss(step, value, work)
 
     # ------------------------------------------------------------------ drains
     def drain(self) -> None:
         """Finish every in-flight microbatch and update; the version rule restarts."""
         if self.executor is None:
             return
-        if self.mode == "2bw" and self._step_in_run > 0:
-            last = self._step_in_run - 1
+        if self.mode == "2bw" and self.ledger.next_batch > 0:
+            last = self.ledger.next_batch - 1
             self._finish_deferred(last - 1)
             actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
             self._draining = True  # the drain's own update sums at once: nothing may stay pending
@@ -666,10 +653,9 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self.executor.finish_drain()
         if self.on_nonfinite == "stop":
             self.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
-        for step in list(self._losses_in_flight):
-            self._take_loss(step)
-        self._step_in_run = 0
-        self._global_step_by_batch.clear()  # batch numbers restart after a drain
+        for step in self.ledger.pending_losses():
+            self.ledger.take_loss(step)
+        self.ledger.restart()  # batch numbers restart after a drain
 
     def on_validation_start(self) -> None:
         self.drain()  # a no-op mid-fit (drained before the zero-grad hook, below); trainer.validate() after fit

@@ -47,11 +47,11 @@ class UpdatePath:
         with self._collectives(batch):
             gradients.average_over_replicas(self._local_params, self.groups.replica, self.data_parallel_size)
             if defer:
-                self._deferred.launch(batch, shared)
+                sums = gradients.launch_shared_sums(shared)
             else:
                 gradients.sum_shared(shared)
         if not self._gradients_finite(batch):
-            self._hparams_by_batch.pop(batch)
+            self.ledger.take_hparams(batch)
             self._zero_grad()
             return
         for optimizer in self.optimizers:
@@ -59,13 +59,14 @@ class UpdatePath:
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
             self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-        hparams = self._hparams_by_batch.pop(batch)
+        hparams = self.ledger.take_hparams(batch)
         correction = self._correction if self.mode == "2bw" else None
         with ExitStack() as stack:
             if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
-                self._deferred_hparams[batch] = [[] for _ in self.optimizers]
+                deferred_hparams: list[Any] = [[] for _ in self.optimizers]
+                self.ledger.defer(batch, sums, deferred_hparams)
                 for index, optimizer in enumerate(self.optimizers):
-                    record = self._deferred_hparams[batch].__setitem__
+                    record = deferred_hparams.__setitem__
                     handle = optimizer.register_step_pre_hook(
                         lambda opt, *_, i=index, r=record: r(i, _hyperparameters(opt))
                     )
@@ -125,7 +126,7 @@ class UpdatePath:
 
     def _batch_step(self, batch: int) -> int:
         """The Lightning step (global_step) that fed batch ``batch`` of this run segment."""
-        return self._global_step_by_batch.get(batch, -1)
+        return self.ledger.global_step(batch)
 
     def _step_optimizers(
         self, hparams: list[list[dict[str, Any]]], hooks: bool = True, post_hooks: bool = True
@@ -160,10 +161,11 @@ class UpdatePath:
         Called before batch ``until_batch + 2``'s first forward: the newest version is then the one
         that batch's update made, not yet read by anyone; every other gradient is left untouched.
         """
-        for batch in self._deferred.batches_until(until_batch):
+        for batch in self.ledger.deferred_until(until_batch):
             recorder = self.executor.recorder
             start = recorder.now() if recorder is not None else 0.0
-            sums = self._deferred.take(batch)
+            entries, deferred_hparams = self.ledger.take_deferred(batch)
+            sums = gradients.finish_shared_sums(entries)
             self.executor.versions.use_latest()
             others = [(p, p.grad) for p in self._local_params]
             for param in self._local_params:
@@ -171,7 +173,7 @@ class UpdatePath:
             for param, grad in sums:
                 param.grad = grad
             before = [param.detach().clone() for param, _ in sums] if self._correction is not None else []
-            self._step_optimizers(self._deferred_hparams.pop(batch), hooks=False)
+            self._step_optimizers(deferred_hparams, hooks=False)
             if self._correction is not None:
                 self._correction.apply(before, stale=batch >= 1, parameters=[param for param, _ in sums])
             for param, grad in others:

@@ -113,37 +113,30 @@ def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
         dist.all_reduce(param.grad, group=group)
 
 
-class DeferredSharedSums:
+def launch_shared_sums(shared: Sequence[tuple[nn.Parameter, Any]]) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
     """2BW's tied-parameter sums, off the critical path.
 
     The stages holding a tied parameter reach the update of batch b at different moments (the last
     stage first), so a blocking sum makes the early ones wait. Under 2BW, batch b's update is first
-    read by batch b+2's forwards; ``launch`` therefore moves the tied gradients aside (the next
-    batch's backwards start fresh ones: one extra gradient copy of the tied parameters) and sums them
-    asynchronously; the caller applies them with ``take`` before batch b+2 begins.
-    """
+    read by batch b+2's forwards; the tied gradients are therefore moved aside (the next batch's
+    backwards start fresh ones: one extra gradient copy of the tied parameters) and summed
+    asynchronously; ``finish_shared_sums`` hands them over before batch b+2 begins (the ledger holds
+    them in between)."""
+    entries = []
+    for param, group in shared:
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        param.grad = None
+        entries.append((param, grad, dist.all_reduce(grad, group=group, async_op=True)))
+    return entries
 
-    def __init__(self) -> None:
-        self.pending: dict[int, list[tuple[nn.Parameter, torch.Tensor, Any]]] = {}
 
-    def launch(self, batch: int, shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
-        entries = []
-        for param, group in shared:
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            param.grad = None
-            entries.append((param, grad, dist.all_reduce(grad, group=group, async_op=True)))
-        self.pending[batch] = entries
-
-    def batches_until(self, batch: int) -> list[int]:
-        return sorted(b for b in self.pending if b <= batch)
-
-    def take(self, batch: int) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Batch ``batch``'s summed gradients (waits for the sums)."""
-        out = []
-        for param, grad, work in self.pending.pop(batch):
-            work.wait()
-            out.append((param, grad))
-        return out
+def finish_shared_sums(
+    entries: Sequence[tuple[nn.Parameter, torch.Tensor, Any]],
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """The summed gradients of ``launch_shared_sums`` (waits for the sums)."""
+    for _, _, work in entries:
+        work.wait()
+    return [(param, grad) for param, grad, _ in entries]
 
 
 def clip_by_norm(

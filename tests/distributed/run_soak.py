@@ -53,9 +53,9 @@ class Counters(Callback):
                 "stashed": len(executor._stash),
                 "in_flight": len(executor._microbatches) + len(executor._received) + len(executor._to_send),
                 "sends": executor.link.pending_sends,
-                "losses": len(executor.losses) + len(strategy._losses_in_flight),
-                "hparams": len(strategy._hparams_by_batch) + len(strategy._deferred_hparams),
-                "step_map": len(strategy._global_step_by_batch),
+                "losses": len(executor.losses) + strategy.ledger.counters()["losses_in_flight"],
+                "hparams": strategy.ledger.counters()["updates_pending"] + strategy.ledger.counters()["deferred_sums"],
+                "step_map": strategy.ledger.counters()["batches"],
             }
         )
 

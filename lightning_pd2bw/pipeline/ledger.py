@@ -1,0 +1,118 @@
+"""One ledger of what the pipeline keeps per batch between the batch's step and the end of its update.
+
+A batch (numbered within a run, the stretch between two drains) is opened by its training step with the global
+step it belongs to and the hyper-parameters every optimizer had then (its update, which 2BW applies one step
+later, must use them). It then holds, until each is consumed: those hyper-parameters (taken by the update), its
+mean loss being broadcast from the last stage (taken one step later under 2BW), and, under 2BW with tied
+parameters, the deferred tied-gradient sums with the hyper-parameters their delayed update uses (taken before
+batch + 2's first forward). A batch whose entries are all consumed is closed.
+
+Bounded by construction: at most ``LIMIT`` batches are open (2BW: the batch two back waits for its tied update,
+the previous one for its update and loss, the current one); opening one more is a bug and raises rather than
+grows. ``counters()`` reports what is held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LIMIT = 4
+
+
+@dataclass
+class BatchEntry:
+    global_step: int
+    hparams: list[list[dict[str, Any]]] | None  # per optimizer, per param group; None once the update took it
+    loss: tuple[torch.Tensor, Any] | None = None  # (value, the broadcast's work) in flight
+    deferred: list[Any] | None = None  # the tied-gradient sums (gradients.DeferredSharedSums.launch)
+    deferred_hparams: list[list[dict[str, Any]]] | None = None
+    loss_expected: bool = field(default=True)
+
+    def consumed(self) -> bool:
+        return self.hparams is None and self.loss is None and self.deferred is None and not self.loss_expected
+
+
+class BatchLedger:
+    def __init__(self) -> None:
+        self.batches: dict[int, BatchEntry] = {}
+        self.next_batch = 0  # the next training step's batch number in this run
+
+    def open(self, global_step: int, hparams: list[list[dict[str, Any]]]) -> int:
+        """Open the next batch of the run; returns its number."""
+        if len(self.batches) >= LIMIT:
+            raise RuntimeError(
+                f"pd2bw: {len(self.batches)} batches still held ({sorted(self.batches)}) when opening batch "
+                f"{self.next_batch}: an update, loss or tied sum was never consumed (a pipeline bug)"
+            )
+        batch, self.next_batch = self.next_batch, self.next_batch + 1
+        self.batches[batch] = BatchEntry(global_step, hparams)
+        return batch
+
+    def global_step(self, batch: int) -> int:
+        """The Lightning step that fed ``batch`` (-1 once it is closed)."""
+        entry = self.batches.get(batch)
+        return entry.global_step if entry is not None else -1
+
+    def take_hparams(self, batch: int) -> list[list[dict[str, Any]]]:
+        entry = self.batches[batch]
+        hparams, entry.hparams = entry.hparams, None
+        assert hparams is not None, f"batch {batch}'s update ran twice"
+        self._close_if_done(batch)
+        return hparams
+
+    def put_loss(self, batch: int, value: torch.Tensor, work: Any) -> None:
+        entry = self.batches[batch]
+        entry.loss, entry.loss_expected = (value, work), False
+
+    def take_loss(self, batch: int) -> torch.Tensor | None:
+        """``batch``'s mean loss once its broadcast completed (None: no such batch in this run)."""
+        entry = self.batches.get(batch)
+        if entry is None or entry.loss is None:
+            return None
+        (value, work), entry.loss = entry.loss, None
+        work.wait()
+        self._close_if_done(batch)
+        return value
+
+    def pending_losses(self) -> list[int]:
+        return sorted(b for b, e in self.batches.items() if e.loss is not None)
+
+    def defer(self, batch: int, sums: list[Any], hparams: list[list[dict[str, Any]]]) -> None:
+        entry = self.batches[batch]
+        entry.deferred, entry.deferred_hparams = sums, hparams
+
+    def deferred_until(self, batch: int) -> list[int]:
+        return sorted(b for b, e in self.batches.items() if b <= batch and e.deferred is not None)
+
+    def take_deferred(self, batch: int) -> tuple[list[Any], list[list[dict[str, Any]]]]:
+        entry = self.batches[batch]
+        out = (entry.deferred, entry.deferred_hparams)
+        entry.deferred = entry.deferred_hparams = None
+        self._close_if_done(batch)
+        return out
+
+    def restart(self) -> None:
+        """After a drain: every batch is consumed; numbering starts again at 0."""
+        left = {b: e for b, e in self.batches.items() if not e.consumed()}
+        if any(e.hparams is not None or e.deferred is not None or e.loss is not None for e in left.values()):
+            raise RuntimeError(f"pd2bw: batches {sorted(left)} still hold an update, loss or tied sum after a drain")
+        self.batches.clear()
+        self.next_batch = 0
+
+    def counters(self) -> dict[str, int]:
+        """What is held now: open batches, updates waiting for their hyper-parameters, losses in flight,
+        deferred tied sums."""
+        entries = self.batches.values()
+        return {
+            "batches": len(self.batches),
+            "updates_pending": sum(e.hparams is not None for e in entries),
+            "losses_in_flight": sum(e.loss is not None for e in entries),
+            "deferred_sums": sum(e.deferred is not None for e in entries),
+        }
+
+    def _close_if_done(self, batch: int) -> None:
+        if self.batches[batch].consumed():
+            del self.batches[batch]

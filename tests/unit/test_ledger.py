@@ -1,0 +1,55 @@
+"""The per-batch ledger: a 2BW run's entries open and close in the schedule's order, what is held is counted, and
+it cannot grow: a batch never consumed makes the next opening (or the drain) fail loudly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pd2bw.pipeline.ledger import LIMIT, BatchLedger
+
+
+class Done:
+    def wait(self) -> None:
+        pass
+
+
+def test_a_2bw_run_holds_at_most_three_batches():
+    """Step s: the tied update of s - 2, the update of s - 1, its loss one step later (as the strategy runs them)."""
+    ledger, held = BatchLedger(), []
+    hparams = [[{"lr": 0.1}]]
+    for step in range(6):
+        for batch in ledger.deferred_until(ledger.next_batch - 2):
+            assert ledger.take_deferred(batch)[1] == [["deferred"]]
+        batch = ledger.open(global_step=10 + step, hparams=hparams)
+        assert batch == step and ledger.global_step(batch) == 10 + step
+        if batch >= 1:  # batch - 1's last backward ran in this step: its update, with its tied sum deferred
+            assert ledger.take_hparams(batch - 1) == hparams
+            ledger.defer(batch - 1, ["sums"], [["deferred"]])
+        ledger.put_loss(batch, torch.tensor(float(step)), Done())
+        if batch >= 1:
+            assert ledger.take_loss(batch - 1) == step - 1
+        held.append(ledger.counters())
+    assert max(c["batches"] for c in held) <= 3
+    assert held[-1] == {"batches": 2, "updates_pending": 1, "losses_in_flight": 1, "deferred_sums": 1}
+    with pytest.raises(RuntimeError, match="still hold an update, loss or tied sum after a drain"):
+        ledger.restart()  # the drain's own update, loss and tied sum were not consumed
+
+
+def test_an_entry_never_consumed_fails_instead_of_growing():
+    ledger = BatchLedger()
+    for step in range(LIMIT):
+        ledger.open(step, [[]])
+    with pytest.raises(RuntimeError, match=f"{LIMIT} batches still held .* when opening batch {LIMIT}"):
+        ledger.open(LIMIT, [[]])
+
+
+def test_a_drained_ledger_restarts_its_numbering():
+    ledger = BatchLedger()
+    batch = ledger.open(7, [[]])
+    ledger.take_hparams(batch)
+    ledger.put_loss(batch, torch.tensor(1.0), Done())
+    assert ledger.pending_losses() == [0] and ledger.take_loss(0) == 1.0
+    assert ledger.counters()["batches"] == 0 and ledger.global_step(0) == -1  # closed once consumed
+    ledger.restart()
+    assert ledger.open(8, [[]]) == 0
