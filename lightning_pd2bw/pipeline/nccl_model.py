@@ -14,6 +14,9 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
 3. *Rendezvous*: a send completes only together with the matching receive (no buffering); a collective
    completes only when every member has reached it, and all must be the same collective.
 
+4. *Threads are independent*: a rank's calls from another thread (an asynchronous checkpoint's collectives on a
+   group of their own) form a program of their own, ordered only by the communicators they share.
+
 ``simulate`` advances every rank until all programs end (free of deadlock) or nothing can move (a
 deadlock, reported with each rank's blocked operation and the heads of the communicators). Programs
 come from two places: ``record_calls`` records what a real process issues through ``torch.distributed``
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +50,7 @@ class Op(NamedTuple):
     members: tuple[int, ...] = ()  # collective: the group's global ranks
     name: str = ""  # collective: all_reduce, broadcast, ...
     label: str = ""  # where the call comes from (an action, an update part)
+    thread: str = ""  # the issuing thread ("" for the main thread)
 
     def __str__(self) -> str:
         if self.kind == WAIT:
@@ -89,7 +94,8 @@ class Outcome:
 def simulate(programs: Programs) -> Outcome:
     """Run ``programs`` under NCCL's rules; raise ``Deadlock`` or ``MismatchedCollective``, else the outcome."""
     ranks = sorted(programs)
-    pc = dict.fromkeys(ranks, 0)
+    lanes = _lanes(programs)
+    pc = dict.fromkeys(lanes, 0)
     queues: dict[tuple[str, int], deque[Op]] = defaultdict(deque)
     done: dict[int, set[int]] = {r: set() for r in ranks}
     dirty: list[tuple[str, int]] = []  # communicators whose head may now match
@@ -98,19 +104,20 @@ def simulate(programs: Programs) -> Outcome:
 
     def advance(rank: int) -> None:
         nonlocal max_queued
-        program = programs[rank]
-        while pc[rank] < len(program):
-            op = program[pc[rank]]
-            if op.kind == WAIT:
-                if op.handle not in done[rank]:
-                    return
-            else:
-                key = (communicator(op, rank), rank)
-                queues[key].append(op)
-                max_queued = max(max_queued, len(queues[key]))
-                if len(queues[key]) == 1:
-                    dirty.append(key)
-            pc[rank] += 1
+        for lane in (lane for lane in lanes if lane[0] == rank):
+            program = lanes[lane]
+            while pc[lane] < len(program):
+                op = program[pc[lane]]
+                if op.kind == WAIT:
+                    if op.handle not in done[rank]:
+                        break
+                else:
+                    key = (communicator(op, rank), rank)
+                    queues[key].append(op)
+                    max_queued = max(max_queued, len(queues[key]))
+                    if len(queues[key]) == 1:
+                        dirty.append(key)
+                pc[lane] += 1
 
     def finish(key: tuple[str, int]) -> None:
         nonlocal completed
@@ -148,20 +155,33 @@ def simulate(programs: Programs) -> Outcome:
                         )
                     for member in head.members:
                         finish((comm, member))
-    stuck = [r for r in ranks if pc[r] < len(programs[r])]
+    stuck = [lane for lane in lanes if pc[lane] < len(lanes[lane])]
     leftover = {key: q for key, q in queues.items() if q}
     if stuck or leftover:
-        raise Deadlock(_report(programs, pc, leftover))
+        raise Deadlock(_report(lanes, pc, leftover))
     return Outcome(completed, max_queued)
 
 
-def _report(programs: Programs, pc: dict[int, int], leftover: dict[tuple[str, int], deque[Op]]) -> str:
-    lines = ["deadlock under NCCL semantics:"]
+def _lanes(programs: Programs) -> dict[tuple[int, str], list[Op]]:
+    """Each rank's program split by issuing thread (the main thread's first), order kept within each."""
+    lanes: dict[tuple[int, str], list[Op]] = {}
     for rank in sorted(programs):
-        if pc[rank] < len(programs[rank]):
-            lines.append(f"  rank {rank} blocked at op {pc[rank]}: {programs[rank][pc[rank]]}")
-        else:
-            lines.append(f"  rank {rank} finished its program")
+        lanes[(rank, "")] = []
+        for op in programs[rank]:
+            lanes.setdefault((rank, op.thread), []).append(op)
+    return lanes
+
+
+def _report(
+    lanes: dict[tuple[int, str], list[Op]], pc: dict[tuple[int, str], int], leftover: dict[tuple[str, int], deque[Op]]
+) -> str:
+    lines = ["deadlock under NCCL semantics:"]
+    for (rank, thread), program in lanes.items():
+        who = f"rank {rank}" + (f" thread {thread}" if thread else "")
+        if pc[(rank, thread)] < len(program):
+            lines.append(f"  {who} blocked at op {pc[(rank, thread)]}: {program[pc[(rank, thread)]]}")
+        elif not thread:
+            lines.append(f"  {who} finished its program")
     for (comm, rank), queue in sorted(leftover.items()):
         lines.append(
             f"  rank {rank} on [{comm}] waits to run: {queue[0]}" + (f" (+{len(queue) - 1})" if len(queue) > 1 else "")
@@ -185,6 +205,11 @@ def _members(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD))
 
 
+def _thread() -> str:
+    current = threading.current_thread()
+    return "" if current is threading.main_thread() else current.name
+
+
 class _RecordedWork:
     """A ``Work`` whose ``wait`` is recorded (everything else is the real one's)."""
 
@@ -192,7 +217,7 @@ class _RecordedWork:
         self._work, self._recorder, self._handle, self._label = work, recorder, handle, label
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        self._recorder.ops.append(Op(WAIT, self._handle, label=self._label))
+        self._recorder.append(Op(WAIT, self._handle, label=self._label, thread=_thread()))
         return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -219,12 +244,18 @@ class CallRecorder:
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self._handles = 0
+        self._lock = threading.Lock()  # an asynchronous checkpoint issues calls from its own thread
 
     def _issue(self, **fields: Any) -> int:
-        handle = self._handles
-        self._handles += 1
-        self.ops.append(Op(handle=handle, **fields))
+        with self._lock:
+            handle = self._handles
+            self._handles += 1
+            self.ops.append(Op(handle=handle, thread=_thread(), **fields))
         return handle
+
+    def append(self, op: Op) -> None:
+        with self._lock:
+            self.ops.append(op)
 
     def wrap(self, name: str, fn: Any) -> Any:
         signature = inspect.signature(fn)
@@ -252,7 +283,7 @@ class CallRecorder:
             result = fn(*args, **kwargs)
             if asynchronous and result is not None:
                 return _RecordedWork(result, self, handle, name)
-            self.ops.append(Op(WAIT, handle, label=name))
+            self.append(Op(WAIT, handle, label=name, thread=_thread()))
             return result
 
         return recorded

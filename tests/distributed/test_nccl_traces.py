@@ -33,6 +33,9 @@ def test_real_run_is_deadlock_free_under_nccl(trained, name):
     calls = recorded(trained[name])
     outcome = simulate(calls)
     assert outcome.steps > 0
+    if CASES[name].async_checkpoint:  # the checkpoint's collectives run in their own thread, on their own group
+        background = {op.channel for ops in calls.values() for op in ops if op.thread and op.kind != "wait"}
+        assert len(background) == 1 and not background & {op.channel for op in calls[0] if not op.thread}
     if as_run(trained, name)[0].num_stages > 1:  # plan="auto" may choose one stage
         assert any(op.channel.startswith("pd2bw/activations/") for op in calls[0]), "the pipeline's messages recorded"
 

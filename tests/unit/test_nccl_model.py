@@ -147,3 +147,17 @@ def test_the_lowering_sends_one_header_per_boundary_and_phase():
     ops = programs(CommLayout("2bw", 2, 4, steps=3, drain_after=(3,), eval_batches=2))[0]
     headers = [op for op in ops if op.kind == SEND and op.label.endswith("header")]
     assert [op.label for op in headers] == ["SEND_F(m0,v0) header", "EVAL(b0,m0) header"]
+
+
+def test_a_background_thread_is_a_program_of_its_own():
+    """An asynchronous checkpoint's collective on its own group, issued from a thread: recorded between two of the
+    main thread's collectives on rank 0 and after both on rank 1. As one program per rank that order deadlocks
+    (rank 0 waits in the gather, rank 1 in the second all-reduce); a thread's calls are ordered only by the
+    communicators they share, as the real threads are."""
+    main = [coll(0, (0, 1), channel="default"), wait(0), coll(1, (0, 1), channel="default"), wait(1)]
+    saver = [coll(2, (0, 1), name="gather", channel="checkpoint"), wait(2)]
+    recorded = {0: [*main[:2], *saver, *main[2:]], 1: [*main, *saver]}
+    with pytest.raises(Deadlock, match="rank 0 blocked at op 3: wait\\(#2\\)"):
+        simulate(recorded)
+    threaded = {r: [op._replace(thread="saver") if op.handle == 2 else op for op in ops] for r, ops in recorded.items()}
+    assert simulate(threaded).steps == 6
