@@ -19,7 +19,8 @@ def run_example(*args: str) -> float:
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    losses = [float(v) for v in re.findall(r"final train_loss (\S+)", done.stdout)]
+    # both ranks write to one pipe: rank 0's progress bar may follow a number without a newline ("0.2968Epoch 0: ...")
+    losses = [float(v) for v in re.findall(r"final train_loss (-?\d+\.\d{4})", done.stdout)]
     assert len(losses) == 2, "both ranks finish and report"
     return losses[0]
 
