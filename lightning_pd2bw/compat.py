@@ -1,7 +1,9 @@
 """Lightning internals this package relies on, in one place, each pinned by a test (tests/unit/test_compat.py).
 
 Every name here is private to Lightning; if an upgrade moves one, the import below fails at once (loudly)
-instead of a feature silently doing nothing.
+instead of a feature silently doing nothing. The re-exported helpers (the process group's start, the launcher,
+the collectives Lightning's own strategies use, moving optimizer state) keep their behaviour; the strategy
+imports them from here, never from Lightning's private modules.
 """
 
 from __future__ import annotations
@@ -14,10 +16,41 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available as all_gather_if_distributed
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_backend_for_device,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_process_group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as reduce_if_distributed
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from lightning.pytorch.core import optimizer as lightning_optimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.trainer import call as lightning_call
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch import nn
+
+__all__ = [  # Lightning's own helpers, used as they are (re-exported: nothing else imports Lightning's privates)
+    "SubprocessScriptLauncher",
+    "all_gather_if_distributed",
+    "default_backend_for_device",
+    "init_process_group",
+    "optimizers_to_device",
+    "reduce_if_distributed",
+    # ours, each around a Lightning or torch internal
+    "before_optimizer_step_hooks",
+    "combined_train_loader",
+    "mark_sigterm_received",
+    "optimizer_hooks_suspended",
+    "place_module",
+    "reinstantiate_dataloader",
+    "replace_sigterm_check",
+    "run_post_hooks",
+    "several_optimizers_allowed",
+    "sigterm_handler_before_lightning",
+    "skip_lightning_backward",
+    "train_dataloader",
+]
 
 
 def place_module(module: nn.Module, device: torch.device) -> None:
@@ -125,3 +158,9 @@ def reinstantiate_dataloader(loader: Any, sampler: Any, **overrides: Any) -> Any
         else:
             kwargs[name] = value
     return _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+
+
+def before_optimizer_step_hooks(trainer: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``on_before_optimizer_step``: the callbacks', then the LightningModule's, as Lightning's loop calls them."""
+    lightning_call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+    lightning_call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)

@@ -29,18 +29,27 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
 from .auto_plan import AutoPlan
-from .compat import place_module, several_optimizers_allowed, skip_lightning_backward
+from .compat import (
+    SubprocessScriptLauncher,
+    all_gather_if_distributed,
+    default_backend_for_device,
+    init_process_group,
+    optimizers_to_device,
+    place_module,
+    reduce_if_distributed,
+    several_optimizers_allowed,
+    skip_lightning_backward,
+)
 from .contract import pipeline_layers_of
 from .drain_callback import DrainBeforeTrainEnd
 from .pipeline import gradients, schedule, watchdog
@@ -268,6 +277,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -285,15 +295,17 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         return check_world_size(self.world_size, self.num_stages)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # all stages of one pipeline read the same shard: the replica's
         return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.num_stages}
 
+    @override
     def _configure_launcher(self) -> None:
         self._validate_precision()
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _validate_precision(self) -> None:
         plugin = self._precision_plugin
@@ -312,18 +324,19 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
+    @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
         if self.plan is None:  # bad layouts fail before any process group exists
             schedule.validate(self.mode, self.num_stages, self.num_microbatches)
             check_world_size(self.world_size, self.num_stages)
         super().setup_environment()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_backend_for_device(self.root_device)
         self._process_group_backend = backend
         if not dist.is_initialized():
             store = watchdog.attempt_scoped_store(self._timeout)  # torchrun restarts reuse one store
             extra = {"store": store} if store is not None else {}
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, **extra)
+            init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
         if self.async_checkpoint and self._checkpoint_group is None:
             self._checkpoint_group = dist.new_group(backend="gloo")
@@ -351,6 +364,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         stages = self.num_stages
         return f"rank {rank} (stage {rank % stages} of {stages}, replica {rank // stages})"
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """A peer's death shows up here as a communication error: wait for the watchdog to name it (it then
         ends this process); an error of this rank's own is published so that every other rank exits."""
@@ -394,6 +408,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         )
 
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds the parameters on the meta device (buffers stay real, see
         ``pipeline/materialize.py``); each stage materialises and initialises only its layers."""
@@ -401,6 +416,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             yield
 
     # ------------------------------------------------------------------ setup: partition the module
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.grid is not None
         self.accelerator.setup(trainer)
@@ -476,6 +492,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if reaches_last or (size and size % self.num_microbatches):
             check_last_batch(samples, size, dataloader.drop_last, self.num_microbatches)
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Training loaders get a resumable sampler (exact data position on resume, see ``data/resume.py``);
         under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
@@ -567,6 +584,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         rank_zero_info("\n".join(lines))
 
     # ------------------------------------------------------------------ training
+    @override
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
@@ -580,9 +598,11 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
         )
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # backward ran inside the pipeline schedule
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return closure()  # the pipeline applies updates at its STEP actions
 
@@ -594,6 +614,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             torch.bfloat16 if isinstance(self.precision_plugin, MixedPrecision) and precision == "bf16-mixed" else None
         )
 
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """A middle stage's batch stays on the host (``batch_device``); the LightningModule's transfer hooks
         still run on every stage, so a hook that reshapes the batch does so alike everywhere."""
@@ -601,6 +622,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             device = batch_device(self.executor.stage, self.executor.num_stages, device or self.root_device)
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.executor is not None
         global_step = self.lightning_module.trainer.global_step
@@ -657,6 +679,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self.ledger.take_loss(step)
         self.ledger.restart()  # batch numbers restart after a drain
 
+    @override
     def on_validation_start(self) -> None:
         self.drain()  # a no-op mid-fit (drained before the zero-grad hook, below); trainer.validate() after fit
 
@@ -676,6 +699,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
         module.on_validation_model_zero_grad = drain_then_zero_grad
 
+    @override
     def on_train_end(self) -> None:
         self.drain()
         if self._preemption is not None:
@@ -684,9 +708,11 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self._watchdog.disarm()
 
     # ------------------------------------------------------------------ evaluation
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "val_")
 
+    @override
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate(batch, "test_")
 
@@ -711,6 +737,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
                     "scalar tensors to log your own metrics"
                 )
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int = 0, dataloader_idx: int = 0) -> Any:
         """The batch through the pipeline (forward only, newest weights); the last stage applies the module's
         ``pipeline_predict(output, batch)`` to each microbatch (default: the output itself) and every stage of the
@@ -743,9 +770,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in message[0].items()}
         module.log_dict(values, prog_bar=True, sync_dist=True)
 
+    @override
     def teardown(self) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
         self.close_checkpoint_stager()  # waits for an asynchronous save first
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -755,7 +781,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self._trainer_with_drain = None
         if self.lightning_module is not None and "on_validation_model_zero_grad" in vars(self.lightning_module):
             del self.lightning_module.on_validation_model_zero_grad  # the class's hook again
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        optimizers_to_device(self.optimizers, torch.device("cpu"))
         if self.lightning_module is not None:
             place_module(self.lightning_module, torch.device("cpu"))
         self.precision_plugin.teardown()
@@ -763,6 +789,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
+    @override
     def model_to_device(self) -> None:
         pass  # setup() places each stage's own layers; other stages' layers stay on the meta device
 
@@ -771,10 +798,12 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
         dist.all_reduce(tensor, group=self.groups.pipeline)
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
@@ -782,19 +811,18 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         dist.broadcast_object_list(message, src=src)
         return message[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return reduce_if_distributed(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
-
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return all_gather_if_distributed(tensor, group=group, sync_grads=sync_grads)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="PipeDream-2BW pipeline parallelism (lightning_pd2bw)"

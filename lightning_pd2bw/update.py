@@ -25,10 +25,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .compat import optimizer_hooks_suspended, run_post_hooks
+from .compat import before_optimizer_step_hooks, optimizer_hooks_suspended, run_post_hooks
 from .pipeline import gradients
 from .pipeline.timeline import REDUCE, SHARED_STEP
 
@@ -55,8 +54,7 @@ class UpdatePath:
             self._zero_grad()
             return
         for optimizer in self.optimizers:
-            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+            before_optimizer_step_hooks(trainer, optimizer)
         with self._collectives(batch) if self.clip_mode == "global" else nullcontext():
             self._clip_gradients(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         hparams = self.ledger.take_hparams(batch)

@@ -72,3 +72,68 @@ def test_fit_loop_internals_exist():
     assert isinstance(inspect.getattr_static(_FitLoop, "_skip_backward"), property)
     skip_lightning_backward(trainer)
     assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is True
+
+
+def test_lightnings_helpers_keep_the_signatures_the_strategy_calls():
+    """The private helpers re-exported from ``compat`` (the strategy's process group, launcher, collectives and
+    teardown): a Lightning upgrade that renames a parameter fails here, not in a launched job."""
+    import inspect
+
+    from lightning_pd2bw import compat
+
+    expected = {
+        "init_process_group": (
+            "cluster_environment",
+            "torch_distributed_backend",
+            "kwargs",
+        ),  # timeout, store: to torch
+        "default_backend_for_device": ("device",),
+        "reduce_if_distributed": ("result", "group", "reduce_op"),
+        "all_gather_if_distributed": ("tensor", "group", "sync_grads"),
+        "optimizers_to_device": ("optimizers", "device"),
+        "SubprocessScriptLauncher": ("cluster_environment", "num_processes", "num_nodes"),
+    }
+    for name, parameters in expected.items():
+        found = inspect.signature(getattr(compat, name)).parameters
+        assert all(p in found for p in parameters), f"compat.{name}: {list(found)}"
+    assert compat.default_backend_for_device(torch.device("cpu")) == "gloo"
+
+
+def test_before_optimizer_step_hooks_run_the_callbacks_then_the_module():
+    from lightning_pd2bw.compat import before_optimizer_step_hooks
+
+    calls = []
+
+    class Record(pl.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            calls.append(("callback", optimizer))
+
+    class Module(TwoLayers):
+        def on_before_optimizer_step(self, optimizer):
+            calls.append(("module", optimizer))
+
+    trainer = pl.Trainer(callbacks=[Record()], accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module = Module()
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    before_optimizer_step_hooks(trainer, optimizer)
+    assert calls == [("callback", optimizer), ("module", optimizer)]
+
+
+def test_only_compat_imports_lightnings_private_names():
+    """Every ``from lightning... import _name`` of the package is in ``compat.py`` (one place to update)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_pd2bw
+
+    package = Path(lightning_pd2bw.__file__).parent
+    found = []
+    for file in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                if private or "._" in (node.module or "") or (node.module or "").endswith(".call"):
+                    found.append(f"{file.relative_to(package)}: {node.module} {private}")
+    assert found and all(line.startswith("compat.py:") for line in found), found
