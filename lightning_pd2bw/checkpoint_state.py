@@ -63,8 +63,9 @@ def request_for(
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """What this stage reads: its model tensors (``model``: read into in place), each optimizer's state of its
-    parameters (``names[k][i]``: the names of parameter ``i`` of optimizer ``k``), the saved groups, every stage's
-    callback states (small) and the masks of its weights. ``metadata``: DCP's ``state_dict_metadata``."""
+    parameters (``names[k][i]``: the names of parameter ``i`` of optimizer ``k``), the saved groups, its callback
+    states (on a reshard every stage's: they are small and merged) and the masks of its weights. ``metadata``:
+    DCP's ``state_dict_metadata``."""
     missing = sorted(k for k in model if f"model/{k}" not in metadata)
     if missing:
         raise KeyError(
@@ -98,9 +99,10 @@ def request_for(
             groups = f"optim_groups/{k}/stage-{stage}"
             request[groups if same_layout and groups in metadata else f"optim_groups/{k}/stage-0"] = None
     local = {n for names_of in names for param_names in names_of for n in param_names} | set(model)
+    own = f"callbacks/stage-{stage}"
     for name in metadata:
-        if name.startswith("callbacks/"):
-            request[name] = None
+        if name.startswith("callbacks/") and (name == own or not same_layout or own not in metadata):
+            request[name] = None  # a reshard merges every stage's (small) callback states
         elif name.startswith("masks/") and name[len("masks/") :] in local:
             request[name] = empty_for(metadata[name], device)
     return request
