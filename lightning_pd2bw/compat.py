@@ -9,7 +9,6 @@ imports them from here, never from Lightning's private modules.
 from __future__ import annotations
 
 import signal
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,11 +40,9 @@ __all__ = [  # Lightning's own helpers, used as they are (re-exported: nothing e
     "before_optimizer_step_hooks",
     "combined_train_loader",
     "mark_sigterm_received",
-    "optimizer_hooks_suspended",
     "place_module",
     "reinstantiate_dataloader",
     "replace_sigterm_check",
-    "run_post_hooks",
     "several_optimizers_allowed",
     "sigterm_handler_before_lightning",
     "skip_lightning_backward",
@@ -120,29 +117,6 @@ def several_optimizers_allowed() -> Iterator[None]:
         yield
     finally:
         lightning_optimizer._validate_multiple_optimizers_support = original
-
-
-@contextmanager
-def optimizer_hooks_suspended(optimizer: torch.optim.Optimizer, pre: bool = True, post: bool = True) -> Iterator[None]:
-    """Run ``optimizer.step()`` without its own step pre-hooks (``pre``) and/or post-hooks (``post``).
-
-    torch keeps them in private ordered dicts; ``run_post_hooks`` runs the post-hooks afterwards.
-    """
-    saved = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-    if pre:
-        optimizer._optimizer_step_pre_hooks = OrderedDict()
-    if post:
-        optimizer._optimizer_step_post_hooks = OrderedDict()
-    try:
-        yield
-    finally:
-        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved
-
-
-def run_post_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's own step post-hooks, in registration order, as ``optimizer.step()`` calls them."""
-    for hook in list(optimizer._optimizer_step_post_hooks.values()):
-        hook(optimizer, (), {})
 
 
 def reinstantiate_dataloader(loader: Any, sampler: Any, **overrides: Any) -> Any:

@@ -42,6 +42,7 @@ from .auto_plan import AutoPlan
 from .compat import (
     SubprocessScriptLauncher,
     all_gather_if_distributed,
+    before_optimizer_step_hooks,
     default_backend_for_device,
     init_process_group,
     optimizers_to_device,
@@ -52,41 +53,19 @@ from .compat import (
 )
 from .contract import pipeline_layers_of
 from .drain_callback import DrainBeforeTrainEnd
-from .pipeline import gradients, schedule, watchdog
-from .pipeline.comm import StageLink
+from .pipeline import schedule, watchdog
 from .pipeline.delay_correction import METHODS as delay_correction_methods
-from .pipeline.delay_correction import ErrorFeedback
+from .pipeline.engine import PipelineEngine, describe_rank
 from .pipeline.executor import StageExecutor
-from .pipeline.grid import ProcessGrid, build_groups, check_world_size
+from .pipeline.grid import ProcessGrid, check_world_size
+from .pipeline.layout import Layout
 from .pipeline.ledger import BatchLedger
-from .pipeline.materialize import check_initialized, initialize_layers, materialize, parameters_on_meta, release
-from .pipeline.microbatch import (
-    batch_device,
-    batch_size_of,
-    check_last_batch,
-    join_microbatches,
-    split_microbatches,
-    to_device,
-)
-from .pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
-from .pipeline.versions import WeightVersions
+from .pipeline.materialize import parameters_on_meta
+from .pipeline.microbatch import batch_device, check_last_batch
+from .pipeline.partition import layer_parameter_counts
+from .pipeline.update import CLIP_MODES, NONFINITE_POLICIES
 from .preemption import Preemption
 from .sharded_checkpoints import ShardedCheckpoints
-from .update import UpdatePath, _hyperparameters
-
-CLIP_MODES = ("global", "stage")
-NONFINITE_POLICIES = ("stop", "skip")
-
-
-def ranges_of(layers_per_stage: list[int], num_layers: int) -> list[range]:
-    if sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
-        raise ValueError(
-            f"layers_per_stage={layers_per_stage} must be positive and sum to the model's {num_layers} pipeline layers"
-        )
-    bounds = [0]
-    for count in layers_per_stage:
-        bounds.append(bounds[-1] + count)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None:
@@ -102,7 +81,7 @@ def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None
     return dtype
 
 
-class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStrategy):
+class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
     Args:
@@ -199,11 +178,8 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._stager: Any = None  # an asynchronous save's host copy, reused by every save
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
-        self._correction: ErrorFeedback | None = None
         self._trainer_with_drain: pl.Trainer | None = None
         self.on_nonfinite = on_nonfinite
-        self.skipped_updates: list[int] = []
-        self._finite_watch = gradients.FiniteWatch()  # "stop": flags read from the host without a sync
         if num_stages is not None and num_stages < 1:
             raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
         if num_stages is not None and num_microbatches is not None:
@@ -252,12 +228,24 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._watchdog: watchdog.Watchdog | None = None
         self._num_nodes = 1
         self.grid: ProcessGrid | None = None
-        self.executor: StageExecutor | None = None
+        self.engine: PipelineEngine | None = None  # this stage's pipeline engine (built in setup)
         self.stage_layers: list[range] = []
-        self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self._preemption: Preemption | None = None
-        self._draining = False
         self._resume_data: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ the engine's state, as users read it
+    @property
+    def executor(self) -> StageExecutor | None:
+        return self.engine.executor if self.engine is not None else None
+
+    @property
+    def ledger(self) -> BatchLedger | None:
+        """Per batch: global step, hyper-parameters, loss in flight, deferred tied sums (the engine's)."""
+        return self.engine.ledger if self.engine is not None else None
+
+    @property
+    def skipped_updates(self) -> list[int]:
+        return self.engine.skipped_updates if self.engine is not None else []
 
     # ------------------------------------------------------------------ grid and processes
     @property
@@ -361,8 +349,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._watchdog.start()
 
     def _describe_rank(self, rank: int) -> str:
-        stages = self.num_stages
-        return f"rank {rank} (stage {rank % stages} of {stages}, replica {rank // stages})"
+        return describe_rank(rank, self.num_stages)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -425,56 +412,45 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         self._check_trainer(trainer)
         DrainBeforeTrainEnd.install(trainer)  # removed again in teardown
         self._trainer_with_drain = trainer
-        if self.plan == "auto":
-            self.stage_layers = self._plan_automatically(trainer, layers)
-        elif self.layers_per_stage is not None:
-            self.stage_layers = ranges_of(self.layers_per_stage, len(layers))
-        else:
-            self.stage_layers = balanced_partition(layer_parameter_counts(layers), self.num_stages)
-        shared = shared_parameters(layers, self.stage_layers)
-        local = [layers[i] for i in self.stage_layers[self.grid.stage]]
-        for index, layer in enumerate(layers):
-            if index not in self.stage_layers[self.grid.stage]:
-                release(layer)
-        init = getattr(module, "init_pipeline_layer", None)
-        materialized = materialize(local, self.root_device)
-        if materialized:
-            initialize_layers(layers, self.stage_layers[self.grid.stage], module, init)
-        place_module(module, self.root_device)
-        self.model = self.precision_plugin.convert_module(module)
-        self.groups = build_groups(self.grid, [s.stages for s in shared])
-        self._sync_replicas(local)
-        self._shared = self._local_shared(layers, shared)
-        self._sync_shared_parameters()
-        if materialized:
-            check_initialized(layers, self.stage_layers[self.grid.stage], by_init_layer=init is not None)
-        self._local_params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
-        if trainer.state.fn == TrainerFn.FITTING:
-            with several_optimizers_allowed():  # the engine steps each of them (update.py)
-                self.setup_optimizers(trainer)
-            self._keep_local_parameters()
-            if self.delay_correction is not None and self.mode == "2bw":
-                self._correction = ErrorFeedback(self._local_params, self.delay_correction_strength)
-            elif self.delay_correction is not None:
-                rank_zero_info(
-                    f"pd2bw: delay_correction={self.delay_correction!r} has no effect under mode={self.mode!r}"
-                )
-        self.setup_precision_plugin()
-        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.root_device, self.groups.link)
-        versions = WeightVersions(self._local_params, double_buffer=self.mode == "2bw")
-        self.executor = StageExecutor(
-            local,
-            self.grid.stage,
+        cut = self._plan_automatically(trainer, layers) if self.plan == "auto" else None
+        layout = Layout(
             self.num_stages,
             self.num_microbatches,
-            link,
-            versions,
+            self.mode,
+            tuple(len(r) for r in cut) if cut is not None else self.layers_per_stage,
+        )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        algorithm = trainer.gradient_clip_algorithm
+        self.engine = PipelineEngine(
+            layers,
+            layout,
             module.pipeline_inputs,
             module.pipeline_loss,
+            device=self.root_device,
+            grid=self.grid,
+            init_layer=getattr(module, "init_pipeline_layer", None),
+            root=module,
             recompute=self.recompute,
             boundary_dtype=self._resolved_boundary_dtype(),
+            clip_val=trainer.gradient_clip_val,
+            clip_algorithm=str(getattr(algorithm, "value", algorithm)) if algorithm else "norm",
+            clip_mode=self.clip_mode,
+            on_nonfinite=self.on_nonfinite,
+            delay_correction=self.delay_correction,
+            delay_correction_strength=self.delay_correction_strength,
+            before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),
+            names=self._parameter_names,
+            progress=self.progress,
+            info=rank_zero_info,
         )
-        self.executor.progress = self.progress
+        self.stage_layers = self.engine.stage_layers
+        place_module(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(module)
+        if fitting:
+            with several_optimizers_allowed():  # the engine steps each of them (pipeline/update.py)
+                self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.engine.start(self.optimizers if fitting else None)
         self._drain_before_validation_zero_grad(module)
         self._warn_unused_steps(module)
         self._report_layout(layers)
@@ -534,45 +510,6 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if not self.lightning_module.automatic_optimization:
             raise ValueError("strategy='pd2bw' runs the optimizer itself; set automatic_optimization=True")
 
-    def _local_shared(self, layers: list[nn.Module], shared: list) -> list[tuple[nn.Parameter, Any, int, bool]]:
-        """(parameter, group, source rank, counts_for_norm) for each shared parameter on this stage."""
-        out = []
-        for item in shared:
-            if self.grid.stage not in item.stages:
-                continue
-            index, name = item.location_on(self.grid.stage)
-            param = dict(layers[index].named_parameters(remove_duplicate=False))[name]
-            first = item.stages[0]
-            out.append((param, self.groups.shared[item.stages], self.grid.rank_of(first), self.grid.stage == first))
-        return out
-
-    @torch.no_grad()
-    def _sync_replicas(self, local: list[nn.Module]) -> None:
-        """Every replica of a stage starts from replica 0's weights and buffers (as DDP does): one broadcast."""
-        if self.data_parallel_size > 1:
-            tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
-            gradients.broadcast_flat(tensors, self.grid.replica_ranks()[0], self.groups.replica)
-
-    @torch.no_grad()
-    def _sync_shared_parameters(self) -> None:
-        """Shared parameters start equal everywhere: the first stage holding one broadcasts it."""
-        for param, group, source, _ in self._shared:
-            dist.broadcast(param.data, src=source, group=group)
-
-    def _keep_local_parameters(self) -> None:
-        """Drop other stages' (meta) parameters from the optimizers' groups; no parameter in two optimizers."""
-        owner: dict[int, int] = {}
-        for index, optimizer in enumerate(self.optimizers):
-            for group in optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if not p.is_meta]
-                for param in group["params"]:
-                    if owner.setdefault(id(param), index) != index:
-                        name = self._parameter_names().get(id(param), ["?"])[0]
-                        raise ValueError(
-                            f"parameter {name} is in optimizers {owner[id(param)]} and {index} of configure_optimizers: "
-                            "give each parameter to one optimizer"
-                        )
-
     def _report_layout(self, layers: list[nn.Module]) -> None:
         lines = [
             f"pd2bw: mode={self.mode} stages={self.num_stages} data_parallel={self.data_parallel_size} "
@@ -593,7 +530,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         if self._watchdog is not None:
             self._watchdog.arm()
         # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
-        # counts Lightning steps, and each update uses its own batch's learning rate (see _apply_update)
+        # counts Lightning steps, and each update uses its own batch's learning rate (see pipeline/update.py)
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
         )
@@ -624,23 +561,12 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        assert self.executor is not None
-        global_step = self.lightning_module.trainer.global_step
-        self._finish_deferred(self.ledger.next_batch - 2)
-        step = self.ledger.open(global_step, [_hyperparameters(optimizer) for optimizer in self.optimizers])
-        self.progress.tick(f"training step {step} (global step {global_step})")
-        self.executor.feed(step, split_microbatches(batch, self.num_microbatches))
-        actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
-        with self.precision_plugin.train_step_context():
-            self.executor.run(actions, self._apply_update)
-        self.executor.versions.use_latest()  # callbacks' on_train_batch_end sees the newest weights
-        self._publish_loss(step)
-        if self.mode == "2bw":
-            loss = self.ledger.take_loss(step - 1)
-        else:
-            self.executor.finish_drain()
-            loss = self.ledger.take_loss(step)
-            self.ledger.restart()
+        assert self.engine is not None
+        loss = self.engine.train_batch(
+            batch,
+            global_step=self.lightning_module.trainer.global_step,
+            context=self.precision_plugin.train_step_context(),
+        )  # 2BW: the previous batch's loss (its backwards finish in this step)
         if loss is None:
             return torch.zeros((), device=self.root_device)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
@@ -648,36 +574,11 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
             self.lightning_module.log("skipped_updates", float(len(self.skipped_updates)))
         return loss
 
-    def _publish_loss(self, step: int) -> None:
-        """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
-        if self.executor.is_last:
-            value = torch.stack(self.executor.losses.pop(step)).mean().float()
-        else:
-            value = torch.zeros((), device=self.root_device)
-        last = self.grid.rank_of(self.num_stages - 1)
-        work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
-        self.ledger.put_loss(step, value, work)
-
     # ------------------------------------------------------------------ drains
     def drain(self) -> None:
         """Finish every in-flight microbatch and update; the version rule restarts."""
-        if self.executor is None:
-            return
-        if self.mode == "2bw" and self.ledger.next_batch > 0:
-            last = self.ledger.next_batch - 1
-            self._finish_deferred(last - 1)
-            actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
-            self._draining = True  # the drain's own update sums at once: nothing may stay pending
-            try:
-                self.executor.run(actions, self._apply_update)
-            finally:
-                self._draining = False
-            self.executor.finish_drain()
-        if self.on_nonfinite == "stop":
-            self.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
-        for step in self.ledger.pending_losses():
-            self.ledger.take_loss(step)
-        self.ledger.restart()  # batch numbers restart after a drain
+        if self.engine is not None:
+            self.engine.drain()
 
     @override
     def on_validation_start(self) -> None:
@@ -720,7 +621,7 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         """This stage's own parameters by name (what a callback may read or change; other stages' layers hold
         meta tensors here). Under 2BW between steps they are the newest weights."""
         names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
-        for param in self._local_params:
+        for param in self.engine.params:
             yield names[id(param)], param
 
     def _warn_unused_steps(self, module: pl.LightningModule) -> None:
@@ -743,31 +644,15 @@ class PipeDream2BWStrategy(UpdatePath, ShardedCheckpoints, AutoPlan, ParallelStr
         ``pipeline_predict(output, batch)`` to each microbatch (default: the output itself) and every stage of the
         pipeline returns the batch's predictions, concatenated along dimension 0, in order."""
         self.progress.tick("predict_step")
-        module = self.lightning_module
-        size = batch_size_of(batch)
-        count = self.num_microbatches if size % self.num_microbatches == 0 else 1
-        predict_fn = getattr(module, "pipeline_predict", None) or (lambda output, _: output)
-        with self.precision_plugin.predict_step_context():
-            results = self.executor.evaluate(split_microbatches(batch, count), predict_fn)
-        message = [join_microbatches(to_device(results, torch.device("cpu")))] if self.executor.is_last else [None]
-        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
-        return to_device(message[0], self.root_device)
+        predict_fn = getattr(self.lightning_module, "pipeline_predict", None)
+        return self.engine.predict(batch, predict_fn, context=self.precision_plugin.predict_step_context())
 
     def _evaluate(self, batch: Any, prefix: str) -> None:
         self.progress.tick(f"{prefix}step")
         module = self.lightning_module
-        size = batch_size_of(batch)
-        count = self.num_microbatches if size % self.num_microbatches == 0 else 1
-        metrics_fn = getattr(module, "pipeline_metrics", None) or (
-            lambda out, b: {"loss": module.pipeline_loss(out, b)}
-        )
-        with self.precision_plugin.val_step_context():
-            results = self.executor.evaluate(split_microbatches(batch, count), metrics_fn)
-        message = [None]
-        if self.executor.is_last:
-            message = [{k: torch.stack([r[k].float() for r in results]).mean().item() for k in results[0]}]
-        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
-        values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in message[0].items()}
+        metrics_fn = getattr(module, "pipeline_metrics", None)
+        metrics = self.engine.evaluate(batch, metrics_fn, context=self.precision_plugin.val_step_context())
+        values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in metrics.items()}
         module.log_dict(values, prog_bar=True, sync_dist=True)
 
     @override

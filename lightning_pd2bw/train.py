@@ -182,8 +182,8 @@ def candidate_of(cfg, layout):
 
 def planned_stages(cfg, layout, model) -> list[range]:
     """The stages pd2bw-train runs: ``strategy.layers_per_stage``, else the planner's cut balanced by time."""
+    from .pipeline.layout import ranges_of
     from .planner.search import partition
-    from .strategy import ranges_of
 
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))

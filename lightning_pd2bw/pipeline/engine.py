@@ -1,0 +1,409 @@
+"""``PipelineEngine``: one stage of a pipeline-parallel training run, in plain PyTorch (no Lightning).
+
+The engine owns the whole step of its stage: it cuts the model (``Layout``), materialises and initialises only
+this stage's layers, builds the process groups, runs each batch's schedule (``schedule.segment``) with the
+executor, applies every update (``update.UpdateRule``), drains, evaluates and predicts. The Lightning strategy
+is an adapter around it; a plain PyTorch loop drives it directly (README, "Without Lightning")::
+
+    dist.init_process_group("gloo")                       # torchrun: every rank runs this script
+    layers = model.pipeline_layers()                      # ordered layers (meta or real tensors)
+    engine = PipelineEngine(layers, Layout(num_stages=2, num_microbatches=4), model.pipeline_inputs,
+                            model.pipeline_loss, init_layer=model.init_pipeline_layer)
+    engine.start(torch.optim.AdamW(engine.parameters(), lr=3e-4))
+    for batch in loader:                                  # each replica reads its own shard
+        loss = engine.train_batch(batch)                  # 2BW: the previous batch's loss (None at first)
+    engine.drain()                                        # finish the updates in flight
+
+Every rank of one pipeline must feed the same batch (the first stage reads its inputs, the last its labels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import gradients, schedule, watchdog
+from .comm import StageLink
+from .delay_correction import METHODS as DELAY_CORRECTIONS
+from .delay_correction import ErrorFeedback
+from .executor import StageExecutor
+from .grid import ProcessGrid, build_groups
+from .layout import Layout
+from .ledger import BatchLedger
+from .materialize import check_initialized, initialize_layers, materialize, release
+from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
+from .partition import shared_parameters
+from .update import TiedParameter, UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
+from .versions import WeightVersions
+
+
+def _rank_zero_print(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+class PipelineEngine:
+    """One stage of the pipeline (this process's), over the default process group.
+
+    Args:
+        layers: the model's ordered pipeline layers (layer ``i``'s output is layer ``i + 1``'s input); layers of
+            other stages are released to the meta device here, this stage's are materialised on ``device``.
+        layout: depth, microbatches, mode and the stage cut; the width is ``world_size // num_stages``.
+        input_fn: ``batch -> inputs`` of the first layer (first stage); ``loss_fn(output, batch) -> loss`` of a
+            microbatch (last stage; the update averages it over microbatches and replicas).
+        device: this stage's device (default: ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU).
+        init_layer: ``init_layer(index)`` initialises layer ``index`` when the model was built on the meta device
+            (default: each module's ``reset_parameters``); ``root``: the module the layers belong to (for
+            Hugging Face initialisation).
+        recompute: recompute activations in the backward (stash only each microbatch's stage input).
+        boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in
+            (``None``: their own).
+        clip_val, clip_algorithm (``"norm"`` | ``"value"``), clip_mode (``"global"`` | ``"stage"``): clipping.
+        on_nonfinite: ``"stop"`` raises for a non-finite gradient; ``"skip"`` agrees over the pipeline and skips
+            that batch's update.
+        delay_correction, delay_correction_strength: 2BW's optional correction of its one-step delay.
+        before_step: called with each optimizer before its step (after the gradient reductions).
+        names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
+        progress: ticked at every action (a watchdog reads it); info: rank-0 messages.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        layout: Layout,
+        input_fn: Callable[[Any], Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        grid: ProcessGrid | None = None,
+        init_layer: Callable[[int], None] | None = None,
+        root: nn.Module | None = None,
+        recompute: bool = False,
+        boundary_dtype: torch.dtype | None = None,
+        clip_val: float | None = None,
+        clip_algorithm: str = "norm",
+        clip_mode: str = "global",
+        on_nonfinite: str = "stop",
+        delay_correction: str | None = None,
+        delay_correction_strength: float = 1.0,
+        before_step: Callable[[torch.optim.Optimizer], None] | None = None,
+        names: Callable[[], dict[int, list[str]]] | None = None,
+        progress: watchdog.Progress | None = None,
+        info: Callable[[str], None] = _rank_zero_print,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "PipelineEngine needs a process group: call torch.distributed.init_process_group() first "
+                "(under torchrun every rank runs the same script)"
+            )
+        if delay_correction not in (None, *DELAY_CORRECTIONS):
+            raise ValueError(
+                f"delay_correction={delay_correction!r} is invalid; valid: None, "
+                f"{', '.join(repr(m) for m in DELAY_CORRECTIONS)}"
+            )
+        self.layout = layout
+        self.mode = layout.mode
+        self.num_stages = layout.num_stages
+        self.num_microbatches = layout.num_microbatches
+        self.grid = grid or layout.grid(dist.get_rank(), dist.get_world_size())
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.input_fn, self.loss_fn = input_fn, loss_fn
+        self.recompute, self.boundary_dtype = recompute, boundary_dtype
+        self.policy = UpdatePolicy(clip_val, clip_algorithm, clip_mode, on_nonfinite)
+        self.delay_correction, self.delay_correction_strength = delay_correction, delay_correction_strength
+        self.before_step = before_step
+        self.progress = progress or watchdog.Progress()
+        self.info = info
+        self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
+        self.executor: StageExecutor | None = None
+        self.update: UpdateRule | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._batches_fed = 0
+        self._build_stage(list(layers), init_layer, root)
+        self._names = names or self._layer_names
+
+    # ------------------------------------------------------------------ the stage
+    def _build_stage(self, layers: list[nn.Module], init_layer: Callable[[int], None] | None, root: Any) -> None:
+        self.all_layers = layers
+        self.stage_layers = self.layout.cut(layers)
+        mine = self.stage_layers[self.grid.stage]
+        shared = shared_parameters(layers, self.stage_layers)
+        self.layers = [layers[i] for i in mine]
+        for index, layer in enumerate(layers):
+            if index not in mine:
+                release(layer)
+        materialized = materialize(self.layers, self.device)
+        if materialized:
+            initialize_layers(layers, mine, root if root is not None else nn.ModuleList(layers), init_layer)
+        for layer in self.layers:
+            layer._apply(lambda t: t if t.is_meta else t.to(self.device))
+        self.groups = build_groups(self.grid, [s.stages for s in shared])
+        self._sync_replicas()
+        self.shared = self._local_shared(layers, shared)
+        with torch.no_grad():  # shared parameters start equal everywhere: the first stage holding one broadcasts it
+            for item in self.shared:
+                dist.broadcast(item.param.data, src=item.source, group=item.group)
+        if materialized:
+            check_initialized(layers, mine, by_init_layer=init_layer is not None)
+        self.params = list(dict.fromkeys(p for layer in self.layers for p in layer.parameters()))
+
+    @torch.no_grad()
+    def _sync_replicas(self) -> None:
+        """Every replica of a stage starts from replica 0's weights and buffers (as DDP does): one broadcast."""
+        if self.grid.data_parallel_size > 1:
+            tensors = list(dict.fromkeys(t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())))
+            gradients.broadcast_flat(tensors, self.grid.replica_ranks()[0], self.groups.replica)
+
+    def _local_shared(self, layers: list[nn.Module], shared: list) -> list[TiedParameter]:
+        out = []
+        for item in shared:
+            if self.grid.stage not in item.stages:
+                continue
+            index, name = item.location_on(self.grid.stage)
+            param = dict(layers[index].named_parameters(remove_duplicate=False))[name]
+            first = item.stages[0]
+            group = self.groups.shared[item.stages]
+            out.append(TiedParameter(param, group, self.grid.rank_of(first), self.grid.stage == first))
+        return out
+
+    def _layer_names(self) -> dict[int, list[str]]:
+        names: dict[int, list[str]] = {}
+        for index in self.stage_layers[self.grid.stage]:
+            for name, param in self.all_layers[index].named_parameters(remove_duplicate=False):
+                names.setdefault(id(param), []).append(f"{index}.{name}")
+        return names
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's own parameters (a tied one once)."""
+        return list(self.params)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        names = self._names()
+        for param in self.params:
+            yield names.get(id(param), ["?"])[0], param
+
+    @property
+    def is_first(self) -> bool:
+        return self.grid.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.grid.stage == self.num_stages - 1
+
+    # ------------------------------------------------------------------ optimizers
+    def start(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> None:
+        """Attach the optimizers (built over this stage's parameters; other stages' are dropped from their groups)
+        and build the executor. Call once, after any dtype conversion of the layers; ``None`` for evaluation only."""
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.optimizers = list(optimizers or [])
+        local_optimizers(self.optimizers, self.params, self._names())
+        correction = None
+        if self.delay_correction is not None and self.mode == "2bw" and self.optimizers:
+            correction = ErrorFeedback(self.params, self.delay_correction_strength)
+        elif self.delay_correction is not None and self.optimizers:
+            self.info(f"pd2bw: delay_correction={self.delay_correction!r} has no effect under mode={self.mode!r}")
+        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
+        versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
+        self.executor = StageExecutor(
+            self.layers,
+            self.grid.stage,
+            self.num_stages,
+            self.num_microbatches,
+            link,
+            versions,
+            self.input_fn,
+            self.loss_fn,
+            recompute=self.recompute,
+            boundary_dtype=self.boundary_dtype,
+        )
+        self.executor.progress = self.progress
+        self.update = UpdateRule(
+            self.mode,
+            self.optimizers,
+            self.params,
+            self.shared,
+            self.groups,
+            self.grid.data_parallel_size,
+            self.device,
+            self.ledger,
+            self.policy,
+            correction=correction,
+            before_step=self.before_step,
+            describe=lambda: describe_rank(self.grid.rank, self.num_stages),
+            names=self._names,
+            info=self.info,
+            executor=self.executor,
+        )
+
+    def _started(self) -> StageExecutor:
+        if self.executor is None:
+            raise RuntimeError("PipelineEngine.start(optimizers) must be called before training or evaluating")
+        return self.executor
+
+    # ------------------------------------------------------------------ training
+    def train_batch(
+        self, batch: Any, *, global_step: int | None = None, context: AbstractContextManager | None = None
+    ) -> torch.Tensor | None:
+        """Run one batch's segment of the schedule (its forwards, and the backwards and updates due now).
+
+        The update of this batch uses the optimizers' hyper-parameters as they are now (a scheduler stepped after
+        this call changes the next batch's). Returns the mean loss, on every stage of the pipeline, of the newest
+        batch whose loss is known: under 2BW the previous batch's (``None`` for a run's first batch), under
+        flush/gpipe this batch's. ``global_step`` names the batch in messages (default: batches fed so far);
+        ``context`` wraps the compute (e.g. ``torch.autocast``)."""
+        executor = self._started()
+        global_step = self._batches_fed if global_step is None else global_step
+        self._batches_fed += 1
+        self.update.finish_deferred(self.ledger.next_batch - 2)
+        step = self.ledger.open(global_step, [hyperparameters(optimizer) for optimizer in self.optimizers])
+        self.progress.tick(f"training step {step} (global step {global_step})")
+        executor.feed(step, split_microbatches(batch, self.num_microbatches))
+        actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
+        with context or nullcontext():
+            executor.run(actions, self.update.apply)
+        executor.versions.use_latest()  # between batches the stage holds the newest weights
+        self._publish_loss(step)
+        if self.mode == "2bw":
+            return self.ledger.take_loss(step - 1)
+        executor.finish_drain()
+        loss = self.ledger.take_loss(step)
+        self.ledger.restart()
+        return loss
+
+    def _publish_loss(self, step: int) -> None:
+        """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
+        if self.is_last:
+            value = torch.stack(self.executor.losses.pop(step)).mean().float()
+        else:
+            value = torch.zeros((), device=self.device)
+        last = self.grid.rank_of(self.num_stages - 1)
+        work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
+        self.ledger.put_loss(step, value, work)
+
+    def drain(self) -> None:
+        """Finish every microbatch and update in flight (2BW); the version rule restarts. Call before saving,
+        evaluating or ending; a no-op when nothing is in flight."""
+        if self.executor is None:
+            return
+        if self.mode == "2bw" and self.ledger.next_batch > 0:
+            last = self.ledger.next_batch - 1
+            self.update.finish_deferred(last - 1)
+            actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
+            self.update.draining = True  # the drain's own update sums at once: nothing may stay pending
+            try:
+                self.executor.run(actions, self.update.apply)
+            finally:
+                self.update.draining = False
+            self.executor.finish_drain()
+        if self.policy.on_nonfinite == "stop":
+            self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
+        for step in self.ledger.pending_losses():
+            self.ledger.take_loss(step)
+        self.ledger.restart()  # batch numbers restart after a drain
+
+    @property
+    def skipped_updates(self) -> list[int]:
+        """Global steps whose update ``on_nonfinite="skip"`` dropped."""
+        return self.update.skipped_updates if self.update is not None else []
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        batch: Any,
+        metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]] | None = None,
+        *,
+        context: AbstractContextManager | None = None,
+    ) -> dict[str, float]:
+        """Forward-only pass on the newest weights (drain first under 2BW); ``metrics_fn(output, microbatch)``
+        (default: ``{"loss": loss_fn(...)}``) runs on the last stage. Every stage of the pipeline returns the
+        metrics' means over the microbatches."""
+        executor = self._started()
+        metrics_fn = metrics_fn or (lambda output, micro: {"loss": self.loss_fn(output, micro)})
+        with context or nullcontext():
+            results = executor.evaluate(self._split_for_evaluation(batch), metrics_fn)
+        message = [None]
+        if self.is_last:
+            message = [{k: torch.stack([r[k].float() for r in results]).mean().item() for k in results[0]}]
+        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
+        return message[0]
+
+    def predict(
+        self,
+        batch: Any,
+        predict_fn: Callable[[Any, Any], Any] | None = None,
+        *,
+        context: AbstractContextManager | None = None,
+    ) -> Any:
+        """The batch through the pipeline (forward only, newest weights); ``predict_fn(output, microbatch)``
+        (default: the output) on the last stage. Every stage returns the batch's predictions, concatenated along
+        dimension 0, on its device."""
+        executor = self._started()
+        predict_fn = predict_fn or (lambda output, _: output)
+        with context or nullcontext():
+            results = executor.evaluate(self._split_for_evaluation(batch), predict_fn)
+        message = [join_microbatches(to_device(results, torch.device("cpu")))] if self.is_last else [None]
+        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
+        return to_device(message[0], self.device)
+
+    def _split_for_evaluation(self, batch: Any) -> list[Any]:
+        count = self.num_microbatches if batch_size_of(batch) % self.num_microbatches == 0 else 1
+        return split_microbatches(batch, count)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's state after a drain: its layers' tensors (``"<layer index>.<name>"``) and its optimizers'
+        states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
+        self.drain()
+        layers = {}
+        for index in self.stage_layers[self.grid.stage]:
+            for name, tensor in self.all_layers[index].state_dict().items():
+                layers[f"{index}.{name}"] = tensor
+        return {
+            "layout": {"stage": self.grid.stage, "stage_layers": [(r.start, r.stop) for r in self.stage_layers]},
+            "layers": layers,
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "skipped_updates": list(self.skipped_updates),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned on the same stage of the same layout."""
+        self.drain()
+        cut = [(r.start, r.stop) for r in self.stage_layers]
+        saved = state["layout"]
+        if saved["stage"] != self.grid.stage or [tuple(r) for r in saved["stage_layers"]] != cut:
+            raise ValueError(
+                f"this state is stage {saved['stage']} of the cut {saved['stage_layers']}; this engine is stage "
+                f"{self.grid.stage} of {cut}: load each rank's own state into the same layout"
+            )
+        for index in self.stage_layers[self.grid.stage]:
+            prefix = f"{index}."
+            own = {k[len(prefix) :]: v for k, v in state["layers"].items() if k.startswith(prefix)}
+            self.all_layers[index].load_state_dict(own)
+        if len(state["optimizers"]) != len(self.optimizers):
+            raise ValueError(
+                f"this state has {len(state['optimizers'])} optimizer(s); the engine was started with "
+                f"{len(self.optimizers)}"
+            )
+        for optimizer, saved_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved_state)
+        if self.update is not None:
+            self.update.skipped_updates[:] = state.get("skipped_updates", [])
+        self.executor.versions.reset_after_drain()
+
+
+def describe_rank(rank: int, num_stages: int) -> str:
+    return f"rank {rank} (stage {rank % num_stages} of {num_stages}, replica {rank // num_stages})"
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
