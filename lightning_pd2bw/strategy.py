@@ -681,7 +681,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
-        dist.all_reduce(tensor, group=self.groups.pipeline)
+        dist.all_reduce(tensor, group=self.engine.groups.pipeline)
 
     @override
     def barrier(self, name: str | None = None) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from ..models.base import IGNORE_INDEX
-from ..models.bert import MASK_TOKEN
+from ..models.core import IGNORE_INDEX, MASK_TOKEN
 
 
 def _check_length(data: torch.Tensor, seq_len: int, name: str) -> int:

@@ -1,8 +1,27 @@
-"""GPT and BERT as LightningModules implementing the partition contract, and Hugging Face models as pipelines
-(``HFCausalLM``, ``HFMaskedLM``: ``transformers`` is imported only when one is built)."""
+"""GPT and BERT as LightningModules implementing the partition contract, their plain ``nn.Module`` core
+(``GPTCore``, ``core.py``: no Lightning), and Hugging Face models as pipelines (``HFCausalLM``, ``HFMaskedLM``:
+``transformers`` is imported only when one is built). Names are imported on first use, so the core needs only
+torch."""
 
-from .bert import BERT, BERTConfig
-from .gpt import GPT, GPTConfig
-from .hf import HFCausalLM, HFMaskedLM
+from __future__ import annotations
 
-__all__ = ["BERT", "BERTConfig", "GPT", "GPTConfig", "HFCausalLM", "HFMaskedLM"]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "BERT": "bert",
+    "BERTConfig": "bert",
+    "GPT": "gpt",
+    "GPTConfig": "core",
+    "GPTCore": "core",
+    "HFCausalLM": "hf",
+    "HFMaskedLM": "hf",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

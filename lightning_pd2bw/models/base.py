@@ -7,18 +7,17 @@ the strategy calls the three pieces itself, stage by stage.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .core import IGNORE_INDEX, init_layer, lm_loss, warmup_cosine
 from .transformer import Block
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "PipelineLanguageModel"]
 
 
 class PipelineLanguageModel(pl.LightningModule):
@@ -67,8 +66,7 @@ class PipelineLanguageModel(pl.LightningModule):
 
     def init_pipeline_layer(self, index: int) -> None:
         """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
-        generator = torch.Generator().manual_seed(self.config.seed * 100_003 + index)
-        self.layers[index].reset_parameters(generator)
+        init_layer(self.layers[index], self.config.seed, index)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.configure_model()
@@ -90,7 +88,7 @@ class PipelineLanguageModel(pl.LightningModule):
         return batch["input_ids"]
 
     def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+        return lm_loss(logits, batch)
 
     def pipeline_metrics(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validation metrics of one microbatch, computed where the logits are (the last stage)."""
@@ -179,9 +177,4 @@ class PipelineLanguageModel(pl.LightningModule):
     def _lr_factor(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
         hp = self.hparams
-        if hp.warmup_steps and step < hp.warmup_steps:
-            return (step + 1) / hp.warmup_steps
-        if not hp.max_steps:
-            return 1.0
-        progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio)

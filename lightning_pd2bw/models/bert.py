@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import IGNORE_INDEX, PipelineLanguageModel
+from .core import MASK_TOKEN
 from .presets import from_name, pad_vocab
 from .transformer import INIT_STD, Block, TokenEmbedding, normal_, ones_zeros_, zero_
-
-MASK_TOKEN = 256  # byte vocabulary: 0..255 are bytes, 256 is [MASK]
 
 
 @dataclass

@@ -1,1 +1,7 @@
-"""The pipeline engine: plain PyTorch, no Lightning. Schedules are data; one executor runs them."""
+"""The pipeline engine: plain PyTorch, no Lightning. Schedules are data; one executor runs them;
+``PipelineEngine`` owns a stage's whole step (README, "Without Lightning")."""
+
+from .engine import PipelineEngine
+from .layout import Layout
+
+__all__ = ["Layout", "PipelineEngine"]

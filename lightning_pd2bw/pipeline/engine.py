@@ -286,11 +286,11 @@ class PipelineEngine:
         work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
         self.ledger.put_loss(step, value, work)
 
-    def drain(self) -> None:
+    def drain(self) -> torch.Tensor | None:
         """Finish every microbatch and update in flight (2BW); the version rule restarts. Call before saving,
-        evaluating or ending; a no-op when nothing is in flight."""
+        evaluating or ending. Returns the loss ``train_batch`` has not returned yet (2BW: the last batch's)."""
         if self.executor is None:
-            return
+            return None
         if self.mode == "2bw" and self.ledger.next_batch > 0:
             last = self.ledger.next_batch - 1
             self.update.finish_deferred(last - 1)
@@ -303,9 +303,11 @@ class PipelineEngine:
             self.executor.finish_drain()
         if self.policy.on_nonfinite == "stop":
             self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
+        loss = None
         for step in self.ledger.pending_losses():
-            self.ledger.take_loss(step)
+            loss = self.ledger.take_loss(step)
         self.ledger.restart()  # batch numbers restart after a drain
+        return loss
 
     @property
     def skipped_updates(self) -> list[int]:

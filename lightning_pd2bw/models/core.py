@@ -1,0 +1,126 @@
+"""Plain ``nn.Module`` cores (no Lightning): GPT's configuration, presets and layers, the language-model loss
+and the seeded per-layer initialisation. ``GPTCore`` meets the partition contract on its own, so a plain PyTorch
+loop can drive it with ``lightning_pd2bw.pipeline.PipelineEngine``; the LightningModules (``GPT``, ``BERT``) add
+the optimizer, schedule and logging around the same layers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .presets import from_name
+from .transformer import Block, TokenEmbedding, ones_zeros_
+
+IGNORE_INDEX = -100
+MASK_TOKEN = 256  # byte vocabulary: 0..255 are bytes, 256 is [MASK] (BERT)
+BYTE_VOCAB = 256
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 64  # context length
+    vocab_size: int = BYTE_VOCAB
+    seed: int = 1234  # initialisation seed (per-layer generators derive from it)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
+        return from_name(GPT_PRESETS, cls, name, **overrides)
+
+    def num_parameters(self) -> int:
+        """Analytic count, tied embedding once (checkable against the meta-device model)."""
+        c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer
+        block = 12 * c * c + 13 * c  # qkv + proj + fc + fc_proj weights, biases and two LayerNorms
+        return v * c + t * c + n * block + 2 * c
+
+
+GPT_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64),  # tests: seconds on a CPU
+    "small": dict(n_layer=8, n_head=8, n_embd=256, block_size=128),  # the default recipe on CPUs
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+    "gpt1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+    "gpt2.2b": dict(n_layer=40, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+    "gpt3.8b": dict(n_layer=48, n_head=20, n_embd=2560, block_size=2048, vocab_size=50304),
+    # GPT-3 13B (Brown et al. 2020): 40 layers, d_model 5120, 40 heads, context 2048; ~12.85B params
+    "gpt13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=50304),
+}
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm and the output projection tied to the token embedding."""
+
+    def __init__(self, tied_weight: nn.Parameter) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(tied_weight.shape[1])
+        self.weight = tied_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln_f(x), self.weight)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        ones_zeros_(self.ln_f)  # the tied weight is initialised by the embedding layer
+
+
+def gpt_layers(config: GPTConfig) -> list[nn.Module]:
+    """``[TokenEmbedding, Block x n_layer, LMHead]``; the head's weight *is* the embedding's (tied)."""
+    embedding = TokenEmbedding(config.vocab_size, config.block_size, config.n_embd, norm=False)
+    blocks = [Block(config.n_embd, config.n_head, causal=True, n_layer=config.n_layer) for _ in range(config.n_layer)]
+    return [embedding, *blocks, LMHead(embedding.wte.weight)]
+
+
+def init_layer(layer: nn.Module, seed: int, index: int) -> None:
+    """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
+    layer.reset_parameters(torch.Generator().manual_seed(seed * 100_003 + index))
+
+
+def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy over the labelled positions (``labels == IGNORE_INDEX`` are not counted)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int | None, min_lr_ratio: float) -> float:
+    """The learning-rate factor: linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not max_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class GPTCore(nn.Module):
+    """GPT as a plain module with the partition contract (``pipeline_layers``, ``pipeline_inputs``,
+    ``pipeline_loss``, ``init_pipeline_layer``). Built under ``pipeline.materialize.parameters_on_meta()`` its
+    parameters stay on the meta device until a pipeline stage materialises its own layers."""
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or GPTConfig()
+        self.layers = nn.ModuleList(gpt_layers(self.config))
+        if not any(p.is_meta for p in self.layers.parameters()):
+            for index in range(len(self.layers)):
+                self.init_pipeline_layer(index)
+
+    def init_pipeline_layer(self, index: int) -> None:
+        init_layer(self.layers[index], self.config.seed, index)
+
+    def pipeline_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["input_ids"]
+
+    def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(logits, batch)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            idx = layer(idx)
+        return idx

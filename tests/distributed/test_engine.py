@@ -1,0 +1,94 @@
+"""``PipelineEngine`` without Lightning: a plain PyTorch loop under torchrun (Lightning made unimportable in the
+ranks) trains to the same weights as the single-process reference the Lightning runs are checked against."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from .cases import SEQ_LEN, Case, replica_batch
+from .launch import torchrun_script
+from .reference import reference_weights
+
+RUNS = {
+    2: [
+        Case("engine_2bw_schedule", mode="2bw", steps=5, schedule=True),  # tied sums deferred, per-batch lr
+        Case("engine_flush_clip", mode="flush", steps=4, clip=0.5),
+    ],
+    # width 2; global clipping; save, rebuild and load at step 3 (a drain): the run goes on as if uninterrupted
+    4: [Case("engine_2bw_w2_clip_restart", mode="2bw", steps=6, clip=0.5, schedule=True, checkpoint_every=3)],
+}
+
+
+def spec_of(case: Case, width: int) -> dict:
+    return {
+        "name": case.name,
+        "mode": case.mode,
+        "num_stages": case.num_stages,
+        "num_microbatches": case.num_microbatches,
+        "model": dict(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN),
+        "lr": 3e-3,
+        "weight_decay": 0.01,
+        "clip": case.clip,
+        "warmup_steps": 2 if case.schedule else 0,
+        "max_steps": case.steps if case.schedule else None,
+        "restart_at": list(case.drains),
+        "batches": [[replica_batch(case, s, r, width) for r in range(width)] for s in range(case.steps)],
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[int, Path]:
+    out = {}
+    for world, cases in RUNS.items():
+        folder = tmp_path_factory.mktemp(f"engine{world}")
+        width = world // 2
+        torch.save({"runs": [spec_of(c, width) for c in cases]}, folder / "spec.pt")
+        torchrun_script(Path(__file__).with_name("run_engine.py"), [str(folder / "spec.pt"), str(folder)], world)
+        out[world] = folder
+    return out
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in RUNS.items() for c in cases], ids=lambda v: str(v))
+def test_plain_pytorch_engine_matches_the_reference(trained, world, case):
+    folder, width = trained[world], world // 2
+    results = [torch.load(folder / f"{case.name}-rank{r}.pt", weights_only=False) for r in range(world)]
+    got: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(results):
+        replica0 = results[rank % case.num_stages]  # the same stage on replica 0
+        for key, value in result["weights"].items():
+            torch.testing.assert_close(value, replica0["weights"][key], rtol=0, atol=0)  # replicas stay equal
+            got[key] = value
+    expected = reference_weights(case, width)
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{case.name} {k}: {m}")
+    initial = reference_weights(replace(case, steps=0), width)
+    assert max((expected[k] - initial[k]).abs().max().item() for k in expected) > 1e-3, "training moved the weights"
+    other = reference_weights(replace(case, mode="flush" if case.mode == "2bw" else "2bw"), width)
+    assert max((other[k] - expected[k]).abs().max().item() for k in expected) > 1e-4, "the rules differ here"
+    losses = [r["losses"] for r in results]
+    assert all(x == losses[0] for x in losses[: case.num_stages]), "every stage of a pipeline reports its loss"
+    # what train_batch and drain() returned, in order: every batch's loss exactly once, in its order; 2BW: one
+    # batch late (None first after each drain; drain() returns the last), flush: at once (drain() returns None)
+    per_batch = [v for v in losses[0] if v is not None]
+    assert len(per_batch) == case.steps and all(v > 0 for v in per_batch)
+    returned = losses[0]
+    assert len(returned) == case.steps + len(case.drains) + 1
+    runs = [0, *case.drains, case.steps]
+    position = 0
+    for start, end in zip(runs, runs[1:]):
+        span = returned[position : position + end - start + 1]  # the run's train_batch calls, then its drain()
+        expected_none = [0] if case.mode == "2bw" else [len(span) - 1]
+        assert [i for i, v in enumerate(span) if v is None] == expected_none, (case.name, returned)
+        position += len(span)
+    assert {tuple(sorted(r["evaluation"])) for r in results} == {("loss",)}
+
+
+def test_no_lightning_module_was_imported(trained):
+    for world, folder in trained.items():
+        for rank in range(world):
+            assert torch.load(folder / f"imported-rank{rank}.pt") == []
