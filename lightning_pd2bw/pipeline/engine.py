@@ -27,18 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import gradients, schedule, watchdog
+from . import schedule, watchdog
+from .build import build_stage
 from .comm import StageLink
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
-from .grid import ProcessGrid, build_groups
+from .grid import ProcessGrid
 from .layout import Layout
 from .ledger import BatchLedger
-from .materialize import check_initialized, initialize_layers, materialize, release
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
-from .partition import shared_parameters
-from .update import TiedParameter, UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
+from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
 
 
@@ -124,53 +123,13 @@ class PipelineEngine:
         self.update: UpdateRule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self._batches_fed = 0
-        self._build_stage(list(layers), init_layer, root)
+        self.all_layers = list(layers)
+        built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root)
+        self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
+        self.groups, self.shared = built.groups, built.shared
         self._names = names or self._layer_names
 
     # ------------------------------------------------------------------ the stage
-    def _build_stage(self, layers: list[nn.Module], init_layer: Callable[[int], None] | None, root: Any) -> None:
-        self.all_layers = layers
-        self.stage_layers = self.layout.cut(layers)
-        mine = self.stage_layers[self.grid.stage]
-        shared = shared_parameters(layers, self.stage_layers)
-        self.layers = [layers[i] for i in mine]
-        for index, layer in enumerate(layers):
-            if index not in mine:
-                release(layer)
-        materialized = materialize(self.layers, self.device)
-        if materialized:
-            initialize_layers(layers, mine, root if root is not None else nn.ModuleList(layers), init_layer)
-        for layer in self.layers:
-            layer._apply(lambda t: t if t.is_meta else t.to(self.device))
-        self.groups = build_groups(self.grid, [s.stages for s in shared])
-        self._sync_replicas()
-        self.shared = self._local_shared(layers, shared)
-        with torch.no_grad():  # shared parameters start equal everywhere: the first stage holding one broadcasts it
-            for item in self.shared:
-                dist.broadcast(item.param.data, src=item.source, group=item.group)
-        if materialized:
-            check_initialized(layers, mine, by_init_layer=init_layer is not None)
-        self.params = list(dict.fromkeys(p for layer in self.layers for p in layer.parameters()))
-
-    @torch.no_grad()
-    def _sync_replicas(self) -> None:
-        """Every replica of a stage starts from replica 0's weights and buffers (as DDP does): one broadcast."""
-        if self.grid.data_parallel_size > 1:
-            tensors = list(dict.fromkeys(t for layer in self.layers for t in (*layer.parameters(), *layer.buffers())))
-            gradients.broadcast_flat(tensors, self.grid.replica_ranks()[0], self.groups.replica)
-
-    def _local_shared(self, layers: list[nn.Module], shared: list) -> list[TiedParameter]:
-        out = []
-        for item in shared:
-            if self.grid.stage not in item.stages:
-                continue
-            index, name = item.location_on(self.grid.stage)
-            param = dict(layers[index].named_parameters(remove_duplicate=False))[name]
-            first = item.stages[0]
-            group = self.groups.shared[item.stages]
-            out.append(TiedParameter(param, group, self.grid.rank_of(first), self.grid.stage == first))
-        return out
-
     def _layer_names(self) -> dict[int, list[str]]:
         names: dict[int, list[str]] = {}
         for index in self.stage_layers[self.grid.stage]:

@@ -31,6 +31,7 @@ def optimizer_hooks_suspended(optimizer: torch.optim.Optimizer, pre: bool = True
 
 
 def run_post_hooks(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's own step post-hooks, in registration order, as ``optimizer.step()`` calls them."""
+    """The optimizer's own step post-hooks, in registration order, as ``optimizer.step()`` calls them (its
+    positional arguments include the optimizer itself)."""
     for hook in list(optimizer._optimizer_step_post_hooks.values()):
-        hook(optimizer, (), {})
+        hook(optimizer, (optimizer,), {})

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from .launch import ROOT
 
@@ -34,3 +35,25 @@ def test_hugging_face_model_trains(family):
     pytest.importorskip("transformers")
     loss = run_example("examples/hf_models.py", family)
     assert 0 < loss < 6.0  # random tokens over a 128-token vocabulary: ln(128) = 4.85 at best
+
+
+def test_plain_pytorch_example_learns(tmp_path):
+    """The README's "Without Lightning" example under torchrun, as a user runs it: 2 stages, 2BW."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run(
+        [*command, "examples/train_plain.py", "--steps", "40", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = re.findall(r"rank (\d): final train_loss (\d+\.\d{4}) val_loss (\d+\.\d{4})", done.stdout)
+    assert sorted(rank for rank, _, _ in found) == ["0", "1"]
+    assert len({(train, val) for _, train, val in found}) == 1, "both stages report the pipeline's losses"
+    assert float(found[0][2]) < 3.6  # bytes: ln(256) = 5.55 untrained
+    states = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=False) for r in range(2)]
+    assert [s["layout"]["stage"] for s in states] == [0, 1] and not set(states[0]["layers"]) & set(states[1]["layers"])

@@ -137,3 +137,62 @@ def test_only_compat_imports_lightnings_private_names():
                 if private or "._" in (node.module or "") or (node.module or "").endswith(".call"):
                     found.append(f"{file.relative_to(package)}: {node.module} {private}")
     assert found and all(line.startswith("compat.py:") for line in found), found
+
+
+def _imports_of(file) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append(node.module or "")
+    return found
+
+
+def test_the_engine_imports_no_lightning():
+    """Nothing under ``pipeline/`` (the engine) nor the plain model core imports Lightning, even lazily; the
+    distributed test ``test_engine.py`` trains with Lightning made unimportable."""
+    from pathlib import Path
+
+    import lightning_pd2bw
+
+    package = Path(lightning_pd2bw.__file__).parent
+    files = [*sorted((package / "pipeline").rglob("*.py")), package / "models" / "core.py"]
+    found = [
+        f"{file.relative_to(package)}: {name}"
+        for file in files
+        for name in _imports_of(file)
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
+    ]
+    assert len(files) > 15 and found == []
+
+
+def test_torchs_optimizer_hook_internals_behave_as_torch_compat_assumes():
+    """``pipeline/torch_compat.py`` swaps torch's private hook dicts: they exist, ``step()`` calls them, and
+    suspending them skips them while ``run_post_hooks`` runs the post-hooks with step()'s arguments."""
+    from collections import OrderedDict
+
+    from lightning_pd2bw.pipeline.torch_compat import optimizer_hooks_suspended, run_post_hooks
+
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    assert isinstance(optimizer._optimizer_step_pre_hooks, OrderedDict)
+    assert isinstance(optimizer._optimizer_step_post_hooks, OrderedDict)
+    calls = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append(("pre", args, kwargs)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", args, kwargs)))
+    param.grad = torch.ones(2)
+    optimizer.step()
+    assert [c[0] for c in calls] == ["pre", "post"]
+    by_step = calls[1]  # what step() hands its post-hooks
+    calls.clear()
+    with optimizer_hooks_suspended(optimizer, pre=True, post=True):
+        optimizer.step()
+    assert calls == []
+    with optimizer_hooks_suspended(optimizer, pre=False, post=True):
+        optimizer.step()
+    run_post_hooks(optimizer)
+    assert [c[0] for c in calls] == ["pre", "post"] and calls[1] == by_step
+    assert torch.allclose(param.detach(), torch.full((2,), 0.7))  # three steps of 0.1

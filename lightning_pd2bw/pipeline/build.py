@@ -1,0 +1,77 @@
+"""Building one stage from the whole model's layers: cut, release other stages' layers, materialise and
+initialise this stage's, place them, create the process groups, and make replicas and tied weights start equal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import gradients
+from .grid import Groups, ProcessGrid, build_groups
+from .layout import Layout
+from .materialize import check_initialized, initialize_layers, materialize, release
+from .partition import shared_parameters
+from .update import TiedParameter
+
+
+@dataclass
+class Stage:
+    stage_layers: list[range]  # every stage's layer indices
+    layers: list[nn.Module]  # this stage's
+    params: list[nn.Parameter]  # this stage's own (a tied one once)
+    groups: Groups
+    shared: list[TiedParameter]  # this stage's parameters that other stages hold too
+
+
+def build_stage(
+    layers: Sequence[nn.Module],
+    layout: Layout,
+    grid: ProcessGrid,
+    device: torch.device,
+    init_layer: Callable[[int], None] | None,
+    root: nn.Module | None,
+) -> Stage:
+    layers = list(layers)
+    stage_layers = layout.cut(layers)
+    mine = stage_layers[grid.stage]
+    shared = shared_parameters(layers, stage_layers)
+    local = [layers[i] for i in mine]
+    for index, layer in enumerate(layers):
+        if index not in mine:
+            release(layer)
+    materialized = materialize(local, device)
+    if materialized:
+        initialize_layers(layers, mine, root if root is not None else nn.ModuleList(layers), init_layer)
+    for layer in local:
+        layer._apply(lambda t: t if t.is_meta else t.to(device))
+    groups = build_groups(grid, [s.stages for s in shared])
+    with torch.no_grad():
+        if grid.data_parallel_size > 1:  # every replica starts from replica 0's weights and buffers (as DDP)
+            tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
+            gradients.broadcast_flat(tensors, grid.replica_ranks()[0], groups.replica)
+        tied = _tied_on_stage(layers, shared, grid, groups)
+        for item in tied:  # tied parameters start equal everywhere: the first stage holding one broadcasts it
+            dist.broadcast(item.param.data, src=item.source, group=item.group)
+    if materialized:
+        check_initialized(layers, mine, by_init_layer=init_layer is not None)
+    params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
+    return Stage(stage_layers, local, params, groups, tied)
+
+
+def _tied_on_stage(
+    layers: list[nn.Module], shared: list[Any], grid: ProcessGrid, groups: Groups
+) -> list[TiedParameter]:
+    out = []
+    for item in shared:
+        if grid.stage not in item.stages:
+            continue
+        index, name = item.location_on(grid.stage)
+        param = dict(layers[index].named_parameters(remove_duplicate=False))[name]
+        first = item.stages[0]
+        out.append(TiedParameter(param, groups.shared[item.stages], grid.rank_of(first), grid.stage == first))
+    return out
