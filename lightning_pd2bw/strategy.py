@@ -1,15 +1,11 @@
-"""The Lightning strategy: process grid, partition, the step hooks and sharded checkpoints.
+"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (``pipeline/engine.py``).
 
 What Lightning sees as one training step ``s`` is one segment of the pipeline schedule (see
-``pipeline/schedule.py``): the forwards of batch ``s`` and the backwards interleaved with them. The
-engine owns ``zero_grad``, ``backward`` and ``optimizer.step``; Lightning still counts steps, steps
-LR schedulers, logs and checkpoints.
-
-The update of each batch (replica averaging, tied sums, the non-finite policy, clipping, the
-optimizer step with that batch's hyper-parameters) is ``update.py``; checkpoint I/O and resharding
-``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``;
-SIGTERM ``preemption.py``.
-In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
+``pipeline/schedule.py``): the forwards of batch ``s``, the backwards interleaved with them and the updates due.
+The engine owns ``zero_grad``, ``backward`` and ``optimizer.step`` (``pipeline/update.py``); Lightning still
+counts steps, steps LR schedulers, logs and checkpoints. Checkpoint I/O and resharding are
+``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``; SIGTERM
+``preemption.py``. In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
 ``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
 
 Drains (2BW): before validation, before a checkpoint is written and at the end of fitting the

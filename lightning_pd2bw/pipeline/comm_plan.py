@@ -1,8 +1,8 @@
 """The communication program each rank of a pipeline issues, lowered from the schedules' action lists.
 
 ``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
-stage and replica and emits, for each action, the calls the transport (``comm.py``) and the update
-(``update.py``, ``gradients.py``) make, in the strategy's order: the per-step SIGTERM flag and loss
+stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, CLIP, TIED_STEP),
+the calls the transport (``comm.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
 broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
 the same ones on the pipeline's own process groups, so the model cannot drift from the code.
@@ -124,8 +124,13 @@ class _Rank:
     def _shared(self) -> bool:
         return self.layout.tied and self.layout.num_stages > 1 and self.stage in (0, self.layout.num_stages - 1)
 
-    def update(self, batch: int, draining: bool) -> None:
-        layout, label = self.layout, f"STEP(b{batch})"
+    def defers_tied(self) -> bool:
+        """``UpdateRule.defers_tied_sums`` for this rank: the schedules' ``defer_tied``."""
+        layout = self.layout
+        return layout.mode == "2bw" and self._shared() and not layout.clip and not layout.skip_nonfinite
+
+    def reduce(self, batch: int, deferred: bool) -> None:
+        layout, label = self.layout, f"REDUCE(b{batch})"
         if layout.data_parallel_size > 1:
             replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
             channel = f"pd2bw/replica/stage{self.stage}"
@@ -138,23 +143,13 @@ class _Rank:
         if self._shared():
             channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
             members = (self.pipeline[0], self.pipeline[-1])
-            defer = layout.mode == "2bw" and not layout.clip and not draining and not layout.skip_nonfinite
-            handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not defer)
-            if defer:
+            handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not deferred)
+            if deferred:
                 self.deferred[batch] = [handle]
-        pipeline = f"pd2bw/pipeline/replica{self.replica}"
-        if layout.skip_nonfinite:
-            self.collective("all_reduce", pipeline, self.pipeline, f"{label} non-finite agreement")
-        if layout.clip == "global":
-            self.collective("all_reduce", pipeline, self.pipeline, f"{label} clip norm")
 
-    def finish_deferred(self, until: int) -> None:
-        for batch in sorted(b for b in self.deferred if b <= until):
-            for handle in self.deferred.pop(batch):
-                self.wait(handle, f"deferred tied sum of b{batch}")
-
-    def run(self, actions: list[S.Action], draining: bool = False) -> None:
+    def run(self, actions: list[S.Action]) -> None:
         self.begin_segment()
+        pipeline = f"pd2bw/pipeline/replica{self.replica}"
         for action in actions:
             label = str(action)
             if action.kind == S.RECV_FORWARD:
@@ -165,8 +160,17 @@ class _Rank:
                 self.recv_backward(label)
             elif action.kind == S.SEND_BACKWARD:
                 self.send_backward(label)
-            elif action.kind == S.STEP:
-                self.update(action.batch, draining)
+            elif action.kind in (S.REDUCE, S.REDUCE_DEFER):
+                self.reduce(action.batch, deferred=action.kind == S.REDUCE_DEFER)
+            elif action.kind == S.CHECK and self.layout.skip_nonfinite:
+                self.collective("all_reduce", pipeline, self.pipeline, f"{label} non-finite agreement")
+            elif action.kind == S.CLIP and self.layout.clip == "global":
+                self.collective("all_reduce", pipeline, self.pipeline, f"{label} clip norm")
+            elif action.kind == S.TIED_STEP:
+                for handle in self.deferred.pop(action.batch):
+                    self.wait(handle, f"deferred tied sum of b{action.batch}")
+            elif action.kind == S.WAIT_SENDS:
+                self.wait_sends()
 
     # -------------------------------------------------------------- the strategy's step, drain, evaluation
     def take_loss(self, batch: int) -> None:
@@ -179,8 +183,9 @@ class _Rank:
             self.wait(self.sigterm, "sigterm flag")
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
-        self.finish_deferred(step - 2)
-        self.run(S.segment(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, step))
+        self.run(
+            S.segment(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, step, self.defers_tied())
+        )
         loss_group = f"pd2bw/loss/replica{self.replica}"
         self.losses[step] = self.collective("broadcast", loss_group, self.pipeline, f"loss of b{step}", block=False)
         if layout.mode == "2bw":
@@ -194,8 +199,9 @@ class _Rank:
         layout = self.layout
         if layout.mode == "2bw" and self.step_in_run > 0:
             last = self.step_in_run - 1
-            self.finish_deferred(last - 1)
-            self.run(S.drain(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, last), True)
+            self.run(
+                S.drain(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, last, self.defers_tied())
+            )
             self.wait_sends()
         for batch in sorted(self.losses):
             self.take_loss(batch)

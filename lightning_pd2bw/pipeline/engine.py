@@ -219,13 +219,12 @@ class PipelineEngine:
         executor = self._started()
         global_step = self._batches_fed if global_step is None else global_step
         self._batches_fed += 1
-        self.update.finish_deferred(self.ledger.next_batch - 2)
         step = self.ledger.open(global_step, [hyperparameters(optimizer) for optimizer in self.optimizers])
         self.progress.tick(f"training step {step} (global step {global_step})")
         executor.feed(step, split_microbatches(batch, self.num_microbatches))
-        actions = schedule.segment(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, step)
+        actions = self.actions(step)
         with context or nullcontext():
-            executor.run(actions, self.update.apply)
+            executor.run(actions, self.update.step, self.update.run_part)
         executor.versions.use_latest()  # between batches the stage holds the newest weights
         self._publish_loss(step)
         if self.mode == "2bw":
@@ -234,6 +233,16 @@ class PipelineEngine:
         loss = self.ledger.take_loss(step)
         self.ledger.restart()
         return loss
+
+    def _schedule_of_stage(self) -> tuple[str, int, int, int]:
+        return self.mode, self.grid.stage, self.num_stages, self.num_microbatches
+
+    def actions(self, batch: int, drain: bool = False) -> list[schedule.Action]:
+        """This stage's actions for batch ``batch`` of a run (``drain``: what its drain runs), the update's parts
+        included; ``print(schedule.listing(engine.actions(3)))`` shows them."""
+        defer = self.update.defers_tied_sums() if self.update is not None else False
+        make = schedule.drain if drain else schedule.segment
+        return make(*self._schedule_of_stage(), batch, defer)
 
     def _publish_loss(self, step: int) -> None:
         """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
@@ -252,13 +261,8 @@ class PipelineEngine:
             return None
         if self.mode == "2bw" and self.ledger.next_batch > 0:
             last = self.ledger.next_batch - 1
-            self.update.finish_deferred(last - 1)
-            actions = schedule.drain(self.mode, self.grid.stage, self.num_stages, self.num_microbatches, last)
-            self.update.draining = True  # the drain's own update sums at once: nothing may stay pending
-            try:
-                self.executor.run(actions, self.update.apply)
-            finally:
-                self.update.draining = False
+            actions = self.actions(last, drain=True)
+            self.executor.run(actions, self.update.step, self.update.run_part)
             self.executor.finish_drain()
         if self.policy.on_nonfinite == "stop":
             self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from . import schedule as S
 from .activations import ActivationMeter
 from .comm import StageLink, carries_gradient, input_signature
-from .timeline import WAIT_SENDS, Recorder
+from .timeline import Recorder
 from .versions import WeightVersions
 
 
@@ -185,18 +185,27 @@ class StageExecutor:
             ]
 
     # ----------------------------------------------------------------- driver
-    def run(self, actions: Sequence[S.Action], step_fn: Callable[[int], None]) -> None:
-        """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version."""
+    def run(
+        self,
+        actions: Sequence[S.Action],
+        step_fn: Callable[[int], None],
+        update_fn: Callable[[S.Action], None] | None = None,
+    ) -> None:
+        """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version, the update's
+        other parts (REDUCE, CHECK, CLIP, TIED_STEP, ...) call ``update_fn(action)`` (None: nothing to do, e.g.
+        one process without collectives)."""
         self.link.begin_segment()
         for index, action in enumerate(actions):
             try:
-                self._run_action(action, step_fn)
+                self._run_action(action, step_fn, update_fn)
             except Exception as error:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
                 raise
 
-    def _run_action(self, action: S.Action, step_fn: Callable[[int], None]) -> None:
+    def _run_action(
+        self, action: S.Action, step_fn: Callable[[int], None], update_fn: Callable[[S.Action], None] | None
+    ) -> None:
         recorder, progress = self.recorder, self.progress
         kind, k = action.kind, action.microbatch
         if progress is not None:
@@ -222,18 +231,19 @@ class StageExecutor:
             step_fn(action.batch)
             if self.meter is not None:
                 self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
+        elif kind in S.UPDATE_PARTS:
+            if update_fn is not None:
+                update_fn(action)
+        elif kind == S.WAIT_SENDS:
+            self.link.wait_sends()
         else:
             raise ValueError(f"unknown action {action}")
         if recorder is not None:
             recorder.action(action, start)
 
     def finish_drain(self) -> None:
-        """After a drain's actions: nothing may be in flight; the version rule restarts."""
-        if self.recorder is not None:
-            with self.recorder.span(WAIT_SENDS):
-                self.link.wait_sends()
-        else:
-            self.link.wait_sends()
+        """After a drain's actions (they end in WAIT_SENDS): nothing may be in flight; the version rule restarts."""
+        self.link.wait_sends()  # nothing left after WAIT_SENDS; a drain with no actions (nothing ran) has none
         if self.in_flight:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()

@@ -2,7 +2,7 @@
 
 Needs matplotlib (``pip install 'lightning_pd2bw[plot]'``). One row per stage (replica 0, or one row
 per stage and replica); forwards and backwards are boxes labelled with their microbatch, coloured by
-batch (forwards light, backwards dark); updates are red, collectives inside them orange, receives
+batch (forwards light, backwards dark); updates are red, their reductions and clipping orange, receives
 (waiting on a neighbour) grey; white is idle.
 """
 
@@ -12,17 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import schedule as S
-from .timeline import REDUCE, WAIT_SENDS, StageTimeline, bubble_fraction
+from .timeline import StageTimeline, bubble_fraction
+
+_REDUCTIONS = (S.REDUCE, S.REDUCE_DEFER, S.CHECK, S.CLIP)
 
 _BATCH_COLOURS = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#937860"]
 
 
 def _colour(kind: str, batch: int) -> tuple[str, float]:
-    if kind == S.STEP:
+    if kind in (S.STEP, S.TIED_STEP):
         return "#d62728", 1.0
-    if kind == REDUCE:
+    if kind in _REDUCTIONS:
         return "#ff7f0e", 1.0
-    if kind in (S.RECV_FORWARD, S.RECV_BACKWARD, WAIT_SENDS):
+    if kind in (S.RECV_FORWARD, S.RECV_BACKWARD, S.WAIT_SENDS):
         return "#bbbbbb", 1.0
     if kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
         return "#444444", 1.0
@@ -44,10 +46,10 @@ def draw_gantt(timelines: Sequence[StageTimeline], path: str | Path, title: str 
     end = max((e.end for t in rows for e in t.events), default=1.0)
     fig, ax = plt.subplots(figsize=(14, 0.9 * len(rows) + 1.4), dpi=110)
     for y, timeline in enumerate(rows):
-        for event in sorted(timeline.events, key=lambda e: e.kind == REDUCE):  # collectives on top of STEP
+        for event in timeline.events:
             colour, alpha = _colour(event.kind, event.batch)
             left, width = (event.start - start) * 1e3, event.seconds * 1e3
-            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.STEP, REDUCE) else 0.3
+            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.STEP, S.TIED_STEP, *_REDUCTIONS) else 0.3
             ax.barh(y, width, left=left, height=height, color=colour, alpha=alpha, edgecolor="white", linewidth=0.3)
             if event.kind in (S.FORWARD, S.BACKWARD) and width > (end - start) * 1e3 / 120:
                 label = f"{event.microbatch}" if event.kind == S.FORWARD else f"{event.microbatch}'"

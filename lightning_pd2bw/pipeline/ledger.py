@@ -84,6 +84,11 @@ class BatchLedger:
         entry = self.batches[batch]
         entry.deferred, entry.deferred_hparams = sums, hparams
 
+    def deferred_hparams(self, batch: int) -> list[list[dict[str, Any]]] | None:
+        """Where the deferred tied update of ``batch`` records its hyper-parameters (None: not deferred)."""
+        entry = self.batches.get(batch)
+        return entry.deferred_hparams if entry is not None and entry.deferred is not None else None
+
     def deferred_until(self, batch: int) -> list[int]:
         return sorted(b for b, e in self.batches.items() if b <= batch and e.deferred is not None)
 

@@ -38,7 +38,14 @@ class Kind(str, Enum):
     RECV_FORWARD = "RECV_F"
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
-    STEP = "STEP"
+    # the update of batch b, in this order (pipeline/update.py runs each part)
+    REDUCE = "REDUCE"  # gradients averaged over the replicas, tied parameters' gradients summed over their stages
+    REDUCE_DEFER = "REDUCE_DEFER"  # the same, the tied sums only launched: their update is TIED_STEP(b), later
+    CHECK = "CHECK"  # the non-finite policy ("skip": agreed over the pipeline)
+    CLIP = "CLIP"  # the before-step hooks (callbacks, module), then clipping (global: a norm over the pipeline)
+    STEP = "STEP"  # the next weight version; every optimizer's step with batch b's hyper-parameters; post-hooks
+    TIED_STEP = "TIED_STEP"  # 2BW: the tied parameters' deferred update of batch b, before batch b+2's forwards
+    WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
 
     def __str__(self) -> str:
         return self.value
@@ -52,12 +59,18 @@ class Kind(str, Enum):
 FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
-_TEXT = re.compile(r"^(?:STEP\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$")
+REDUCE, REDUCE_DEFER, CHECK, CLIP = Kind.REDUCE, Kind.REDUCE_DEFER, Kind.CHECK, Kind.CLIP
+TIED_STEP, WAIT_SENDS = Kind.TIED_STEP, Kind.WAIT_SENDS
+UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, CLIP, TIED_STEP)  # run by the update; STEP also makes a version
+BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS)  # actions of a whole batch: no microbatch, no version
+_TEXT = re.compile(
+    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$"
+)
 
 
 @dataclass(frozen=True)
 class Action:
-    """One instruction for one stage. ``microbatch`` is -1 for STEP."""
+    """One instruction for one stage. ``microbatch`` is -1 for a batch's actions (the update's parts, WAIT_SENDS)."""
 
     kind: Kind
     batch: int
@@ -68,8 +81,8 @@ class Action:
         object.__setattr__(self, "kind", Kind(self.kind))  # "F" or Kind.FORWARD; anything else raises
 
     def __str__(self) -> str:
-        if self.kind == STEP:
-            return f"STEP(b{self.batch})"
+        if self.kind in BATCH_KINDS:
+            return f"{self.kind}(b{self.batch})"
         return f"{self.kind}(m{self.microbatch},v{self.weight_version})"
 
     @classmethod
@@ -79,7 +92,7 @@ class Action:
         if found is None:
             raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
         if found["batch"] is not None:
-            return cls(STEP, int(found["batch"]))
+            return cls(Kind(found["batch_kind"]), int(found["batch"]))
         microbatch = int(found["microbatch"])
         return cls(Kind(found["kind"]), microbatch // num_microbatches, microbatch, int(found["version"]))
 
@@ -166,15 +179,23 @@ def _twobw_order(stage: int, num_stages: int, num_microbatches: int, batch: int)
     return order
 
 
-def _insert_steps(actions: list[Action], num_microbatches: int, pending: int | None) -> tuple[list[Action], int | None]:
-    """Place STEP(b) right before the first F that follows batch b's last backward.
+def update(batch: int, defer_tied: bool = False) -> list[Action]:
+    """The parts of batch ``batch``'s update, in order."""
+    reduce = REDUCE_DEFER if defer_tied else REDUCE
+    return [Action(reduce, batch), Action(CHECK, batch), Action(CLIP, batch), Action(STEP, batch)]
+
+
+def _insert_steps(
+    actions: list[Action], num_microbatches: int, pending: int | None, defer_tied: bool
+) -> tuple[list[Action], int | None]:
+    """Place the update of batch b (ending in STEP(b)) right before the first F that follows b's last backward.
 
     Returns the actions and the batch whose update is still pending at the end (or None).
     """
     out: list[Action] = []
     for action in actions:
         if action.kind in (FORWARD, RECV_FORWARD) and pending is not None:
-            out.append(Action(STEP, pending))
+            out += update(pending, defer_tied)
             pending = None
         out.append(action)
         if action.kind == BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
@@ -189,23 +210,33 @@ def _pending_before(mode: Mode, stage: int, num_stages: int, num_microbatches: i
     return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches) == 0 else None
 
 
-def segment(mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[Action]:
-    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``."""
+def segment(
+    mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, defer_tied: bool = False
+) -> list[Action]:
+    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``.
+
+    ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
+    each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
+    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step."""
     validate(mode, num_stages, num_microbatches)
     if mode != "2bw":
         actions = _expand(
             _flush_order(stage, num_stages, num_microbatches, mode, batch), stage, num_stages, num_microbatches, mode
         )
-        return actions + [Action(STEP, batch)]
+        return actions + update(batch) + [Action(WAIT_SENDS, batch)]
     order = _twobw_order(stage, num_stages, num_microbatches, batch)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     pending = _pending_before(mode, stage, num_stages, num_microbatches, batch)
-    actions, _ = _insert_steps(actions, num_microbatches, pending)
-    return actions
+    actions, _ = _insert_steps(actions, num_microbatches, pending, defer_tied)
+    tied = [Action(TIED_STEP, batch - 2)] if defer_tied and batch >= 2 else []
+    return tied + actions
 
 
-def drain(mode: Mode, stage: int, num_stages: int, num_microbatches: int, last_batch: int) -> list[Action]:
-    """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and update."""
+def drain(
+    mode: Mode, stage: int, num_stages: int, num_microbatches: int, last_batch: int, defer_tied: bool = False
+) -> list[Action]:
+    """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and update (never
+    deferred: nothing may stay pending after a drain), then the wait for its sends."""
     validate(mode, num_stages, num_microbatches)
     if mode != "2bw" or last_batch < 0:
         return []
@@ -213,16 +244,19 @@ def drain(mode: Mode, stage: int, num_stages: int, num_microbatches: int, last_b
     end = (last_batch + 1) * num_microbatches
     order = [(BACKWARD, k) for k in range(end - warmup, end)]
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
+    tied = [Action(TIED_STEP, last_batch - 1)] if defer_tied and last_batch >= 1 else []
     # the previous step may have left this stage's update of `last_batch` pending (warm-up 0)
-    return actions + [Action(STEP, last_batch)]
+    return tied + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
 
 
-def stream(mode: Mode, stage: int, num_stages: int, num_microbatches: int, num_batches: int) -> list[Action]:
+def stream(
+    mode: Mode, stage: int, num_stages: int, num_microbatches: int, num_batches: int, defer_tied: bool = False
+) -> list[Action]:
     """All actions of ``num_batches`` steps followed by the drain: one run between two drains."""
     actions: list[Action] = []
     for batch in range(num_batches):
-        actions += segment(mode, stage, num_stages, num_microbatches, batch)
-    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1)
+        actions += segment(mode, stage, num_stages, num_microbatches, batch, defer_tied)
+    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1, defer_tied)
 
 
 def validate(mode: str, num_stages: int, num_microbatches: int) -> None:

@@ -1,15 +1,15 @@
 """Pipeline timelines: what each stage ran and when, its bubble fraction, and a Chrome/Perfetto trace.
 
-Recording is switched on by giving the executor a ``Recorder``; it then notes every action (forward,
-backward, send, receive, optimizer step) with its start and end, plus the spans the update marks
-inside a STEP (``REDUCE``: gradient collectives) and the wait for outstanding sends at a drain.
+Recording is switched on by giving the executor a ``Recorder``; it then notes every action of the schedule
+(forward, backward, send, receive, the update's parts: REDUCE, CHECK, CLIP, STEP, TIED_STEP, and a drain's
+WAIT_SENDS) with its start and end: the timeline's vocabulary is the schedule's.
 Times are seconds since the recorder's ``origin``; stages that take their origin right after a
 barrier share a clock to within the barrier's skew (a few microseconds on one host).
 
 The **bubble fraction** of a stage over a window is the share of the window in which it computed
 nothing: ``1 - (forward + backward + optimizer time) / window``. Receives (blocked on a neighbour),
-collectives inside the update and the framework's time between steps all count as bubble, which is
-what a user pays for.
+the update's collectives and the framework's time between steps all count as bubble, which is what a
+user pays for.
 """
 
 from __future__ import annotations
@@ -26,15 +26,12 @@ import torch
 
 from . import schedule as S
 
-REDUCE = "REDUCE"  # gradient collectives inside an update (nested in a STEP)
-WAIT_SENDS = "WAIT_SENDS"  # a drain waiting for its outstanding sends
-SHARED_STEP = "SHARED_STEP"  # 2BW: a tied parameter's deferred update (strategy, outside the schedule)
-COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP, SHARED_STEP)
+COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP, S.TIED_STEP)  # the rest (transport, reductions, clipping) is bubble
 
 
 @dataclass(frozen=True)
 class Event:
-    """One span on one stage: ``kind`` is a schedule action kind, ``REDUCE`` or ``WAIT_SENDS``."""
+    """One action's span on one stage: ``kind`` is its ``schedule.Kind``."""
 
     kind: str
     batch: int
@@ -115,14 +112,12 @@ class Recorder:
 
 
 def busy_seconds(events: Iterable[Event], start: float = float("-inf"), end: float = float("inf")) -> float:
-    """Compute time inside [start, end]: forwards, backwards and updates less their collectives."""
+    """Compute time inside [start, end]: forwards, backwards and optimizer steps (the update's reductions, checks
+    and clipping are actions of their own, counted as bubble)."""
     total = 0.0
     for event in events:
-        overlap = max(0.0, min(event.end, end) - max(event.start, start))
         if event.kind in COMPUTE:
-            total += overlap
-        elif event.kind == REDUCE:
-            total -= overlap
+            total += max(0.0, min(event.end, end) - max(event.start, start))
     return total
 
 
@@ -156,8 +151,8 @@ class StageTimeline:
 
 
 def _label(event: Event) -> str:
-    if event.kind == S.STEP:
-        return f"STEP b{event.batch}"
+    if event.kind in S.BATCH_KINDS:
+        return f"{event.kind} b{event.batch}"
     if event.microbatch < 0:
         return event.kind
     return f"{event.kind} b{event.batch} m{event.microbatch}"

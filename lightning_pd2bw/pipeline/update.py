@@ -1,27 +1,25 @@
-"""The update of one batch, identical on every stage (plain PyTorch; the engine calls it at each STEP).
+"""The update of one batch, identical on every stage (plain PyTorch), as the schedule's actions run it.
 
-Order inside one update (STEP of batch b):
-  1. the next weight version is made writable (2BW: the stale buffer is recycled; the executor does it);
-  2. gradients are averaged over the data-parallel replicas, then summed over the stages that share
-     a parameter (GPT's tied embedding; under 2BW without clipping that sum is deferred, see
-     ``finish_deferred``);
-  3. the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after the
-     flags reached the host, and at every drain), ``skip`` agrees over the pipeline and drops the update;
-  4. the ``before_step`` hook, once per optimizer (under Lightning: ``on_before_optimizer_step`` of the
-     callbacks, then of the LightningModule);
-  5. clipping: by the global norm over all stages (``clip_mode="global"``, one all-reduce of a
-     scalar per step) or per stage (``clip_mode="stage"``), over every optimizer's parameters;
-  6. ``step()`` of every optimizer, in order, each with the hyper-parameters (lr, ...) that batch b
-     was fed with;
-  7. 2BW with a delay correction: the correction of the one-step delay (``delay_correction.py``);
-  8. the optimizers' step post-hooks (e.g. sparsity masks) run, on the new version;
-  9. gradients are cleared.
+``schedule.update(b)`` places the parts of batch b's update (``pipeline/schedule.py``); the executor runs each:
+  REDUCE(b)      gradients averaged over the data-parallel replicas, then summed over the stages that share a
+                 parameter (GPT's tied embedding); REDUCE_DEFER(b) only launches those sums (2BW without
+                 clipping), and TIED_STEP(b), placed before batch b+2's first forward, applies their update;
+  CHECK(b)       the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after
+                 the flags reached the host, and at every drain), ``skip`` agrees over the pipeline and drops b;
+  CLIP(b)        the ``before_step`` hook once per optimizer (under Lightning: ``on_before_optimizer_step`` of
+                 the callbacks, then of the LightningModule), then clipping: by the global norm over all stages
+                 (``clip_mode="global"``, one all-reduce of a scalar) or per stage, over every optimizer's
+                 parameters;
+  STEP(b)        the next weight version made writable (2BW: the stale buffer is recycled; the executor does
+                 it), ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was
+                 fed with; 2BW's delay correction (``delay_correction.py``); the optimizers' step post-hooks
+                 (e.g. sparsity masks) on the new version; gradients cleared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import gradients
+from . import schedule as S
 from .delay_correction import ErrorFeedback
 from .ledger import BatchLedger
-from .timeline import REDUCE, SHARED_STEP
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
 
 CLIP_MODES = ("global", "stage")
@@ -87,36 +85,61 @@ class UpdateRule:
     describe: Callable[[], str] = lambda: "this rank"
     names: Callable[[], dict[int, list[str]]] = dict  # id(parameter) -> its names, for messages
     info: Callable[[str], None] = print
-    executor: Any = None  # the StageExecutor (weight versions, the timeline's recorder)
-    draining: bool = False
+    executor: Any = None  # the StageExecutor (its weight versions)
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
+    _skipping: int | None = None  # the batch CHECK found non-finite under "skip": its CLIP and STEP do nothing
 
-    def apply(self, batch: int) -> None:
-        """The update of batch ``batch`` (the executor's STEP)."""
+    def run_part(self, action: S.Action) -> None:
+        """One part of an update, as the schedule placed it (the executor runs STEP through ``step``)."""
+        kind, batch = action.kind, action.batch
+        if kind in (S.REDUCE, S.REDUCE_DEFER):
+            self.reduce(batch, deferred=kind == S.REDUCE_DEFER)
+        elif kind == S.CHECK:
+            self.check(batch)
+        elif kind == S.CLIP:
+            self.clip(batch)
+        elif kind == S.TIED_STEP:
+            self.tied_step(batch)
+        else:
+            raise ValueError(f"{action} is not a part of the update")
+
+    def reduce(self, batch: int, deferred: bool = False) -> None:
+        """REDUCE(b): average over the replicas, sum the tied gradients over their stages (REDUCE_DEFER: only
+        launch the sums; TIED_STEP(b) applies them)."""
         shared = [(s.param, s.group) for s in self.shared]
-        defer = self.defers_shared_sums()
-        with self._collectives(batch):
-            gradients.average_over_replicas(self.params, self.groups.replica, self.data_parallel_size)
-            if defer:
-                sums = gradients.launch_shared_sums(shared)
-            else:
-                gradients.sum_shared(shared)
+        gradients.average_over_replicas(self.params, self.groups.replica, self.data_parallel_size)
+        if deferred:
+            self.ledger.defer(batch, gradients.launch_shared_sums(shared), [[] for _ in self.optimizers])
+        else:
+            gradients.sum_shared(shared)
+
+    def check(self, batch: int) -> None:
+        """CHECK(b): the non-finite policy; under "skip" a batch all stages found non-finite is not applied."""
         if not self._gradients_finite(batch):
-            self.ledger.take_hparams(batch)
-            self.zero_grad()
+            self._skipping = batch
+
+    def clip(self, batch: int) -> None:
+        """CLIP(b): the before-step hooks (once per optimizer), then clipping."""
+        if self._skipping == batch:
             return
         if self.before_step is not None:
             for optimizer in self.optimizers:
                 self.before_step(optimizer)
-        with self._collectives(batch) if self.policy.clip_mode == "global" else nullcontext():
-            self._clip_gradients()
+        self._clip_gradients()
+
+    def step(self, batch: int) -> None:
+        """STEP(b), on the weight version the executor just made writable: every optimizer's step with batch b's
+        hyper-parameters, 2BW's delay correction, the optimizers' post-hooks; gradients cleared."""
         hparams = self.ledger.take_hparams(batch)
+        if self._skipping == batch:
+            self._skipping = None
+            self.zero_grad()
+            return
+        deferred_hparams = self.ledger.deferred_hparams(batch)
         correction = self.correction if self.mode == "2bw" else None
         with ExitStack() as stack:
-            if defer:  # the tied parameters' update later uses what this step used, after every pre-hook
-                deferred_hparams: list[Any] = [[] for _ in self.optimizers]
-                self.ledger.defer(batch, sums, deferred_hparams)
+            if deferred_hparams is not None:  # the tied update later uses what this step used, after every pre-hook
                 for index, optimizer in enumerate(self.optimizers):
                     record = deferred_hparams.__setitem__
                     handle = optimizer.register_step_pre_hook(
@@ -127,8 +150,8 @@ class UpdateRule:
         if correction is not None:
             versions = self.executor.versions
             before = versions.weights_of(versions.latest - 1)
-            if defer:  # the tied parameters are corrected with their deferred update
-                deferred = {id(param) for param, _ in shared}
+            if deferred_hparams is not None:  # the tied parameters are corrected with their deferred update
+                deferred = {id(s.param) for s in self.shared}
                 moved = [(p, w) for p, w in zip(self.params, before, strict=True) if id(p) not in deferred]
                 correction.apply([w for _, w in moved], stale=batch >= 1, parameters=[p for p, _ in moved])
             else:
@@ -150,8 +173,7 @@ class UpdateRule:
             return True
         # skip: the decision is needed before this update (the one host sync per update of this policy)
         flag = gradients.nonfinite_flag(self.params, self.device)
-        with self._collectives(batch):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
         if flag.item() == 0:
             return True
         step = self.ledger.global_step(batch)
@@ -192,46 +214,34 @@ class UpdateRule:
                 for group, saved in zip(optimizer.param_groups, current):
                     group.update(saved)
 
-    def defers_shared_sums(self) -> bool:
-        """2BW without clipping (a clip norm needs the summed gradients at once) and not draining."""
+    def defers_tied_sums(self) -> bool:
+        """Whether the schedule may defer this stage's tied sums (``schedule.segment(defer_tied=...)``): 2BW,
+        tied parameters here, no clipping (a clip norm needs the summed gradients at once) and not the skip
+        policy (its decision needs them too)."""
         return (
-            self.mode == "2bw"
-            and bool(self.shared)
-            and not self.policy.clip_val
-            and not self.draining
-            and self.policy.on_nonfinite != "skip"  # the skip decision needs the summed tied gradients at once
+            self.mode == "2bw" and bool(self.shared) and not self.policy.clip_val and self.policy.on_nonfinite != "skip"
         )
 
-    def finish_deferred(self, until_batch: int) -> None:
-        """Apply the deferred tied-parameter updates of batches <= ``until_batch`` to the newest weights.
+    def tied_step(self, batch: int) -> None:
+        """TIED_STEP(b): apply batch b's deferred tied-parameter update to the newest weights.
 
-        Called before batch ``until_batch + 2``'s first forward: the newest version is then the one
-        that batch's update made, not yet read by anyone; every other gradient is left untouched.
+        Placed before batch b + 2's first forward: the newest version is then the one that batch's update made,
+        not yet read by anyone; every other gradient is left untouched.
         """
-        for batch in self.ledger.deferred_until(until_batch):
-            recorder = self.executor.recorder
-            start = recorder.now() if recorder is not None else 0.0
-            entries, deferred_hparams = self.ledger.take_deferred(batch)
-            sums = gradients.finish_shared_sums(entries)
-            self.executor.versions.use_latest()
-            others = [(p, p.grad) for p in self.params]
-            for param in self.params:
-                param.grad = None
-            for param, grad in sums:
-                param.grad = grad
-            before = [param.detach().clone() for param, _ in sums] if self.correction is not None else []
-            self.step_optimizers(deferred_hparams, hooks=False)
-            if self.correction is not None:
-                self.correction.apply(before, stale=batch >= 1, parameters=[param for param, _ in sums])
-            for param, grad in others:
-                param.grad = grad
-            if recorder is not None:
-                recorder.add(SHARED_STEP, batch, -1, -1, start)
-
-    def _collectives(self, batch: int) -> Any:
-        """Marks gradient collectives inside an update on the timeline (when one is recorded)."""
-        recorder = self.executor.recorder
-        return recorder.span(REDUCE, batch) if recorder is not None else nullcontext()
+        entries, deferred_hparams = self.ledger.take_deferred(batch)
+        sums = gradients.finish_shared_sums(entries)
+        self.executor.versions.use_latest()
+        others = [(p, p.grad) for p in self.params]
+        for param in self.params:
+            param.grad = None
+        for param, grad in sums:
+            param.grad = grad
+        before = [param.detach().clone() for param, _ in sums] if self.correction is not None else []
+        self.step_optimizers(deferred_hparams, hooks=False)
+        if self.correction is not None:
+            self.correction.apply(before, stale=batch >= 1, parameters=[param for param, _ in sums])
+        for param, grad in others:
+            param.grad = grad
 
     def _clip_gradients(self) -> None:
         clip_val = self.policy.clip_val

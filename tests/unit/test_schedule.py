@@ -146,3 +146,32 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
     assert note.splitlines()[0] == f"pd2bw: stage 0 of 1 failed at action #{failing} F(m1,v0) of:"
     assert note.splitlines()[1 + failing] == f">> {failing:4d} F(m1,v0)   <- failed here"
     assert len(note.splitlines()) == 1 + len(actions) and "STEP(b0)" in note
+
+
+@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+@pytest.mark.parametrize("defer_tied", [False, True])
+def test_each_update_is_its_parts_in_order(mode, num_stages, num_microbatches, defer_tied):
+    """Every batch's update is REDUCE (or REDUCE_DEFER), CHECK, CLIP, STEP back to back; a deferred tied update
+    is applied (TIED_STEP) after its own STEP and before the forwards of batch b + 2; nothing stays deferred
+    after the drain, whose update sums at once; flush batches and drains end with WAIT_SENDS."""
+    batches = 4
+    for stage in range(num_stages):
+        actions = S.stream(mode, stage, num_stages, num_microbatches, batches, defer_tied)
+        assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
+        deferred = defer_tied and mode == "2bw"
+        for b in range(batches):
+            reduce = S.REDUCE_DEFER if deferred and b < batches - 1 else S.REDUCE
+            start = actions.index(S.Action(reduce, b))
+            parts = [S.Action(k, b) for k in (reduce, S.CHECK, S.CLIP, S.STEP)]
+            assert actions[start : start + 4] == parts
+        tied = [a.batch for a in actions if a.kind == S.TIED_STEP]
+        assert tied == (list(range(batches - 1)) if deferred else [])
+        for b in tied:
+            at = actions.index(S.Action(S.TIED_STEP, b))
+            assert actions.index(S.Action(S.STEP, b)) < at
+            later = [i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.batch == b + 2]
+            assert all(at < i for i in later)
+        waits = [a.batch for a in actions if a.kind == S.WAIT_SENDS]
+        assert waits == (list(range(batches)) if mode != "2bw" else [batches - 1])
+        assert actions[-1].kind == S.WAIT_SENDS
