@@ -9,14 +9,23 @@ import math
 import subprocess
 import sys
 
-from .test_launchers import ROOT, SMALL_RUN, run
+from lightning_pd2bw.data.corpus import stdlib_files
+
+from .test_launchers import SMALL_RUN, run
 
 
 def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
-    texts = tmp_path / "texts"  # local text: this repository's sources (a copy: no __pycache__ written meanwhile)
+    # local text that does not change from one commit to the next (this repository's own sources did, and moved
+    # the 6-step loss across the threshold): the first ~400 kB of the standard library's sorted sources
+    texts = tmp_path / "texts"
     texts.mkdir()
-    for source in sorted((ROOT / "lightning_pd2bw").rglob("*.py")):
-        (texts / f"{len(list(texts.iterdir())):03d}_{source.name}.txt").write_text(source.read_text())
+    size = 0
+    for index, source in enumerate(stdlib_files()):
+        text = source.read_text(errors="replace")
+        (texts / f"{index:03d}_{source.name}.txt").write_text(text)
+        size += len(text)
+        if size > 400_000:
+            break
     corpus = tmp_path / "tokens"
     prepared = run(
         [sys.executable, "-m", "lightning_pd2bw.data.tokens", str(corpus), str(texts),
@@ -27,12 +36,13 @@ def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
     out = tmp_path / "run"
     trained = run(
         [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "data=tokens", f"data.path={corpus}",
-         "model.config.vocab_size=512", f"paths.output_dir={out}"],
+         "model.config.vocab_size=512", "model.lr=1e-2", "model.warmup_steps=0", f"paths.output_dir={out}"],
         tmp_path,
     )  # fmt: skip
     assert f"tokens at {corpus}" in trained.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["global_step"] == 6 and summary["val_loss"] < math.log(512), summary
+    # learned: clearly below uniform over the 512 tokens (ln 512 = 6.24; measured 5.70 on this fixed corpus)
+    assert summary["global_step"] == 6 and summary["val_loss"] < math.log(512) - 0.3, summary
 
 
 def test_gpt13b_dry_run_says_what_data_it_expects(tmp_path):
