@@ -9,10 +9,33 @@ exists, and derives the batch layout that the run and the dry run print.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import MISSING
+
+from .pipeline import layout as rules
+
+
+def defaults_of(cls: Any) -> dict[str, Any]:
+    """The defaults of ``cls``'s constructor: the schemas below take theirs from the classes they configure, so a
+    default lives in one place (the class) and the YAML presets choose the recipes' values."""
+    import inspect
+
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def _classes() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from .data.datamodule import TextDataModule
+    from .data.tokens import TokenDataModule
+    from .models.base import PipelineLanguageModel
+    from .strategy import PipeDream2BWStrategy
+
+    return tuple(map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule, PipeDream2BWStrategy)))
+
+
+_MODEL, _DATA, _TOKENS, _STRATEGY = _classes()
 
 
 @dataclass
@@ -31,31 +54,31 @@ class PresetSchema:
 class ModelSchema:
     _target_: str = MISSING
     config: PresetSchema = field(default_factory=PresetSchema)
-    optimizer: str = "adamw"  # adamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    momentum: float = 0.0
-    warmup_steps: int = 0
-    max_steps: int | None = None
-    min_lr_ratio: float = 0.1
+    optimizer: str = _MODEL["optimizer"]  # adamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
+    lr: float = _MODEL["lr"]
+    weight_decay: float = _MODEL["weight_decay"]
+    betas: list[float] = field(default_factory=lambda: list(_MODEL["betas"]))
+    momentum: float = _MODEL["momentum"]
+    warmup_steps: int = _MODEL["warmup_steps"]
+    max_steps: int | None = _MODEL["max_steps"]
+    min_lr_ratio: float = _MODEL["min_lr_ratio"]
 
 
 @dataclass
 class DataSchema:
     _target_: str = "lightning_pd2bw.data.TextDataModule"
-    task: str = "lm"
-    seq_len: int = 128
+    task: str = _DATA["task"]
+    seq_len: int = _DATA["seq_len"]
     batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
     paths: list[str] | None = None
-    val_fraction: float = 0.05
-    max_bytes: int | None = 4_000_000
-    shuffle: bool = True
-    seed: int = 0
-    num_workers: int = 0
+    val_fraction: float = _DATA["val_fraction"]
+    max_bytes: int | None = _DATA["max_bytes"]
+    shuffle: bool = _DATA["shuffle"]
+    seed: int = _DATA["seed"]
+    num_workers: int = _DATA["num_workers"]
     hf_dataset: str | None = None  # a local Hugging Face dataset directory (never downloaded)
-    hf_split: str = "train"
-    text_column: str = "text"
+    hf_split: str = _DATA["hf_split"]
+    text_column: str = _DATA["text_column"]
     tokenizer: str | None = None  # a local tokenizer.json (or its directory); null: bytes
 
 
@@ -63,11 +86,11 @@ class DataSchema:
 class TokensDataSchema:
     _target_: str = "lightning_pd2bw.data.tokens.TokenDataModule"
     path: str = "data/tokens"  # a directory written by pd2bw-prepare-data
-    seq_len: int = 128
+    seq_len: int = _TOKENS["seq_len"]
     batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
-    shuffle: bool = True
-    seed: int = 0
-    num_workers: int = 0
+    shuffle: bool = _TOKENS["shuffle"]
+    seed: int = _TOKENS["seed"]
+    num_workers: int = _TOKENS["num_workers"]
 
 
 @dataclass
@@ -75,18 +98,18 @@ class StrategySchema:
     _target_: str = "lightning_pd2bw.PipeDream2BWStrategy"
     num_stages: int | None = None
     num_microbatches: int | None = None  # derived from the batch sizes when null
-    mode: str = "2bw"
-    recompute: bool = False
-    clip_mode: str = "global"
+    mode: str = _STRATEGY["mode"]
+    recompute: bool = _STRATEGY["recompute"]
+    clip_mode: str = _STRATEGY["clip_mode"]
     layers_per_stage: list[int] | None = None  # null: the planner's time-balanced cut (pd2bw-train)
     plan: str | None = None  # auto: depth, microbatch size and recomputation chosen at start-up by the planner
-    on_nonfinite: str = "stop"  # stop | skip: what a NaN/inf gradient does (skip: every stage drops that update)
-    failure_timeout: float | None = 180.0  # seconds without a heartbeat before a rank counts as dead
-    hang_timeout: float | None = 600.0  # seconds with no action executed during training: a hang (stacks, exit 75)
+    on_nonfinite: str = _STRATEGY["on_nonfinite"]  # stop | skip: what a NaN/inf gradient does (skip: drop the update)
+    failure_timeout: float | None = _STRATEGY["failure_timeout"]  # seconds without a heartbeat: a rank is dead
+    hang_timeout: float | None = _STRATEGY["hang_timeout"]  # seconds with no action executed: a hang (stacks, exit 75)
     delay_correction: str | None = None  # error_feedback: correct 2BW's one-step gradient delay (no effect on flush)
-    delay_correction_strength: float = 1.0  # beta of W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))
-    boundary_dtype: str | None = "auto"  # auto: bfloat16 at stage boundaries under bf16-mixed | null | bfloat16 ...
-    async_checkpoint: bool = False  # true: checkpoints written in the background (DCP async_save) after a host copy
+    delay_correction_strength: float = _STRATEGY["delay_correction_strength"]  # beta of W + D + beta (D - D_prev)
+    boundary_dtype: str | None = _STRATEGY["boundary_dtype"]  # auto: bfloat16 at stage cuts under bf16-mixed | null
+    async_checkpoint: bool = _STRATEGY["async_checkpoint"]  # true: checkpoints written in the background (DCP)
 
 
 @dataclass
@@ -254,12 +277,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     if cfg.strategy.get("plan") == "auto":
         return _check_auto(cfg, world)
     depth = cfg.strategy.num_stages or world
-    if world % depth:
-        raise ConfigError(
-            f"world size {world} (trainer.devices x trainer.num_nodes) is not a multiple of strategy.num_stages="
-            f"{depth}; use a depth that divides {world} or change trainer.devices"
-        )
-    width = world // depth
+    width = _layout_rule(rules.width_of, world, depth)
     global_batch, micro = cfg.global_batch_size, cfg.micro_batch_size
     if global_batch % width:
         raise ConfigError(
@@ -278,19 +296,34 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             f"strategy.num_microbatches={cfg.strategy.num_microbatches} contradicts global_batch_size={global_batch} "
             f"/ (width {width} x micro_batch_size={micro}) = {microbatches}; leave strategy.num_microbatches=null"
         )
-    if microbatches < depth:
-        raise ConfigError(
-            f"{microbatches} microbatches per step < {depth} stages: the pipeline would idle. Need m >= d: raise "
-            f"global_batch_size to >= {depth * micro * width}, lower micro_batch_size, or use fewer strategy.num_stages"
-        )
-    if num_layers is not None and num_layers < depth:
-        raise ConfigError(
-            f"the model has {num_layers} pipeline layers but strategy.num_stages={depth}; use at most {num_layers} "
-            "stages or a deeper model"
-        )
+    keys = replace(
+        CONFIG_KEYS,
+        more_microbatches=f"raise global_batch_size to >= {depth * micro * width}, lower micro_batch_size, or use "
+        "fewer strategy.num_stages",
+    )
+    _layout_rule(rules.check_schedule, cfg.strategy.mode, depth, microbatches, keys=keys)
+    if num_layers is not None:
+        _layout_rule(rules.check_layers, num_layers, depth)
     _check_data(cfg)
     check_checkpoint(cfg.get("ckpt_path"), num_layers)
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
+
+
+CONFIG_KEYS = rules.Keys(
+    num_stages="strategy.num_stages",
+    num_microbatches="global_batch_size / (width x micro_batch_size)",
+    mode="strategy.mode",
+    layers_per_stage="strategy.layers_per_stage",
+    world="trainer.devices x trainer.num_nodes",
+)
+
+
+def _layout_rule(rule: Any, *args: Any, keys: rules.Keys = CONFIG_KEYS) -> Any:
+    """A layout rule of ``pipeline/layout.py`` in the config's keys, raised as a ``ConfigError``."""
+    try:
+        return rule(*args, keys)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_checkpoint(path: Any, num_layers: int | None) -> None:

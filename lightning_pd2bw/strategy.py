@@ -49,11 +49,12 @@ from .compat import (
 )
 from .contract import pipeline_layers_of
 from .drain_callback import DrainBeforeTrainEnd
-from .pipeline import schedule, watchdog
+from .pipeline import layout as rules
+from .pipeline import watchdog
 from .pipeline.delay_correction import METHODS as delay_correction_methods
 from .pipeline.engine import PipelineEngine, describe_rank
 from .pipeline.executor import StageExecutor
-from .pipeline.grid import ProcessGrid, check_world_size
+from .pipeline.grid import ProcessGrid
 from .pipeline.layout import Layout
 from .pipeline.ledger import BatchLedger
 from .pipeline.materialize import parameters_on_meta
@@ -62,6 +63,12 @@ from .pipeline.partition import layer_parameter_counts
 from .pipeline.update import CLIP_MODES, NONFINITE_POLICIES
 from .preemption import Preemption
 from .sharded_checkpoints import ShardedCheckpoints
+
+STRATEGY_KEYS = rules.Keys(
+    where="PipeDream2BWStrategy: ",
+    world="devices x num_nodes",
+    more_microbatches="raise num_microbatches to at least {depth} or use fewer stages",
+)
 
 
 def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None:
@@ -125,7 +132,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         self,
         num_stages: int | None = None,
         num_microbatches: int | None = None,
-        mode: str = "2bw",
+        mode: str = rules.DEFAULT_MODE,
         recompute: bool = False,
         clip_mode: str = "global",
         plan: str | None = None,
@@ -147,8 +154,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         async_checkpoint: bool = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        if mode not in schedule.MODES:
-            raise ValueError(f"PipeDream2BWStrategy(mode={mode!r}) is not a mode; valid: {', '.join(schedule.MODES)}")
+        rules.check_mode(mode, STRATEGY_KEYS)
         if clip_mode not in CLIP_MODES:
             raise ValueError(
                 f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}"
@@ -176,10 +182,10 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         self.delay_correction_strength = delay_correction_strength
         self._trainer_with_drain: pl.Trainer | None = None
         self.on_nonfinite = on_nonfinite
-        if num_stages is not None and num_stages < 1:
-            raise ValueError(f"PipeDream2BWStrategy(num_stages={num_stages}) must be >= 1")
+        if num_stages is not None:
+            rules.check_depth(num_stages, STRATEGY_KEYS)
         if num_stages is not None and num_microbatches is not None:
-            schedule.validate(mode, num_stages, num_microbatches)
+            rules.check_microbatches(num_stages, num_microbatches, STRATEGY_KEYS)
         if plan not in (None, "auto"):
             raise ValueError(f"PipeDream2BWStrategy(plan={plan!r}) is invalid; valid: None (give num_stages) or 'auto'")
         if plan == "auto" and (num_stages is not None or num_microbatches is not None):
@@ -276,7 +282,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
 
     @property
     def data_parallel_size(self) -> int:
-        return check_world_size(self.world_size, self.num_stages)
+        return rules.width_of(self.world_size, self.num_stages, STRATEGY_KEYS)
 
     @property
     @override
@@ -312,8 +318,8 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
     def setup_environment(self) -> None:
         self.set_world_ranks()
         if self.plan is None:  # bad layouts fail before any process group exists
-            schedule.validate(self.mode, self.num_stages, self.num_microbatches)
-            check_world_size(self.world_size, self.num_stages)
+            rules.check_schedule(self.mode, self.num_stages, self.num_microbatches, STRATEGY_KEYS)
+            rules.width_of(self.world_size, self.num_stages, STRATEGY_KEYS)
         super().setup_environment()
         backend = self._process_group_backend or default_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -409,17 +415,13 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         DrainBeforeTrainEnd.install(trainer)  # removed again in teardown
         self._trainer_with_drain = trainer
         cut = self._plan_automatically(trainer, layers) if self.plan == "auto" else None
-        layout = Layout(
-            self.num_stages,
-            self.num_microbatches,
-            self.mode,
-            tuple(len(r) for r in cut) if cut is not None else self.layers_per_stage,
-        )
+        cut_counts = tuple(len(r) for r in cut) if cut is not None else self.layers_per_stage
+        stage_layout = Layout(self.num_stages, self.num_microbatches, self.mode, cut_counts)
         fitting = trainer.state.fn == TrainerFn.FITTING
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
             layers,
-            layout,
+            stage_layout,
             module.pipeline_inputs,
             module.pipeline_loss,
             device=self.root_device,

@@ -12,19 +12,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .comm import LinkChannels
-
-
-def check_world_size(world_size: int, num_stages: int) -> int:
-    """Data-parallel width for ``world_size`` processes, or a clear error."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
-    if world_size % num_stages:
-        raise ValueError(
-            f"world size {world_size} (devices x num_nodes) is not divisible by num_stages={num_stages}: "
-            f"world size must equal num_stages x data_parallel_size; use a world size that is a multiple of "
-            f"{num_stages} or a num_stages that divides {world_size}"
-        )
-    return world_size // num_stages
+from .layout import width_of
 
 
 @dataclass
@@ -35,7 +23,7 @@ class ProcessGrid:
     data_parallel_size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.data_parallel_size = check_world_size(self.world_size, self.num_stages)
+        self.data_parallel_size = width_of(self.world_size, self.num_stages)
 
     @property
     def stage(self) -> int:

@@ -1,28 +1,94 @@
-"""The pipeline's layout: mode, depth, microbatches and the stage cut, validated once.
+"""The pipeline's layout: mode, depth, microbatches, width and the stage cut; its rules and defaults, once.
 
-``Layout`` is what the engine is built for; the strategy and the Hydra config checks phrase their own keys
-around the same rules (``schedule.validate``, ``grid.check_world_size``, ``ranges_of``). The width (data-parallel
-replicas) follows from the world size: ``world = num_stages x width``.
+Every check of a layout is here: the schedules (``schedule.validate``), the process grid, ``Layout`` (what the
+engine is built for), the strategy's constructor and setup, and the Hydra config's cross-field checks call these
+functions. Each caller names the settings as its users write them (``Keys``: ``num_stages`` for the engine,
+``strategy.num_stages`` for ``pd2bw-train``), so the rule is one and the message speaks the caller's language.
+The width (data-parallel replicas) follows from the world size: ``world = num_stages x width``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from . import schedule
-from .grid import ProcessGrid
 from .partition import balanced_partition, layer_parameter_counts
 
+if TYPE_CHECKING:
+    from .grid import ProcessGrid
 
-def ranges_of(layers_per_stage: Sequence[int], num_layers: int) -> list[range]:
+MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
+DEFAULT_MODE = "2bw"  # the strategy's, the engine's and the Hydra schema's default
+
+
+@dataclass(frozen=True)
+class Keys:
+    """How a caller names the layout's settings in its messages."""
+
+    where: str = ""  # a prefix naming the caller, e.g. "PipeDream2BWStrategy: "
+    mode: str = "mode"
+    num_stages: str = "num_stages"
+    num_microbatches: str = "num_microbatches"
+    layers_per_stage: str = "layers_per_stage"
+    world: str = "devices x num_nodes"
+    more_microbatches: str = "raise num_microbatches to at least {depth} or use fewer stages"
+
+
+def check_mode(mode: str, keys: Keys = Keys()) -> None:
+    if mode not in MODES:
+        raise ValueError(f"{keys.where}{keys.mode}={mode!r} is not a mode; valid: {', '.join(MODES)}")
+
+
+def check_depth(num_stages: int, keys: Keys = Keys()) -> None:
+    if num_stages < 1:
+        raise ValueError(f"{keys.where}{keys.num_stages}={num_stages} must be >= 1")
+
+
+def check_microbatches(num_stages: int, num_microbatches: int, keys: Keys = Keys()) -> None:
+    """PipeDream-2BW (and 1F1B) need m >= d: fewer microbatches than stages leave stages idle."""
+    if num_microbatches < num_stages:
+        raise ValueError(
+            f"{keys.where}{keys.num_microbatches}={num_microbatches} is smaller than {keys.num_stages}={num_stages} "
+            f"({num_microbatches} microbatches per step < {num_stages} stages): the pipeline would idle. It needs "
+            f"num_microbatches >= num_stages (PipeDream-2BW's m >= d): {keys.more_microbatches.format(depth=num_stages)}"
+        )
+
+
+def width_of(world_size: int, num_stages: int, keys: Keys = Keys()) -> int:
+    """Data-parallel width for ``world_size`` processes, or a clear error."""
+    check_depth(num_stages, keys)
+    if world_size % num_stages:
+        raise ValueError(
+            f"{keys.where}world size {world_size} ({keys.world}) is not a multiple of {keys.num_stages}={num_stages}: "
+            f"world size = {keys.num_stages} x data-parallel width; use a {keys.num_stages} that divides "
+            f"{world_size}, or a world size that is a multiple of {num_stages}"
+        )
+    return world_size // num_stages
+
+
+def check_layers(num_layers: int, num_stages: int, keys: Keys = Keys()) -> None:
+    if num_layers < num_stages:
+        raise ValueError(
+            f"{keys.where}the model has {num_layers} pipeline layers but {keys.num_stages}={num_stages}; use at most "
+            f"{num_layers} stages or a deeper model"
+        )
+
+
+def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys()) -> None:
+    check_mode(mode, keys)
+    check_depth(num_stages, keys)
+    check_microbatches(num_stages, num_microbatches, keys)
+
+
+def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Keys()) -> list[range]:
     """``[2, 3]`` over 5 layers -> ``[range(0, 2), range(2, 5)]``, or a clear error."""
     if sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:
         raise ValueError(
-            f"layers_per_stage={list(layers_per_stage)} must be positive and sum to the model's {num_layers} "
-            "pipeline layers"
+            f"{keys.where}{keys.layers_per_stage}={list(layers_per_stage)} must be positive and sum to the model's "
+            f"{num_layers} pipeline layers"
         )
     bounds = [0]
     for count in layers_per_stage:
@@ -37,13 +103,13 @@ class Layout:
 
     num_stages: int
     num_microbatches: int | None = None
-    mode: str = "2bw"
+    mode: str = DEFAULT_MODE
     layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
             object.__setattr__(self, "num_microbatches", self.num_stages)
-        schedule.validate(self.mode, self.num_stages, self.num_microbatches)
+        check_schedule(self.mode, self.num_stages, self.num_microbatches)
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
             if len(self.layers_per_stage) != self.num_stages:
@@ -54,10 +120,13 @@ class Layout:
 
     def cut(self, layers: Sequence[nn.Module]) -> list[range]:
         """Each stage's range of layer indices."""
+        check_layers(len(layers), self.num_stages)
         if self.layers_per_stage is not None:
             return ranges_of(self.layers_per_stage, len(layers))
         return balanced_partition(layer_parameter_counts(layers), self.num_stages)
 
     def grid(self, rank: int, world_size: int) -> ProcessGrid:
         """The process grid of ``world_size`` ranks (an error names the world sizes that fit)."""
+        from .grid import ProcessGrid
+
         return ProcessGrid(rank, world_size, self.num_stages)

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
+from .layout import MODES, check_schedule
+
 Mode = Literal["flush", "gpipe", "2bw"]
-MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
+__all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update", "validate"]
 
 
 class Kind(str, Enum):
@@ -260,14 +262,5 @@ def stream(
 
 
 def validate(mode: str, num_stages: int, num_microbatches: int) -> None:
-    """Reject schedule parameters that the modes cannot run, naming the fix."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not a pipeline mode; valid: {', '.join(MODES)}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
-    if num_microbatches < num_stages:
-        raise ValueError(
-            f"num_microbatches={num_microbatches} is smaller than num_stages={num_stages}: the pipeline "
-            f"needs num_microbatches >= num_stages (PipeDream-2BW's m >= d); raise num_microbatches to at "
-            f"least {num_stages} or use fewer stages"
-        )
+    """Reject schedule parameters that the modes cannot run, naming the fix (``layout.check_schedule``)."""
+    check_schedule(mode, num_stages, num_microbatches)

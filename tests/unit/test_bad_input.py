@@ -9,7 +9,8 @@ from torch import nn
 
 import lightning_pd2bw
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.pipeline.grid import ProcessGrid, check_world_size
+from lightning_pd2bw.pipeline.grid import ProcessGrid
+from lightning_pd2bw.pipeline.layout import width_of
 from lightning_pd2bw.strategy import pipeline_layers_of
 
 
@@ -25,15 +26,17 @@ def test_fewer_microbatches_than_stages():
 
 
 def test_unknown_mode_and_clip_mode():
-    with pytest.raises(ValueError, match=r"mode='pipedream'\) is not a mode; valid: 2bw, flush, gpipe"):
+    with pytest.raises(
+        ValueError, match=r"PipeDream2BWStrategy: mode='pipedream' is not a mode; valid: 2bw, flush, gpipe"
+    ):
         PipeDream2BWStrategy(mode="pipedream")
     with pytest.raises(ValueError, match=r"clip_mode='all'\) is invalid; valid: global, stage"):
         PipeDream2BWStrategy(clip_mode="all")
 
 
 def test_world_size_not_divisible_by_depth():
-    with pytest.raises(ValueError, match="world size 6 .* not divisible by num_stages=4"):
-        check_world_size(6, 4)
+    with pytest.raises(ValueError, match="world size 6 .* is not a multiple of num_stages=4"):
+        width_of(6, 4)
     grid = ProcessGrid(rank=5, world_size=6, num_stages=3)
     assert (grid.stage, grid.replica, grid.pipeline_ranks(), grid.replica_ranks()) == (2, 1, [3, 4, 5], [2, 5])
 

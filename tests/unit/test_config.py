@@ -147,3 +147,49 @@ def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
     assert bad.returncode != 0 and "bad configuration" in bad.stderr and "strategy.num_stages" in bad.stderr
     unknown = run_cli("recipe=gpt14b", cwd=tmp_path)
     assert unknown.returncode != 0 and "valid: bert_base, bert_large" in unknown.stderr
+
+
+def test_layout_rules_are_one_set_named_in_each_callers_keys():
+    """The engine's Layout, the strategy and the Hydra checks apply the same rule (pipeline/layout.py), each
+    naming the settings as its users write them."""
+    from lightning_pd2bw import PipeDream2BWStrategy
+    from lightning_pd2bw.config import CONFIG_KEYS
+    from lightning_pd2bw.pipeline.layout import Layout, check_microbatches
+
+    messages = []
+    for call in (
+        lambda: Layout(num_stages=4, num_microbatches=2),
+        lambda: PipeDream2BWStrategy(num_stages=4, num_microbatches=2),
+        lambda: check_microbatches(4, 2, CONFIG_KEYS),
+    ):
+        with pytest.raises(ValueError) as error:
+            call()
+        messages.append(str(error.value))
+    assert all("(2 microbatches per step < 4 stages): the pipeline would idle" in m for m in messages)
+    assert messages[0].startswith("num_microbatches=2 is smaller than num_stages=4")
+    assert messages[1].startswith("PipeDream2BWStrategy: num_microbatches=2 is smaller than num_stages=4")
+    assert "is smaller than strategy.num_stages=4" in messages[2]
+
+
+def test_schema_defaults_are_the_classes_defaults():
+    """Every default lives in the class it configures; the schemas read it there (no second copy to drift)."""
+    from lightning_pd2bw import PipeDream2BWStrategy
+    from lightning_pd2bw.config import DataSchema, ModelSchema, StrategySchema, TokensDataSchema, defaults_of
+    from lightning_pd2bw.data import TextDataModule
+    from lightning_pd2bw.data.tokens import TokenDataModule
+    from lightning_pd2bw.models.base import PipelineLanguageModel
+
+    for schema, cls in (
+        (StrategySchema, PipeDream2BWStrategy),
+        (DataSchema, TextDataModule),
+        (TokensDataSchema, TokenDataModule),
+        (ModelSchema, PipelineLanguageModel),
+    ):
+        own = defaults_of(cls)
+        fields = schema.__dataclass_fields__
+        shared = [k for k in fields if k in own and own[k] is not None and k != "batch_size"]
+        assert len(shared) >= 4, (schema, shared)
+        for key in shared:
+            field = fields[key]
+            value = field.default_factory() if callable(field.default_factory) else field.default
+            assert value == (list(own[key]) if isinstance(own[key], tuple) else own[key]), (schema.__name__, key)
