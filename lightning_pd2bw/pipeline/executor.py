@@ -191,9 +191,10 @@ class StageExecutor:
         step_fn: Callable[[int], None],
         update_fn: Callable[[S.Action], None] | None = None,
     ) -> None:
-        """Execute ``actions`` in order; STEP(b) calls ``step_fn(b)`` on the next weight version, the update's
-        other parts (REDUCE, CHECK, CLIP, TIED_STEP, ...) call ``update_fn(action)`` (None: nothing to do, e.g.
-        one process without collectives)."""
+        """Execute ``actions`` in order. An update begins at REDUCE(b) (or REDUCE_DEFER(b)): the next weight version
+        is made writable, so that its hooks, clipping and step all see the newest weights; STEP(b) calls
+        ``step_fn(b)``; the update's other parts (REDUCE, CHECK, CLIP, TIED_STEP) call ``update_fn(action)`` (None:
+        nothing to do, e.g. one process without collectives)."""
         self.link.begin_segment()
         for index, action in enumerate(actions):
             try:
@@ -227,11 +228,12 @@ class StageExecutor:
         elif kind == S.SEND_BACKWARD:
             self.link.send_backward(self._to_send.pop(k))
         elif kind == S.STEP:
-            self.versions.begin_update()
             step_fn(action.batch)
-            if self.meter is not None:
-                self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
         elif kind in S.UPDATE_PARTS:
+            if kind in (S.REDUCE, S.REDUCE_DEFER):  # an update begins: hooks and the step see the newest weights
+                self.versions.begin_update()
+                if self.meter is not None:
+                    self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
             if update_fn is not None:
                 update_fn(action)
         elif kind == S.WAIT_SENDS:

@@ -41,11 +41,12 @@ class Kind(str, Enum):
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
     # the update of batch b, in this order (pipeline/update.py runs each part)
-    REDUCE = "REDUCE"  # gradients averaged over the replicas, tied parameters' gradients summed over their stages
+    REDUCE = "REDUCE"  # the next weight version made writable; gradients averaged over the replicas, tied
+    #                    parameters' gradients summed over the stages holding them
     REDUCE_DEFER = "REDUCE_DEFER"  # the same, the tied sums only launched: their update is TIED_STEP(b), later
     CHECK = "CHECK"  # the non-finite policy ("skip": agreed over the pipeline)
     CLIP = "CLIP"  # the before-step hooks (callbacks, module), then clipping (global: a norm over the pipeline)
-    STEP = "STEP"  # the next weight version; every optimizer's step with batch b's hyper-parameters; post-hooks
+    STEP = "STEP"  # every optimizer's step with batch b's hyper-parameters, the delay correction, post-hooks
     TIED_STEP = "TIED_STEP"  # 2BW: the tied parameters' deferred update of batch b, before batch b+2's forwards
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
 

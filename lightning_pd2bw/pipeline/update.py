@@ -1,7 +1,9 @@
 """The update of one batch, identical on every stage (plain PyTorch), as the schedule's actions run it.
 
 ``schedule.update(b)`` places the parts of batch b's update (``pipeline/schedule.py``); the executor runs each:
-  REDUCE(b)      gradients averaged over the data-parallel replicas, then summed over the stages that share a
+  REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; the executor does it,
+                 so that the hooks, clipping and the step below see the newest weights); gradients averaged over
+                 the data-parallel replicas, then summed over the stages that share a
                  parameter (GPT's tied embedding); REDUCE_DEFER(b) only launches those sums (2BW without
                  clipping), and TIED_STEP(b), placed before batch b+2's first forward, applies their update;
   CHECK(b)       the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after
@@ -10,8 +12,7 @@
                  the callbacks, then of the LightningModule), then clipping: by the global norm over all stages
                  (``clip_mode="global"``, one all-reduce of a scalar) or per stage, over every optimizer's
                  parameters;
-  STEP(b)        the next weight version made writable (2BW: the stale buffer is recycled; the executor does
-                 it), ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was
+  STEP(b)        ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was
                  fed with; 2BW's delay correction (``delay_correction.py``); the optimizers' step post-hooks
                  (e.g. sparsity masks) on the new version; gradients cleared.
 """
@@ -129,7 +130,7 @@ class UpdateRule:
         self._clip_gradients()
 
     def step(self, batch: int) -> None:
-        """STEP(b), on the weight version the executor just made writable: every optimizer's step with batch b's
+        """STEP(b), on the weight version REDUCE(b) made writable: every optimizer's step with batch b's
         hyper-parameters, 2BW's delay correction, the optimizers' post-hooks; gradients cleared."""
         hparams = self.ledger.take_hparams(batch)
         if self._skipping == batch:
