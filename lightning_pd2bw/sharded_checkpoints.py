@@ -1,7 +1,8 @@
-"""Sharded checkpoint I/O of ``PipeDream2BWStrategy`` (a mixin): what each rank gives to the save, the
-manifest's layout and data position, an asynchronous save in flight, loading at the same or another layout
-(resharding). The format (torch.distributed.checkpoint entries) and its atomic publication live in
-``checkpoint.py`` and ``checkpoint_state.py``."""
+"""Sharded checkpoints of ``PipeDream2BWStrategy`` (the strategy holds one ``StageCheckpoints`` and maps
+Lightning's checkpoint hooks to it): what each rank gives to the save, the manifest's layout and data position, an
+asynchronous save in flight, loading at the same or another layout (resharding). The format
+(torch.distributed.checkpoint entries) and its atomic publication live in ``checkpoint.py`` and
+``checkpoint_state.py``."""
 
 from __future__ import annotations
 
@@ -15,83 +16,94 @@ from . import checkpoint as ckpt
 from .compat import combined_train_loader
 
 
-class ShardedCheckpoints:
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.drain()  # a checkpoint is always taken at a drain
-        return {k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta}
+class StageCheckpoints:
+    """One stage's checkpoint I/O; reads the strategy's layout, engine, module and optimizers."""
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the partitioned, materialised stage
+    def __init__(self, strategy: Any, asynchronous: bool = False) -> None:
+        self.strategy = strategy
+        self.asynchronous = asynchronous
+        self.group: Any = None  # async saves: a gloo group of their own (training uses the default one)
+        self.in_flight: Any = None  # the future of an asynchronous save
+        self.stager: Any = None  # an asynchronous save's host copy, reused by every save
+        self.resume_data: dict[str, Any] | None = None  # the data position of the checkpoint being resumed
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.progress.tick(f"saving checkpoint {filepath}")
-        self.wait_for_checkpoint()  # the previous asynchronous save is published before the next one starts
-        if self.optimizers:
-            checkpoint["optimizer_param_names"] = self._optimizer_parameter_names()
-        self._checkpoint_in_flight = ckpt.save_sharded(
+    def create_group(self) -> None:
+        if self.asynchronous and self.group is None:
+            self.group = dist.new_group(backend="gloo")
+
+    def module_state_dict(self) -> dict[str, Any]:
+        self.strategy.drain()  # a checkpoint is always taken at a drain
+        return {k: v for k, v in self.strategy.lightning_module.state_dict().items() if not v.is_meta}
+
+    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        self.strategy.progress.tick(f"saving checkpoint {filepath}")
+        self.wait()  # the previous asynchronous save is published before the next one starts
+        if self.strategy.optimizers:
+            checkpoint["optimizer_param_names"] = self.optimizer_parameter_names()
+        self.in_flight = ckpt.save_sharded(
             Path(filepath),
             checkpoint,
-            self.layout(),
-            stage=self.grid.stage,
-            is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
+            self.manifest_layout(),
+            stage=self.strategy.grid.stage,
+            is_global_zero=self.strategy.is_global_zero,
+            barrier=self.strategy.barrier,
             gather=self._gather_objects,
-            process_group=self._checkpoint_group,
-            asynchronous=self.async_checkpoint,
-            stager=self._checkpoint_stager() if self.async_checkpoint else None,
+            process_group=self.group,
+            asynchronous=self.asynchronous,
+            stager=self._host_stager() if self.asynchronous else None,
         )
 
-    def _checkpoint_stager(self) -> Any:
+    def _host_stager(self) -> Any:
         """One DCP stager per run: its host copy (pinned on GPUs) of the stage's state is reused by every save."""
-        if self._stager is None:
+        if self.stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            cuda = self.root_device.type == "cuda"
-            self._stager = DefaultStager(
-                StagingOptions(cuda, False, False, cuda)
-            )  # pinned, shared, async, non-blocking
-        return self._stager
+            cuda = self.strategy.root_device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))  # pinned, shared, async, non-blocking
+        return self.stager
 
-    def wait_for_checkpoint(self) -> None:
+    def wait(self) -> None:
         """Block until an asynchronous save is written (and, on global rank 0, published)."""
-        pending, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+        pending, self.in_flight = self.in_flight, None
         if pending is not None:
-            self.progress.tick("waiting for the asynchronous checkpoint")
+            self.strategy.progress.tick("waiting for the asynchronous checkpoint")
             pending.result()
 
-    def close_checkpoint_stager(self) -> None:
-        self.wait_for_checkpoint()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * self.strategy.world_size
         dist.all_gather_object(out, obj)
         return out
 
-    def _parameter_names(self) -> dict[int, list[str]]:
+    def parameter_names(self) -> dict[int, list[str]]:
         names: dict[int, list[str]] = {}
-        for name, param in self.lightning_module.named_parameters(remove_duplicate=False):
+        for name, param in self.strategy.lightning_module.named_parameters(remove_duplicate=False):
             if not param.is_meta:
                 names.setdefault(id(param), []).append(name)
         return names
 
-    def _optimizer_parameter_names(self) -> list[list[list[str]]]:
+    def optimizer_parameter_names(self) -> list[list[list[str]]]:
         """Per optimizer, per parameter in its order: the parameter's names (a tied one has several)."""
-        names = self._parameter_names()
-        return [[names[id(p)] for g in optimizer.param_groups for p in g["params"]] for optimizer in self.optimizers]
+        names = self.parameter_names()
+        return [
+            [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            for optimizer in self.strategy.optimizers
+        ]
 
-    def layout(self) -> dict[str, Any]:
-        versions = self.executor.versions if self.executor is not None else None
+    def manifest_layout(self) -> dict[str, Any]:
+        versions = self.strategy.executor.versions if self.strategy.executor is not None else None
         return {
-            "num_stages": self.num_stages,
-            "data_parallel_size": self.data_parallel_size,
-            "num_microbatches": self.num_microbatches,
-            "mode": self.mode,
-            "num_layers": self.stage_layers[-1].stop if self.stage_layers else None,
-            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
+            "num_stages": self.strategy.num_stages,
+            "data_parallel_size": self.strategy.data_parallel_size,
+            "num_microbatches": self.strategy.num_microbatches,
+            "mode": self.strategy.mode,
+            "num_layers": self.strategy.stage_layers[-1].stop if self.strategy.stage_layers else None,
+            "stage_layers": [(r.start, r.stop) for r in self.strategy.stage_layers],
             # a checkpoint is taken at a drain: one version per stage, nothing in flight
             "weight_versions": {
                 "drained": True,
@@ -105,9 +117,9 @@ class ShardedCheckpoints:
     def _horizon(self) -> dict[str, int | None]:
         """What the run's schedules were computed for: ``trainer.max_steps``, the module's ``*_steps``
         hyper-parameters and the sparsity callbacks' step settings (a resume compares them)."""
-        trainer = self.lightning_module.trainer
+        trainer = self.strategy.lightning_module.trainer
         out: dict[str, int | None] = {"trainer.max_steps": trainer.max_steps}
-        for key, value in self.lightning_module.hparams.items():
+        for key, value in self.strategy.lightning_module.hparams.items():
             if key.endswith("steps") and (value is None or isinstance(value, int)):
                 out[f"model.{key}"] = value
         for callback in trainer.callbacks:
@@ -119,7 +131,7 @@ class ShardedCheckpoints:
 
     def _data_position(self) -> dict[str, Any] | None:
         """Where the training data stands: samples of this epoch's global order consumed by every replica."""
-        trainer = self.lightning_module.trainer
+        trainer = self.strategy.lightning_module.trainer
         loader = combined_train_loader(trainer)
         if loader is None or len(loader.flattened) != 1:
             return None
@@ -134,19 +146,19 @@ class ShardedCheckpoints:
             "epoch": trainer.current_epoch,
             "batches_in_epoch": batches,
             "batch_size_per_replica": batch_size,
-            "samples_in_epoch": batches * batch_size * self.data_parallel_size,
+            "samples_in_epoch": batches * batch_size * self.strategy.data_parallel_size,
         }
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load(self, checkpoint_path: Any) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
         manifest = meta["pd2bw"]
-        num_layers = self.stage_layers[-1].stop
+        num_layers = self.strategy.stage_layers[-1].stop
         if manifest["num_layers"] != num_layers:
             raise ValueError(
                 f"checkpoint {str(checkpoint_path)!r} was written for a model with {manifest['num_layers']} pipeline "
                 f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
             )
-        self._resume_data = manifest.get("data")
+        self.resume_data = manifest.get("data")
         if changed := horizon_changes(manifest.get("horizon") or {}, self._horizon()):
             rank_zero_warn(
                 f"pd2bw: resuming {checkpoint_path} with a different schedule horizon: {changed}. The learning-rate "
@@ -154,25 +166,25 @@ class ShardedCheckpoints:
                 "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
                 "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys)"
             )
-        if not ckpt.same_layout(manifest, self.stage_layers):
+        if not ckpt.same_layout(manifest, self.strategy.stage_layers):
             rank_zero_info(
                 f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
-                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.num_stages} x "
-                f"{self.data_parallel_size} {[(r.start, r.stop) for r in self.stage_layers]}"
+                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.strategy.num_stages} x "
+                f"{self.strategy.data_parallel_size} {[(r.start, r.stop) for r in self.strategy.stage_layers]}"
             )
         shard = ckpt.load_stage(
             checkpoint_path,
-            stage=self.grid.stage,
-            stage_layers=self.stage_layers,
-            model={k: v for k, v in self.lightning_module.state_dict().items() if not v.is_meta},
-            names=self._optimizer_parameter_names(),
-            fresh=[optimizer.state_dict() for optimizer in self.optimizers],
-            device=self.root_device,
+            stage=self.strategy.grid.stage,
+            stage_layers=self.strategy.stage_layers,
+            model={k: v for k, v in self.strategy.lightning_module.state_dict().items() if not v.is_meta},
+            names=self.optimizer_parameter_names(),
+            fresh=[optimizer.state_dict() for optimizer in self.strategy.optimizers],
+            device=self.strategy.root_device,
         )
         return meta | shard
 
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
+    def load_module_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        module = self.strategy.lightning_module
         local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
         missing = sorted(set(local) - set(checkpoint["state_dict"]))
         if strict and missing:
@@ -192,8 +204,8 @@ class ShardedCheckpoints:
             )
         module.load_state_dict(checkpoint["state_dict"], strict=False)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
+    def remove(self, filepath: Any) -> None:
+        if self.strategy.is_global_zero:
             import shutil
 
             shutil.rmtree(filepath, ignore_errors=True)

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from .auto_plan import AutoPlan
+from . import auto_plan
 from .compat import (
     SubprocessScriptLauncher,
     all_gather_if_distributed,
@@ -62,7 +62,7 @@ from .pipeline.microbatch import batch_device, check_last_batch
 from .pipeline.partition import layer_parameter_counts
 from .pipeline.update import CLIP_MODES, NONFINITE_POLICIES
 from .preemption import Preemption
-from .sharded_checkpoints import ShardedCheckpoints
+from .sharded_checkpoints import StageCheckpoints
 
 STRATEGY_KEYS = rules.Keys(
     where="PipeDream2BWStrategy: ",
@@ -84,7 +84,7 @@ def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None
     return dtype
 
 
-class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
+class PipeDream2BWStrategy(ParallelStrategy):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
     Args:
@@ -175,9 +175,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
             )
         self.boundary_dtype = _boundary_dtype(boundary_dtype)
         self.async_checkpoint = async_checkpoint
-        self._checkpoint_group: Any = None  # async saves: a gloo group of their own (training uses the default one)
-        self._checkpoint_in_flight: Any = None  # the future of an asynchronous save
-        self._stager: Any = None  # an asynchronous save's host copy, reused by every save
+        self.checkpoints = StageCheckpoints(self, asynchronous=async_checkpoint)  # sharded checkpoint I/O
         self.delay_correction = delay_correction
         self.delay_correction_strength = delay_correction_strength
         self._trainer_with_drain: pl.Trainer | None = None
@@ -233,7 +231,6 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         self.engine: PipelineEngine | None = None  # this stage's pipeline engine (built in setup)
         self.stage_layers: list[range] = []
         self._preemption: Preemption | None = None
-        self._resume_data: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the engine's state, as users read it
     @property
@@ -328,8 +325,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
             extra = {"store": store} if store is not None else {}
             init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
-        if self.async_checkpoint and self._checkpoint_group is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
+        self.checkpoints.create_group()
         self._start_watchdog()
 
     def _start_watchdog(self) -> None:
@@ -360,7 +356,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         if isinstance(exception, SIGTERMException) and self._preemption is not None and self._preemption.agreed:
             self._stop_after_preemption(exception)
             return
-        self._checkpoint_in_flight = None  # an asynchronous save may wait on a dead peer: leave it unpublished
+        self.checkpoints.in_flight = None  # an asynchronous save may wait on a dead peer: leave it unpublished
         dog = self._watchdog
         if dog is None:
             return
@@ -414,7 +410,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         self._check_trainer(trainer)
         DrainBeforeTrainEnd.install(trainer)  # removed again in teardown
         self._trainer_with_drain = trainer
-        cut = self._plan_automatically(trainer, layers) if self.plan == "auto" else None
+        cut = self._adopt_plan(trainer, layers) if self.plan == "auto" else None
         cut_counts = tuple(len(r) for r in cut) if cut is not None else self.layers_per_stage
         stage_layout = Layout(self.num_stages, self.num_microbatches, self.mode, cut_counts)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -437,7 +433,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
             delay_correction=self.delay_correction,
             delay_correction_strength=self.delay_correction_strength,
             before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),
-            names=self._parameter_names,
+            names=self.checkpoints.parameter_names,
             progress=self.progress,
             info=rank_zero_info,
         )
@@ -452,6 +448,46 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         self._drain_before_validation_zero_grad(module)
         self._warn_unused_steps(module)
         self._report_layout(layers)
+
+    def _adopt_plan(self, trainer: pl.Trainer, layers: list[nn.Module]) -> list[range]:
+        """``plan="auto"``: the planner's depth, microbatches, recomputation and cut become this run's."""
+        best, self.global_batch_size = auto_plan.choose(self, trainer, layers)
+        self.planned = best
+        self._requested_stages = best.candidate.depth
+        self._requested_microbatches = best.num_microbatches
+        self.recompute = best.candidate.recompute
+        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+        return list(best.stages)
+
+    # ------------------------------------------------------------------ checkpoints (sharded_checkpoints.py)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the partitioned, materialised stage
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpoints.module_state_dict()  # drains first: a checkpoint is always taken at a drain
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.checkpoints.save(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpoints.load(checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        self.checkpoints.load_module_state(checkpoint, strict)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpoints.remove(filepath)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is written (and, on global rank 0, published)."""
+        self.checkpoints.wait()
 
     def _check_last_batch(self, dataloader: Any, trainer: pl.Trainer) -> None:
         """A last batch that does not split into microbatches fails before the epoch, when the run reaches it."""
@@ -478,10 +514,10 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
         if not isinstance(dataloader, DataLoader) or not trainer.training:
             return dataloader
         if self.plan == "auto" and self.planned is not None:
-            dataloader = self._rebatch(dataloader)
+            dataloader = auto_plan.rebatch(dataloader, self.global_batch_size, self.data_parallel_size)
         dataloader = make_resumable(dataloader)
         self._check_last_batch(dataloader, trainer)
-        position, self._resume_data = self._resume_data, None
+        position, self.checkpoints.resume_data = self.checkpoints.resume_data, None
         if position is not None and position["samples_in_epoch"]:
             found = [s for s in samplers_of(dataloader) if isinstance(s, ResumableDistributedSampler)]
             sampler = found[0] if found else dataloader.sampler
@@ -655,7 +691,7 @@ class PipeDream2BWStrategy(ShardedCheckpoints, AutoPlan, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self.close_checkpoint_stager()  # waits for an asynchronous save first
+        self.checkpoints.close()  # waits for an asynchronous save first
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

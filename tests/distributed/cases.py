@@ -28,6 +28,7 @@ class Case:
     mode: str = "flush"
     num_stages: int = 2
     num_microbatches: int = 2
+    width: int = 1  # data-parallel replicas: the case runs on num_stages x width processes
     optimizer: str = "adamw"
     momentum: float = 0.0
     steps: int = 4
@@ -53,6 +54,10 @@ class Case:
         float32 rounding difference in a gradient can flip a bf16 rounding: the single-process reference itself
         moves by up to 5e-4 on these cases when its gradients get 1e-7 relative noise)."""
         return self.precision != "32-true" or self.optimizer == "muon"
+
+    @property
+    def world(self) -> int:
+        return self.num_stages * self.width
 
     @property
     def drains(self) -> tuple[int, ...]:
@@ -138,15 +143,15 @@ CASES = {
         Case("gpt_2bw_drain", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3),
         Case("gpt_flush_d4_sgd", num_stages=4, num_microbatches=4, optimizer="sgd"),
         Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
-        Case("gpt_flush_d2w2_adamw", schedule=True),
-        Case("gpt_2bw_d2w2_adamw", mode="2bw", steps=5, clip=0.5),
+        Case("gpt_flush_d2w2_adamw", width=2, schedule=True),
+        Case("gpt_2bw_d2w2_adamw", width=2, mode="2bw", steps=5, clip=0.5),
         Case("gpt_2bw_sparse_gmp_global", mode="2bw", steps=5, clip=0.5, sparsity="gmp_global"),
         Case("gpt_flush_sparse_rigl_erk", optimizer="sgd", momentum=0.9, steps=5, sparsity="rigl_erk"),
         Case("gpt_2bw_sparse_spdf", mode="2bw", steps=5, sparsity="spdf", schedule=True),
         Case(
             "gpt_2bw_sparse_resume", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3, sparsity="gmp_uniform"
         ),
-        Case("gpt_2bw_d2w2_sparse_static", mode="2bw", steps=5, sparsity="static_random"),
+        Case("gpt_2bw_d2w2_sparse_static", width=2, mode="2bw", steps=5, sparsity="static_random"),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),
         # checkpoints mid-epoch (no steps_per_epoch): the data position is restored from the checkpoint
         Case("gpt_2bw_resume_midepoch", mode="2bw", steps=7, checkpoint_every=3, sparsity="gmp_uniform", schedule=True),
@@ -162,6 +167,7 @@ CASES = {
         Case("gpt_2bw_muon", mode="2bw", optimizer="muon", steps=5, schedule=True),
         Case(
             "gpt_2bw_d2w2_muon_resume",
+            width=2,
             mode="2bw",
             optimizer="muon",
             steps=7,
@@ -183,8 +189,8 @@ CASES = {
             steps=6,
             correction=True,
         ),
-        Case("gpt_2bw_d2w2_ef_muon", mode="2bw", optimizer="muon", steps=6, correction=True, clip=0.5),
-        Case("gpt_2bw_d2w2_ef_adamw_sparse", mode="2bw", steps=6, correction=True, sparsity="static_random"),
+        Case("gpt_2bw_d2w2_ef_muon", width=2, mode="2bw", optimizer="muon", steps=6, correction=True, clip=0.5),
+        Case("gpt_2bw_d2w2_ef_adamw_sparse", width=2, mode="2bw", steps=6, correction=True, sparsity="static_random"),
         Case("bert_2bw_ef_muon", mode="2bw", model="bert", optimizer="muon", steps=5, correction=True),
     ]
 }

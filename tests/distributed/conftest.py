@@ -5,14 +5,13 @@ import pytest
 from .cases import CASES
 from .launch import torchrun
 
-TWO = [n for n, c in CASES.items() if "d4" not in n and "w2" not in n]
-FOUR = [n for n in CASES if "d4" in n or "w2" in n]
+WORLDS = sorted({case.world for case in CASES.values()})  # each case declares its layout (num_stages x width)
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict:
-    """Run every case once (two torchrun jobs) and hand out the output folders."""
+    """Run every case once (one torchrun job per world size) and hand out the output folders."""
     root = tmp_path_factory.mktemp("cases")
-    torchrun(root, 2, TWO)
-    torchrun(root, 4, FOUR)
+    for world in WORLDS:
+        torchrun(root, world, [name for name, case in CASES.items() if case.world == world])
     return {name: root / name for name in CASES}

@@ -23,8 +23,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 from lightning_pd2bw.pipeline.nccl_model import record_calls  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import (  # noqa: E402
     CASES,
     MICRO_BATCH,
@@ -208,6 +206,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     world = int(__import__("os").environ["WORLD_SIZE"])
     for name in sys.argv[2:]:
+        if CASES[name].world != world:
+            raise SystemExit(f"case {name} runs on {CASES[name].world} processes (num_stages x width), not {world}")
         run(CASES[name], out / name, world)
 
 

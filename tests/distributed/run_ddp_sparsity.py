@@ -13,8 +13,6 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 
 from lightning_pd2bw.sparsity import RigL  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 
 

@@ -28,8 +28,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 
 

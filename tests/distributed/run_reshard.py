@@ -21,7 +21,6 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.run_cases import trainer_for, with_sparsity  # noqa: E402
 
@@ -35,7 +34,7 @@ SAVE_STEPS = 3
 
 def optimizer_by_name(trainer: pl.Trainer) -> dict[str, dict]:
     """``"k:name"`` -> the state of parameter ``name`` in optimizer ``k``."""
-    names = trainer.strategy._parameter_names()
+    names = trainer.strategy.checkpoints.parameter_names()
     return {
         f"{k}:{names[id(p)][0]}": dict(optimizer.state[p])
         for k, optimizer in enumerate(trainer.optimizers)

@@ -24,8 +24,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.distributed.cases import Case, build_model, dataloader, dataset  # noqa: E402
 
 EVERY = 40  # with drains: validation and a checkpoint every EVERY steps

@@ -13,14 +13,13 @@ from .cases import SEQ_LEN, Case, replica_batch
 from .launch import torchrun_script
 from .reference import reference_weights
 
-RUNS = {
-    2: [
-        Case("engine_2bw_schedule", mode="2bw", steps=5, schedule=True),  # tied sums deferred, per-batch lr
-        Case("engine_flush_clip", mode="flush", steps=4, clip=0.5),
-    ],
+RUNS = [
+    Case("engine_2bw_schedule", mode="2bw", steps=5, schedule=True),  # tied sums deferred, per-batch lr
+    Case("engine_flush_clip", mode="flush", steps=4, clip=0.5),
     # width 2; global clipping; save, rebuild and load at step 3 (a drain): the run goes on as if uninterrupted
-    4: [Case("engine_2bw_w2_clip_restart", mode="2bw", steps=6, clip=0.5, schedule=True, checkpoint_every=3)],
-}
+    Case("engine_2bw_w2_clip_restart", mode="2bw", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
+]
+WORLDS = sorted({case.world for case in RUNS})
 
 
 def spec_of(case: Case, width: int) -> dict:
@@ -43,18 +42,19 @@ def spec_of(case: Case, width: int) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[int, Path]:
     out = {}
-    for world, cases in RUNS.items():
+    for world in WORLDS:
         folder = tmp_path_factory.mktemp(f"engine{world}")
-        width = world // 2
-        torch.save({"runs": [spec_of(c, width) for c in cases]}, folder / "spec.pt")
+        cases = [case for case in RUNS if case.world == world]
+        torch.save({"runs": [spec_of(c, c.width) for c in cases]}, folder / "spec.pt")
         torchrun_script(Path(__file__).with_name("run_engine.py"), [str(folder / "spec.pt"), str(folder)], world)
         out[world] = folder
     return out
 
 
-@pytest.mark.parametrize("world,case", [(w, c) for w, cases in RUNS.items() for c in cases], ids=lambda v: str(v))
-def test_plain_pytorch_engine_matches_the_reference(trained, world, case):
-    folder, width = trained[world], world // 2
+@pytest.mark.parametrize("case", RUNS, ids=lambda case: case.name)
+def test_plain_pytorch_engine_matches_the_reference(trained, case):
+    world, width = case.world, case.width
+    folder = trained[world]
     results = [torch.load(folder / f"{case.name}-rank{r}.pt", weights_only=False) for r in range(world)]
     got: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(results):

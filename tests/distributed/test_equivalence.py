@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from .cases import CASES, MICRO_BATCH
-from .conftest import FOUR
+from .conftest import WORLDS
 from .reference import reference_weights
 
 
@@ -21,16 +21,12 @@ def merged(folder, prefix: str = "stage-") -> dict[str, torch.Tensor]:
     return state
 
 
-def width_of(name: str) -> int:
-    return 2 if "w2" in name else 1
-
-
 def as_run(trained, name: str) -> tuple:
     """The case as it ran and its width; under plan="auto", the layout the planner chose (rank 0 records it):
     the same global batch, dealt to ``width`` replicas."""
     case = CASES[name]
     if not case.plan:
-        return case, width_of(name)
+        return case, case.width
     plan = json.loads((trained[name] / "rank-0.json").read_text())["plan"]
     per_replica = MICRO_BATCH * case.num_microbatches // plan["width"]
     micro = plan["micro"]
@@ -129,8 +125,10 @@ def test_consolidated_checkpoint_loads_into_plain_module(trained):
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
 
 
-def test_four_process_cases_exist():
-    assert FOUR and all(CASES[n].num_stages * width_of(n) == 4 for n in FOUR)
+def test_cases_cover_depth_and_width():
+    """Layouts are declared by each case (not parsed from its name): depth 2 and 4, width 1 and 2."""
+    assert WORLDS == [2, 4]
+    assert {(c.num_stages, c.width) for c in CASES.values() if not c.plan} == {(2, 1), (4, 1), (2, 2)}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].poison_step is not None])

@@ -13,7 +13,7 @@ import torch
 
 from .cases import CASES
 from .reference import reference_run
-from .test_equivalence import merged, width_of
+from .test_equivalence import merged
 
 SPARSE = [n for n in CASES if CASES[n].sparsity]
 
@@ -34,7 +34,7 @@ def pipeline_masks(folder, case, prefix: str = "") -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", SPARSE)
 def test_masks_match_single_process_reference(trained, name):
     case = CASES[name]
-    _, expected = reference_run(case, width_of(name))
+    _, expected = reference_run(case, case.width)
     got = pipeline_masks(trained[name], case)
     assert set(got) == set(expected)
     for key in expected:
@@ -126,6 +126,6 @@ def test_ddp_replicas_hold_identical_masks_and_zeros(tmp_path):
 def test_masks_zero_weights_and_every_optimizers_state(trained, name):
     """Pruned entries stay zero in the weights and in every optimizer's state (Muon's momentum, AdamW's moments)."""
     case = CASES[name]
-    for rank in range(case.num_stages * width_of(name)):
+    for rank in range(case.world):
         counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
         assert counters["masked_state_nonzero"] == 0
