@@ -18,13 +18,17 @@ are in a pipeline receive), and the job hangs with live heartbeats. Here:
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import compat
+from .pipeline import watchdog
+from .pipeline.engine import describe_rank
 
 
 class Preemption:
@@ -76,3 +80,27 @@ class Preemption:
     def _agree(self) -> None:
         self.agreed = True
         compat.mark_sigterm_received(self.trainer)  # Lightning stops after this batch, on every rank alike
+
+    def stop(self, strategy: Any, exception: SystemExit) -> None:
+        """Every rank agreed on a SIGTERM at the same step: drain, write ``last.ckpt`` where the checkpoint
+        callback writes, and exit with ``EXIT_CODE`` ("resumable")."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = self.trainer
+        self.settle()
+        callback = trainer.checkpoint_callback
+        path = None
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            trainer.save_checkpoint(path)
+            strategy.wait_for_checkpoint()
+        else:
+            strategy.drain()
+        exception.code = watchdog.EXIT_CODE
+        where = f"checkpoint written to {path}; resume with ckpt_path=last" if path else "no checkpoint callback"
+        print(
+            f"pd2bw: preempted (SIGTERM) at global step {trainer.global_step}: {where}. "
+            f"{describe_rank(strategy.global_rank, strategy.num_stages)} exits with code {watchdog.EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -14,18 +14,15 @@ in-flight backwards and the last update run; afterwards the version rule restart
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -354,7 +351,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
         """A peer's death shows up here as a communication error: wait for the watchdog to name it (it then
         ends this process); an error of this rank's own is published so that every other rank exits."""
         if isinstance(exception, SIGTERMException) and self._preemption is not None and self._preemption.agreed:
-            self._stop_after_preemption(exception)
+            self._preemption.stop(self, exception)
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
             return
         self.checkpoints.in_flight = None  # an asynchronous save may wait on a dead peer: leave it unpublished
         dog = self._watchdog
@@ -366,31 +366,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
         dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
         dog.linger()  # this process may host the store: the others must read the verdict before it goes
         self._watchdog = None
-
-    def _stop_after_preemption(self, exception: SystemExit) -> None:
-        """Every rank agreed on a SIGTERM at the same step: drain, write ``last.ckpt`` where the checkpoint
-        callback writes, and exit with ``EXIT_CODE`` ("resumable")."""
-        trainer = self.lightning_module.trainer
-        self._preemption.settle()
-        callback = trainer.checkpoint_callback
-        path = None
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-            trainer.save_checkpoint(path)
-            self.wait_for_checkpoint()
-        else:
-            self.drain()
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-        exception.code = watchdog.EXIT_CODE
-        where = f"checkpoint written to {path}; resume with ckpt_path=last" if path else "no checkpoint callback"
-        print(
-            f"pd2bw: preempted (SIGTERM) at global step {trainer.global_step}: {where}. "
-            f"{self._describe_rank(self.global_rank)} exits with code {watchdog.EXIT_CODE}",
-            file=sys.stderr,
-            flush=True,
-        )
 
     @contextmanager
     @override
