@@ -483,7 +483,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
         from torch.utils.data import DataLoader
 
-        from .data.resume import ResumableDistributedSampler, make_resumable, samplers_of
+        from .data.resume import make_resumable, resume_at
 
         trainer = self.lightning_module.trainer
         if not isinstance(dataloader, DataLoader) or not trainer.training:
@@ -493,20 +493,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         dataloader = make_resumable(dataloader)
         self._check_last_batch(dataloader, trainer)
         position, self.checkpoints.resume_data = self.checkpoints.resume_data, None
-        if position is not None and position["samples_in_epoch"]:
-            found = [s for s in samplers_of(dataloader) if isinstance(s, ResumableDistributedSampler)]
-            sampler = found[0] if found else dataloader.sampler
-            if not isinstance(sampler, ResumableDistributedSampler):
-                warnings.warn(
-                    f"pd2bw: the training sampler is a {type(sampler).__name__}, not Lightning's DistributedSampler: "
-                    "the resumed epoch restarts from its first batch (batches may repeat). Let Lightning inject "
-                    "the sampler (use_distributed_sampler=True) for an exact data position",
-                    stacklevel=2,
-                )
-            else:
-                sampler.resume(position["epoch"], position["samples_in_epoch"])
-                # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
-                warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
+        if position is not None:
+            resume_at(dataloader, position)
         return dataloader
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:

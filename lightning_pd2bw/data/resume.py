@@ -97,3 +97,25 @@ def make_resumable(loader: DataLoader) -> DataLoader:
     if sampler is None:
         return loader
     return rebuild(loader, sampler=ResumableDistributedSampler(sampler))
+
+
+def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
+    """Continue ``loader`` (made resumable) at a checkpoint's data position: its epoch and the samples of that
+    epoch's global order every replica consumed. A sampler that is not resumable restarts its epoch (a warning)."""
+    import warnings
+
+    if not position["samples_in_epoch"]:
+        return
+    found = [s for s in samplers_of(loader) if isinstance(s, ResumableDistributedSampler)]
+    sampler = found[0] if found else loader.sampler
+    if not isinstance(sampler, ResumableDistributedSampler):
+        warnings.warn(
+            f"pd2bw: the training sampler is a {type(sampler).__name__}, not Lightning's DistributedSampler: "
+            "the resumed epoch restarts from its first batch (batches may repeat). Let Lightning inject "
+            "the sampler (use_distributed_sampler=True) for an exact data position",
+            stacklevel=3,
+        )
+        return
+    sampler.resume(position["epoch"], position["samples_in_epoch"])
+    # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
