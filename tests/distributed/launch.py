@@ -1,4 +1,5 @@
-"""Launch ``run_cases.py`` under torchrun once per world size and cache the outputs for the session."""
+"""The one way distributed tests start processes: ``torchrun_script`` (torchrun, as users launch), ``torchrun``
+(the equality cases' runner) and ``launch_ranks`` (each rank its own process, for fault injection)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> N
     torchrun_script(RUNNER, [str(out), *cases], world, timeout)
 
 
-def torchrun_script(script: Path, args: list[str], world: int, timeout: float = 600) -> None:
+def torchrun_script(
+    script: Path, args: list[str], world: int, timeout: float = 600, options: tuple[str, ...] = (), check: bool = True
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node=WORLD [options] SCRIPT ARGS`` with one thread per rank and this
+    repository importable; fails with the output's tail unless ``check=False``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [
         sys.executable,
@@ -26,14 +31,16 @@ def torchrun_script(script: Path, args: list[str], world: int, timeout: float = 
         "torch.distributed.run",
         f"--nproc-per-node={world}",
         "--standalone",
+        *options,
         str(script),
         *args,
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise AssertionError(
             f"torchrun failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
         )
+    return result
 
 
 @dataclass

@@ -7,23 +7,19 @@ The watchdog's keys live in the agent's store, which survives restarts: they are
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import torch
 
-from .launch import ROOT
+from .launch import ROOT, torchrun_script
 
 RUNNER = ROOT / "tests" / "distributed" / "run_elastic.py"
 STEPS = 10
 
 
 def torchrun(out, kill_step: int) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
-    command += ["--max-restarts=1", "--monitor-interval=0.5", str(RUNNER), str(out), str(kill_step), str(STEPS)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    options = ("--max-restarts=1", "--monitor-interval=0.5")
+    return torchrun_script(RUNNER, [str(out), str(kill_step), str(STEPS)], 2, 300, options, check=False)
 
 
 def test_killed_rank_restarts_and_resumes_to_the_uninterrupted_result(tmp_path):

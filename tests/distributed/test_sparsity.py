@@ -103,17 +103,11 @@ def test_sharded_checkpoint_exports_a_plain_sparse_model(trained):
 def test_ddp_replicas_hold_identical_masks_and_zeros(tmp_path):
     """RigL under Lightning's own DDP strategy: growth uses the all-reduced gradients, so both ranks
     choose the same connections; masked weights are zero on both."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    runner = str(Path(__file__).with_name("run_ddp_sparsity.py"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
-    result = subprocess.run([*command, runner, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-5000:]
+    from .launch import torchrun_script
+
+    torchrun_script(Path(__file__).with_name("run_ddp_sparsity.py"), [str(tmp_path)], 2, timeout=300)
     first, second = (torch.load(tmp_path / f"ddp-rank-{r}.pt", weights_only=True) for r in (0, 1))
     assert first["step"] == second["step"] == 6 and first["masks"]
     for name, mask in first["masks"].items():

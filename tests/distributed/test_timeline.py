@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_pd2bw.pipeline import schedule as S
 
+from .launch import torchrun_script
 from .run_timeline import MICROBATCHES, STEPS
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("mode", ["2bw", "flush"])
 def test_trace_matches_the_schedule(tmp_path, mode):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    runner = Path(__file__).with_name("run_timeline.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run([*command, str(runner), str(tmp_path), mode], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-6000:]
+    torchrun_script(Path(__file__).with_name("run_timeline.py"), [str(tmp_path), mode], 2, timeout=300)
 
     trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())
     assert (tmp_path / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
