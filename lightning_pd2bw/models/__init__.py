@@ -1,5 +1,5 @@
-"""GPT and BERT as LightningModules implementing the partition contract, their plain ``nn.Module`` core
-(``GPTCore``, ``core.py``: no Lightning), and Hugging Face models as pipelines (``HFCausalLM``, ``HFMaskedLM``:
+"""GPT and BERT as LightningModules implementing the partition contract, their plain ``nn.Module`` cores
+(``GPTCore``, ``BERTCore``, ``core.py``: no Lightning), and Hugging Face models as pipelines (``HFCausalLM``, ``HFMaskedLM``:
 ``transformers`` is imported only when one is built). Names are imported on first use, so the core needs only
 torch."""
 
@@ -10,10 +10,12 @@ from typing import Any
 
 _WHERE = {
     "BERT": "bert",
-    "BERTConfig": "bert",
+    "BERTConfig": "core",
+    "BERTCore": "core",
     "GPT": "gpt",
     "GPTConfig": "core",
     "GPTCore": "core",
+    "TransformerConfig": "core",
     "HFCausalLM": "hf",
     "HFMaskedLM": "hf",
 }

@@ -1,28 +1,55 @@
-"""Plain ``nn.Module`` cores (no Lightning): GPT's configuration, presets and layers, the language-model loss
-and the seeded per-layer initialisation. ``GPTCore`` meets the partition contract on its own, so a plain PyTorch
-loop can drive it with ``lightning_pd2bw.pipeline.PipelineEngine``; the LightningModules (``GPT``, ``BERT``) add
-the optimizer, schedule and logging around the same layers."""
+"""Plain ``nn.Module`` cores (no Lightning): one configuration dataclass and one preset table for GPT and BERT,
+their layers, the language-model loss and the seeded per-layer initialisation. ``GPTCore`` and ``BERTCore`` meet
+the partition contract on their own, so a plain PyTorch loop can drive them with
+``lightning_pd2bw.pipeline.PipelineEngine``; the LightningModules (``GPT``, ``BERT``) add the optimizer, schedule
+and logging around the same layers (the same state-dict keys)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .presets import from_name
-from .transformer import Block, TokenEmbedding, ones_zeros_
+from .presets import from_name, pad_vocab
+from .transformer import INIT_STD, Block, TokenEmbedding, normal_, ones_zeros_, zero_
 
 IGNORE_INDEX = -100
 MASK_TOKEN = 256  # byte vocabulary: 0..255 are bytes, 256 is [MASK] (BERT)
 BYTE_VOCAB = 256
 
 
+# One preset table, by family: a name is valid for the family it is listed under.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt": {
+        "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64),  # tests: seconds on a CPU
+        "small": dict(n_layer=8, n_head=8, n_embd=256, block_size=128),  # the default recipe on CPUs
+        "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+        "gpt1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+        "gpt2.2b": dict(n_layer=40, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+        "gpt3.8b": dict(n_layer=48, n_head=20, n_embd=2560, block_size=2048, vocab_size=50304),
+        # GPT-3 13B (Brown et al. 2020): 40 layers, d_model 5120, 40 heads, context 2048; ~12.85B params
+        "gpt13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=50304),
+    },
+    "bert": {
+        "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64),
+        "small": dict(n_layer=8, n_head=8, n_embd=256, block_size=128),
+        # Devlin et al. 2019 (WordPiece vocabulary 30522, padded to 30528)
+        "bert_base": dict(n_layer=12, n_head=12, n_embd=768, block_size=512, vocab_size=30528),
+        "bert_large": dict(n_layer=24, n_head=16, n_embd=1024, block_size=512, vocab_size=30528),
+    },
+}
+GPT_PRESETS, BERT_PRESETS = PRESETS["gpt"], PRESETS["bert"]
+
+
 @dataclass
-class GPTConfig:
+class TransformerConfig:
+    """The configuration of our transformers (GPT and BERT differ in the family's presets and default vocab)."""
+
+    family: ClassVar[str] = "gpt"
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 64
@@ -31,9 +58,12 @@ class GPTConfig:
     seed: int = 1234  # initialisation seed (per-layer generators derive from it)
 
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
-        return from_name(GPT_PRESETS, cls, name, **overrides)
+    def from_name(cls, name: str, **overrides: Any) -> Any:
+        return from_name(PRESETS[cls.family], cls, name, **overrides)
 
+
+@dataclass
+class GPTConfig(TransformerConfig):
     def num_parameters(self) -> int:
         """Analytic count, tied embedding once (checkable against the meta-device model)."""
         c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer
@@ -41,16 +71,10 @@ class GPTConfig:
         return v * c + t * c + n * block + 2 * c
 
 
-GPT_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(n_layer=4, n_head=4, n_embd=64, block_size=64),  # tests: seconds on a CPU
-    "small": dict(n_layer=8, n_head=8, n_embd=256, block_size=128),  # the default recipe on CPUs
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
-    "gpt1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
-    "gpt2.2b": dict(n_layer=40, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
-    "gpt3.8b": dict(n_layer=48, n_head=20, n_embd=2560, block_size=2048, vocab_size=50304),
-    # GPT-3 13B (Brown et al. 2020): 40 layers, d_model 5120, 40 heads, context 2048; ~12.85B params
-    "gpt13b": dict(n_layer=40, n_head=40, n_embd=5120, block_size=2048, vocab_size=50304),
-}
+@dataclass
+class BERTConfig(TransformerConfig):
+    family: ClassVar[str] = "bert"
+    vocab_size: int = pad_vocab(MASK_TOKEN + 1)
 
 
 class LMHead(nn.Module):
@@ -75,6 +99,34 @@ def gpt_layers(config: GPTConfig) -> list[nn.Module]:
     return [embedding, *blocks, LMHead(embedding.wte.weight)]
 
 
+class MLMHead(nn.Module):
+    """Transform (dense, GELU, LayerNorm) then the decoder tied to the token embedding, plus a bias."""
+
+    def __init__(self, tied_weight: nn.Parameter) -> None:
+        super().__init__()
+        vocab, n_embd = tied_weight.shape
+        self.dense = nn.Linear(n_embd, n_embd)
+        self.ln = nn.LayerNorm(n_embd)
+        self.weight = tied_weight
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.ln(F.gelu(self.dense(x))), self.weight, self.bias)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        normal_(self.dense.weight, INIT_STD, generator)
+        zero_(self.dense.bias)
+        ones_zeros_(self.ln)
+        zero_(self.bias)
+
+
+def bert_layers(config: BERTConfig) -> list[nn.Module]:
+    """``[TokenEmbedding (with LayerNorm), bidirectional Block x n_layer, MLMHead]``; the head's weight is tied."""
+    embedding = TokenEmbedding(config.vocab_size, config.block_size, config.n_embd, norm=True)
+    blocks = [Block(config.n_embd, config.n_head, causal=False, n_layer=config.n_layer) for _ in range(config.n_layer)]
+    return [embedding, *blocks, MLMHead(embedding.wte.weight)]
+
+
 def init_layer(layer: nn.Module, seed: int, index: int) -> None:
     """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
     layer.reset_parameters(torch.Generator().manual_seed(seed * 100_003 + index))
@@ -95,15 +147,15 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int | None, min_lr_ra
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class GPTCore(nn.Module):
-    """GPT as a plain module with the partition contract (``pipeline_layers``, ``pipeline_inputs``,
+class PipelineCore(nn.Module):
+    """A transformer as a plain module with the partition contract (``pipeline_layers``, ``pipeline_inputs``,
     ``pipeline_loss``, ``init_pipeline_layer``). Built under ``pipeline.materialize.parameters_on_meta()`` its
     parameters stay on the meta device until a pipeline stage materialises its own layers."""
 
-    def __init__(self, config: GPTConfig | None = None) -> None:
+    def __init__(self, config: TransformerConfig, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.config = config or GPTConfig()
-        self.layers = nn.ModuleList(gpt_layers(self.config))
+        self.config = config
+        self.layers = nn.ModuleList(layers)
         if not any(p.is_meta for p in self.layers.parameters()):
             for index in range(len(self.layers)):
                 self.init_pipeline_layer(index)
@@ -124,3 +176,20 @@ class GPTCore(nn.Module):
         for layer in self.layers:
             idx = layer(idx)
         return idx
+
+
+class GPTCore(PipelineCore):
+    """GPT (causal, tied LM head) as a plain module."""
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        config = config or GPTConfig()
+        super().__init__(config, gpt_layers(config))
+
+
+class BERTCore(PipelineCore):
+    """BERT (bidirectional, tied masked-LM head; ``labels`` hold the original token at masked positions, -100
+    elsewhere) as a plain module."""
+
+    def __init__(self, config: BERTConfig | None = None) -> None:
+        config = config or BERTConfig()
+        super().__init__(config, bert_layers(config))

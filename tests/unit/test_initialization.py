@@ -229,3 +229,21 @@ def test_seeded_init_ignores_the_default_device():
             model.init_pipeline_layer(index)
     for (name, expected), got in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(expected, got), name
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_plain_cores_are_the_lightning_models_layers(family):
+    """GPTCore/BERTCore (plain nn.Module, models/core.py) build the same layers with the same weights and keys as
+    the LightningModules, and compute the same loss."""
+    from lightning_pd2bw.models import BERT, GPT, BERTConfig, BERTCore, GPTConfig, GPTCore
+
+    config_cls, core_cls, module_cls = (GPTConfig, GPTCore, GPT) if family == "gpt" else (BERTConfig, BERTCore, BERT)
+    config = config_cls.from_name("tiny", n_layer=2)
+    core, module = core_cls(config), module_cls(config)
+    module.configure_model()
+    ours, theirs = core.state_dict(), module.state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.randint(0, 256, (2, 16))}
+    assert torch.equal(core.pipeline_loss(core(batch["input_ids"]), batch), module.training_step(batch, 0))
+    with pytest.raises(ValueError, match="valid names: bert_base, bert_large, small, tiny"):
+        BERTConfig.from_name("gpt2")
