@@ -14,7 +14,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .core import IGNORE_INDEX, init_layer, lm_loss, warmup_cosine
+from .core import IGNORE_INDEX, init_layer, lm_loss
+from .optim import block_matrices, build_optimizers, warmup_cosine_schedule
 from .transformer import Block
 
 __all__ = ["IGNORE_INDEX", "PipelineLanguageModel"]
@@ -130,51 +131,26 @@ class PipelineLanguageModel(pl.LightningModule):
         self.log_dict({f"val_{k}": v for k, v in metrics.items()}, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        """``adamw`` | ``sgd`` | ``muon``: Muon for the blocks' weight matrices and AdamW for the rest (embeddings,
-        the head, norms, biases), as Muon's recipe pairs them; two optimizers, each with the warm-up/cosine
-        schedule (``strategy="pd2bw"`` steps both; Lightning's automatic optimization alone refuses two)."""
+        """The optimizers and schedules ``model.optimizer`` etc. choose (``models/optim.py``): ``adamw``, ``sgd``, or
+        ``muon`` (Muon for the blocks' weight matrices and AdamW for the rest: two optimizers, each with the
+        warm-up/cosine schedule; ``strategy="pd2bw"`` steps both, Lightning's automatic optimization alone refuses
+        two)."""
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        if hp.optimizer == "sgd":
-            optimizers = [torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)]
-        elif hp.optimizer == "adamw":
-            optimizers = [self._adamw(params)]
-        elif hp.optimizer == "muon":
-            blocks = self.block_layers()
-            matrices = list(
-                dict.fromkeys(p for b in blocks for p in b.parameters() if p.requires_grad and p.dim() == 2)
-            )
-            chosen = {id(p) for p in matrices}
-            rest = [p for p in params if id(p) not in chosen]
-            muon = torch.optim.Muon(
-                matrices, lr=hp.lr, weight_decay=hp.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw"
-            )
-            optimizers = [muon, self._adamw(rest)]
-        else:
-            raise ValueError(f"optimizer={hp.optimizer!r} is not supported; valid: adamw, sgd, muon")
+        matrices = block_matrices(self.block_layers()) if hp.optimizer == "muon" else []
+        optimizers = build_optimizers(
+            params, matrices, hp.optimizer, hp.lr, hp.weight_decay, tuple(hp.betas), hp.momentum
+        )
         if not hp.warmup_steps and not hp.max_steps:
             return optimizers[0] if len(optimizers) == 1 else optimizers
         configured = [
             {
                 "optimizer": optimizer,
                 "lr_scheduler": {
-                    "scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor),
+                    "scheduler": warmup_cosine_schedule(optimizer, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
                     "interval": "step",
                 },
             }
             for optimizer in optimizers
         ]
         return configured[0] if len(configured) == 1 else configured
-
-    def _adamw(self, params: list[nn.Parameter]) -> torch.optim.AdamW:
-        """AdamW without weight decay on biases and norms (1-D tensors)."""
-        hp = self.hparams
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-
-    def _lr_factor(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
-        hp = self.hparams
-        return warmup_cosine(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio)

@@ -1,0 +1,43 @@
+"""models/optim.py: the optimizers and schedule the models' configuration chooses, usable without Lightning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pd2bw.models import GPT, GPTConfig, GPTCore
+from lightning_pd2bw.models.optim import block_matrices, build_optimizers, warmup_cosine_schedule
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+def test_every_parameter_is_in_one_optimizer_as_the_module_configures_it(name):
+    core = GPTCore(GPTConfig.from_name("tiny", n_layer=2))
+    params = list(core.parameters())
+    optimizers = build_optimizers(params, block_matrices(list(core.layers)[1:-1]), name, lr=1e-3)
+    held = [id(p) for o in optimizers for g in o.param_groups for p in g["params"]]
+    assert sorted(held) == sorted(id(p) for p in params) and len(held) == len(set(held))
+    module = GPT(GPTConfig.from_name("tiny", n_layer=2), optimizer=name, lr=1e-3)
+    module.configure_model()
+    configured = module.configure_optimizers()
+    configured = configured if isinstance(configured, list) else [configured]
+    assert [type(o) for o in configured] == [type(o) for o in optimizers]
+    if name == "muon":  # Muon takes exactly the blocks' matrices; AdamW the rest, 1-D tensors without decay
+        assert [p.dim() for p in optimizers[0].param_groups[0]["params"]] == [2] * 8
+        assert all(p.dim() < 2 for p in optimizers[1].param_groups[1]["params"])
+
+
+def test_schedule_warms_up_then_decays_to_its_floor():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = warmup_cosine_schedule(optimizer, warmup_steps=2, max_steps=10, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(12):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0]) and lrs[10] == pytest.approx(0.1) and lrs[11] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+
+
+def test_unknown_optimizer_names_the_valid_ones():
+    with pytest.raises(ValueError, match="optimizer='lion' is not supported; valid: adamw, sgd, muon"):
+        build_optimizers([torch.nn.Parameter(torch.zeros(2, 2))], [], "lion")
