@@ -68,6 +68,9 @@ class PipelineEngine:
         delay_correction, delay_correction_strength: 2BW's optional correction of its one-step delay.
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
+        transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
+            neighbours (default ``comm.StageLink``: one process group per direction and pair, NCCL-safe); a
+            subclass may record, delay or reroute messages.
         progress: ticked at every action (a watchdog reads it); info: rank-0 messages.
     """
 
@@ -92,6 +95,7 @@ class PipelineEngine:
         delay_correction_strength: float = 1.0,
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         names: Callable[[], dict[int, list[str]]] | None = None,
+        transport: Callable[..., StageLink] = StageLink,
         progress: watchdog.Progress | None = None,
         info: Callable[[str], None] = _rank_zero_print,
     ) -> None:
@@ -116,6 +120,7 @@ class PipelineEngine:
         self.policy = UpdatePolicy(clip_val, clip_algorithm, clip_mode, on_nonfinite)
         self.delay_correction, self.delay_correction_strength = delay_correction, delay_correction_strength
         self.before_step = before_step
+        self.transport = transport
         self.progress = progress or watchdog.Progress()
         self.info = info
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
@@ -167,7 +172,7 @@ class PipelineEngine:
             correction = ErrorFeedback(self.params, self.delay_correction_strength)
         elif self.delay_correction is not None and self.optimizers:
             self.info(f"pd2bw: delay_correction={self.delay_correction!r} has no effect under mode={self.mode!r}")
-        link = StageLink(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
+        link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(
             self.layers,

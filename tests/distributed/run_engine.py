@@ -30,7 +30,24 @@ import torch.distributed as dist  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
 from lightning_pd2bw.models.core import warmup_cosine  # noqa: E402
 from lightning_pd2bw.pipeline import Layout, PipelineEngine  # noqa: E402
+from lightning_pd2bw.pipeline.comm import StageLink  # noqa: E402
 from lightning_pd2bw.pipeline.materialize import parameters_on_meta  # noqa: E402
+
+
+class CountingLink(StageLink):
+    """The user's own transport: StageLink, counting the tensors it sends each way."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent = {"forward": 0, "backward": 0}
+
+    def send_forward(self, tensors, key) -> None:
+        self.sent["forward"] += 1
+        super().send_forward(tensors, key)
+
+    def send_backward(self, grads) -> None:
+        self.sent["backward"] += 1
+        super().send_backward(grads)
 
 
 def build(run: dict) -> tuple[PipelineEngine, list[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
@@ -45,6 +62,7 @@ def build(run: dict) -> tuple[PipelineEngine, list[torch.optim.Optimizer], torch
         device="cpu",
         init_layer=model.init_pipeline_layer,
         clip_val=run["clip"],
+        transport=CountingLink,
     )
     params = engine.parameters()
     groups = [
@@ -81,6 +99,7 @@ def train(run: dict, out: Path) -> None:
             "weights": {f"layers.{k}": v for k, v in state.items()},
             "losses": [None if loss is None else loss.item() for loss in losses],  # train_batch's, drain()'s
             "evaluation": evaluation,
+            "sent": engine.executor.link.sent,  # the last engine's (after a restart: from there on)
         },
         out / f"{run['name']}-rank{dist.get_rank()}.pt",
     )

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pd2bw.pipeline import schedule as S
+
 from .cases import SEQ_LEN, Case, replica_batch
 from .launch import torchrun_script
 from .reference import reference_weights
@@ -86,6 +88,16 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
         assert [i for i, v in enumerate(span) if v is None] == expected_none, (case.name, returned)
         position += len(span)
     assert {tuple(sorted(r["evaluation"])) for r in results} == {("loss",)}
+    # the engine sent through the transport it was given: one message per SEND action of the IR since the last
+    # (re)build, plus the evaluation's forwards (one per microbatch)
+    start = case.drains[-1] if case.drains else 0
+    for rank, result in enumerate(results):
+        stage = rank % case.num_stages
+        actions = S.stream(case.mode, stage, case.num_stages, case.num_microbatches, case.steps - start)
+        if case.mode != "2bw":  # flush restarts its batch numbers every step: the same actions per step
+            actions = S.segment(case.mode, stage, case.num_stages, case.num_microbatches, 0) * (case.steps - start)
+        sends = sum(a.kind == S.SEND_FORWARD for a in actions) + (case.num_microbatches if stage < case.num_stages - 1 else 0)
+        assert result["sent"] == {"forward": sends, "backward": sum(a.kind == S.SEND_BACKWARD for a in actions)}
 
 
 def test_no_lightning_module_was_imported(trained):
