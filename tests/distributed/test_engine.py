@@ -96,7 +96,9 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
         actions = S.stream(case.mode, stage, case.num_stages, case.num_microbatches, case.steps - start)
         if case.mode != "2bw":  # flush restarts its batch numbers every step: the same actions per step
             actions = S.segment(case.mode, stage, case.num_stages, case.num_microbatches, 0) * (case.steps - start)
-        sends = sum(a.kind == S.SEND_FORWARD for a in actions) + (case.num_microbatches if stage < case.num_stages - 1 else 0)
+        sends = sum(a.kind == S.SEND_FORWARD for a in actions) + (
+            case.num_microbatches if stage < case.num_stages - 1 else 0
+        )
         assert result["sent"] == {"forward": sends, "backward": sum(a.kind == S.SEND_BACKWARD for a in actions)}
 
 
