@@ -61,11 +61,7 @@ from .pipeline.update import CLIP_MODES, NONFINITE_POLICIES
 from .preemption import Preemption
 from .sharded_checkpoints import StageCheckpoints
 
-STRATEGY_KEYS = rules.Keys(
-    where="PipeDream2BWStrategy: ",
-    world="devices x num_nodes",
-    more_microbatches="raise num_microbatches to at least {depth} or use fewer stages",
-)
+STRATEGY_KEYS = rules.Keys(where="PipeDream2BWStrategy: ")  # the layout rules, in the constructor's names
 
 
 def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None:

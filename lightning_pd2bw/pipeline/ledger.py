@@ -89,9 +89,6 @@ class BatchLedger:
         entry = self.batches.get(batch)
         return entry.deferred_hparams if entry is not None and entry.deferred is not None else None
 
-    def deferred_until(self, batch: int) -> list[int]:
-        return sorted(b for b, e in self.batches.items() if b <= batch and e.deferred is not None)
-
     def take_deferred(self, batch: int) -> tuple[list[Any], list[list[dict[str, Any]]]]:
         entry = self.batches[batch]
         out = (entry.deferred, entry.deferred_hparams)
