@@ -113,6 +113,7 @@ def main() -> None:
         train(run, out)
     imported = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     torch.save(imported, out / f"imported-rank{dist.get_rank()}.pt")
+    dist.barrier()  # every rank has consumed what the others sent before any tears its groups down
     dist.destroy_process_group()
 
 
