@@ -52,6 +52,8 @@ class _Rank:
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
         self.deferred: dict[int, list[int]] = {}
+        self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
+        self.bucket_handles: dict[int, list[int]] = {}
         self.sigterm: int | None = None
         self.step_in_run = 0
 
@@ -129,17 +131,33 @@ class _Rank:
         layout = self.layout
         return layout.mode == "2bw" and self._shared() and not layout.clip and not layout.skip_nonfinite
 
+    def _replicas(self) -> tuple[str, tuple[int, ...]]:
+        layout = self.layout
+        replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
+        return f"pd2bw/replica/stage{self.stage}", replicas
+
+    def backward(self, batch: int) -> None:
+        """The batch's last backward on this stage starts the replica all-reduce of each gradient bucket
+        (``grad_buckets.py``); REDUCE waits for them."""
+        done = self.backwards.pop(batch, 0) + 1
+        if done < self.layout.num_microbatches:
+            self.backwards[batch] = done
+        elif self.layout.data_parallel_size > 1:
+            channel, replicas = self._replicas()
+            label = f"B(b{batch}) replica average"
+            self.bucket_handles[batch] = [
+                self.collective("all_reduce", channel, replicas, label, block=False)
+                for _ in range(self.layout.gradient_buckets)
+            ]
+
     def reduce(self, batch: int, deferred: bool) -> None:
         layout, label = self.layout, f"REDUCE(b{batch})"
         if layout.data_parallel_size > 1:
-            replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
-            channel = f"pd2bw/replica/stage{self.stage}"
-            handles = [
-                self.collective("all_reduce", channel, replicas, f"{label} replica average", block=False)
-                for _ in range(layout.gradient_buckets)
-            ]
-            for handle in handles:
+            for handle in self.bucket_handles.pop(batch):
                 self.wait(handle, label)
+            if self._shared():  # the tied parameters are averaged apart from the buckets
+                channel, replicas = self._replicas()
+                self.collective("all_reduce", channel, replicas, f"{label} replica average of tied parameters")
         if self._shared():
             channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
             members = (self.pipeline[0], self.pipeline[-1])
@@ -158,6 +176,8 @@ class _Rank:
                 self.send_forward("train", label)
             elif action.kind == S.RECV_BACKWARD:
                 self.recv_backward(label)
+            elif action.kind == S.BACKWARD:
+                self.backward(action.batch)
             elif action.kind == S.SEND_BACKWARD:
                 self.send_backward(label)
             elif action.kind in (S.REDUCE, S.REDUCE_DEFER):
@@ -203,6 +223,7 @@ class _Rank:
                 S.drain(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, last, self.defers_tied())
             )
             self.wait_sends()
+        self.backwards.clear()
         for batch in sorted(self.losses):
             self.take_loss(batch)
         self.step_in_run = 0

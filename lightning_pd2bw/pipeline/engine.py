@@ -33,6 +33,7 @@ from .comm import StageLink
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
+from .grad_buckets import GradientBuckets
 from .grid import ProcessGrid
 from .layout import Layout
 from .ledger import BatchLedger
@@ -187,6 +188,12 @@ class PipelineEngine:
             boundary_dtype=self.boundary_dtype,
         )
         self.executor.progress = self.progress
+        buckets = None
+        if self.grid.data_parallel_size > 1 and self.optimizers:
+            tied = {id(s.param) for s in self.shared}
+            replicated = [p for p in self.params if id(p) not in tied]
+            buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size)
+        self.executor.gradient_buckets = buckets
         self.update = UpdateRule(
             self.mode,
             self.optimizers,
@@ -203,6 +210,7 @@ class PipelineEngine:
             names=self._names,
             info=self.info,
             executor=self.executor,
+            buckets=buckets,
         )
 
     def _started(self) -> StageExecutor:
@@ -227,6 +235,8 @@ class PipelineEngine:
         step = self.ledger.open(global_step, [hyperparameters(optimizer) for optimizer in self.optimizers])
         self.progress.tick(f"training step {step} (global step {global_step})")
         executor.feed(step, split_microbatches(batch, self.num_microbatches))
+        if self.update.buckets is not None:  # e.g. Lightning's module.zero_grad() before validation set them to None
+            self.update.buckets.attach()
         actions = self.actions(step)
         with context or nullcontext():
             executor.run(actions, self.update.step, self.update.run_part)

@@ -86,6 +86,8 @@ class StageExecutor:
         self.recorder: Recorder | None = None  # set one to record every action (timeline.py)
         self.meter: ActivationMeter | None = None  # set one to count stashed activation bytes
         self.progress: Any = None  # set a watchdog.Progress to publish every action (hang detection)
+        self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
+        self._backwards: dict[int, int] = {}  # batch -> backwards run on this stage
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -174,6 +176,11 @@ class StageExecutor:
         k = action.microbatch
         self.versions.use(action.weight_version)
         inputs, outputs = self._stash.pop(k)
+        done = self._backwards.pop(action.batch, 0) + 1
+        if done < self.num_microbatches:
+            self._backwards[action.batch] = done
+        elif self.gradient_buckets is not None:  # the batch's last backward here: all-reduce buckets as they fill
+            self.gradient_buckets.arm()
         if self.is_last:
             outputs.backward()
         else:
@@ -249,6 +256,7 @@ class StageExecutor:
         if self.in_flight:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()
+        self._backwards.clear()
         self.versions.reset_after_drain()
 
     # ----------------------------------------------------------------- evaluation

@@ -3,7 +3,8 @@
 ``schedule.update(b)`` places the parts of batch b's update (``pipeline/schedule.py``); the executor runs each:
   REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; the executor does it,
                  so that the hooks, clipping and the step below see the newest weights); gradients averaged over
-                 the data-parallel replicas, then summed over the stages that share a
+                 the data-parallel replicas (``grad_buckets.py``: their all-reduces started during the batch's last
+                 backward; REDUCE waits for them), then summed over the stages that share a
                  parameter (GPT's tied embedding); REDUCE_DEFER(b) only launches those sums (2BW without
                  clipping), and TIED_STEP(b), placed before batch b+2's first forward, applies their update;
   CHECK(b)       the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after
@@ -31,6 +32,7 @@ from torch import nn
 from . import gradients
 from . import schedule as S
 from .delay_correction import ErrorFeedback
+from .grad_buckets import GradientBuckets
 from .ledger import BatchLedger
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
 
@@ -87,6 +89,7 @@ class UpdateRule:
     names: Callable[[], dict[int, list[str]]] = dict  # id(parameter) -> its names, for messages
     info: Callable[[str], None] = print
     executor: Any = None  # the StageExecutor (its weight versions)
+    buckets: GradientBuckets | None = None  # width > 1: the replicated gradients, all-reduced during the backward
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
     _skipping: int | None = None  # the batch CHECK found non-finite under "skip": its CLIP and STEP do nothing
@@ -109,7 +112,11 @@ class UpdateRule:
         """REDUCE(b): average over the replicas, sum the tied gradients over their stages (REDUCE_DEFER: only
         launch the sums; TIED_STEP(b) applies them)."""
         shared = [(s.param, s.group) for s in self.shared]
-        gradients.average_over_replicas(self.params, self.groups.replica, self.data_parallel_size)
+        replicated = self.params
+        if self.buckets is not None:  # started during the last backward; the tied parameters are not in them
+            self.buckets.finish()
+            replicated = [s.param for s in self.shared]
+        gradients.average_over_replicas(replicated, self.groups.replica, self.data_parallel_size)
         if deferred:
             self.ledger.defer(batch, gradients.launch_shared_sums(shared), [[] for _ in self.optimizers])
         else:
@@ -164,6 +171,8 @@ class UpdateRule:
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.buckets is not None:  # the gradients live in the buckets: zeroed, the views attached again
+            self.buckets.zero()
 
     def _gradients_finite(self, batch: int) -> bool:
         """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline

@@ -175,3 +175,17 @@ def test_each_update_is_its_parts_in_order(mode, num_stages, num_microbatches, d
         waits = [a.batch for a in actions if a.kind == S.WAIT_SENDS]
         assert waits == (list(range(batches)) if mode != "2bw" else [batches - 1])
         assert actions[-1].kind == S.WAIT_SENDS
+
+
+@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+def test_no_backward_between_a_batchs_last_backward_and_its_reduce(mode, num_stages, num_microbatches):
+    """The replica all-reduce of batch b starts inside b's last backward on the stage and REDUCE(b) waits for it
+    (``grad_buckets.py``): no other backward may accumulate into those gradients in between."""
+    for stage in range(num_stages):
+        actions = S.stream(mode, stage, num_stages, num_microbatches, 4, False)
+        for b in range(4):
+            backwards = [i for i, a in enumerate(actions) if a.kind == S.BACKWARD and a.batch == b]
+            assert len(backwards) == num_microbatches
+            reduce = actions.index(S.Action(S.REDUCE, b))
+            assert not [a for a in actions[backwards[-1] + 1 : reduce] if a.kind == S.BACKWARD]

@@ -1,0 +1,158 @@
+"""A stage's replicated gradients in flat buckets, all-reduced while the batch's last backward still runs.
+
+As DDP (``gradient_as_bucket_view``) and Megatron (its contiguous gradient buffer) do: each parameter's ``.grad``
+is a view into a flat bucket, so autograd accumulates every microbatch's gradient in place and the all-reduce
+runs on the bucket itself, with no second copy of the gradients. Buckets hold the parameters in reverse order
+(the backward produces the last layers' gradients first). During the batch's last backward on this stage
+(``arm``), a bucket's all-reduce starts as soon as its last gradient is accumulated, and buckets start in
+bucket order on every replica (collectives of one group must be issued alike everywhere). ``finish`` (the
+update's REDUCE) starts the buckets not started yet, waits, and divides by the width.
+
+A parameter that gets no gradient in a batch on any replica keeps ``grad=None``, as in single-device training
+(an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
+with the gradients; ``finish`` reads the flags only on a replica that missed a gradient (a host sync in that
+case alone). Parameters held by several stages (a tied embedding) are not in the buckets: 2BW moves their
+gradients aside for a deferred sum (``gradients.launch_shared_sums``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .gradients import buckets as group_in_buckets
+
+_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its hook's handle (the newest owner's)
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # the gradients, then one flag per parameter
+    views: list[torch.Tensor]
+    flags: torch.Tensor
+    waiting: int = 0  # gradients still to arrive in the armed backward
+    work: Any = None
+    started: bool = False
+
+
+@dataclass
+class GradientBuckets:
+    """Replica averaging of ``params``' gradients over ``group`` (``size`` replicas), overlapped with the
+    backward. Build it once per stage; ``zero`` replaces the optimizers' ``zero_grad``."""
+
+    params: Sequence[nn.Parameter]
+    group: Any
+    size: int
+    limit: int | None = None  # bytes per bucket (default: gradients.BUCKET_BYTES)
+    buckets: list[_Bucket] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        order = [p for p in reversed(list(self.params)) if p.requires_grad]
+        groups = group_in_buckets(order, **({"limit": self.limit} if self.limit else {}))
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._handles: list[tuple[nn.Parameter, Any]] = []
+        for params in groups:
+            sizes = [p.numel() for p in params]
+            flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+            views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params)]
+            bucket = _Bucket(params, flat, views, flat[sum(sizes) :])
+            self.buckets.append(bucket)
+            for position, param in enumerate(params):
+                self._slot[id(param)] = (bucket, position)
+                previous = _HOOKS.pop(param, None)
+                if previous is not None:  # a rebuilt engine over the same parameters takes them over
+                    previous.remove()
+                _HOOKS[param] = param.register_post_accumulate_grad_hook(self._accumulated)
+                self._handles.append((param, _HOOKS[param]))
+        self.arrived: set[int] = set()  # id(parameter) with a gradient in this batch, on this replica
+        self.armed = False
+        self._next = 0  # the next bucket to start
+        self.attach()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def attach(self) -> None:
+        """Point every ``.grad`` at its view (after anything that set them to None or replaced them)."""
+        for bucket in self.buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                self._adopt(param, view)
+
+    @staticmethod
+    def _adopt(param: nn.Parameter, view: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is view:
+            return
+        if grad is not None:  # a gradient set aside the bucket (sparse ones, e.g. nn.Embedding(sparse=True), too)
+            view.zero_().add_(grad) if grad.layout != torch.strided else view.copy_(grad)
+        param.grad = view
+
+    def arm(self) -> None:
+        """The batch's last backward on this stage begins: start each bucket once its gradients are in."""
+        self.armed = True
+        for bucket in self.buckets:
+            bucket.waiting = len(bucket.params)
+
+    def _accumulated(self, param: nn.Parameter) -> None:
+        bucket, position = self._slot[id(param)]
+        self._adopt(param, bucket.views[position])
+        self.arrived.add(id(param))
+        if not self.armed or bucket.started:
+            return
+        bucket.waiting -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self._start(self.buckets[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        arrived = [id(p) in self.arrived for p in bucket.params]
+        if all(arrived):
+            bucket.flags.fill_(1)
+        else:
+            for position, flag in enumerate(arrived):
+                if flag:
+                    bucket.flags[position] = 1
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.started = True
+        self._next += 1
+
+    def finish(self) -> None:
+        """REDUCE: start what has not started, wait, average; a parameter without a gradient on every replica
+        gets ``grad=None``."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        missed = len(self.arrived) < len(self._slot)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.flat.div_(self.size)
+            if missed:
+                flags = bucket.flags.tolist()  # only where this replica missed a gradient: one host sync
+                for param, flag in zip(bucket.params, flags):
+                    if flag == 0:
+                        param.grad = None
+        self.armed = False
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.work, bucket.started = None, False
+
+    def zero(self) -> None:
+        """After a step: zero the buckets and point every ``.grad`` at its view again."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+        self.arrived.clear()
+        self.attach()
+
+    def close(self) -> None:
+        """Remove the hooks (the parameters' gradients stay as they are)."""
+        for param, handle in self._handles:
+            handle.remove()
+            if _HOOKS.get(param) is handle:
+                del _HOOKS[param]
+        self._handles.clear()

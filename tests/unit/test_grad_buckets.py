@@ -1,0 +1,118 @@
+"""Replica gradients in buckets (``grad_buckets.py``) on two gloo ranks: started inside the last backward, equal to
+the average of each replica's plain autograd gradients, ``None`` where no replica had a gradient."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_pd2bw.pipeline import grad_buckets
+from lightning_pd2bw.pipeline.grad_buckets import GradientBuckets
+
+MICROBATCHES = 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(4))  # no replica uses it: its gradient stays None
+        self.rank0_only = nn.Parameter(torch.ones(6))  # used on rank 0 alone: averaged with rank 1's zeros
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))  # their buckets come first
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if rank == 0:
+            x = x * self.rank0_only
+        return x.pow(2).mean()
+
+
+def _rank(rank: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net, twin = Net(), Net()
+    twin.load_state_dict(net.state_dict())
+    starts: list[bool] = []  # per bucket all-reduce: whether the first layer's gradient was in already
+    first_layer_in = [False]
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        starts.append(first_layer_in[0])
+        return all_reduce(tensor, *args, **kwargs)
+
+    grad_buckets.dist.all_reduce = recording
+    buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=6 * 6 * 4)
+    assert all(p.grad is not None for p in net.parameters()), "every .grad is a bucket view from the start"
+    net.layers[0].weight.register_post_accumulate_grad_hook(lambda _: first_layer_in.__setitem__(0, True))
+    for step in range(2):  # the second step checks that zero() leaves nothing behind
+        starts.clear()
+        torch.manual_seed(100 * step + rank)
+        data = [torch.randn(5, 6) for _ in range(MICROBATCHES)]
+        for j, x in enumerate(data):
+            if j == MICROBATCHES - 1:
+                buckets.arm()
+                first_layer_in[0] = False
+            (net(x, rank) / MICROBATCHES).backward()
+        assert starts and not starts[0], "the first bucket started before the backward reached the first layer"
+        buckets.finish()
+        assert len(starts) == buckets.num_buckets > 2, "every bucket all-reduced once, in order"
+        twin.zero_grad(set_to_none=True)
+        for x in data:
+            (twin(x, rank) / MICROBATCHES).backward()
+        for (name, param), reference in zip(net.named_parameters(), twin.parameters()):
+            if name == "unused":
+                assert param.grad is None, "no replica had a gradient: None, as in single-device training"
+                continue
+            mine = reference.grad if reference.grad is not None else torch.zeros_like(reference)
+            both = [torch.zeros_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine)
+            torch.testing.assert_close(param.grad, (both[0] + both[1]) / 2, rtol=1e-6, atol=1e-7, msg=name)
+        buckets.zero()
+        assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
+    net.zero_grad(set_to_none=True)  # e.g. Lightning's on_validation_model_zero_grad
+    buckets.attach()
+    assert all(p.grad is not None for p in net.parameters()), "attach() points the gradients at the buckets again"
+    buckets.close()
+    dist.destroy_process_group()
+
+
+def test_buckets_start_in_the_backward_and_average_like_autograd(tmp_path):
+    mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+def test_sparse_gradients_land_dense_in_their_bucket(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        embedding = nn.Embedding(10, 4, sparse=True)
+        buckets = GradientBuckets(list(embedding.parameters()), dist.group.WORLD, size=1)
+        for tokens in ([1, 2], [2, 3]):
+            embedding(torch.tensor(tokens)).sum().backward()
+        buckets.finish()
+        expected = torch.zeros(10, 4)
+        expected[[1, 3]] = 1.0
+        expected[2] = 2.0
+        assert embedding.weight.grad.layout == torch.strided
+        assert torch.equal(embedding.weight.grad, expected)
+        embedding.weight.grad = None  # set aside, then a sparse gradient arrives: it is moved into the bucket
+        embedding(torch.tensor([4])).sum().backward()
+        assert embedding.weight.grad.layout == torch.strided and embedding.weight.grad[4].eq(1).all()
+        buckets.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rebuilt_owner_takes_the_parameters_over(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = nn.Linear(3, 3)
+        old = GradientBuckets(list(layer.parameters()), dist.group.WORLD, size=1)
+        new = GradientBuckets(list(layer.parameters()), dist.group.WORLD, size=1)
+        layer(torch.ones(2, 3)).sum().backward()
+        assert len(old.arrived) == 0 and len(new.arrived) == 2, "only the newest owner's hooks run"
+        assert any(layer.weight.grad is view for bucket in new.buckets for view in bucket.views)
+        new.close()
+    finally:
+        dist.destroy_process_group()
