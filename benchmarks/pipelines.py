@@ -34,11 +34,16 @@ KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw", "2bw+ef"]  # 2bw+ef: 
 MiB = 2**20
 
 
-def run(kind: str, m: int, procs: int, out: Path, accelerator: str, trace: bool = True, picture: Path | None = None):
+def _environment(accelerator: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, BENCH_ACCELERATOR=accelerator)
     env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed tensors leave the process: memory figures stay honest
     env.pop("BENCH_TRACE_DIR", None)
+    return env
+
+
+def run(kind: str, m: int, procs: int, out: Path, accelerator: str, trace: bool = True, picture: Path | None = None):
+    env = _environment(accelerator)
     if picture is not None:
         env["BENCH_TRACE_DIR"] = str(picture)
     config = json.dumps({"kind": kind, "m": m, "trace": trace})
@@ -51,12 +56,33 @@ def run(kind: str, m: int, procs: int, out: Path, accelerator: str, trace: bool 
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     if result.returncode:
         raise SystemExit(f"{kind} m={m} failed:\n{result.stderr[-4000:]}")
+    return _records(out)
+
+
+def _records(out: Path) -> dict:
     ranks = sorted(out.glob("rank-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     records = [json.loads(p.read_text()) for p in ranks]
     return {
         "samples_per_sec": min(r["samples_per_sec"] for r in records),  # the slowest rank sets the pace
         "stages": sorted(records, key=lambda r: r["stage"]),
     }
+
+
+def side_by_side(m: int, procs: int, out: Path) -> float:
+    """The machine's own ceiling for ``procs`` processes: that many single-process runs at once, no communication;
+    their summed samples/s (on shared cores or memory bandwidth it falls short of procs x one process alone)."""
+    env = _environment("cpu")
+    config = json.dumps({"kind": "single", "m": m, "trace": False})
+    script = str(ROOT / "benchmarks" / "pipelines_run.py")
+    jobs = [
+        subprocess.Popen([sys.executable, script, config, str(out / f"copy-{i}")], env=env, stderr=subprocess.PIPE)
+        for i in range(procs)
+    ]
+    for job in jobs:
+        _, err = job.communicate(timeout=1200)
+        if job.returncode:
+            raise SystemExit(f"side-by-side single runs failed:\n{err.decode()[-4000:]}")
+    return sum(_records(out / f"copy-{i}")["samples_per_sec"] for i in range(procs))
 
 
 def per_stage(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
@@ -88,6 +114,7 @@ def main() -> None:
                     shutil.copy(picture / "timeline.png", args.docs / f"timeline_{kind}_d{d}_m{m}.png")
         overhead_m = 4 if 4 in args.m else args.m[0]
         untraced = run("2bw", overhead_m, d, Path(tmp) / "2bw-untraced", args.accelerator, trace=False)
+        ceiling = side_by_side(overhead_m, d, Path(tmp) / "side-by-side") if args.accelerator == "cpu" else None
 
     print(f"\nGPT 8x384, seq 128, microbatch 4 sequences, {d} processes x 1 thread ({args.accelerator}); depth {d}")
     print(
@@ -129,6 +156,14 @@ def main() -> None:
             f"{efficiency:.3f} vs ideal m/(m+d-1) {ideal:.3f} ({efficiency / ideal - 1:+.1%}) | "
             f"2bw bubble {bubble:.1%} | 2bw/gpipe stashed activations {stash / gpipe:.2f} vs d/m {d / m:.2f} | "
             f"2bw+ef/flush {speed['2bw+ef'] / speed['flush']:.2f}, 2bw+ef/2bw {speed['2bw+ef'] / speed['2bw']:.3f}"
+        )
+    if ceiling is not None:
+        single = results["single", overhead_m]["samples_per_sec"]
+        print(
+            f"  the machine's ceiling (m={overhead_m}): {d} single-process runs side by side, no communication, "
+            f"{ceiling:.2f} samples/s = {ceiling / single:.2f}x one process alone (limit {d}); 2bw reaches "
+            f"{results['2bw', overhead_m]['samples_per_sec'] / ceiling:.2f} of it, ddp "
+            f"{results['ddp', overhead_m]['samples_per_sec'] / ceiling:.2f}"
         )
     traced = results["2bw", overhead_m]["samples_per_sec"]
     print(

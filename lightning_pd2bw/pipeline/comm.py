@@ -21,6 +21,12 @@ every stage of a pipeline sees alike) and the phase (train/eval). The first mess
 preceded by a small int64 header; afterwards the receiver allocates from its cache, with no host sync.
 Gradients travel back without a header: the receiver sent the matching activations and knows their
 shapes.
+
+Receives are posted early (``post_forward`` / ``post_backward``): the executor posts each receive as soon as the
+previous receive of its direction completed (or at the start of its segment), once its shapes are known, and waits
+for it where the schedule uses the data. Under NCCL a send completes only when its receive is posted, so the
+transfer then overlaps the computation in between instead of starting when the data is needed. Posted receives
+match the sender's messages in order (one sender per channel), so they are kept in order too.
 """
 
 from __future__ import annotations
@@ -136,6 +142,8 @@ class StageLink:
         self._received_specs: dict[Hashable, Spec] = {}
         self.headers_sent = 0  # counters: one header per boundary and input signature, not per microbatch
         self.headers_received = 0
+        self._posted: dict[str, list[tuple[Hashable, list[torch.Tensor], list[Any]]]] = {"forward": [], "backward": []}
+        self.posted_early = 0  # receives that were posted before the action that uses them
 
     def _isend(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
         tensor = tensor.contiguous()
@@ -162,12 +170,36 @@ class StageLink:
                 work.wait()  # the same waits on every backend: traces replay deterministically
         self._pending = [entry for entry in self._pending if entry[2] > self._segment - 2]
 
-    def _recv_all(self, tensors: list[torch.Tensor], src: int, group: Any) -> list[torch.Tensor]:
-        """Post every receive, then wait for all: in issue order on the channel, as the sender sent them."""
-        works = [dist.irecv(tensor, src, group=group) for tensor in tensors]
+    def _post(self, tensors: list[torch.Tensor], src: int, group: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        """Post every receive, in issue order on the channel, as the sender sent them."""
+        return tensors, [dist.irecv(tensor, src, group=group) for tensor in tensors]
+
+    @staticmethod
+    def _wait(posted: Sequence[Any]) -> list[torch.Tensor]:
+        tensors, works = posted
         for work in works:
             work.wait()
         return tensors
+
+    def _recv_all(self, tensors: list[torch.Tensor], src: int, group: Any) -> list[torch.Tensor]:
+        return self._wait(self._post(tensors, src, group))
+
+    def post_forward(self, key: Hashable) -> bool:
+        """Post the receives of the next activations (input signature ``key``) now; False while their shapes are
+        not known yet (the first message of a key brings its header)."""
+        spec = self._received_specs.get(key)
+        if spec is None:
+            return False
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
+        self._posted["forward"].append((key, *self._post(buffers, self.prev_rank, self.channels.activations_in)))
+        self.posted_early += 1
+        return True
+
+    def post_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        """Post the receives of the next gradients (for the activations ``like`` sent) now."""
+        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
+        self._posted["backward"].append((None, *self._post(buffers, self.next_rank, self.channels.gradients_in)))
+        self.posted_early += 1
 
     def send_forward(self, tensors: Sequence[torch.Tensor], key: Hashable) -> None:
         assert self.next_rank is not None
@@ -188,6 +220,10 @@ class StageLink:
 
     def recv_forward(self, key: Hashable) -> list[torch.Tensor]:
         assert self.prev_rank is not None
+        if self._posted["forward"]:
+            posted_key, *posted = self._posted["forward"].pop(0)
+            assert posted_key == key, f"a receive posted for {posted_key} was used for {key}"
+            return self._wait(posted)
         group = self.channels.activations_in
         spec = self._received_specs.get(key)
         if spec is None:
@@ -207,8 +243,15 @@ class StageLink:
     def recv_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Gradients for the activations ``like`` sent, in ``dtype`` when they were sent in it."""
         assert self.next_rank is not None
+        if self._posted["backward"]:
+            return self._wait(self._posted["backward"].pop(0)[1:])
         buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
         return self._recv_all(buffers, self.next_rank, self.channels.gradients_in)
+
+    @property
+    def posted_receives(self) -> int:
+        """Receives posted early and not used yet (none between segments)."""
+        return len(self._posted["forward"]) + len(self._posted["backward"])
 
     def wait_sends(self) -> None:
         for work, _, _ in self._pending:

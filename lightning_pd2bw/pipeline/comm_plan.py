@@ -54,6 +54,8 @@ class _Rank:
         self.deferred: dict[int, list[int]] = {}
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.bucket_handles: dict[int, list[int]] = {}
+        self.posted: dict[str, list[list[int]]] = {"forward": [], "backward": []}  # receives posted early
+        self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
         self.step_in_run = 0
 
@@ -93,6 +95,10 @@ class _Rank:
 
     def recv_forward(self, phase: str, label: str) -> None:
         channel, peer = self._channel("activations", self.stage - 1), self.rank - 1
+        if self.posted["forward"]:
+            for handle in self.posted["forward"].pop(0):
+                self.wait(handle, label)
+            return
         if self.layout.transport == "shared" or ("in", phase) not in self.headers:
             self.headers.add(("in", phase))
             self.wait(self.issue(RECV, channel, f"{label} header", peer), label)
@@ -106,8 +112,28 @@ class _Rank:
 
     def recv_backward(self, label: str) -> None:
         channel = self._channel("gradients", self.stage)
+        if self.posted["backward"]:
+            for handle in self.posted["backward"].pop(0):
+                self.wait(handle, label)
+            return
         for handle in [self.issue(RECV, channel, label, self.rank + 1) for _ in range(self.layout.boundary_tensors)]:
             self.wait(handle, label)
+
+    def post_receives(self, actions: list[S.Action], index: int | None) -> None:
+        """StageExecutor._post_receives: the next receive of a direction, posted early once its shapes are known."""
+        if self.layout.transport == "shared":  # the old transport posted each receive where it was used
+            return
+        for action in S.receives_to_post(actions, index):
+            label = f"{action} posted early"
+            if action.kind == S.RECV_FORWARD and ("in", "train") in self.headers:
+                channel, peer = self._channel("activations", self.stage - 1), self.rank - 1
+            elif action.kind == S.RECV_BACKWARD and action.microbatch in self.stashed:
+                channel, peer = self._channel("gradients", self.stage), self.rank + 1
+            else:
+                continue
+            direction = "forward" if action.kind == S.RECV_FORWARD else "backward"
+            handles = [self.issue(RECV, channel, label, peer) for _ in range(self.layout.boundary_tensors)]
+            self.posted[direction].append(handles)
 
     def wait_sends(self) -> None:
         for handle, _ in self.pending_sends:
@@ -167,16 +193,20 @@ class _Rank:
 
     def run(self, actions: list[S.Action]) -> None:
         self.begin_segment()
+        self.post_receives(actions, None)
         pipeline = f"pd2bw/pipeline/replica{self.replica}"
-        for action in actions:
+        for index, action in enumerate(actions):
             label = str(action)
-            if action.kind == S.RECV_FORWARD:
+            if action.kind == S.FORWARD:
+                self.stashed.add(action.microbatch)
+            elif action.kind == S.RECV_FORWARD:
                 self.recv_forward("train", label)
             elif action.kind == S.SEND_FORWARD:
                 self.send_forward("train", label)
             elif action.kind == S.RECV_BACKWARD:
                 self.recv_backward(label)
             elif action.kind == S.BACKWARD:
+                self.stashed.discard(action.microbatch)
                 self.backward(action.batch)
             elif action.kind == S.SEND_BACKWARD:
                 self.send_backward(label)
@@ -191,6 +221,8 @@ class _Rank:
                     self.wait(handle, f"deferred tied sum of b{action.batch}")
             elif action.kind == S.WAIT_SENDS:
                 self.wait_sends()
+            if action.kind in S.RECEIVES:
+                self.post_receives(actions, index)
 
     # -------------------------------------------------------------- the strategy's step, drain, evaluation
     def take_loss(self, batch: int) -> None:

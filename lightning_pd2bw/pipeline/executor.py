@@ -203,13 +203,27 @@ class StageExecutor:
         ``step_fn(b)``; the update's other parts (REDUCE, CHECK, CLIP, TIED_STEP) call ``update_fn(action)`` (None:
         nothing to do, e.g. one process without collectives)."""
         self.link.begin_segment()
+        self._post_receives(actions, None)
         for index, action in enumerate(actions):
             try:
                 self._run_action(action, step_fn, update_fn)
+                if action.kind in S.RECEIVES:
+                    self._post_receives(actions, index)
             except Exception as error:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
                 raise
+
+    def _post_receives(self, actions: Sequence[S.Action], index: int | None) -> None:
+        """Post the next receive of a direction early (``schedule.receives_to_post``), when its shapes are known:
+        the activations' once their header came, the gradients' once the microbatch's forward ran here."""
+        for action in S.receives_to_post(actions, index):
+            k = action.microbatch
+            if action.kind == S.RECV_FORWARD:
+                self.link.post_forward(self._keys[k])
+            elif k in self._stash:
+                like = [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
+                self.link.post_backward(like, self.boundary_dtype)
 
     def _run_action(
         self, action: S.Action, step_fn: Callable[[int], None], update_fn: Callable[[S.Action], None] | None
@@ -253,7 +267,7 @@ class StageExecutor:
     def finish_drain(self) -> None:
         """After a drain's actions (they end in WAIT_SENDS): nothing may be in flight; the version rule restarts."""
         self.link.wait_sends()  # nothing left after WAIT_SENDS; a drain with no actions (nothing ran) has none
-        if self.in_flight:
+        if self.in_flight or self.link.posted_receives:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()
         self._backwards.clear()

@@ -108,6 +108,21 @@ def listing(actions: Sequence[Action], marked: int | None = None) -> str:
     )
 
 
+RECEIVES = (Kind.RECV_FORWARD, Kind.RECV_BACKWARD)
+
+
+def receives_to_post(actions: Sequence[Action], index: int | None) -> list[Action]:
+    """The receives a stage posts early when ``actions[index]`` (a receive) has completed: the next receive of its
+    direction; at the start of the actions (``index=None``) the first of each direction. The executor posts them
+    (``comm.StageLink.post_forward``/``post_backward``) once their shapes are known; ``comm_plan`` lowers the same."""
+    kinds = RECEIVES if index is None else (actions[index].kind,)
+    start = 0 if index is None else index + 1
+    found = []
+    for kind in kinds:
+        found += [a for a in actions[start:] if a.kind == kind][:1]
+    return found
+
+
 def warmup_forwards(stage: int, num_stages: int, num_microbatches: int) -> int:
     """1F1B warm-up depth of ``stage``: forwards run before the first backward."""
     return min(num_stages - stage - 1, num_microbatches)

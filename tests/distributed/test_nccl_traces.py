@@ -49,8 +49,9 @@ def on_one_channel_per_pair(calls: dict[int, list[Op]]) -> dict[int, list[Op]]:
     }
 
 
-@pytest.mark.parametrize("name", ["gpt_flush_sgd", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw"])
+@pytest.mark.parametrize("name", ["gpt_flush_adamw_clip_sched", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw"])
 def test_one_channel_per_pair_deadlocks(trained, name):
+    """(Flush with d = m = 2 no longer does: its receives are posted early, ahead of the sends they crossed.)"""
     with pytest.raises(Deadlock, match="deadlock under NCCL semantics"):
         simulate(on_one_channel_per_pair(recorded(trained[name])))
 

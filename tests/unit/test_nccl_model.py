@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -161,3 +162,21 @@ def test_a_background_thread_is_a_program_of_its_own():
         simulate(recorded)
     threaded = {r: [op._replace(thread="saver") if op.handle == 2 else op for op in ops] for r, ops in recorded.items()}
     assert simulate(threaded).steps == 6
+
+
+def test_receives_are_posted_before_the_actions_that_use_them():
+    """In the steady state a stage posts each receive ahead (``schedule.receives_to_post``): when the previous
+    receive of its direction completed, or at its segment's start; only the first activations (their header gives
+    the shapes) and gradients whose forward has not run yet are posted where they are used."""
+    layout = CommLayout("2bw", 2, 4, steps=4)
+    program = programs(layout)
+    receives = {rank: [op for op in ops if op.kind == RECV] for rank, ops in program.items()}
+    early = {rank: [op for op in ops if op.label.endswith("posted early")] for rank, ops in receives.items()}
+    activations = [op for op in receives[1] if op.channel.startswith("pd2bw/activations/")]
+    assert len(activations) == 1 + 4 * layout.num_microbatches  # the header, then one tensor per microbatch
+    assert len(early[1]) == len(activations) - 2, "all but the header and the first activations posted early"
+    gradients = [op for op in receives[0] if op.channel.startswith("pd2bw/gradients/")]
+    assert len(early[0]) >= len(gradients) // 2
+    assert not [
+        op for ops in programs(replace(layout, transport="shared")).values() for op in ops if "early" in op.label
+    ]
