@@ -3,6 +3,7 @@
     python benchmarks/pipelines.py                   # 2 CPU processes x 1 thread, m = 2, 4, 8 (~8 min here)
     python benchmarks/pipelines.py --m 4 --procs 2   # one microbatch count
     python benchmarks/pipelines.py --m 4 --procs 4 --kinds flush,2bw   # depth 4; only some runs
+    python benchmarks/pipelines.py --m 4 --kinds flush,2bw --repeat 3 --readme   # medians; rewrites the README's block
     python benchmarks/pipelines.py --accelerator gpu --procs 2   # GPUs: one process per GPU, NCCL
 
 The same GPT (8 x 384, seq 128, byte vocabulary, tied embedding), the same global batch (m
@@ -13,8 +14,11 @@ steady-state steps of one run and are shown as ratios to the single process meas
 invocation. Prints one table per microbatch count: samples/s as ratios to one process, to DDP and to the
 run's own limit (d x one process's samples/s at the same threads per process; x m/(m+d-1) for the
 schedules that flush every batch), the bubble fraction from the timeline, weights and peak stashed
-activations per stage; then the targets with their measured values, and writes the Gantt charts of 2BW
-and Flush (m = 4) to ``docs/``. The timeline's recording cost is measured by an untraced 2BW run.
+activations per stage; then each invocation's ratios, the machine's own ceiling (d single-process runs side by
+side, no communication: what d busy processes get from these cores) and the targets, and writes the Gantt charts
+of 2BW and Flush (m = 4) to ``docs/``. The timeline's recording cost is measured by an untraced 2BW run.
+``--repeat N`` makes N invocations (every run once in each, so ratios are taken side by side) and shows medians;
+``--readme`` writes the report into README.md between ``<!-- pipelines.py d=N cpu -->`` and ``<!-- /pipelines.py -->``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,32 +98,43 @@ def per_stage(result: dict, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -
     return " / ".join(fmt.format(v * scale) for v in values)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8], help="microbatch counts")
-    parser.add_argument("--procs", type=int, default=2, help="processes (= pipeline depth, = DDP width)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="runs to make (single and ddp always)")
-    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the Gantt charts go")
-    args = parser.parse_args()
-    d = args.procs
-    kinds = [k for k in KINDS if k in {"single", "ddp", *args.kinds.split(",")}]
-    results: dict[tuple[str, int], dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for m in args.m:
-            for kind in kinds:
-                picture = Path(tmp) / f"picture-{kind}-{m}" if kind in ("2bw", "flush") and m == 4 else None
-                results[kind, m] = run(kind, m, d, Path(tmp) / f"{kind}-{m}", args.accelerator, picture=picture)
-                print(f"  {kind:>6} m={m}: {results[kind, m]['samples_per_sec']:.2f} samples/s", file=sys.stderr)
-                if picture is not None:
-                    args.docs.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(picture / "timeline.png", args.docs / f"timeline_{kind}_d{d}_m{m}.png")
-        overhead_m = 4 if 4 in args.m else args.m[0]
-        untraced = run("2bw", overhead_m, d, Path(tmp) / "2bw-untraced", args.accelerator, trace=False)
-        ceiling = side_by_side(overhead_m, d, Path(tmp) / "side-by-side") if args.accelerator == "cpu" else None
+def median(values: list[float]) -> float:
+    return statistics.median(values)
 
-    print(f"\nGPT 8x384, seq 128, microbatch 4 sequences, {d} processes x 1 thread ({args.accelerator}); depth {d}")
-    print(
+
+def measure(args: argparse.Namespace, kinds: list[str], tmp: Path, invocation: int) -> dict:
+    """One invocation: every run once, side by side in time; ratios are taken within it."""
+    d, results = args.procs, {}
+    for m in args.m:
+        for kind in kinds:
+            first = invocation == 0 and kind in ("2bw", "flush") and m == 4
+            picture = tmp / f"picture-{kind}-{m}" if first else None
+            out = tmp / f"{invocation}-{kind}-{m}"
+            results[kind, m] = run(kind, m, d, out, args.accelerator, picture=picture)
+            print(f"  [{invocation + 1}] {kind:>6} m={m}: {results[kind, m]['samples_per_sec']:.2f}", file=sys.stderr)
+            if picture is not None:
+                args.docs.mkdir(parents=True, exist_ok=True)
+                shutil.copy(picture / "timeline.png", args.docs / f"timeline_{kind}_d{d}_m{m}.png")
+    m = 4 if 4 in args.m else args.m[0]
+    results["untraced"] = run("2bw", m, d, tmp / f"{invocation}-2bw-untraced", args.accelerator, trace=False)
+    if args.accelerator == "cpu":
+        results["ceiling"] = side_by_side(m, d, tmp / f"{invocation}-side-by-side")
+    return results
+
+
+def limit_of(kind: str, m: int, d: int, single: float) -> float:
+    """d x one process (1 for the single process itself); x m/(m+d-1) for the schedules that flush every batch."""
+    return single * (1 if kind == "single" else d) * (m / (m + d - 1) if kind in FLUSHING else 1.0)
+
+
+def report(args: argparse.Namespace, kinds: list[str], runs: list[dict]) -> str:
+    d, lines = args.procs, []
+    speed = lambda r, kind, m: r[kind, m]["samples_per_sec"]  # noqa: E731
+    lines.append(
+        f"GPT 8x384, seq 128, microbatch 4 sequences, {d} processes x 1 thread ({args.accelerator}); depth {d}; "
+        f"{len(runs)} invocation(s): samples/s and ratios are medians over them, each ratio taken within one invocation"
+    )
+    lines.append(
         "limit: d x one process's samples/s (same threads per process); for the flushing schedules (flush, gpipe,\n"
         "1f1b) also x m/(m+d-1), their bubble-free ideal. 'x limit' is each run's samples/s over its own limit."
     )
@@ -126,50 +143,81 @@ def main() -> None:
         f"{'bubble per stage':>17} | {'weights MiB per stage':>21} | {'stashed activations MiB per stage':>33}"
     )
     for m in args.m:
-        single = results["single", m]["samples_per_sec"]
-        ddp = results["ddp", m]["samples_per_sec"]
-        print(f"\nglobal batch {4 * m} sequences (m = {m})")
-        print(header)
+        lines += ["", f"global batch {4 * m} sequences (m = {m})", header]
         for kind in kinds:
-            r = results[kind, m]
-            speed = r["samples_per_sec"]
-            limit = single * (1 if kind == "single" else d) * (m / (m + d - 1) if kind in FLUSHING else 1.0)
-            print(
-                f"{m:>2} {kind:>7} | {speed:>9.2f} {speed / single:>8.2f} {speed / ddp:>6.2f} {speed / limit:>7.2f} | "
-                f"{per_stage(r, 'bubble', 100, '{:.1f}%'):>17} | {per_stage(r, 'weight_bytes', 1 / MiB):>21} | "
-                f"{per_stage(r, 'activation_bytes', 1 / MiB):>33}"
+            samples = median([speed(r, kind, m) for r in runs])
+            x_single = median([speed(r, kind, m) / speed(r, "single", m) for r in runs])
+            x_ddp = median([speed(r, kind, m) / speed(r, "ddp", m) for r in runs])
+            x_limit = median([speed(r, kind, m) / limit_of(kind, m, d, speed(r, "single", m)) for r in runs])
+            first = runs[0][kind, m]
+            lines.append(
+                f"{m:>2} {kind:>7} | {samples:>9.2f} {x_single:>8.2f} {x_ddp:>6.2f} {x_limit:>7.2f} | "
+                f"{per_stage(first, 'bubble', 100, '{:.1f}%'):>17} | {per_stage(first, 'weight_bytes', 1 / MiB):>21} | "
+                f"{per_stage(first, 'activation_bytes', 1 / MiB):>33}"
             )
+    m = 4 if 4 in args.m else args.m[0]
+    each = lambda f: ", ".join(f"{f(r):.2f}" for r in runs)  # noqa: E731
+    lines += ["", f"per invocation (m = {m}):"]
+    for kind in [k for k in kinds if k != "single"]:
+        lines.append(
+            f"  {kind:>6} x single: {each(lambda r, k=kind: speed(r, k, m) / speed(r, 'single', m))}   x ddp: "
+            f"{each(lambda r, k=kind: speed(r, k, m) / speed(r, 'ddp', m))}   bubble % (worst stage): "
+            f"{each(lambda r, k=kind: 100 * max(x['bubble'] for x in r[k, m]['stages'])) if kind in ('flush', '2bw') else '-'}"
+        )
+    if "ceiling" in runs[0]:
+        ceiling = [r["ceiling"] / speed(r, "single", m) for r in runs]
+        lines.append(
+            f"  the machine's ceiling: {d} single-process runs side by side (no communication) reach "
+            f"{each(lambda r: r['ceiling'] / speed(r, 'single', m))} x one process alone (median {median(ceiling):.2f}; "
+            f"limit {d}); over it, 2bw {each(lambda r: speed(r, '2bw', m) / r['ceiling'])}, ddp "
+            f"{each(lambda r: speed(r, 'ddp', m) / r['ceiling'])}"
+        )
+    if "2bw" in kinds:
+        lines.append(
+            f"  timeline recording (2bw traced / untraced): "
+            f"{each(lambda r: speed(r, '2bw', m) / r['untraced']['samples_per_sec'])}"
+        )
+    if d == 2 and m == 4 and "2bw" in kinds:
+        x_single = median([speed(r, "2bw", m) / speed(r, "single", m) for r in runs])
+        x_ddp = median([speed(r, "2bw", m) / speed(r, "ddp", m) for r in runs])
+        lines.append(
+            f"targets at d=2, m=4 (medians): 2bw x single {x_single:.2f} (>= 1.9: {'met' if x_single >= 1.9 else 'missed'})"
+            f", 2bw x ddp {x_ddp:.2f} (>= 1.0: {'met' if x_ddp >= 1.0 else 'missed'})"
+        )
+    return "\n".join(lines)
 
-    print("\ntargets, measured in this invocation (issue 20's at d=2, m=4: 2bw >= 1.9x single, >= 1.0x ddp):")
-    for m in args.m:
-        if not {"flush", "2bw", "2bw+ef", "gpipe"} <= set(kinds):
-            continue
-        speed = {kind: results[kind, m]["samples_per_sec"] for kind in kinds}
-        ideal = m / (m + d - 1)
-        efficiency = speed["flush"] / (d * speed["single"])
-        bubble = max(r["bubble"] for r in results["2bw", m]["stages"])
-        stash = max(r["activation_bytes"] for r in results["2bw", m]["stages"])
-        gpipe = max(r["activation_bytes"] for r in results["gpipe", m]["stages"])
-        print(
-            f"  m={m}: 2bw/single {speed['2bw'] / speed['single']:.2f} (limit {d}) | 2bw/ddp "
-            f"{speed['2bw'] / speed['ddp']:.2f} | 2bw/flush {speed['2bw'] / speed['flush']:.2f} | flush efficiency "
-            f"{efficiency:.3f} vs ideal m/(m+d-1) {ideal:.3f} ({efficiency / ideal - 1:+.1%}) | "
-            f"2bw bubble {bubble:.1%} | 2bw/gpipe stashed activations {stash / gpipe:.2f} vs d/m {d / m:.2f} | "
-            f"2bw+ef/flush {speed['2bw+ef'] / speed['flush']:.2f}, 2bw+ef/2bw {speed['2bw+ef'] / speed['2bw']:.3f}"
-        )
-    if ceiling is not None:
-        single = results["single", overhead_m]["samples_per_sec"]
-        print(
-            f"  the machine's ceiling (m={overhead_m}): {d} single-process runs side by side, no communication, "
-            f"{ceiling:.2f} samples/s = {ceiling / single:.2f}x one process alone (limit {d}); 2bw reaches "
-            f"{results['2bw', overhead_m]['samples_per_sec'] / ceiling:.2f} of it, ddp "
-            f"{results['ddp', overhead_m]['samples_per_sec'] / ceiling:.2f}"
-        )
-    traced = results["2bw", overhead_m]["samples_per_sec"]
-    print(
-        f"  timeline recording overhead (2bw, m={overhead_m}): {traced:.2f} samples/s traced vs "
-        f"{untraced['samples_per_sec']:.2f} untraced ({traced / untraced['samples_per_sec'] - 1:+.1%})"
-    )
+
+def write_readme(text: str, command: str, procs: int, accelerator: str) -> None:
+    """Replace the README block between ``<!-- pipelines.py d=N ACC -->`` and ``<!-- /pipelines.py -->``."""
+    readme = ROOT / "README.md"
+    content = readme.read_text()
+    begin, end = f"<!-- pipelines.py d={procs} {accelerator} -->", "<!-- /pipelines.py -->"
+    if begin not in content:
+        raise SystemExit(f"README.md has no block {begin} ... {end} to regenerate")
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    block = f"{begin}\n`{command}` ({date.today()}):\n\n```\n{text}\n```\n{end}"
+    readme.write_text(head + block + tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[2, 4, 8], help="microbatch counts")
+    parser.add_argument("--procs", type=int, default=2, help="processes (= pipeline depth, = DDP width)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="runs to make (single and ddp always)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--repeat", type=int, default=1, help="invocations; the tables show their medians")
+    parser.add_argument("--readme", action="store_true", help="write the report into README.md's block for it")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the Gantt charts go")
+    args = parser.parse_args()
+    kinds = [k for k in KINDS if k in {"single", "ddp", *args.kinds.split(",")}]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [measure(args, kinds, Path(tmp), i) for i in range(args.repeat)]
+    text = report(args, kinds, runs)
+    print("\n" + text)
+    if args.readme:
+        options = " ".join(a for a in sys.argv[1:] if a != "--readme")
+        write_readme(text, f"python benchmarks/pipelines.py {options}".strip(), args.procs, args.accelerator)
 
 
 if __name__ == "__main__":

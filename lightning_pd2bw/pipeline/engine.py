@@ -33,7 +33,7 @@ from .comm import StageLink
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
-from .grad_buckets import GradientBuckets
+from .grad_buckets import GradientBuckets, release
 from .grid import ProcessGrid
 from .layout import Layout
 from .ledger import BatchLedger
@@ -189,6 +189,7 @@ class PipelineEngine:
         )
         self.executor.progress = self.progress
         buckets = None
+        release(self.params)  # a previous engine's buckets over these parameters
         if self.grid.data_parallel_size > 1 and self.optimizers:
             tied = {id(s.param) for s in self.shared}
             replicated = [p for p in self.params if id(p) not in tied]

@@ -31,6 +31,14 @@ from .gradients import buckets as group_in_buckets
 _HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its hook's handle (the newest owner's)
 
 
+def release(params: Sequence[nn.Parameter]) -> None:
+    """Remove any bucket hooks from ``params`` (an engine rebuilt over them without replicas)."""
+    for param in params:
+        handle = _HOOKS.pop(param, None)
+        if handle is not None:
+            handle.remove()
+
+
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]

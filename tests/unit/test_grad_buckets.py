@@ -113,6 +113,11 @@ def test_a_rebuilt_owner_takes_the_parameters_over(tmp_path):
         layer(torch.ones(2, 3)).sum().backward()
         assert len(old.arrived) == 0 and len(new.arrived) == 2, "only the newest owner's hooks run"
         assert any(layer.weight.grad is view for bucket in new.buckets for view in bucket.views)
+        grad_buckets.release(list(layer.parameters()))  # rebuilt without replicas: no hooks left
+        layer.zero_grad(set_to_none=True)
+        layer(torch.ones(2, 3)).sum().backward()
+        assert len(new.arrived) == 2 and layer.weight.grad is not None
+        assert not any(layer.weight.grad is view for bucket in new.buckets for view in bucket.views)
         new.close()
     finally:
         dist.destroy_process_group()
