@@ -169,8 +169,12 @@ def report(args: argparse.Namespace, kinds: list[str], runs: list[dict]) -> str:
         lines.append(
             f"  the machine's ceiling: {d} single-process runs side by side (no communication) reach "
             f"{each(lambda r: r['ceiling'] / speed(r, 'single', m))} x one process alone (median {median(ceiling):.2f}; "
-            f"limit {d}); over it, 2bw {each(lambda r: speed(r, '2bw', m) / r['ceiling'])}, ddp "
-            f"{each(lambda r: speed(r, 'ddp', m) / r['ceiling'])}"
+            f"limit {d}); over it, "
+            + ", ".join(
+                f"{k} {each(lambda r, k=k: speed(r, k, m) / r['ceiling'])}"
+                for k in kinds
+                if k in ("ddp", "flush", "2bw")
+            )
         )
     if "2bw" in kinds:
         lines.append(
