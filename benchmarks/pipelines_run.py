@@ -3,6 +3,7 @@
     python benchmarks/pipelines_run.py '{"kind": "single", "m": 4}' OUT            # one process
     torchrun --standalone --nproc-per-node=2 benchmarks/pipelines_run.py '{"kind": "2bw", "m": 4}' OUT
 
+``BENCH_DEPTH=1`` runs pd2bw's kinds at depth 1 over every process (replicas only: the gradient buckets' case).
 ``kind``: ``single`` (Lightning, one device), ``ddp`` (Lightning DDP), ``gpipe`` / ``1f1b``
 (``torch.distributed.pipelining``'s ScheduleGPipe / Schedule1F1B, a plain training loop), ``flush`` /
 ``2bw`` (Lightning + pd2bw). The global batch is ``m`` microbatches of ``MICRO`` sequences; the
@@ -92,17 +93,18 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool, out: Path) ->
     pl.seed_everything(0)
     model = GPT(CONFIG, lr=LR)
     world = int(os.environ.get("WORLD_SIZE", 1))
+    depth = int(os.environ.get("BENCH_DEPTH", world))  # pipeline depth (default: every process); width = world // depth
     meter = ActivationMeter()
     probe = Probe(meter)
     callbacks: list[pl.Callback] = [probe]
     tracer = None
     if kind in ("flush", "2bw", "2bw+ef"):
         strategy: Any = PipeDream2BWStrategy(
-            num_stages=world,
+            num_stages=depth,
             num_microbatches=m,
             mode="flush" if kind == "flush" else "2bw",
             delay_correction="error_feedback" if kind == "2bw+ef" else None,
-            layers_per_stage=even_cut(len(model.pipeline_layers()), world),
+            layers_per_stage=even_cut(len(model.pipeline_layers()), depth),
         )
         batch = m * MICRO
         if trace:
