@@ -143,7 +143,6 @@ class StageLink:
         self.headers_sent = 0  # counters: one header per boundary and input signature, not per microbatch
         self.headers_received = 0
         self._posted: dict[str, list[tuple[Hashable, list[torch.Tensor], list[Any]]]] = {"forward": [], "backward": []}
-        self.posted_early = 0  # receives that were posted before the action that uses them
 
     def _isend(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
         tensor = tensor.contiguous()
@@ -192,14 +191,12 @@ class StageLink:
             return False
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
         self._posted["forward"].append((key, *self._post(buffers, self.prev_rank, self.channels.activations_in)))
-        self.posted_early += 1
         return True
 
     def post_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """Post the receives of the next gradients (for the activations ``like`` sent) now."""
         buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
         self._posted["backward"].append((None, *self._post(buffers, self.next_rank, self.channels.gradients_in)))
-        self.posted_early += 1
 
     def send_forward(self, tensors: Sequence[torch.Tensor], key: Hashable) -> None:
         assert self.next_rank is not None

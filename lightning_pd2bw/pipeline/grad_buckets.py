@@ -46,8 +46,7 @@ class _Bucket:
     views: list[torch.Tensor]
     flags: torch.Tensor
     waiting: int = 0  # gradients still to arrive in the armed backward
-    work: Any = None
-    started: bool = False
+    work: Any = None  # its all-reduce, once started
 
 
 @dataclass
@@ -74,9 +73,7 @@ class GradientBuckets:
             self.buckets.append(bucket)
             for position, param in enumerate(params):
                 self._slot[id(param)] = (bucket, position)
-                previous = _HOOKS.pop(param, None)
-                if previous is not None:  # a rebuilt engine over the same parameters takes them over
-                    previous.remove()
+                release([param])  # a rebuilt engine over the same parameters takes them over
                 _HOOKS[param] = param.register_post_accumulate_grad_hook(self._accumulated)
                 self._handles.append((param, _HOOKS[param]))
         self.arrived: set[int] = set()  # id(parameter) with a gradient in this batch, on this replica
@@ -113,7 +110,7 @@ class GradientBuckets:
         bucket, position = self._slot[id(param)]
         self._adopt(param, bucket.views[position])
         self.arrived.add(id(param))
-        if not self.armed or bucket.started:
+        if not self.armed or bucket.work is not None:
             return
         bucket.waiting -= 1
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
@@ -128,7 +125,6 @@ class GradientBuckets:
                 if flag:
                     bucket.flags[position] = 1
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        bucket.started = True
         self._next += 1
 
     def finish(self) -> None:
@@ -148,7 +144,7 @@ class GradientBuckets:
         self.armed = False
         self._next = 0
         for bucket in self.buckets:
-            bucket.work, bucket.started = None, False
+            bucket.work = None
 
     def zero(self) -> None:
         """After a step: zero the buckets and point every ``.grad`` at its view again."""
