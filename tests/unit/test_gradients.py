@@ -78,6 +78,29 @@ def test_finite_watch_names_the_first_nonfinite_update_and_its_parameters():
     assert watch.poll(wait=True) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_flags_match_isfinite_on_every_kind_of_bad_entry(dtype):
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 7).to(dtype) * 100 for _ in range(12)]
+    grads[1][2, 3] = float("nan")
+    grads[4][0, 0] = float("inf")
+    grads[6][4, 6] = -float("inf")
+    grads[8][1, 1], grads[8][2, 2] = float("inf"), -float("inf")
+    grads[9].fill_(float("inf"))  # min == max == inf
+    grads[10].fill_(torch.finfo(dtype).max)  # finite extremes stay finite
+    grads[11][3] = -torch.finfo(dtype).max
+    expected = [bool(torch.isfinite(g).all()) for g in grads]
+    assert gradients.finite_flags(grads).tolist() == expected
+    assert expected == [True, False, True, True, False, True, False, True, False, False, True, True]
+
+
+def test_finite_flags_of_sparse_empty_and_mixed_dtype_gradients():
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, float("nan")], (4,))
+    duplicate = torch.sparse_coo_tensor([[1, 1]], [3e38, 3e38], (4,))  # the dense gradient holds their sum: inf
+    grads = [torch.ones(3), sparse, duplicate, torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)]
+    assert gradients.finite_flags(grads).tolist() == [True, False, False, True, True]
+
+
 def test_nonfinite_flag_stays_on_the_device():
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([0.0, float("-inf")])
