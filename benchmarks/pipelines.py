@@ -11,7 +11,8 @@ microbatches of 4 sequences) and the same processes under: one process; Lightnin
 ScheduleGPipe and Schedule1F1B (depth = processes); pd2bw flush and 2bw (depth = processes). Each
 run is ``benchmarks/pipelines_run.py`` (torchrun for the multi-process ones); samples/s are from the
 steady-state steps of one run and are shown as ratios to the single process measured in the same
-invocation. Prints one table per microbatch count: samples/s as ratios to one process, to DDP and to the
+invocation (run first and again last; the mean of the two, so that the machine's drift during an invocation
+does not favour the runs made near the reference). Prints one table per microbatch count: samples/s as ratios to one process, to DDP and to the
 run's own limit (d x one process's samples/s at the same threads per process; x m/(m+d-1) for the
 schedules that flush every batch), the bubble fraction from the timeline, weights and peak stashed
 activations per stage; then each invocation's ratios, the machine's own ceiling (d single-process runs side by
@@ -122,7 +123,17 @@ def measure(args: argparse.Namespace, kinds: list[str], tmp: Path, invocation: i
     results["untraced"] = run("2bw", m, d, tmp / f"{invocation}-2bw-untraced", args.accelerator, trace=False)
     if args.accelerator == "cpu":
         results["ceiling"] = side_by_side(m, d, tmp / f"{invocation}-side-by-side")
+    for m in args.m:  # one process again, last: the reference is the mean of the runs that bracket the others
+        again = run("single", m, d, tmp / f"{invocation}-single-again-{m}", args.accelerator)["samples_per_sec"]
+        bracket(results["single", m], again)
+        print(f"  [{invocation + 1}] single m={m} again: {again:.2f}", file=sys.stderr)
     return results
+
+
+def bracket(single: dict, again: float) -> None:
+    """The single process's record: its samples/s become the mean of its first run and ``again`` (the last)."""
+    single["bracket"] = [single["samples_per_sec"], again]
+    single["samples_per_sec"] = statistics.mean(single["bracket"])
 
 
 def limit_of(kind: str, m: int, d: int, single: float) -> float:
@@ -166,6 +177,11 @@ def report(args: argparse.Namespace, kinds: list[str], runs: list[dict]) -> str:
             f"  {kind:>6} x single: {each(lambda r, k=kind: speed(r, k, m) / speed(r, 'single', m))}   x ddp: "
             f"{each(lambda r, k=kind: speed(r, k, m) / speed(r, 'ddp', m))}   bubble % (worst stage): "
             f"{each(lambda r, k=kind: 100 * max(x['bubble'] for x in r[k, m]['stages'])) if kind in ('flush', '2bw') else '-'}"
+        )
+    if "bracket" in runs[0]["single", m]:
+        lines.append(
+            "  one process, first and last run of each invocation (the reference: their mean): "
+            + ", ".join("{:.2f} / {:.2f}".format(*r["single", m]["bracket"]) for r in runs)
         )
     if "ceiling" in runs[0]:
         ceiling = [r["ceiling"] / speed(r, "single", m) for r in runs]

@@ -56,3 +56,16 @@ def test_the_readme_block_is_replaced_and_a_missing_one_named(bench, tmp_path, m
     assert "```\nTABLE\n```\n<!-- /pipelines.py -->\nafter\n" in content and "old" not in content
     with pytest.raises(SystemExit, match="d=8"):
         bench.write_readme("TABLE", "cmd", 8, "cpu")
+
+
+def test_the_reference_is_the_mean_of_the_single_runs_that_bracket_an_invocation(bench):
+    args = argparse.Namespace(procs=2, m=[4], accelerator="cpu")
+    runs = [invocation(4.0, 7.0, 6.0, 7.6, 8.0), invocation(5.0, 8.0, 6.0, 8.0, 9.0)]
+    runs[0]["single", 4]["samples_per_sec"], runs[1]["single", 4]["samples_per_sec"] = 3.5, 5.25
+    bench.bracket(runs[0]["single", 4], 4.5)
+    bench.bracket(runs[1]["single", 4], 4.75)
+    text = bench.report(args, ["single", "ddp", "flush", "2bw"], runs)
+    assert "first and last run of each invocation (the reference: their mean): 3.50 / 4.50, 5.25 / 4.75" in text
+    rows = {line.split("|")[0].split()[1]: line.split("|")[1].split() for line in text.splitlines() if line[:2] == " 4"}
+    assert rows["single"][0] == "4.50"  # the median of the means 4.0 and 5.0
+    assert rows["2bw"][1] == "1.75"  # 7.6 / 4.0 = 1.9 and 8.0 / 5.0 = 1.6
