@@ -99,6 +99,14 @@ def test_finite_flags_of_sparse_empty_and_mixed_dtype_gradients():
     duplicate = torch.sparse_coo_tensor([[1, 1]], [3e38, 3e38], (4,))  # the dense gradient holds their sum: inf
     grads = [torch.ones(3), sparse, duplicate, torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)]
     assert gradients.finite_flags(grads).tolist() == [True, False, False, True, True]
+    embedding = nn.Embedding(4, 2, sparse=True)  # the stop policy's check of a sparse gradient (isfinite has none)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    watch = gradients.FiniteWatch()
+    watch.push(0, [embedding.weight])
+    assert embedding.weight.grad.is_sparse and watch.poll(wait=True) is None
+    embedding.weight.grad = torch.sparse_coo_tensor([[2]], [[float("inf"), 0.0]], (4, 2))
+    watch.push(1, [embedding.weight])
+    assert watch.poll(wait=True) == (1, [embedding.weight])
 
 
 def test_nonfinite_flag_stays_on_the_device():
