@@ -11,10 +11,10 @@ microbatches of 4 sequences) and the same processes under: one process; Lightnin
 ScheduleGPipe and Schedule1F1B (depth = processes); pd2bw flush and 2bw (depth = processes). Each
 run is ``benchmarks/pipelines_run.py`` (torchrun for the multi-process ones); samples/s are from the
 steady-state steps of one run and are shown as ratios to the single process measured in the same
-invocation (run first and again last; the mean of the two, so that the machine's drift during an invocation
-does not favour the runs made near the reference). Prints one table per microbatch count: samples/s as ratios to one process, to DDP and to the
-run's own limit (d x one process's samples/s at the same threads per process; x m/(m+d-1) for the
-schedules that flush every batch), the bubble fraction from the timeline, weights and peak stashed
+invocation (run first and again last; the mean of the two, so that the machine's drift during an
+invocation does not favour the runs made near the reference). Prints one table per microbatch count:
+samples/s as ratios to one process, to DDP and to the run's own limit (d x one process's samples/s at
+the same threads per process; x m/(m+d-1) for the schedules that flush every batch), the bubble fraction from the timeline, weights and peak stashed
 activations per stage; then each invocation's ratios, the machine's own ceiling (d single-process runs side by
 side, no communication: what d busy processes get from these cores) and the targets, and writes the Gantt charts
 of 2BW and Flush (m = 4) to ``docs/``. The timeline's recording cost is measured by an untraced 2BW run.

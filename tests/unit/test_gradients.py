@@ -97,8 +97,10 @@ def test_finite_flags_match_isfinite_on_every_kind_of_bad_entry(dtype):
 def test_finite_flags_of_sparse_empty_and_mixed_dtype_gradients():
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, float("nan")], (4,))
     duplicate = torch.sparse_coo_tensor([[1, 1]], [3e38, 3e38], (4,))  # the dense gradient holds their sum: inf
-    grads = [torch.ones(3), sparse, duplicate, torch.zeros(0), torch.ones(2, dtype=torch.bfloat16)]
-    assert gradients.finite_flags(grads).tolist() == [True, False, False, True, True]
+    complex_bad = torch.tensor([1 + 1j, complex(0, float("nan"))])
+    grads = [torch.ones(3), sparse, duplicate, torch.zeros(0), torch.ones(2, dtype=torch.bfloat16), complex_bad]
+    assert gradients.finite_flags(grads).tolist() == [True, False, False, True, True, False]
+    assert gradients.finite_flags([torch.tensor([1 + 2j])]).tolist() == [True]
     embedding = nn.Embedding(4, 2, sparse=True)  # the stop policy's check of a sparse gradient (isfinite has none)
     embedding(torch.tensor([1, 3])).sum().backward()
     watch = gradients.FiniteWatch()
