@@ -74,7 +74,7 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         torch.save(engine.state_dict(), os.path.join(args.out, f"rank-{dist.get_rank()}.pt"))
-    dist.barrier()  # every rank has consumed what the others sent before any tears its groups down
+    engine.close()  # a barrier (every rank has consumed what the others sent), then the engine's own groups go
     dist.destroy_process_group()
 
 

@@ -222,6 +222,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.grid: ProcessGrid | None = None
         self.engine: PipelineEngine | None = None  # this stage's pipeline engine (built in setup)
+        self._interrupted = False  # on_exception ran: teardown leaves the engine's groups alone
         self.stage_layers: list[range] = []
         self._preemption: Preemption | None = None
 
@@ -346,6 +347,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A peer's death shows up here as a communication error: wait for the watchdog to name it (it then
         ends this process); an error of this rank's own is published so that every other rank exits."""
+        self._interrupted = True
         if isinstance(exception, SIGTERMException) and self._preemption is not None and self._preemption.agreed:
             self._preemption.stop(self, exception)
             if self._watchdog is not None:
@@ -376,6 +378,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.grid is not None
         self.accelerator.setup(trainer)
+        self._interrupted = False
         module = self.lightning_module
         layers = pipeline_layers_of(module)
         self._check_trainer(trainer)
@@ -651,6 +654,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpoints.close()  # waits for an asynchronous save first
+        if self.engine is not None and not self._interrupted:  # after a failure a peer may never reach its barrier
+            self.engine.close()  # its process groups and bucket hooks: one engine per fit/validate/test call
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -674,6 +679,11 @@ class PipeDream2BWStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
+        if self.engine is None or self.engine.closed:
+            raise RuntimeError(
+                "pd2bw: the pipeline's process groups exist only during a trainer call (fit/validate/test/predict); "
+                "sum over the stages from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
+            )
         dist.all_reduce(tensor, group=self.engine.groups.pipeline)
 
     @override

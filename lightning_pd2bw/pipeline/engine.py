@@ -42,6 +42,14 @@ from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
 
 
+def _barrier(device: torch.device) -> None:
+    """A barrier over the default group (NCCL: on this rank's device, as Lightning's DDP does)."""
+    if dist.get_backend() == "nccl" and device.type == "cuda":
+        dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def _rank_zero_print(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -134,6 +142,7 @@ class PipelineEngine:
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
         self._names = names or self._layer_names
+        self._closed = False
 
     # ------------------------------------------------------------------ the stage
     def _layer_names(self) -> dict[int, list[str]]:
@@ -215,6 +224,8 @@ class PipelineEngine:
         )
 
     def _started(self) -> StageExecutor:
+        if self._closed:
+            raise RuntimeError("this PipelineEngine was closed (its process groups are gone); build a new one")
         if self.executor is None:
             raise RuntimeError("PipelineEngine.start(optimizers) must be called before training or evaluating")
         return self.executor
@@ -287,6 +298,25 @@ class PipelineEngine:
             loss = self.ledger.take_loss(step)
         self.ledger.restart()  # batch numbers restart after a drain
         return loss
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release what the engine holds beyond itself: its gradient buckets' hooks and its process groups (each
+        holds threads, sockets or NCCL communicators, so an engine per ``fit``/``validate`` call would otherwise
+        pile them up). Call on every rank, after the last ``drain``, and not after a failure (a dead peer never
+        reaches the barrier that comes first); Lightning's strategy does it in ``teardown``. The engine is
+        unusable afterwards (its executor's statistics stay readable); a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.update is not None and self.update.buckets is not None:
+            self.update.buckets.close()
+        if dist.is_initialized():
+            _barrier(self.device)  # no rank destroys a group a peer may still use
+            self.groups.destroy()
 
     @property
     def skipped_updates(self) -> list[int]:

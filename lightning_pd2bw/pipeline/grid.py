@@ -70,6 +70,20 @@ class Groups:
     shared: dict[tuple[int, ...], object]
     link: LinkChannels = field(default_factory=LinkChannels)
 
+    def members(self) -> list[object]:
+        """Every group this rank belongs to, once each, ordered by the group's name (the same order on every rank
+        of a group: how ``destroy`` releases them)."""
+        held = [self.pipeline, self.loss, self.replica, *self.shared.values(), *vars(self.link).values()]
+        outside = (None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD)
+        unique = {id(g): g for g in held if not any(g is o for o in outside)}
+        return sorted(unique.values(), key=lambda g: g.group_name)
+
+    def destroy(self) -> None:
+        """Destroy every group of ``members`` (their threads, sockets and communicators). Call on every rank, once
+        nothing is in flight on them; the handles are unusable afterwards."""
+        for group in self.members():
+            dist.destroy_process_group(group)
+
 
 def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
     mine: dict[str, object] = {}
