@@ -36,6 +36,7 @@ def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple
         num_nodes=strategy.num_nodes,
         global_batch=global_batch,
         mode=strategy.mode,
+        lookahead=strategy.lookahead,
         weight_bytes=bytes_per_element(str(strategy.precision_plugin.precision))[0],
         autocast=strategy.precision_plugin.train_step_context,
     )

@@ -99,6 +99,7 @@ class StrategySchema:
     num_stages: int | None = None
     num_microbatches: int | None = None  # derived from the batch sizes when null
     mode: str = _STRATEGY["mode"]
+    lookahead: int = _STRATEGY["lookahead"]  # forwards in flight beyond 1F1B's before the last stage (one stash each)
     recompute: bool = _STRATEGY["recompute"]
     clip_mode: str = _STRATEGY["clip_mode"]
     layers_per_stage: list[int] | None = None  # null: the planner's time-balanced cut (pd2bw-train)
@@ -302,6 +303,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
         "fewer strategy.num_stages",
     )
     _layout_rule(rules.check_schedule, cfg.strategy.mode, depth, microbatches, keys=keys)
+    _layout_rule(rules.check_lookahead, cfg.strategy.mode, cfg.strategy.get("lookahead", 0), keys=keys)
     if num_layers is not None:
         _layout_rule(rules.check_layers, num_layers, depth)
     _check_data(cfg)
@@ -314,6 +316,7 @@ CONFIG_KEYS = rules.Keys(
     num_microbatches="global_batch_size / (width x micro_batch_size)",
     mode="strategy.mode",
     layers_per_stage="strategy.layers_per_stage",
+    lookahead="strategy.lookahead",
     world="trainer.devices x trainer.num_nodes",
 )
 

@@ -84,6 +84,9 @@ class PipeDream2BWStrategy(ParallelStrategy):
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
+        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - 1 in
+            all): each costs one more stashed microbatch per stage and buys slack between neighbours, whose
+            uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
         recompute: recompute each stage's activations in the backward (stash only stage inputs).
         clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
         plan: ``"auto"``: at start-up, profile the model on this device, measure the links and choose
@@ -145,9 +148,11 @@ class PipeDream2BWStrategy(ParallelStrategy):
         delay_correction_strength: float = 1.0,
         boundary_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
+        lookahead: int = 0,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         rules.check_mode(mode, STRATEGY_KEYS)
+        rules.check_lookahead(mode, lookahead, STRATEGY_KEYS)
         if clip_mode not in CLIP_MODES:
             raise ValueError(
                 f"PipeDream2BWStrategy(clip_mode={clip_mode!r}) is invalid; valid: {', '.join(CLIP_MODES)}"
@@ -201,6 +206,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._requested_stages = num_stages
         self._requested_microbatches = num_microbatches
         self.mode = mode
+        self.lookahead = lookahead
         self.recompute = recompute
         self.clip_mode = clip_mode
         self._process_group_backend = process_group_backend
@@ -386,7 +392,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self._trainer_with_drain = trainer
         cut = self._adopt_plan(trainer, layers) if self.plan == "auto" else None
         cut_counts = tuple(len(r) for r in cut) if cut is not None else self.layers_per_stage
-        stage_layout = Layout(self.num_stages, self.num_microbatches, self.mode, cut_counts)
+        stage_layout = Layout(self.num_stages, self.num_microbatches, self.mode, cut_counts, self.lookahead)
         fitting = trainer.state.fn == TrainerFn.FITTING
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
@@ -509,7 +515,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
     def _report_layout(self, layers: list[nn.Module]) -> None:
         lines = [
             f"pd2bw: mode={self.mode} stages={self.num_stages} data_parallel={self.data_parallel_size} "
-            f"microbatches={self.num_microbatches} recompute={self.recompute}"
+            f"microbatches={self.num_microbatches} lookahead={self.lookahead} recompute={self.recompute}"
         ]
         for stage, layer_range in enumerate(self.stage_layers):
             params = sum(layer_parameter_counts([layers[i] for i in layer_range]))

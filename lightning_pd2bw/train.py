@@ -176,7 +176,12 @@ def candidate_of(cfg, layout):
     from .planner import Candidate
 
     return Candidate(
-        layout.data_parallel_size, layout.num_stages, layout.micro_batch_size, cfg.strategy.recompute, cfg.strategy.mode
+        layout.data_parallel_size,
+        layout.num_stages,
+        layout.micro_batch_size,
+        cfg.strategy.recompute,
+        cfg.strategy.mode,
+        cfg.strategy.get("lookahead", 0),
     )
 
 

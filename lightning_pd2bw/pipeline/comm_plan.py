@@ -34,6 +34,7 @@ class CommLayout:
     boundary_tensors: int = 1  # tensors crossing each stage boundary
     gradient_buckets: int = 1  # replica all-reduce buckets per update
     transport: str = "directional"  # or "shared": the old single channel per pair of ranks
+    lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
 
 
 class _Rank:
@@ -236,7 +237,15 @@ class _Rank:
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
         self.run(
-            S.segment(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, step, self.defers_tied())
+            S.segment(
+                layout.mode,
+                self.stage,
+                layout.num_stages,
+                layout.num_microbatches,
+                step,
+                self.defers_tied(),
+                layout.lookahead,
+            )
         )
         loss_group = f"pd2bw/loss/replica{self.replica}"
         self.losses[step] = self.collective("broadcast", loss_group, self.pipeline, f"loss of b{step}", block=False)
@@ -252,7 +261,15 @@ class _Rank:
         if layout.mode == "2bw" and self.step_in_run > 0:
             last = self.step_in_run - 1
             self.run(
-                S.drain(layout.mode, self.stage, layout.num_stages, layout.num_microbatches, last, self.defers_tied())
+                S.drain(
+                    layout.mode,
+                    self.stage,
+                    layout.num_stages,
+                    layout.num_microbatches,
+                    last,
+                    self.defers_tied(),
+                    layout.lookahead,
+                )
             )
             self.wait_sends()
         self.backwards.clear()
@@ -279,7 +296,7 @@ class _Rank:
 
 def programs(layout: CommLayout) -> Programs:
     """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
-    S.validate(layout.mode, layout.num_stages, layout.num_microbatches)
+    S.validate(layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead)
     ranks = [_Rank(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights

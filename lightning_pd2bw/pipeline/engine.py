@@ -269,7 +269,7 @@ class PipelineEngine:
         included; ``print(schedule.listing(engine.actions(3)))`` shows them."""
         defer = self.update.defers_tied_sums() if self.update is not None else False
         make = schedule.drain if drain else schedule.segment
-        return make(*self._schedule_of_stage(), batch, defer)
+        return make(*self._schedule_of_stage(), batch, defer, self.layout.lookahead)
 
     def _publish_loss(self, step: int) -> None:
         """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""

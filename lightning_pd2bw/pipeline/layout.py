@@ -33,6 +33,7 @@ class Keys:
     num_stages: str = "num_stages"
     num_microbatches: str = "num_microbatches"
     layers_per_stage: str = "layers_per_stage"
+    lookahead: str = "lookahead"
     world: str = "devices x num_nodes"
     more_microbatches: str = "raise num_microbatches to at least {depth} or use fewer stages"
 
@@ -77,10 +78,25 @@ def check_layers(num_layers: int, num_stages: int, keys: Keys = Keys()) -> None:
         )
 
 
-def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys()) -> None:
+def check_lookahead(mode: str, lookahead: int, keys: Keys = Keys()) -> None:
+    """Extra forwards in flight (``schedule.warmup_forwards``): an int >= 0, for the 1F1B schedules."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(
+            f"{keys.where}{keys.lookahead}={lookahead!r} is invalid; valid: an int >= 0 (0: plain 1F1B; 1: one more "
+            "forward in flight per stage before the last, one more stashed microbatch each)"
+        )
+    if lookahead and mode == "gpipe":
+        raise ValueError(
+            f"{keys.where}{keys.lookahead}={lookahead} has no meaning under {keys.mode}='gpipe' (all forwards run "
+            f"first already); use {keys.mode}='2bw' or 'flush', or {keys.lookahead}=0"
+        )
+
+
+def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys(), lookahead: int = 0) -> None:
     check_mode(mode, keys)
     check_depth(num_stages, keys)
     check_microbatches(num_stages, num_microbatches, keys)
+    check_lookahead(mode, lookahead, keys)
 
 
 def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Keys()) -> list[range]:
@@ -99,17 +115,19 @@ def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Key
 @dataclass(frozen=True)
 class Layout:
     """``num_stages`` (d), ``num_microbatches`` (m, default d; m >= d), ``mode`` (``"2bw"``, ``"flush"``,
-    ``"gpipe"``) and optionally ``layers_per_stage`` (the cut; default: balanced by parameter count)."""
+    ``"gpipe"``), optionally ``layers_per_stage`` (the cut; default: balanced by parameter count) and
+    ``lookahead`` (more forwards in flight before the last stage, ``schedule.warmup_forwards``; default 0)."""
 
     num_stages: int
     num_microbatches: int | None = None
     mode: str = DEFAULT_MODE
     layers_per_stage: tuple[int, ...] | None = None
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
             object.__setattr__(self, "num_microbatches", self.num_stages)
-        check_schedule(self.mode, self.num_stages, self.num_microbatches)
+        check_schedule(self.mode, self.num_stages, self.num_microbatches, lookahead=self.lookahead)
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
             if len(self.layers_per_stage) != self.num_stages:

@@ -123,9 +123,18 @@ def receives_to_post(actions: Sequence[Action], index: int | None) -> list[Actio
     return found
 
 
-def warmup_forwards(stage: int, num_stages: int, num_microbatches: int) -> int:
-    """1F1B warm-up depth of ``stage``: forwards run before the first backward."""
-    return min(num_stages - stage - 1, num_microbatches)
+def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, lookahead: int = 0) -> int:
+    """1F1B warm-up depth of ``stage``: forwards run before the first backward.
+
+    ``lookahead`` more forwards in flight on every stage but the last (which gains nothing from one: its backward
+    follows its own forward), at most ``m - 1``: one more stashed microbatch each, in exchange for slack between
+    neighbours (1F1B's steady state has none: a stage's late backward is at once its neighbour's wait). The cap
+    keeps every batch's last backward before the next batch's last forward, so 2BW's version rule and its two
+    versions hold unchanged (``tests/unit/test_schedule.py``)."""
+    if stage == num_stages - 1:
+        return 0
+    base = min(num_stages - stage - 1, num_microbatches)
+    return max(base, min(base + lookahead, num_microbatches - 1))
 
 
 def weight_version(mode: Mode, batch: int) -> int:
@@ -157,13 +166,15 @@ def _backward(stage: int, num_stages: int, microbatch: int, num_microbatches: in
     return actions
 
 
-def _flush_order(stage: int, num_stages: int, num_microbatches: int, mode: Mode, batch: int) -> list[tuple[str, int]]:
+def _flush_order(
+    stage: int, num_stages: int, num_microbatches: int, mode: Mode, batch: int, lookahead: int = 0
+) -> list[tuple[str, int]]:
     """(kind, microbatch) order of one drained batch."""
     first = batch * num_microbatches
     ids = range(first, first + num_microbatches)
     if mode == "gpipe":
         return [(FORWARD, k) for k in ids] + [(BACKWARD, k) for k in ids]
-    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     order = [(FORWARD, k) for k in ids[:warmup]]
     for i, k in enumerate(ids[warmup:]):
         order += [(FORWARD, k), (BACKWARD, ids[i])]
@@ -181,13 +192,15 @@ def _expand(
     return actions
 
 
-def _twobw_order(stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[tuple[str, int]]:
+def _twobw_order(
+    stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
+) -> list[tuple[str, int]]:
     """(kind, microbatch) order of step ``batch`` in the continuous 2BW stream.
 
     Step ``batch`` owns the forwards of its own microbatches; the backwards interleaved with them
     trail by the stage's warm-up depth, so they may belong to the previous batch.
     """
-    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     order: list[tuple[str, int]] = []
     first = batch * num_microbatches
     for k in range(first, first + num_microbatches):
@@ -229,20 +242,25 @@ def _pending_before(mode: Mode, stage: int, num_stages: int, num_microbatches: i
 
 
 def segment(
-    mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, defer_tied: bool = False
+    mode: Mode,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    batch: int,
+    defer_tied: bool = False,
+    lookahead: int = 0,
 ) -> list[Action]:
     """Actions of training step ``batch`` (0-based since the last drain) on ``stage``.
 
     ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
     each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
-    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step."""
-    validate(mode, num_stages, num_microbatches)
+    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step.
+    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``)."""
+    validate(mode, num_stages, num_microbatches, lookahead)
     if mode != "2bw":
-        actions = _expand(
-            _flush_order(stage, num_stages, num_microbatches, mode, batch), stage, num_stages, num_microbatches, mode
-        )
-        return actions + update(batch) + [Action(WAIT_SENDS, batch)]
-    order = _twobw_order(stage, num_stages, num_microbatches, batch)
+        order = _flush_order(stage, num_stages, num_microbatches, mode, batch, lookahead)
+        return _expand(order, stage, num_stages, num_microbatches, mode) + update(batch) + [Action(WAIT_SENDS, batch)]
+    order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     pending = _pending_before(mode, stage, num_stages, num_microbatches, batch)
     actions, _ = _insert_steps(actions, num_microbatches, pending, defer_tied)
@@ -251,14 +269,20 @@ def segment(
 
 
 def drain(
-    mode: Mode, stage: int, num_stages: int, num_microbatches: int, last_batch: int, defer_tied: bool = False
+    mode: Mode,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    last_batch: int,
+    defer_tied: bool = False,
+    lookahead: int = 0,
 ) -> list[Action]:
     """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and update (never
     deferred: nothing may stay pending after a drain), then the wait for its sends."""
-    validate(mode, num_stages, num_microbatches)
+    validate(mode, num_stages, num_microbatches, lookahead)
     if mode != "2bw" or last_batch < 0:
         return []
-    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     end = (last_batch + 1) * num_microbatches
     order = [(BACKWARD, k) for k in range(end - warmup, end)]
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
@@ -268,15 +292,21 @@ def drain(
 
 
 def stream(
-    mode: Mode, stage: int, num_stages: int, num_microbatches: int, num_batches: int, defer_tied: bool = False
+    mode: Mode,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    num_batches: int,
+    defer_tied: bool = False,
+    lookahead: int = 0,
 ) -> list[Action]:
     """All actions of ``num_batches`` steps followed by the drain: one run between two drains."""
     actions: list[Action] = []
     for batch in range(num_batches):
-        actions += segment(mode, stage, num_stages, num_microbatches, batch, defer_tied)
-    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1, defer_tied)
+        actions += segment(mode, stage, num_stages, num_microbatches, batch, defer_tied, lookahead)
+    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1, defer_tied, lookahead)
 
 
-def validate(mode: str, num_stages: int, num_microbatches: int) -> None:
+def validate(mode: str, num_stages: int, num_microbatches: int, lookahead: int = 0) -> None:
     """Reject schedule parameters that the modes cannot run, naming the fix (``layout.check_schedule``)."""
-    check_schedule(mode, num_stages, num_microbatches)
+    check_schedule(mode, num_stages, num_microbatches, lookahead=lookahead)

@@ -87,6 +87,7 @@ def plan_on_world(
     num_nodes: int,
     global_batch: int,
     mode: str,
+    lookahead: int = 0,
     weight_bytes: int = 4,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
@@ -121,7 +122,9 @@ def plan_on_world(
             return ModelProfile(profiles, weight_bytes, optimizer_states, shared)
 
         try:
-            message = [search(profile_for, cluster, global_batch, mode=mode, micro_batch_sizes=micros)[0]]
+            message = [
+                search(profile_for, cluster, global_batch, mode=mode, micro_batch_sizes=micros, lookahead=lookahead)[0]
+            ]
         except ValueError as error:  # every rank raises it, none waits forever
             message = [error]
     dist.broadcast_object_list(message, src=0)

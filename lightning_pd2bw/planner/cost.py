@@ -20,7 +20,8 @@ stages holding them, and the optimizer step. Memory per stage s:
     + stash x activations(b)                         (no recomputation)
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
-with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe.
+with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe; a ``lookahead`` adds that many to every stage
+but the last (at most m: ``schedule.warmup_forwards``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..pipeline.schedule import warmup_forwards
 from .hardware import ClusterSpec
 from .profile import LayerProfile
 
@@ -51,6 +53,7 @@ class Candidate:
     micro_batch_size: int
     recompute: bool
     mode: str = "2bw"
+    lookahead: int = 0  # more forwards in flight before the last stage (the strategy's ``lookahead``)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)
@@ -77,8 +80,11 @@ class Prediction:
         return max(sum(m.values()) for m in self.stage_memory)
 
 
-def stash_count(mode: str, stage: int, depth: int, num_microbatches: int) -> int:
-    return num_microbatches if mode == "gpipe" else min(depth - stage, num_microbatches)
+def stash_count(mode: str, stage: int, depth: int, num_microbatches: int, lookahead: int = 0) -> int:
+    """Microbatches a stage stashes at its peak: its warm-up forwards and the one whose backward comes next."""
+    if mode == "gpipe":
+        return num_microbatches
+    return min(warmup_forwards(stage, depth, num_microbatches, lookahead) + 1, num_microbatches)
 
 
 def stage_memory(
@@ -108,10 +114,10 @@ def memory_of(
     one layer's activations, about its saved bytes, ``largest_layer``) and, under 2BW, the optimizer's
     temporaries (a parameter-sized buffer for Adam's foreach step), because 2BW updates while
     microbatches are stashed. Flush and GPipe clear the gradients at each batch, so when the whole
-    stash is taken before the first backward (m <= d - s) the gradients meet one microbatch fewer.
+    stash is taken before the first backward (m <= stash) the gradients meet one microbatch fewer.
     """
     versions = 2 if candidate.mode == "2bw" else 1
-    stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches)
+    stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     weights = params * profile.weight_bytes
     per_micro = activations
     if candidate.recompute:
@@ -119,7 +125,7 @@ def memory_of(
         stashed, per_micro = stash * stage_input + activations, stage_input
     else:
         stashed = stash * activations
-    if candidate.mode != "2bw" and num_microbatches <= candidate.depth - stage:
+    if candidate.mode != "2bw" and num_microbatches <= stash:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
     temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
     return {

@@ -75,7 +75,12 @@ def partition(
 
 
 def candidates(
-    num_devices: int, num_layers: int, global_batch: int, mode: str, micro_batch_sizes: Sequence[int] | None = None
+    num_devices: int,
+    num_layers: int,
+    global_batch: int,
+    mode: str,
+    micro_batch_sizes: Sequence[int] | None = None,
+    lookahead: int = 0,
 ) -> list[Candidate]:
     out = []
     for depth in divisors(num_devices):
@@ -87,7 +92,7 @@ def candidates(
             if per_replica % micro or per_replica // micro < depth:
                 continue
             for recompute in (False, True):
-                out.append(Candidate(width, depth, micro, recompute, mode))
+                out.append(Candidate(width, depth, micro, recompute, mode, lookahead))
     return out
 
 
@@ -99,6 +104,7 @@ def search(
     mode: str = "2bw",
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
+    lookahead: int = 0,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """All candidates on ``cluster``'s devices: (those that fit, fastest first; those that do not).
 
@@ -115,7 +121,7 @@ def search(
 
     num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
     fits, too_big = [], []
-    for candidate in candidates(cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes):
+    for candidate in candidates(cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes, lookahead):
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
         stages = partition(profile, candidate, m, capacity)

@@ -46,6 +46,7 @@ class Case:
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
     correction: bool = False  # delay_correction="error_feedback" (2BW): W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
+    lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     extra: dict = field(default_factory=dict)
 
     @property
@@ -192,5 +193,10 @@ CASES = {
         Case("gpt_2bw_d2w2_ef_muon", width=2, mode="2bw", optimizer="muon", steps=6, correction=True, clip=0.5),
         Case("gpt_2bw_d2w2_ef_adamw_sparse", width=2, mode="2bw", steps=6, correction=True, sparsity="static_random"),
         Case("bert_2bw_ef_muon", mode="2bw", model="bert", optimizer="muon", steps=5, correction=True),
+        # lookahead: one more forward in flight before the last stage; the same update rule (d = 4, m = 6 gives
+        # stages 0-2 room under the m - 1 cap; width 2: the bucketed all-reduce after a batch's last backward)
+        Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
+        Case("gpt_2bw_d2w2_lookahead", width=2, mode="2bw", num_microbatches=4, steps=5, lookahead=1, val_every=3),
+        Case("gpt_flush_lookahead", num_microbatches=4, lookahead=1, schedule=True),
     ]
 }

@@ -122,6 +122,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         on_nonfinite="skip" if case.poison_step is not None else "stop",
         delay_correction="error_feedback" if case.correction else None,
         async_checkpoint=case.async_checkpoint,
+        lookahead=case.lookahead,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return pl.Trainer(

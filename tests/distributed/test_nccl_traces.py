@@ -93,6 +93,7 @@ def test_lowering_issues_what_the_run_issued(trained, name):
         skip_nonfinite=case.poison_step is not None,
         drain_after=case.drains,
         eval_batches=2 if case.val_every else 0,
+        lookahead=case.lookahead,
     )
     lowered = programs(layout)
     calls = recorded(trained[name])

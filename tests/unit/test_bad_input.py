@@ -10,7 +10,7 @@ from torch import nn
 import lightning_pd2bw
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.pipeline.grid import ProcessGrid
-from lightning_pd2bw.pipeline.layout import width_of
+from lightning_pd2bw.pipeline.layout import Layout, width_of
 from lightning_pd2bw.strategy import pipeline_layers_of
 
 
@@ -32,6 +32,18 @@ def test_unknown_mode_and_clip_mode():
         PipeDream2BWStrategy(mode="pipedream")
     with pytest.raises(ValueError, match=r"clip_mode='all'\) is invalid; valid: global, stage"):
         PipeDream2BWStrategy(clip_mode="all")
+
+
+def test_lookahead_is_checked_where_it_is_given():
+    with pytest.raises(ValueError, match=r"PipeDream2BWStrategy: lookahead=-1 is invalid; valid: an int >= 0"):
+        PipeDream2BWStrategy(lookahead=-1)
+    with pytest.raises(ValueError, match=r"lookahead=1.5 is invalid"):
+        PipeDream2BWStrategy(lookahead=1.5)
+    with pytest.raises(ValueError, match=r"lookahead=2 has no meaning under mode='gpipe'.* use mode='2bw' or 'flush'"):
+        PipeDream2BWStrategy(mode="gpipe", lookahead=2)
+    with pytest.raises(ValueError, match=r"lookahead=True is invalid"):
+        Layout(2, 4, lookahead=True)
+    assert Layout(2, 4, "2bw", lookahead=1).lookahead == 1 and PipeDream2BWStrategy(lookahead=1).lookahead == 1
 
 
 def test_world_size_not_divisible_by_depth():
@@ -97,9 +109,11 @@ def test_hydra_strategy_keys_reach_the_strategy():
 
     from tests.unit.test_config import load
 
-    cfg = load("tiny", ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30", "strategy.hang_timeout=null"))
+    overrides = ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30", "strategy.hang_timeout=null")
+    cfg = load("tiny", (*overrides, "strategy.lookahead=1"))
     strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
     assert (strategy.on_nonfinite, strategy.failure_timeout, strategy.hang_timeout) == ("skip", 30, None)
+    assert strategy.lookahead == 1
     assert instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2).hang_timeout == 600
 
 

@@ -110,6 +110,8 @@ def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
         (("trainer.accumulate_grad_batches=2",), "trainer.accumulate_grad_batches must be 1"),
         (("strategy.plan=auto", "strategy.num_stages=2"), "strategy.plan=auto chooses the depth"),
         (("strategy.plan=auto", "global_batch_size=15"), "must be a multiple of the world size 2"),
+        (("strategy.lookahead=-1",), "strategy.lookahead=-1 is invalid; valid: an int >= 0"),
+        (("strategy.mode=gpipe", "strategy.lookahead=1"), "strategy.lookahead=1 has no meaning under strategy.mode"),
     ],
 )
 def test_cross_field_checks_say_how_to_fix(overrides, message):

@@ -101,9 +101,12 @@ UPDATES = {
 }
 
 
+SCHEDULES = (("flush", 0), ("gpipe", 0), ("2bw", 0), ("2bw", 1), ("flush", 1))  # (mode, lookahead)
+
+
 def sweep(microbatches):
-    for mode, num_stages, width, update, tied in itertools.product(
-        ("flush", "gpipe", "2bw"), range(2, 9), (1, 2), UPDATES, (False, True)
+    for (mode, lookahead), num_stages, width, update, tied in itertools.product(
+        SCHEDULES, range(2, 9), (1, 2), UPDATES, (False, True)
     ):
         for m in microbatches(num_stages):
             yield CommLayout(
@@ -115,6 +118,7 @@ def sweep(microbatches):
                 tied=tied,
                 drain_after=(2, 4),  # a drain in the steady state and at the end, each followed by evaluation
                 eval_batches=1,
+                lookahead=lookahead,
                 **UPDATES[update],
             )
 
@@ -128,13 +132,14 @@ def check(layout: CommLayout) -> None:
 
 
 def test_every_schedule_is_deadlock_free_under_nccl():
-    """flush, gpipe and 2bw; depth 2..8; m = d, d+1 and 16; width 1 and 2; no clipping, global or per-stage
-    clipping, the non-finite agreement; tied parameters on and off; drains and evaluation."""
+    """flush, gpipe and 2bw (2bw and flush also with lookahead 1); depth 2..8; m = d, d+1 and 16; width 1 and 2; no
+    clipping, global or per-stage clipping, the non-finite agreement; tied parameters on and off; drains and
+    evaluation."""
     count = 0
     for layout in sweep(lambda d: sorted({d, d + 1, 16})):
         check(layout)
         count += 1
-    assert count == 3 * 7 * 2 * len(UPDATES) * 2 * 3  # modes x depths x widths x updates x tied x m
+    assert count == len(SCHEDULES) * 7 * 2 * len(UPDATES) * 2 * 3  # schedules x depths x widths x updates x tied x m
 
 
 @pytest.mark.slow

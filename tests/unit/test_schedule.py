@@ -7,6 +7,8 @@ import pytest
 from lightning_pd2bw.pipeline import schedule as S
 
 LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
+# (mode, lookahead): lookahead applies to the 1F1B schedules
+SCHEDULES = [(mode, 0) for mode in S.MODES] + [("2bw", 1), ("2bw", 2), ("flush", 1)]
 
 
 def simulate(actions_per_stage):
@@ -36,17 +38,25 @@ def simulate(actions_per_stage):
     assert all(not q for q in channels.values()), "every send is received"
 
 
-@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
-def test_stream_is_deadlock_free_and_matched(mode, num_stages, num_microbatches):
-    simulate([S.stream(mode, s, num_stages, num_microbatches, 3) for s in range(num_stages)])
+def test_stream_is_deadlock_free_and_matched(mode, lookahead, num_stages, num_microbatches):
+    simulate([S.stream(mode, s, num_stages, num_microbatches, 3, lookahead=lookahead) for s in range(num_stages)])
 
 
-@pytest.mark.parametrize("mode", S.MODES)
+def expected_stash(mode: str, stage: int, num_stages: int, num_microbatches: int, lookahead: int) -> int:
+    """GPipe: all m; 1F1B: d - r, with ``lookahead`` more on every stage but the last, never more than m."""
+    if mode == "gpipe":
+        return num_microbatches
+    extra = lookahead if stage < num_stages - 1 else 0
+    return min(num_stages - stage + extra, num_microbatches)
+
+
+@pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
-def test_forward_precedes_backward_and_stash_bound(mode, num_stages, num_microbatches):
+def test_forward_precedes_backward_and_stash_bound(mode, lookahead, num_stages, num_microbatches):
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, 3)
+        actions = S.stream(mode, stage, num_stages, num_microbatches, 3, lookahead=lookahead)
         in_flight, peak, done_forward = set(), 0, set()
         for a in actions:
             if a.kind == S.FORWARD:
@@ -56,15 +66,17 @@ def test_forward_precedes_backward_and_stash_bound(mode, num_stages, num_microba
                 assert a.microbatch in done_forward
                 in_flight.remove(a.microbatch)
             peak = max(peak, len(in_flight))
-        limit = num_microbatches if mode == "gpipe" else num_stages - stage
-        assert peak == min(limit, num_microbatches) or (mode == "2bw" and peak == num_stages - stage)
+        assert peak == expected_stash(mode, stage, num_stages, num_microbatches, lookahead)
         assert sorted(done_forward) == list(range(3 * num_microbatches))
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 2])
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
-def test_2bw_version_rule_and_steps(num_stages, num_microbatches):
+def test_2bw_version_rule_and_steps(num_stages, num_microbatches, lookahead):
+    """Every forward and backward runs on the version 2BW's rule gives its batch, held when it runs (at most one
+    update newer): with a lookahead too, two versions suffice."""
     for stage in range(num_stages):
-        actions = S.stream("2bw", stage, num_stages, num_microbatches, 4)
+        actions = S.stream("2bw", stage, num_stages, num_microbatches, 4, lookahead=lookahead)
         updates = 0
         for a in actions:
             if a.kind in (S.FORWARD, S.BACKWARD):
@@ -92,6 +104,27 @@ def test_1f1b_warmup_counts():
     for stage in range(4):
         actions = [a.kind for a in S.segment("flush", stage, 4, 8, 0) if a.kind in (S.FORWARD, S.BACKWARD)]
         assert actions.index(S.BACKWARD) == 4 - stage  # d - r - 1 warm-up forwards, then one more
+
+
+@pytest.mark.parametrize("mode", ["2bw", "flush"])
+def test_lookahead_adds_forwards_before_the_last_stage_only(mode):
+    """d = 4, m = 6, lookahead 1: stages 0-2 run one more forward before their first backward (capped at m - 1
+    warm-up forwards: stage 0 has 3 + 1 = 4 <= 5); the last stage is unchanged; lookahead 5 is capped at m - 1."""
+
+    def first_backward(stage, lookahead):
+        actions = S.segment(mode, stage, 4, 6, 0, lookahead=lookahead)
+        return [a.kind for a in actions if a.kind in (S.FORWARD, S.BACKWARD)].index(S.BACKWARD)
+
+    assert [first_backward(stage, 0) for stage in range(4)] == [4, 3, 2, 1]
+    assert [first_backward(stage, 1) for stage in range(4)] == [5, 4, 3, 1]
+    assert [first_backward(stage, 5) for stage in range(4)] == [6, 6, 6, 1]
+
+
+def test_lookahead_rejects_what_it_cannot_mean():
+    with pytest.raises(ValueError, match="lookahead=-1 is invalid; valid: an int >= 0"):
+        S.segment("2bw", 0, 2, 4, 0, lookahead=-1)
+    with pytest.raises(ValueError, match="lookahead=1 has no meaning under mode='gpipe'"):
+        S.segment("gpipe", 0, 2, 4, 0, lookahead=1)
 
 
 def test_step_sits_before_next_batch_forward():
@@ -148,16 +181,16 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
     assert len(note.splitlines()) == 1 + len(actions) and "STEP(b0)" in note
 
 
-@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
 @pytest.mark.parametrize("defer_tied", [False, True])
-def test_each_update_is_its_parts_in_order(mode, num_stages, num_microbatches, defer_tied):
+def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_microbatches, defer_tied):
     """Every batch's update is REDUCE (or REDUCE_DEFER), CHECK, CLIP, STEP back to back; a deferred tied update
     is applied (TIED_STEP) after its own STEP and before the forwards of batch b + 2; nothing stays deferred
     after the drain, whose update sums at once; flush batches and drains end with WAIT_SENDS."""
     batches = 4
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, batches, defer_tied)
+        actions = S.stream(mode, stage, num_stages, num_microbatches, batches, defer_tied, lookahead)
         assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
         deferred = defer_tied and mode == "2bw"
         for b in range(batches):
@@ -177,13 +210,13 @@ def test_each_update_is_its_parts_in_order(mode, num_stages, num_microbatches, d
         assert actions[-1].kind == S.WAIT_SENDS
 
 
-@pytest.mark.parametrize("mode", S.MODES)
+@pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
-def test_no_backward_between_a_batchs_last_backward_and_its_reduce(mode, num_stages, num_microbatches):
+def test_no_backward_between_a_batchs_last_backward_and_its_reduce(mode, lookahead, num_stages, num_microbatches):
     """The replica all-reduce of batch b starts inside b's last backward on the stage and REDUCE(b) waits for it
     (``grad_buckets.py``): no other backward may accumulate into those gradients in between."""
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, 4, False)
+        actions = S.stream(mode, stage, num_stages, num_microbatches, 4, False, lookahead)
         for b in range(4):
             backwards = [i for i, a in enumerate(actions) if a.kind == S.BACKWARD and a.batch == b]
             assert len(backwards) == num_microbatches
