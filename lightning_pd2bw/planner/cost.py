@@ -114,7 +114,7 @@ def memory_of(
     one layer's activations, about its saved bytes, ``largest_layer``) and, under 2BW, the optimizer's
     temporaries (a parameter-sized buffer for Adam's foreach step), because 2BW updates while
     microbatches are stashed. Flush and GPipe clear the gradients at each batch, so when the whole
-    stash is taken before the first backward (m <= stash) the gradients meet one microbatch fewer.
+    stash is taken before the first backward (m <= 1F1B's stash) the gradients meet one microbatch fewer.
     """
     versions = 2 if candidate.mode == "2bw" else 1
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
@@ -125,7 +125,8 @@ def memory_of(
         stashed, per_micro = stash * stage_input + activations, stage_input
     else:
         stashed = stash * activations
-    if candidate.mode != "2bw" and num_microbatches <= stash:
+    warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
+    if candidate.mode != "2bw" and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
     temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
     return {
