@@ -2,9 +2,10 @@
 
     torchrun --standalone --nproc-per-node=2 benchmarks/engine_ab.py '{"lookahead": 1}'
     torchrun --standalone --nproc-per-node=2 benchmarks/engine_ab.py '{"lookahead": 1}' --base '{"mode": "2bw"}' \\
-        --rounds 12 --steps 6 --m 4
+        --rounds 12 --steps 6 --microbatches 4
 
-A setting is ``Layout`` keys (``mode``, ``lookahead``) and ``PipelineEngine`` keywords (``recompute``,
+A setting is ``Layout`` keys (``mode``, ``lookahead``, ``num_microbatches``: the same batch of ``--m`` x 4
+sequences cut into that many microbatches) and ``PipelineEngine`` keywords (``recompute``,
 ``boundary_dtype`` as a name, ``clip_val``, ...) over ``--base`` (default: 2BW, no clipping). Each round trains A and
 B, in the order A B, B A, A B, ... so that a steady drift of the machine favours neither, each a fresh engine on the
 same initial weights and the same batches (the benchmark GPT of ``pipelines_run.py``: 8 x 384, seq 128, microbatches
@@ -34,16 +35,16 @@ from lightning_pd2bw.models import GPTCore  # noqa: E402
 from lightning_pd2bw.pipeline import Layout, PipelineEngine  # noqa: E402
 from lightning_pd2bw.pipeline.materialize import parameters_on_meta  # noqa: E402
 
-LAYOUT_KEYS = ("mode", "lookahead")
+LAYOUT_KEYS = ("mode", "lookahead", "num_microbatches")
 
 
 def engine_for(setting: dict, depth: int, m: int) -> PipelineEngine:
     with parameters_on_meta():  # each stage materialises (and seeds) only its own layers: the same weights each time
         model = GPTCore(CONFIG)
     layers = model.pipeline_layers()
+    setting = {"num_microbatches": m, **setting}  # the batch stays m x MICRO sequences; its microbatches may differ
     layout = Layout(
         depth,
-        m,
         layers_per_stage=tuple(even_cut(len(layers), depth)),
         **{k: v for k, v in setting.items() if k in LAYOUT_KEYS},
     )
@@ -78,7 +79,9 @@ def main() -> None:
     parser.add_argument("--base", default="{}", help="A, as JSON (default: 2BW as the engine's defaults)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per engine and round")
-    parser.add_argument("--m", type=int, default=4, help="microbatches per step")
+    parser.add_argument(
+        "--microbatches", type=int, default=4, help="m: the batch is m x 4 sequences, in m microbatches"
+    )
     args = parser.parse_args()
     base = json.loads(args.base)
     settings = {"A": base, "B": {**base, **json.loads(args.setting)}}
@@ -87,17 +90,19 @@ def main() -> None:
     dist.init_process_group("gloo")
     depth, rank = dist.get_world_size(), dist.get_rank()
     data = LMDataset(read_corpus(max_bytes=2_000_000), CONFIG.block_size)
-    size = args.m * MICRO
+    size = args.microbatches * MICRO
     batches = [
         {k: torch.stack([data[i][k] for i in range(s * size, (s + 1) * size)]) for k in data[0]}
         for s in range(args.steps + 1)
     ]
     if rank == 0:
-        print(f"A = {settings['A']}, B = {settings['B']}; depth {depth}, m = {args.m}, {args.steps} steps per run")
+        print(
+            f"A = {settings['A']}, B = {settings['B']}; depth {depth}, m = {args.microbatches}, {args.steps} steps per run"
+        )
     ratios = []
     for round_ in range(args.rounds):
         order = "AB" if round_ % 2 == 0 else "BA"
-        speed = {name: timed(settings[name], batches, depth, args.m, args.steps) for name in order}
+        speed = {name: timed(settings[name], batches, depth, args.microbatches, args.steps) for name in order}
         ratios.append(speed["B"] / speed["A"])
         if rank == 0:
             print(

@@ -130,7 +130,7 @@ def plan_text(cfg, layout, model) -> str:
         f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
         f"{len(layers)} pipeline layers",
         f"layout: {layout.world_size} processes = {layout.num_stages} stages x {layout.data_parallel_size} replicas; "
-        f"mode={cfg.strategy.mode} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
+        f"mode={cfg.strategy.mode}{_lookahead(cfg)} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
         f"batch: global {layout.global_batch_size} = {layout.data_parallel_size} replicas x "
         f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
         f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
@@ -170,6 +170,12 @@ def data_text(cfg) -> str:
         f"data: {index['tokens']:,} tokens at {path} ({index['dtype']}, vocabulary {index['vocab_size']:,}; the "
         f"model's {vocab:,})"
     )
+
+
+def _lookahead(cfg) -> str:
+    """`` lookahead=N`` where it is set (the dry run's layout line)."""
+    lookahead = cfg.strategy.get("lookahead", 0)
+    return f" lookahead={lookahead}" if lookahead else ""
 
 
 def candidate_of(cfg, layout):

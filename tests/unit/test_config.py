@@ -142,6 +142,22 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
     assert out.count("est. memory") == 8 and "stage 7: layers 36..41" in out
 
 
+def test_dry_run_with_a_lookahead_counts_its_stash(tmp_path):
+    """strategy.lookahead=1: the layout line says so and stage 0 (not the last stage) plans one more microbatch of
+    activations (3 instead of 2 at d = 2, m = 4)."""
+
+    def activations(*overrides: str) -> tuple[str, list[float]]:
+        result = run_cli("dry_run=true", *overrides, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [line for line in result.stdout.splitlines() if "est. memory" in line]
+        return result.stdout, [float(line.split("activations ")[1].split(",")[0]) for line in lines]
+
+    plain_out, plain = activations()
+    ahead_out, ahead = activations("strategy.lookahead=1")
+    assert "lookahead" not in plain_out and "mode=2bw lookahead=1 " in ahead_out
+    assert ahead[1] == plain[1] and ahead[0] == pytest.approx(plain[0] * 3 / 2, abs=0.01)
+
+
 def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
     result = run_cli("recipe=bert_large", "dry_run=true", cwd=tmp_path)
     assert result.returncode == 0 and "4 stages x 4 replicas" in result.stdout and "bert_large" in result.stdout
