@@ -84,8 +84,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
-        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - 1 in
-            all): each costs one more stashed microbatch per stage and buys slack between neighbours, whose
+        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d is
+            used): each costs one more stashed microbatch per stage and buys slack between neighbours, whose
             uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
         recompute: recompute each stage's activations in the backward (stash only stage inputs).
         clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.

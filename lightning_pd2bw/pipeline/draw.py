@@ -12,12 +12,14 @@ import string
 from . import schedule as S
 
 
-def timeline(mode: S.Mode, num_stages: int, num_microbatches: int, num_batches: int) -> list[list[str]]:
+def timeline(
+    mode: S.Mode, num_stages: int, num_microbatches: int, num_batches: int, lookahead: int = 0
+) -> list[list[str]]:
     """Simulate the stages with unit-time compute and instantaneous messages."""
     actions = [
         [
             a
-            for a in S.stream(mode, s, num_stages, num_microbatches, num_batches)
+            for a in S.stream(mode, s, num_stages, num_microbatches, num_batches, lookahead=lookahead)
             if a.kind in (S.FORWARD, S.BACKWARD, S.STEP)
         ]
         for s in range(num_stages)

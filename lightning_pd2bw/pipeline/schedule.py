@@ -127,14 +127,17 @@ def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, lookahea
     """1F1B warm-up depth of ``stage``: forwards run before the first backward.
 
     ``lookahead`` more forwards in flight on every stage but the last (which gains nothing from one: its backward
-    follows its own forward), at most ``m - 1``: one more stashed microbatch each, in exchange for slack between
-    neighbours (1F1B's steady state has none: a stage's late backward is at once its neighbour's wait). The cap
-    keeps every batch's last backward before the next batch's last forward, so 2BW's version rule and its two
-    versions hold unchanged (``tests/unit/test_schedule.py``)."""
+    follows its own forward): one more stashed microbatch each, in exchange for slack between neighbours (1F1B's
+    steady state has none: a stage's late backward is at once its neighbour's wait). The same number on every
+    stage, at most ``m - d``: each stage must keep one warm-up forward more than the next, or a stage's backward
+    waits for a forward its upstream runs only after its own next backward (lockstep: at d = 4, m = 4 a stage-0
+    cap alone made the unit-time schedule 98 slots long instead of 60), and stage 0's ``d - 1 + lookahead``
+    warm-up forwards stay below m, so every batch's last backward precedes the next batch's last forward: 2BW's
+    version rule and its two versions hold unchanged (``tests/unit/test_schedule.py``)."""
     if stage == num_stages - 1:
         return 0
-    base = min(num_stages - stage - 1, num_microbatches)
-    return max(base, min(base + lookahead, num_microbatches - 1))
+    extra = max(0, min(lookahead, num_microbatches - num_stages))
+    return min(num_stages - stage - 1, num_microbatches) + extra
 
 
 def weight_version(mode: Mode, batch: int) -> int:

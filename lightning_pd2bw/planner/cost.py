@@ -20,8 +20,8 @@ stages holding them, and the optimizer step. Memory per stage s:
     + stash x activations(b)                         (no recomputation)
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
-with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe; a ``lookahead`` adds that many to every stage
-but the last (at most m: ``schedule.warmup_forwards``).
+with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe; a ``lookahead`` adds that many (at most m - d)
+to every stage but the last (``schedule.warmup_forwards``).
 """
 
 from __future__ import annotations
