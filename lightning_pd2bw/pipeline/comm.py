@@ -1,32 +1,35 @@
 """Point-to-point transport between neighbouring stages of one pipeline, designed from NCCL's semantics.
 
-NCCL (and so every GPU run) differs from gloo in two ways that decide whether a schedule can hang:
+NCCL (and so every GPU run) differs from gloo in three ways that decide whether a schedule can hang:
 
-- a send completes only when the peer posts the matching receive (gloo buffers it);
-- the operations of one communicator run in issue order on one stream. Unbatched ``isend``/``irecv`` on
-  the default group share *one* communicator per pair of ranks, for both directions.
+- a send completes only when the peer posts the matching receive (gloo buffers small messages);
+- the operations of one communicator run in issue order on one stream;
+- kernels of *different* communicators may run one at a time (with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, common in
+  Megatron-style jobs, or whenever NCCL's kernels cannot be co-resident): an operation posted first blocks every
+  kernel behind it, whatever its communicator.
 
-With one channel per pair, 1F1B's steady state is a cycle: stage r queues SEND_F then RECV_B while
-stage r+1 queues SEND_B then RECV_F, and neither send can complete. This transport therefore gives
-each *direction* of each stage pair its own process group (its own communicator and stream):
-activations flow on ``activations`` channels, gradients on ``gradients`` channels. On a channel only
-one rank sends, and both ends issue their operations in microbatch order, so every operation's match
-is the next one its peer posts; no cycle can form across channels because sends never block the
-sender's program. ``nccl_model.py`` replays the real action lists under these rules and proves it for
-every schedule, depth, width, clipping mode, tied parameters, drains and evaluation.
+So no transport can rely on communicators progressing independently (the previous design's separate channel per
+direction did). This one follows Megatron-LM and ``torch.distributed.pipelining``: one process group per stage pair
+(both directions), and each send issued in **one batch** (``batch_isend_irecv``: one NCCL group, one kernel) with
+the next receive the schedule takes from the same neighbour (``schedule.fused_receive``): stage r's
+``{SEND_F(k), RECV_B(j)}`` meets stage r+1's ``{SEND_B(j), RECV_F(k)}``. Every rank then issues its operations with a
+neighbour in an order the neighbour's order matches, with no operation waiting on one queued behind it; the NCCL
+model proves it under serialized kernels (``nccl_model.simulate(serialized=True)``) for every schedule, depth,
+width, clipping mode, tied parameters, drains and evaluation (``comm_plan``), and the distributed tests replay
+real runs' calls under it.
 
-Shapes travel once per boundary and input shape, not per microbatch: both ends key the shapes of a
-boundary's tensors by the microbatch's *input signature* (shapes and dtypes of the batch fields, which
-every stage of a pipeline sees alike) and the phase (train/eval). The first message of a new key is
-preceded by a small int64 header; afterwards the receiver allocates from its cache, with no host sync.
-Gradients travel back without a header: the receiver sent the matching activations and knows their
-shapes.
+Memory does not grow with the number of microbatches: a batch's buffers are held until the batch is known
+complete, and that is early. When a receive from a neighbour completes, the neighbour has posted (in the batch
+that sent it, or before) the receives of everything this stage sent it so far; the stage then waits for all its
+sends to that neighbour (complete or about to be) and drops their buffers. A stage so holds O(depth) messages,
+never O(m) (``held_bytes``, ``peak_held_bytes``). Receive buffers are handed to the stage's compute and freed with
+its stash.
 
-Receives are posted early (``post_forward`` / ``post_backward``): the executor posts each receive as soon as the
-previous receive of its direction completed (or at the start of its segment), once its shapes are known, and waits
-for it where the schedule uses the data. Under NCCL a send completes only when its receive is posted, so the
-transfer then overlaps the computation in between instead of starting when the data is needed. Posted receives
-match the sender's messages in order (one sender per channel), so they are kept in order too.
+Shapes travel once per boundary and input shape, not per microbatch: both ends key the shapes of a boundary's
+tensors by the microbatch's *input signature* (shapes and dtypes of the batch fields, which every stage of a
+pipeline sees alike) and the phase (train/eval). The first message of a new key is preceded by a small int64
+header; afterwards the receiver allocates from its cache, with no host sync. Gradients travel back without a
+header: the receiver sent the matching activations and knows their shapes.
 """
 
 from __future__ import annotations
@@ -106,16 +109,41 @@ def input_signature(value: Any) -> Hashable:
 
 @dataclass(frozen=True)
 class LinkChannels:
-    """The four one-directional channels of a stage (None at the pipeline's ends)."""
+    """The process group shared with each neighbour, both directions (None at the pipeline's ends)."""
 
-    activations_in: Any = None  # from the previous stage
-    activations_out: Any = None  # to the next stage
-    gradients_in: Any = None  # from the next stage
-    gradients_out: Any = None  # to the previous stage
+    previous: Any = None  # with the previous stage
+    next: Any = None  # with the next stage
+
+
+@dataclass
+class _Batch:
+    """One ``batch_isend_irecv``: its works (NCCL returns one for the group), the buffers it must keep alive."""
+
+    works: list[Any]
+    buffers: list[torch.Tensor]
+    sent_bytes: int = 0
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+@dataclass
+class _Posted:
+    """Receives issued in a batch with a send, waited for where the schedule uses them."""
+
+    key: Hashable
+    tensors: list[torch.Tensor]
+    batch: _Batch
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StageLink:
-    """Sends to and receives from the previous and next stage over one-directional channels."""
+    """Sends to and receives from the previous and next stage, one batch per send and the receive fused with it."""
 
     def __init__(
         self,
@@ -125,85 +153,87 @@ class StageLink:
         channels: LinkChannels | None = None,
     ) -> None:
         channels = channels or LinkChannels()
-        if (prev_rank is not None and channels.activations_in is None) or (
-            next_rank is not None and channels.activations_out is None
-        ):
+        if (prev_rank is not None and channels.previous is None) or (next_rank is not None and channels.next is None):
             raise ValueError(
-                "StageLink needs one channel per direction to each neighbour (one shared channel deadlocks under "
-                "NCCL): pass channels=build_groups(grid, ...).link from lightning_pd2bw.pipeline.grid"
+                "StageLink needs a process group shared with each neighbour: pass channels=build_groups(grid, ...).link "
+                "from lightning_pd2bw.pipeline.grid"
             )
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.device = device
         self.channels = channels
-        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, buffer, segment issued in)
-        self._segment = 0
+        self._unsettled: dict[int, list[_Batch]] = {}  # peer -> batches whose sends are not known complete
         self._sent_specs: dict[Hashable, Spec] = {}
         self._received_specs: dict[Hashable, Spec] = {}
         self.headers_sent = 0  # counters: one header per boundary and input signature, not per microbatch
         self.headers_received = 0
-        self._posted: dict[str, list[tuple[Hashable, list[torch.Tensor], list[Any]]]] = {"forward": [], "backward": []}
+        self._posted: dict[str, list[_Posted]] = {"forward": [], "backward": []}
+        self.peak_held_bytes = 0
+        self.peak_pending_sends = 0
 
-    def _isend(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
-        tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, dst, group=group), tensor, self._segment))
+    # ------------------------------------------------------------------ batches
+    def _group(self, peer: int) -> Any:
+        return self.channels.previous if peer == self.prev_rank else self.channels.next
+
+    def _issue(self, peer: int, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> _Batch:
+        """One ``batch_isend_irecv`` with ``peer``: ``sends`` in order, then ``receives`` in order."""
+        group = self._group(peer)
+        sends = [t.contiguous() for t in sends]
+        ops = [dist.P2POp(dist.isend, t, peer, group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for t in receives]
+        if not ops:  # e.g. a stage whose inputs carry no gradient sends none back
+            return _Batch([], [])
+        batch = _Batch(list(dist.batch_isend_irecv(ops)), [*sends, *receives], _nbytes(sends))
+        if sends:
+            self._unsettled.setdefault(peer, []).append(batch)
+        self._account()
+        return batch
+
+    def _account(self) -> None:
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self.peak_pending_sends = max(self.peak_pending_sends, self.pending_sends)
+
+    def settle(self, peer: int, keep: int = 0) -> None:
+        """Wait for the sends to ``peer`` (all but the newest ``keep`` batches) and drop their buffers."""
+        batches = self._unsettled.get(peer, [])
+        while len(batches) > keep:
+            batches.pop(0).wait()
 
     @property
     def pending_sends(self) -> int:
-        """Sends whose buffers are still held (bounded by two segments' sends)."""
-        return len(self._pending)
+        """Batches of sends whose buffers are still held (O(depth), never O(microbatches))."""
+        return sum(len(batches) for batches in self._unsettled.values())
 
-    def begin_segment(self) -> None:
-        """Start a new segment of actions; settle the sends issued two segments ago.
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the messages this link holds now: sends not known complete, receives posted and not used."""
+        sent = sum(b.sent_bytes for batches in self._unsettled.values() for b in batches)
+        posted = sum(_nbytes(p.tensors) for queue in self._posted.values() for p in queue)
+        return sent + posted
 
-        2BW never drains between steps, so sends must be retired as it goes: a send's buffer (and its ``Work``)
-        is held until the send is known complete. gloo's ``Work.is_completed`` stays False until ``wait`` is
-        called, so pruning by it alone kept every send of the run (a leak of every boundary tensor). Waiting
-        for the sends of segment s-2 at the start of segment s never blocks for long: the neighbour receives
-        them in its segment s-1 at the latest, and it needs nothing from this stage's segment s to get there
-        (checked for every layout under NCCL's rules by ``comm_plan`` + ``nccl_model``).
-        """
-        self._segment += 1
-        for work, _, segment in self._pending:
-            if segment <= self._segment - 2:
-                work.wait()  # the same waits on every backend: traces replay deterministically
-        self._pending = [entry for entry in self._pending if entry[2] > self._segment - 2]
+    @property
+    def posted_receives(self) -> int:
+        """Receives issued with a send and not used yet (none between segments)."""
+        return len(self._posted["forward"]) + len(self._posted["backward"])
 
-    def _post(self, tensors: list[torch.Tensor], src: int, group: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        """Post every receive, in issue order on the channel, as the sender sent them."""
-        return tensors, [dist.irecv(tensor, src, group=group) for tensor in tensors]
-
-    @staticmethod
-    def _wait(posted: Sequence[Any]) -> list[torch.Tensor]:
-        tensors, works = posted
-        for work in works:
-            work.wait()
+    def _receive(self, peer: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self._issue(peer, [], tensors).wait()
+        self.settle(peer)  # the peer sent after posting the receives of everything sent to it so far
         return tensors
 
-    def _recv_all(self, tensors: list[torch.Tensor], src: int, group: Any) -> list[torch.Tensor]:
-        return self._wait(self._post(tensors, src, group))
+    def _use(self, direction: str, peer: int) -> list[torch.Tensor]:
+        posted = self._posted[direction].pop(0)
+        posted.batch.wait()
+        self.settle(peer)
+        return posted.tensors
 
-    def post_forward(self, key: Hashable) -> bool:
-        """Post the receives of the next activations (input signature ``key``) now; False while their shapes are
-        not known yet (the first message of a key brings its header)."""
-        spec = self._received_specs.get(key)
-        if spec is None:
-            return False
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
-        self._posted["forward"].append((key, *self._post(buffers, self.prev_rank, self.channels.activations_in)))
-        return True
-
-    def post_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> None:
-        """Post the receives of the next gradients (for the activations ``like`` sent) now."""
-        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
-        self._posted["backward"].append((None, *self._post(buffers, self.next_rank, self.channels.gradients_in)))
-
-    def send_forward(self, tensors: Sequence[torch.Tensor], key: Hashable) -> None:
-        assert self.next_rank is not None
+    # ------------------------------------------------------------------ activations
+    def _activation_sends(self, tensors: Sequence[torch.Tensor], key: Hashable) -> list[torch.Tensor]:
         spec = spec_of(tensors)
         known = self._sent_specs.get(key)
+        header = []
         if known is None:
-            self._isend(encode_header(tensors, self.device), self.next_rank, self.channels.activations_out)
+            header = [encode_header(tensors, self.device)]
             self._sent_specs[key] = spec
             self.headers_sent += 1
         elif known != spec:
@@ -212,45 +242,60 @@ class StageLink:
                 f"({known} -> {spec}): pd2bw exchanges a boundary's shapes once per input shape, so a stage's "
                 "outputs must be determined by the shapes of the batch (pad variable-length data to fixed shapes)"
             )
-        for tensor in tensors:
-            self._isend(tensor.detach(), self.next_rank, self.channels.activations_out)
+        return header + [t.detach() for t in tensors]
+
+    def send_forward(
+        self,
+        tensors: Sequence[torch.Tensor],
+        key: Hashable,
+        then_receive_like: Sequence[torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Send activations to the next stage; ``then_receive_like``: in the same batch, post the receive of the
+        gradients for those (earlier) activations (``schedule.fused_receive``), used by ``recv_backward``."""
+        assert self.next_rank is not None
+        sends = self._activation_sends(tensors, key)
+        receives = []
+        if then_receive_like is not None:
+            receives = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in then_receive_like]
+        batch = self._issue(self.next_rank, sends, receives)
+        if then_receive_like is not None:
+            self._posted["backward"].append(_Posted(None, receives, batch))
 
     def recv_forward(self, key: Hashable) -> list[torch.Tensor]:
         assert self.prev_rank is not None
         if self._posted["forward"]:
-            posted_key, *posted = self._posted["forward"].pop(0)
-            assert posted_key == key, f"a receive posted for {posted_key} was used for {key}"
-            return self._wait(posted)
-        group = self.channels.activations_in
+            assert self._posted["forward"][0].key == key, f"a receive posted for {self._posted['forward'][0].key}"
+            return self._use("forward", self.prev_rank)
         spec = self._received_specs.get(key)
         if spec is None:
-            header = self._recv_all(
-                [torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)], self.prev_rank, group
-            )
+            header = self._receive(self.prev_rank, [torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)])
             spec = self._received_specs[key] = decode_header(header[0])
             self.headers_received += 1
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
-        return self._recv_all(buffers, self.prev_rank, group)
+        return self._receive(
+            self.prev_rank, [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
+        )
 
-    def send_backward(self, grads: Sequence[torch.Tensor]) -> None:
+    # ------------------------------------------------------------------ gradients
+    def send_backward(self, grads: Sequence[torch.Tensor], then_receive: Hashable | None = None) -> bool:
+        """Send gradients to the previous stage; ``then_receive``: the input signature of the activations the
+        schedule receives next from it, posted in the same batch when their shapes are known (True then)."""
         assert self.prev_rank is not None
-        for grad in grads:
-            self._isend(grad, self.prev_rank, self.channels.gradients_out)
+        spec = self._received_specs.get(then_receive) if then_receive is not None else None
+        receives = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec or ()]
+        batch = self._issue(self.prev_rank, grads, receives)
+        if spec is not None:
+            self._posted["forward"].append(_Posted(then_receive, receives, batch))
+        return spec is not None
 
     def recv_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Gradients for the activations ``like`` sent, in ``dtype`` when they were sent in it."""
         assert self.next_rank is not None
         if self._posted["backward"]:
-            return self._wait(self._posted["backward"].pop(0)[1:])
+            return self._use("backward", self.next_rank)
         buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
-        return self._recv_all(buffers, self.next_rank, self.channels.gradients_in)
-
-    @property
-    def posted_receives(self) -> int:
-        """Receives posted early and not used yet (none between segments)."""
-        return len(self._posted["forward"]) + len(self._posted["backward"])
+        return self._receive(self.next_rank, buffers)
 
     def wait_sends(self) -> None:
-        for work, _, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        for peer in list(self._unsettled):
+            self.settle(peer)

@@ -78,7 +78,7 @@ class PipelineEngine:
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
-            neighbours (default ``comm.StageLink``: one process group per direction and pair, NCCL-safe); a
+            neighbours (default ``comm.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
         progress: ticked at every action (a watchdog reads it); info: rank-0 messages.
     """

@@ -184,7 +184,9 @@ class StageExecutor:
         if self.is_last:
             outputs.backward()
         else:
-            pairs = [(o, g) for o, g in zip(as_tuple(outputs), self._grads_in.pop(k)) if o.requires_grad]
+            # gradients come back for the floating-point outputs only, in their order (an integer mask may sit anywhere)
+            carried = [o for o in as_tuple(outputs) if carries_gradient(o)]
+            pairs = [(o, g) for o, g in zip(carried, self._grads_in.pop(k), strict=True) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         if not self.is_first:
             self._to_send[k] = [
@@ -202,32 +204,27 @@ class StageExecutor:
         is made writable, so that its hooks, clipping and step all see the newest weights; STEP(b) calls
         ``step_fn(b)``; the update's other parts (REDUCE, CHECK, CLIP, TIED_STEP) call ``update_fn(action)`` (None:
         nothing to do, e.g. one process without collectives)."""
-        self.link.begin_segment()
-        self._post_receives(actions, None)
         for index, action in enumerate(actions):
             try:
-                self._run_action(action, step_fn, update_fn)
-                if action.kind in S.RECEIVES:
-                    self._post_receives(actions, index)
+                fused = S.fused_receive(actions, index) if action.kind in (S.SEND_FORWARD, S.SEND_BACKWARD) else None
+                self._run_action(action, step_fn, update_fn, fused)
             except Exception as error:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
                 raise
 
-    def _post_receives(self, actions: Sequence[S.Action], index: int | None) -> None:
-        """Post the next receive of a direction early (``schedule.receives_to_post``), when its shapes are known:
-        the activations' once their header came, the gradients' once the microbatch's forward ran here."""
-        for action in S.receives_to_post(actions, index):
-            k = action.microbatch
-            if action.kind == S.RECV_FORWARD:
-                self.link.post_forward(self._keys[k])
-            elif k in self._stash:
-                like = [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
-                self.link.post_backward(like, self.boundary_dtype)
+    def _gradient_like(self, k: int) -> list[torch.Tensor]:
+        """The sent outputs of microbatch ``k`` that get a gradient back (the shapes of its RECV_B)."""
+        return [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
 
     def _run_action(
-        self, action: S.Action, step_fn: Callable[[int], None], update_fn: Callable[[S.Action], None] | None
+        self,
+        action: S.Action,
+        step_fn: Callable[[int], None],
+        update_fn: Callable[[S.Action], None] | None,
+        fused: S.Action | None = None,
     ) -> None:
+        """Run one action; ``fused``: the receive a send's batch also posts (``schedule.fused_receive``)."""
         recorder, progress = self.recorder, self.progress
         kind, k = action.kind, action.microbatch
         if progress is not None:
@@ -239,15 +236,14 @@ class StageExecutor:
         elif kind == S.FORWARD:
             self._forward(action)
         elif kind == S.SEND_FORWARD:
-            self.link.send_forward(self._to_send.pop(k), self._keys.pop(k))
+            like = self._gradient_like(fused.microbatch) if fused is not None else None
+            self.link.send_forward(self._to_send.pop(k), self._keys.pop(k), like, self.boundary_dtype)
         elif kind == S.RECV_BACKWARD:
-            outputs = self._stash[k][1]
-            like = [o for o in as_tuple(outputs) if carries_gradient(o)]
-            self._grads_in[k] = self.link.recv_backward(like, self.boundary_dtype)
+            self._grads_in[k] = self.link.recv_backward(self._gradient_like(k), self.boundary_dtype)
         elif kind == S.BACKWARD:
             self._backward(action)
         elif kind == S.SEND_BACKWARD:
-            self.link.send_backward(self._to_send.pop(k))
+            self.link.send_backward(self._to_send.pop(k), self._keys[fused.microbatch] if fused is not None else None)
         elif kind == S.STEP:
             step_fn(action.batch)
         elif kind in S.UPDATE_PARTS:
@@ -289,5 +285,6 @@ class StageExecutor:
                 results.append(metrics_fn(outputs, microbatch))
             else:
                 self.link.send_forward(self._wire(as_tuple(outputs)), key)
+                self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
         self.link.wait_sends()
         return results

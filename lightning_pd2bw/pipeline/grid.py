@@ -60,8 +60,8 @@ class Groups:
     ``pipeline``: the stages of one replica (global clip norm, non-finite agreement, evaluation results);
     ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
     behind an update's collective); ``replica``: one stage's data-parallel replicas (gradient averaging);
-    ``shared``: the stages holding a tied parameter; ``link``: one channel per direction to each neighbour
-    (``comm.py`` says why one shared channel deadlocks under NCCL).
+    ``shared``: the stages holding a tied parameter; ``link``: one group per neighbour, both directions, used in
+    batches (``comm.py`` says why).
     """
 
     pipeline: object
@@ -96,12 +96,11 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
             mine["pipeline"], mine["loss"] = pipeline, loss
         for stage in range(grid.num_stages - 1):
             pair = [ranks[stage], ranks[stage + 1]]
-            forward = dist.new_group(pair, group_desc=f"pd2bw/activations/replica{replica}/stage{stage}->{stage + 1}")
-            backward = dist.new_group(pair, group_desc=f"pd2bw/gradients/replica{replica}/stage{stage + 1}->{stage}")
+            group = dist.new_group(pair, group_desc=f"pd2bw/p2p/replica{replica}/stage{stage}-{stage + 1}")
             if grid.rank == pair[0]:
-                links["activations_out"], links["gradients_in"] = forward, backward
+                links["next"] = group
             if grid.rank == pair[1]:
-                links["activations_in"], links["gradients_out"] = forward, backward
+                links["previous"] = group
     for stage in range(grid.num_stages):
         group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/replica/stage{stage}")
         if stage == grid.stage:

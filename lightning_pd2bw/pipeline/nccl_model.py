@@ -16,6 +16,13 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
 
 4. *Threads are independent*: a rank's calls from another thread (an asynchronous checkpoint's collectives on a
    group of their own) form a program of their own, ordered only by the communicators they share.
+5. *A batch is one kernel*: the point-to-point operations of one ``batch_isend_irecv`` (one NCCL group) are
+   issued together and progress together; the batch leaves its queue when all of them completed.
+
+``serialized=True`` adds the strictest rule NCCL allows: kernels of *different* communicators run one at a time
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``; NCCL promises no concurrency between communicators). Every operation a rank's
+main thread issues then runs in that rank's issue order, whatever its communicator: an operation posted first
+blocks everything behind it. A transport that relies on communicators progressing independently hangs here.
 
 ``simulate`` advances every rank until all programs end (free of deadlock) or nothing can move (a
 deadlock, reported with each rank's blocked operation and the heads of the communicators). Programs
@@ -51,6 +58,7 @@ class Op(NamedTuple):
     name: str = ""  # collective: all_reduce, broadcast, ...
     label: str = ""  # where the call comes from (an action, an update part)
     thread: str = ""  # the issuing thread ("" for the main thread)
+    batch: int = -1  # point-to-point: the batch_isend_irecv it was issued in (-1: alone)
 
     def __str__(self) -> str:
         if self.kind == WAIT:
@@ -88,19 +96,22 @@ def communicator(op: Op, rank: int) -> str:
 @dataclass
 class Outcome:
     steps: int  # operations completed
-    max_queued: int  # the longest queue of issued, unfinished operations one rank had on one communicator
+    max_queued: int  # the longest queue of issued, unfinished kernels one rank had on one communicator (or device)
 
 
-def simulate(programs: Programs) -> Outcome:
-    """Run ``programs`` under NCCL's rules; raise ``Deadlock`` or ``MismatchedCollective``, else the outcome."""
-    ranks = sorted(programs)
+def simulate(programs: Programs, serialized: bool = False) -> Outcome:
+    """Run ``programs`` under NCCL's rules (``serialized``: kernels one at a time per rank); raise ``Deadlock`` or
+    ``MismatchedCollective``, else the outcome."""
     lanes = _lanes(programs)
     pc = dict.fromkeys(lanes, 0)
-    queues: dict[tuple[str, int], deque[Op]] = defaultdict(deque)
-    done: dict[int, set[int]] = {r: set() for r in ranks}
-    dirty: list[tuple[str, int]] = []  # communicators whose head may now match
-    runnable = list(ranks)
+    queues: dict[tuple[str, int], deque[list[Op]]] = defaultdict(deque)  # (queue, rank) -> kernels, each 1+ ops
+    finished: set[tuple[int, int]] = set()  # (rank, handle) of completed operations
+    dirty: list[tuple[str, int]] = []  # queues whose head may now progress
+    runnable = list(sorted(programs))
     completed = max_queued = 0
+
+    def queue_of(op: Op, rank: int) -> str:
+        return "device" if serialized and not op.thread else communicator(op, rank)
 
     def advance(rank: int) -> None:
         nonlocal max_queued
@@ -109,56 +120,83 @@ def simulate(programs: Programs) -> Outcome:
             while pc[lane] < len(program):
                 op = program[pc[lane]]
                 if op.kind == WAIT:
-                    if op.handle not in done[rank]:
+                    if (rank, op.handle) not in finished:
                         break
-                else:
-                    key = (communicator(op, rank), rank)
-                    queues[key].append(op)
-                    max_queued = max(max_queued, len(queues[key]))
-                    if len(queues[key]) == 1:
-                        dirty.append(key)
+                    pc[lane] += 1
+                    continue
+                kernel = [op]
                 pc[lane] += 1
+                while op.batch >= 0 and pc[lane] < len(program) and program[pc[lane]].batch == op.batch:
+                    kernel.append(program[pc[lane]])
+                    pc[lane] += 1
+                key = (queue_of(op, rank), rank)
+                queues[key].append(kernel)
+                max_queued = max(max_queued, len(queues[key]))
+                if len(queues[key]) == 1:
+                    dirty.append(key)
 
-    def finish(key: tuple[str, int]) -> None:
+    def complete(rank: int, op: Op) -> None:
         nonlocal completed
-        queue = queues[key]
-        rank = key[1]
-        op = queue.popleft()
-        done[rank].add(op.handle)
+        finished.add((rank, op.handle))
         completed += 1
-        runnable.append(rank)
-        if queue:
-            dirty.append(key)
+
+    def pop_if_done(key: tuple[str, int]) -> None:
+        queue = queues[key]
+        if queue and all((key[1], op.handle) in finished for op in queue[0]):
+            queue.popleft()
+            runnable.append(key[1])
+            if queue:
+                dirty.append(key)
+
+    def pending(kernel: list[Op], rank: int, kind: str, peer: int, channel: str) -> list[Op]:
+        return [
+            op
+            for op in kernel
+            if op.kind == kind and op.peer == peer and op.channel == channel and (rank, op.handle) not in finished
+        ]
 
     while runnable or dirty:
         while runnable:
             advance(runnable.pop())
         while dirty:
-            comm, rank = dirty.pop()
-            queue = queues[(comm, rank)]
-            if not queue:
+            key = dirty.pop()
+            queue_name, rank = key
+            if not queues[key]:
                 continue
-            head = queue[0]
-            if head.kind in (SEND, RECV):
-                other = queues.get((comm, head.peer))
-                wanted = RECV if head.kind == SEND else SEND
-                if other and other[0].kind == wanted and other[0].peer == rank:
-                    finish((comm, rank))
-                    finish((comm, head.peer))
-            else:
-                heads = [queues.get((comm, member)) for member in head.members]
-                if all(q and q[0].kind == COLLECTIVE for q in heads):
-                    if len({q[0].name for q in heads}) > 1:
+            head = queues[key][0]
+            if head[0].kind == COLLECTIVE:
+                op = head[0]
+                keys = [(queue_of(op, member), member) for member in op.members]
+                heads = [queues[k][0] if queues.get(k) else None for k in keys]
+                ready = all(h is not None and h[0].kind == COLLECTIVE and h[0].channel == op.channel for h in heads)
+                if ready:
+                    if len({h[0].name for h in heads}) > 1:
                         raise MismatchedCollective(
-                            f"communicator {comm}: members reached different collectives: "
-                            + ", ".join(f"rank {m}: {q[0]}" for m, q in zip(head.members, heads))
+                            f"communicator {op.channel}: members reached different collectives: "
+                            + ", ".join(f"rank {m}: {h[0]}" for m, h in zip(op.members, heads))
                         )
-                    for member in head.members:
-                        finish((comm, member))
+                    for member, member_key, member_head in zip(op.members, keys, heads):
+                        complete(member, member_head[0])
+                        pop_if_done(member_key)
+                continue
+            for peer in {op.peer for op in head}:
+                peer_key = (queue_name, peer)  # the pair's communicator (or the peer's device queue)
+                if not queues.get(peer_key):
+                    continue
+                other = queues[peer_key][0]
+                for channel in {op.channel for op in head if op.peer == peer}:
+                    for kind, wanted in ((SEND, RECV), (RECV, SEND)):  # FIFO per direction, as NCCL matches
+                        for mine, theirs in zip(
+                            pending(head, rank, kind, peer, channel), pending(other, peer, wanted, rank, channel)
+                        ):
+                            complete(rank, mine)
+                            complete(peer, theirs)
+                pop_if_done(peer_key)
+            pop_if_done(key)
     stuck = [lane for lane in lanes if pc[lane] < len(lanes[lane])]
     leftover = {key: q for key, q in queues.items() if q}
     if stuck or leftover:
-        raise Deadlock(_report(lanes, pc, leftover))
+        raise Deadlock(_report(lanes, pc, leftover, serialized))
     return Outcome(completed, max_queued)
 
 
@@ -173,9 +211,12 @@ def _lanes(programs: Programs) -> dict[tuple[int, str], list[Op]]:
 
 
 def _report(
-    lanes: dict[tuple[int, str], list[Op]], pc: dict[tuple[int, str], int], leftover: dict[tuple[str, int], deque[Op]]
+    lanes: dict[tuple[int, str], list[Op]],
+    pc: dict[tuple[int, str], int],
+    leftover: dict[tuple[str, int], deque[list[Op]]],
+    serialized: bool,
 ) -> str:
-    lines = ["deadlock under NCCL semantics:"]
+    lines = ["deadlock under NCCL semantics" + (" (serialized kernels):" if serialized else ":")]
     for (rank, thread), program in lanes.items():
         who = f"rank {rank}" + (f" thread {thread}" if thread else "")
         if pc[(rank, thread)] < len(program):
@@ -183,8 +224,9 @@ def _report(
         elif not thread:
             lines.append(f"  {who} finished its program")
     for (comm, rank), queue in sorted(leftover.items()):
+        head = " + ".join(map(str, queue[0]))
         lines.append(
-            f"  rank {rank} on [{comm}] waits to run: {queue[0]}" + (f" (+{len(queue) - 1})" if len(queue) > 1 else "")
+            f"  rank {rank} on [{comm}] waits to run: {head}" + (f" (+{len(queue) - 1})" if len(queue) > 1 else "")
         )
     return "\n".join(lines)
 
@@ -244,14 +286,33 @@ class CallRecorder:
     def __init__(self) -> None:
         self.ops: list[Op] = []
         self._handles = 0
+        self._batches = 0
+        self._batch = -1  # the batch_isend_irecv being issued (-1: none)
         self._lock = threading.Lock()  # an asynchronous checkpoint issues calls from its own thread
 
     def _issue(self, **fields: Any) -> int:
         with self._lock:
             handle = self._handles
             self._handles += 1
-            self.ops.append(Op(handle=handle, thread=_thread(), **fields))
+            self.ops.append(
+                Op(handle=handle, thread=_thread(), batch=self._batch if fields["kind"] != COLLECTIVE else -1, **fields)
+            )
         return handle
+
+    def wrap_batch(self, fn: Any) -> Any:
+        """``batch_isend_irecv``: the operations it issues are one batch (one NCCL group, one kernel)."""
+
+        @functools.wraps(fn)
+        def recorded(p2p_op_list: Any) -> Any:
+            with self._lock:
+                self._batches += 1
+                self._batch = self._batches
+            try:
+                return fn(p2p_op_list)
+            finally:
+                self._batch = -1
+
+        return recorded
 
     def append(self, op: Op) -> None:
         with self._lock:
@@ -314,6 +375,10 @@ def record_calls() -> Iterator[CallRecorder]:
         for namespace in (dist, c10d):
             saved.append((namespace, name, getattr(namespace, name)))
             setattr(namespace, name, wrapped)
+    batched = recorder.wrap_batch(c10d.batch_isend_irecv)
+    for namespace in (dist, c10d):
+        saved.append((namespace, "batch_isend_irecv", namespace.batch_isend_irecv))
+        namespace.batch_isend_irecv = batched
     try:
         yield recorder
     finally:

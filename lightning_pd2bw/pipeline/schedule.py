@@ -109,33 +109,38 @@ def listing(actions: Sequence[Action], marked: int | None = None) -> str:
 
 
 RECEIVES = (Kind.RECV_FORWARD, Kind.RECV_BACKWARD)
+_WITH_NEXT = (Kind.SEND_FORWARD, Kind.RECV_BACKWARD)  # the point-to-point actions with the next stage
+_WITH_PREVIOUS = (Kind.SEND_BACKWARD, Kind.RECV_FORWARD)
 
 
-def receives_to_post(actions: Sequence[Action], index: int | None) -> list[Action]:
-    """The receives a stage posts early when ``actions[index]`` (a receive) has completed: the next receive of its
-    direction; at the start of the actions (``index=None``) the first of each direction. The executor posts them
-    (``comm.StageLink.post_forward``/``post_backward``) once their shapes are known; ``comm_plan`` lowers the same."""
-    kinds = RECEIVES if index is None else (actions[index].kind,)
-    start = 0 if index is None else index + 1
-    found = []
-    for kind in kinds:
-        found += [a for a in actions[start:] if a.kind == kind][:1]
-    return found
+def fused_receive(actions: Sequence[Action], index: int) -> Action | None:
+    """The receive issued in one batch with the send ``actions[index]``: the next action exchanging with the same
+    neighbour, when it is a receive (1F1B's ``SEND_F(k)`` then ``RECV_B(j)``; ``SEND_B(j)`` then ``RECV_F(k+1)``),
+    else None. Stage r's ``{SEND_F(k), RECV_B(j)}`` then meets stage r+1's ``{SEND_B(j), RECV_F(k)}``: the batching
+    Megatron-LM and ``torch.distributed.pipelining`` use, deadlock-free when kernels run one at a time
+    (``comm.py``; proven by ``nccl_model`` over ``comm_plan``'s lowering)."""
+    kind = actions[index].kind
+    if kind not in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
+        raise ValueError(f"{actions[index]} is not a send")
+    same_peer = _WITH_NEXT if kind == Kind.SEND_FORWARD else _WITH_PREVIOUS
+    for action in actions[index + 1 :]:
+        if action.kind in same_peer:
+            return action if action.kind in RECEIVES else None
+    return None
 
 
 def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, lookahead: int = 0) -> int:
     """1F1B warm-up depth of ``stage``: forwards run before the first backward.
 
-    ``lookahead`` more forwards in flight on every stage but the last (which gains nothing from one: its backward
-    follows its own forward): one more stashed microbatch each, in exchange for slack between neighbours (1F1B's
-    steady state has none: a stage's late backward is at once its neighbour's wait). The same number on every
-    stage, at most ``m - d``: each stage must keep one warm-up forward more than the next, or a stage's backward
-    waits for a forward its upstream runs only after its own next backward (lockstep: at d = 4, m = 4 a stage-0
-    cap alone made the unit-time schedule 98 slots long instead of 60), and stage 0's ``d - 1 + lookahead``
-    warm-up forwards stay below m, so every batch's last backward precedes the next batch's last forward: 2BW's
-    version rule and its two versions hold unchanged (``tests/unit/test_schedule.py``)."""
-    if stage == num_stages - 1:
-        return 0
+    ``lookahead`` more forwards in flight on every stage, the last included: one more stashed microbatch each, in
+    exchange for slack between neighbours (1F1B's steady state has none: a stage's late backward is at once its
+    neighbour's wait). The last stage takes the extra too: under NCCL a send completes only when its receive is
+    posted, so an upstream stage can run ahead only if the last stage receives ahead; and with every stage one
+    warm-up forward ahead of the next, each pair batches ``{SEND_F(k), RECV_B(j)}`` against ``{SEND_B(j),
+    RECV_F(k)}`` (``fused_receive``), deadlock-free when kernels run one at a time (a last stage without the extra
+    deadlocks there: ``tests/unit/test_nccl_model.py``). The same number on every stage, at most ``m - d``: stage 0's
+    ``d - 1 + lookahead`` warm-up forwards stay below m, so every batch's last backward precedes the next batch's
+    last forward: 2BW's version rule and its two versions hold unchanged (``tests/unit/test_schedule.py``)."""
     extra = max(0, min(lookahead, num_microbatches - num_stages))
     return min(num_stages - stage - 1, num_microbatches) + extra
 
@@ -237,11 +242,48 @@ def _insert_steps(
     return out, pending
 
 
-def _pending_before(mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int) -> int | None:
+def _pending_before(
+    mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
+) -> int | None:
     """The batch whose STEP is pending when step ``batch`` begins (2BW's last stage carries one over)."""
     if mode != "2bw" or batch == 0:
         return None
-    return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches) == 0 else None
+    return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches, lookahead) == 0 else None
+
+
+def _segment(
+    mode: Mode,
+    stage: int,
+    num_stages: int,
+    num_microbatches: int,
+    batch: int,
+    defer_tied: bool = False,
+    lookahead: int = 0,
+) -> list[Action]:
+    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``.
+
+    ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
+    each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
+    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step.
+    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``). The raw list:
+    ``segment`` moves a trailing SEND_B to the next segment."""
+    validate(mode, num_stages, num_microbatches, lookahead)
+    if mode != "2bw":
+        order = _flush_order(stage, num_stages, num_microbatches, mode, batch, lookahead)
+        return _expand(order, stage, num_stages, num_microbatches, mode) + update(batch) + [Action(WAIT_SENDS, batch)]
+    order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
+    actions = _expand(order, stage, num_stages, num_microbatches, mode)
+    pending = _pending_before(mode, stage, num_stages, num_microbatches, batch, lookahead)
+    actions, _ = _insert_steps(actions, num_microbatches, pending, defer_tied)
+    tied = [Action(TIED_STEP, batch - 2)] if defer_tied and batch >= 2 else []
+    return tied + actions
+
+
+def _carried(actions: list[Action]) -> tuple[list[Action], list[Action]]:
+    """A 2BW segment's trailing SEND_B, split off: it goes out at the head of the next segment (or drain)."""
+    if actions and actions[-1].kind == SEND_BACKWARD:
+        return actions[:-1], actions[-1:]
+    return actions, []
 
 
 def segment(
@@ -258,17 +300,20 @@ def segment(
     ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
     each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
     on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step.
-    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``)."""
-    validate(mode, num_stages, num_microbatches, lookahead)
+    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``).
+
+    Under 2BW a segment's last action on a stage after the first is a SEND_B whose neighbour takes it only in its
+    next segment, fused with the first activations of the next batch (``fused_receive``): it is sent at the head of
+    the next segment (or drain), in one batch with the receive of those activations, so both ends of the pair
+    batch the same two messages; ``stream`` (the concatenation) is unchanged."""
+    raw = _segment(mode, stage, num_stages, num_microbatches, batch, defer_tied, lookahead)
     if mode != "2bw":
-        order = _flush_order(stage, num_stages, num_microbatches, mode, batch, lookahead)
-        return _expand(order, stage, num_stages, num_microbatches, mode) + update(batch) + [Action(WAIT_SENDS, batch)]
-    order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
-    actions = _expand(order, stage, num_stages, num_microbatches, mode)
-    pending = _pending_before(mode, stage, num_stages, num_microbatches, batch)
-    actions, _ = _insert_steps(actions, num_microbatches, pending, defer_tied)
-    tied = [Action(TIED_STEP, batch - 2)] if defer_tied and batch >= 2 else []
-    return tied + actions
+        return raw
+    actions, _ = _carried(raw)
+    if batch == 0:
+        return actions
+    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, batch - 1, defer_tied, lookahead))
+    return carried + actions
 
 
 def drain(
@@ -290,8 +335,9 @@ def drain(
     order = [(BACKWARD, k) for k in range(end - warmup, end)]
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     tied = [Action(TIED_STEP, last_batch - 1)] if defer_tied and last_batch >= 1 else []
+    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, last_batch, defer_tied, lookahead))
     # the previous step may have left this stage's update of `last_batch` pending (warm-up 0)
-    return tied + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
+    return carried + tied + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
 
 
 def stream(

@@ -18,7 +18,7 @@ from lightning_pd2bw.pipeline.versions import WeightVersions
 def first_stage(boundary_dtype):
     torch.manual_seed(0)
     layer = nn.Linear(8, 8)
-    link = StageLink(None, 1, torch.device("cpu"), LinkChannels(activations_out="to stage 1", gradients_in="from 1"))
+    link = StageLink(None, 1, torch.device("cpu"), LinkChannels(next="with stage 1"))
     executor = StageExecutor(
         [layer], 0, 2, 1, link, WeightVersions(layer.parameters(), double_buffer=False),
         input_fn=lambda mb: mb["x"], loss_fn=None, boundary_dtype=boundary_dtype,

@@ -91,6 +91,7 @@ def test_the_old_transport_deadlocks(mode, num_stages):
     layout = CommLayout(mode, num_stages, num_stages, transport="shared")
     with pytest.raises(Deadlock):
         simulate(programs(layout))
+    simulate(programs(replace(layout, transport="batched")), serialized=True)
 
 
 UPDATES = {
@@ -123,21 +124,22 @@ def sweep(microbatches):
             )
 
 
-def check(layout: CommLayout) -> None:
+def check(layout: CommLayout, serialized: bool = False) -> None:
     try:
-        outcome = simulate(programs(layout))
+        outcome = simulate(programs(layout), serialized=serialized)
     except Deadlock as error:
         raise AssertionError(f"{layout}\n{error}") from None
     assert outcome.steps > 0
 
 
-def test_every_schedule_is_deadlock_free_under_nccl():
+@pytest.mark.parametrize("serialized", [False, True], ids=["per-communicator", "serialized-kernels"])
+def test_every_schedule_is_deadlock_free_under_nccl(serialized):
     """flush, gpipe and 2bw (2bw and flush also with lookahead 1); depth 2..8; m = d, d+1 and 16; width 1 and 2; no
     clipping, global or per-stage clipping, the non-finite agreement; tied parameters on and off; drains and
-    evaluation."""
+    evaluation; communicators progressing independently, and kernels one at a time."""
     count = 0
     for layout in sweep(lambda d: sorted({d, d + 1, 16})):
-        check(layout)
+        check(layout, serialized)
         count += 1
     assert count == len(SCHEDULES) * 7 * 2 * len(UPDATES) * 2 * 3  # schedules x depths x widths x updates x tied x m
 
@@ -169,19 +171,105 @@ def test_a_background_thread_is_a_program_of_its_own():
     assert simulate(threaded).steps == 6
 
 
-def test_receives_are_posted_before_the_actions_that_use_them():
-    """In the steady state a stage posts each receive ahead (``schedule.receives_to_post``): when the previous
-    receive of its direction completed, or at its segment's start; only the first activations (their header gives
-    the shapes) and gradients whose forward has not run yet are posted where they are used."""
-    layout = CommLayout("2bw", 2, 4, steps=4)
+def batch_op(kind, h, peer, batch, channel="c"):
+    return Op(kind, h, channel, peer, batch=batch)
+
+
+def test_a_batch_is_one_kernel():
+    """1F1B's steady state on one communicator: unbatched, each rank's send waits for a receive queued behind the
+    peer's own send (a cycle); batched (one NCCL group each), the two exchanges meet."""
+    unbatched = {0: [send(0, 1), recv(1, 1), wait(1)], 1: [send(0, 0), recv(1, 0), wait(1)]}
+    with pytest.raises(Deadlock):
+        simulate(unbatched)
+    batched = {
+        0: [batch_op(SEND, 0, 1, 1), batch_op(RECV, 1, 1, 1), wait(0), wait(1)],
+        1: [batch_op(SEND, 0, 0, 1), batch_op(RECV, 1, 0, 1), wait(0), wait(1)],
+    }
+    assert simulate(batched).steps == 4
+    assert simulate(batched, serialized=True).steps == 4
+
+
+def test_serialized_kernels_block_across_communicators():
+    """Each direction on its own communicator (this project's previous transport) is free of deadlock while
+    communicators progress independently, and deadlocks when kernels run one at a time (``CUDA_DEVICE_MAX_CONNECTIONS
+    =1``): rank 0's send, queued first, blocks its receive; rank 1's likewise."""
+    programs_ = {
+        0: [send(0, 1, "act"), recv(1, 1, "grad"), wait(1)],
+        1: [send(0, 0, "grad"), recv(1, 0, "act"), wait(1)],
+    }
+    simulate(programs_)
+    with pytest.raises(Deadlock, match="serialized kernels"):
+        simulate(programs_, serialized=True)
+
+
+def test_a_collective_behind_an_unmatched_send_deadlocks_when_serialized():
+    """A pipeline's per-step collective is safe only where no message crosses it: rank 1's send, matched by a
+    receive rank 0 posts after the all-reduce, blocks rank 1's all-reduce under serialized kernels."""
+    rank0 = [coll(0, (0, 1), channel="g"), wait(0), recv(1, 1), wait(1)]
+    rank1 = [send(0, 0), coll(1, (0, 1), channel="g"), wait(1), wait(0)]
+    simulate({0: rank0, 1: rank1})
+    with pytest.raises(Deadlock):
+        simulate({0: rank0, 1: rank1}, serialized=True)
+
+
+@pytest.mark.parametrize("mode", ["flush", "2bw"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_the_directional_transport_deadlocks_under_serialized_kernels(mode, num_stages):
+    """The transport this project had before (a group per direction, receives posted early): free of deadlock while
+    communicators progress independently, a hang in both modes once kernels run one at a time."""
+    layout = CommLayout(mode, num_stages, num_stages + 2, steps=3, transport="directional")
+    simulate(programs(layout))
+    with pytest.raises(Deadlock, match="serialized kernels"):
+        simulate(programs(layout), serialized=True)
+
+
+@pytest.mark.slow
+def test_every_schedule_is_deadlock_free_under_serialized_kernels_every_m():
+    for layout in sweep(lambda d: range(d, 17)):
+        check(layout, serialized=True)
+
+
+def held_sends(ops: list[Op]) -> int:
+    """The most sends a rank's program has issued and not yet waited for (their buffers are held)."""
+    sends, waited, peak = set(), set(), 0
+    for op in ops:
+        if op.kind == SEND:
+            sends.add(op.handle)
+        elif op.kind == WAIT:
+            waited.add(op.handle)
+        peak = max(peak, len(sends - waited))
+    return peak
+
+
+@pytest.mark.parametrize("mode", ["flush", "2bw"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_sends_held_do_not_grow_with_microbatches(mode, num_stages):
+    """A stage holds O(depth) messages: the batched transport waits for its sends to a neighbour once a receive from
+    it completes. The directional transport held every send for two segments (2BW: about 2m)."""
+
+    def peak(m, transport):
+        program = programs(CommLayout(mode, num_stages, m, steps=4, transport=transport))
+        return max(held_sends(ops) for ops in program.values())
+
+    assert peak(4, "batched") == peak(48, "batched") <= num_stages + 2
+    assert peak(48, "directional") > 48  # flush: a batch (m) of sends; 2bw: two segments (2m)
+
+
+def test_sends_are_batched_with_the_receive_the_peer_batches():
+    """Every steady-state send goes out in one batch with a receive, and each batch of stage r meets one of stage
+    r + 1 with the same two messages in the opposite directions."""
+    layout = CommLayout("2bw", 3, 6, steps=4)
     program = programs(layout)
-    receives = {rank: [op for op in ops if op.kind == RECV] for rank, ops in program.items()}
-    early = {rank: [op for op in ops if op.label.endswith("posted early")] for rank, ops in receives.items()}
-    activations = [op for op in receives[1] if op.channel.startswith("pd2bw/activations/")]
-    assert len(activations) == 1 + 4 * layout.num_microbatches  # the header, then one tensor per microbatch
-    assert len(early[1]) == len(activations) - 2, "all but the header and the first activations posted early"
-    gradients = [op for op in receives[0] if op.channel.startswith("pd2bw/gradients/")]
-    assert len(early[0]) >= len(gradients) // 2
-    assert not [
-        op for ops in programs(replace(layout, transport="shared")).values() for op in ops if "early" in op.label
-    ]
+
+    def batches(rank, peer):
+        found = {}
+        for op in program[rank]:
+            if op.kind in (SEND, RECV) and op.peer == peer and op.batch >= 0:
+                found.setdefault(op.batch, []).append(op.kind)
+        return [tuple(kinds) for kinds in found.values()]
+
+    for stage in range(2):
+        down, up = batches(stage, stage + 1), batches(stage + 1, stage)
+        fused_down = [b for b in down if SEND in b and RECV in b]
+        fused_up = [b for b in up if SEND in b and RECV in b]
+        assert len(fused_down) == len(fused_up) >= layout.steps * layout.num_microbatches - 2 * layout.num_stages

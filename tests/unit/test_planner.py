@@ -98,13 +98,13 @@ def test_memory_per_stage_matches_the_paper_formula():
     assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "gpipe"), 4)["activations"] == 4 * 200.0
 
 
-def test_lookahead_stashes_one_more_microbatch_before_the_last_stage():
-    """lookahead=1 at d = 2, m = 4: stage 0 stashes d - s + 1 = 3 microbatches, the last stage still 1; at m = 2 the
+def test_lookahead_stashes_one_more_microbatch_on_every_stage():
+    """lookahead=1 at d = 2, m = 4: stage 0 stashes d - s + 1 = 3 microbatches, the last stage 2 (it receives ahead); at m = 2 the
     cap (m - d = 0) leaves stage 0 at its 2, as the schedule runs it."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
     ahead = Candidate(1, 2, 1, False, "2bw", lookahead=1)
     assert stage_memory(profile, range(0, 2), 0, ahead, 4)["activations"] == 3 * 200.0
-    assert stage_memory(profile, range(2, 4), 1, ahead, 4)["activations"] == 1 * 200.0
+    assert stage_memory(profile, range(2, 4), 1, ahead, 4)["activations"] == 2 * 200.0
     assert stage_memory(profile, range(0, 2), 0, ahead, 2)["activations"] == 2 * 200.0
     recompute = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw", lookahead=1), 4)
     assert recompute["activations"] == 3 * 10.0 + 200.0

@@ -45,10 +45,11 @@ def test_stream_is_deadlock_free_and_matched(mode, lookahead, num_stages, num_mi
 
 
 def expected_stash(mode: str, stage: int, num_stages: int, num_microbatches: int, lookahead: int) -> int:
-    """GPipe: all m; 1F1B: d - r, with ``lookahead`` more (at most m - d) on every stage but the last."""
+    """GPipe: all m; 1F1B: d - r, with ``lookahead`` more (at most m - d) on every stage, the last included (it
+    receives ahead so that its upstream can send ahead under NCCL's rendezvous)."""
     if mode == "gpipe":
         return num_microbatches
-    extra = min(lookahead, num_microbatches - num_stages) if stage < num_stages - 1 else 0
+    extra = min(lookahead, num_microbatches - num_stages)
     return num_stages - stage + extra
 
 
@@ -107,18 +108,18 @@ def test_1f1b_warmup_counts():
 
 
 @pytest.mark.parametrize("mode", ["2bw", "flush"])
-def test_lookahead_adds_forwards_before_the_last_stage_only(mode):
-    """d = 4, m = 6, lookahead 1: stages 0-2 run one more forward before their first backward; the last stage is
-    unchanged; lookahead 5 is capped at m - d = 2 on every stage (each keeps one more than the next); at m = d there
-    is no room: the schedule is plain 1F1B."""
+def test_lookahead_adds_forwards_on_every_stage(mode):
+    """d = 4, m = 6, lookahead 1: every stage runs one more forward before its first backward, the last included
+    (each keeps one more than the next, so every pair's batched exchange matches); lookahead 5 is capped at
+    m - d = 2; at m = d there is no room: the schedule is plain 1F1B."""
 
     def first_backward(stage, lookahead):
         actions = S.segment(mode, stage, 4, 6, 0, lookahead=lookahead)
         return [a.kind for a in actions if a.kind in (S.FORWARD, S.BACKWARD)].index(S.BACKWARD)
 
     assert [first_backward(stage, 0) for stage in range(4)] == [4, 3, 2, 1]
-    assert [first_backward(stage, 1) for stage in range(4)] == [5, 4, 3, 1]
-    assert [first_backward(stage, 5) for stage in range(4)] == [6, 5, 4, 1]
+    assert [first_backward(stage, 1) for stage in range(4)] == [5, 4, 3, 2]
+    assert [first_backward(stage, 5) for stage in range(4)] == [6, 5, 4, 3]
     assert S.stream(mode, 0, 4, 4, 3, lookahead=1) == S.stream(mode, 0, 4, 4, 3)
 
 
