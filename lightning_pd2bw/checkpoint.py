@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -150,6 +152,7 @@ def save_sharded(
             shutil.rmtree(tmp)  # a save that crashed before publishing
         tmp.mkdir(parents=True)
     barrier("pd2bw_save_begin")
+    check_shared(tmp, is_global_zero, gather)
     manifest = manifest_for(checkpoint, layout, gather(_mask_summary(checkpoint.get("callbacks", {}))))
     if is_global_zero:
         write_meta(tmp, checkpoint)
@@ -160,6 +163,39 @@ def save_sharded(
         finish(tmp, path, manifest)
     barrier("pd2bw_save_published")
     return None
+
+
+SHARED_PROBE = ".pd2bw-shared-probe"
+_shared_checked: set[Path] = set()  # checkpoint folders' parents every rank was shown to see
+
+
+def check_shared(tmp: Path, is_global_zero: bool, gather: Callable[[Any], list[Any]]) -> None:
+    """At the first save into a folder: every rank must see the files rank 0 writes there (rank 0 alone lists,
+    writes the manifest and publishes, so a folder local to each host silently loses the other hosts' shards).
+    Rank 0 writes a random token; every rank reads it back; a clear error on every rank names those that cannot.
+    Collective (two object gathers), once per folder."""
+    parent = tmp.parent.resolve()
+    if parent in _shared_checked:
+        return
+    probe = tmp / SHARED_PROBE
+    token = None
+    if is_global_zero:
+        token = uuid.uuid4().hex
+        probe.write_text(token)
+    token = next(t for t in gather(token) if t is not None)
+    sees = probe.is_file() and probe.read_text() == token
+    seen = gather((sees, socket.gethostname()))
+    if is_global_zero:
+        probe.unlink()
+    blind = [f"rank {rank} on {host}" for rank, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(
+            f"pd2bw: checkpoints need one folder every rank sees, but {', '.join(blind)} cannot see {str(tmp)!r}, "
+            f"which rank {0} (on {seen[0][1]}) created: the checkpoint directory is local to each host. Point the "
+            "checkpoint callback's dirpath (Hydra: paths.output_dir) at storage every node mounts (NFS, Lustre, a "
+            "shared bucket mount)"
+        )
+    _shared_checked.add(parent)
 
 
 def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:

@@ -9,7 +9,10 @@ are in a pipeline receive), and the job hangs with live heartbeats. Here:
   launcher started); nothing collective runs inside it;
 * at the start of every training step each rank issues, asynchronously, a MAX all-reduce of its own
   flag over the world, and reads the previous step's result: every rank learns of a SIGTERM sent to any
-  one of them at the same step (one or two steps after it arrived), without a barrier per step;
+  one of them at the same step (one or two steps after it arrived), without a barrier per step. The flag
+  is a CPU tensor on a gloo group (the default group when it is gloo, else one made for it): under NCCL a
+  device flag would cost a host sync per step (``.item()``) and put a world collective in the GPU's queue
+  between the pipeline's messages; on the host it costs a read of a result that arrived a step ago;
 * then Lightning's ``received_sigterm`` is set on every rank alike, Lightning raises ``SIGTERMException``
   at the end of that batch, and the strategy drains, writes ``last.ckpt`` into the checkpoint
   callback's directory (when one is configured) and lets the process exit with ``EXIT_CODE`` (75).
@@ -30,6 +33,19 @@ from . import compat
 from .pipeline import watchdog
 from .pipeline.engine import describe_rank
 
+_HOST_GROUPS: dict[int, Any] = {}  # id(default group) -> its gloo twin (made once per process group, on every rank)
+
+
+def host_group() -> Any:
+    """A gloo group over the world (the default group itself when it is gloo): collectives on CPU tensors, off the
+    device's queue. Every rank must call it at the same point the first time (it may create a group)."""
+    world = dist.group.WORLD
+    if dist.get_backend() == "gloo":
+        return world
+    if id(world) not in _HOST_GROUPS:
+        _HOST_GROUPS[id(world)] = dist.new_group(backend="gloo", group_desc="pd2bw/preemption (host)")
+    return _HOST_GROUPS[id(world)]
+
 
 class Preemption:
     """Records SIGTERM in the handler; agrees on it with every rank at training-step boundaries."""
@@ -39,9 +55,12 @@ class Preemption:
         self.received = False  # this rank got SIGTERM
         self.agreed = False  # every rank knows that some rank got it
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self.group: Any = None
 
     def install(self) -> None:
-        """Replace Lightning's SIGTERM handler and its per-step broadcast (call after Lightning registered them)."""
+        """Replace Lightning's SIGTERM handler and its per-step broadcast (call after Lightning registered them;
+        on every rank)."""
+        self.group = host_group() if dist.is_initialized() else None
         if threading.current_thread() is threading.main_thread():
             previous = compat.sigterm_handler_before_lightning(self.trainer)
             chained = previous if callable(previous) else None
@@ -63,8 +82,8 @@ class Preemption:
     def check(self) -> None:
         """At the start of a training step: read the previous step's agreement, post this step's."""
         stop = self.settle()
-        flag = torch.tensor([1 if self.received else 0], device=self.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        flag = torch.tensor([1 if self.received else 0])  # on the host: no device sync to read it
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         if stop:
             self._agree()
 

@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -49,7 +49,7 @@ from .drain_callback import DrainBeforeTrainEnd
 from .pipeline import layout as rules
 from .pipeline import watchdog
 from .pipeline.delay_correction import METHODS as delay_correction_methods
-from .pipeline.engine import PipelineEngine, describe_rank
+from .pipeline.engine import PipelineEngine, describe_rank, device_barrier
 from .pipeline.executor import StageExecutor
 from .pipeline.grid import ProcessGrid
 from .pipeline.layout import Layout
@@ -296,6 +296,15 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     def _validate_precision(self) -> None:
         plugin = self._precision_plugin
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        if plugin is not None and type(plugin) not in (Precision, MixedPrecision, DoublePrecision):
+            raise ValueError(
+                f"precision={name!r} is not supported by strategy='pd2bw' (supported: '32-true', 'bf16-mixed', "
+                "'64-true'): in '16-true'/'bf16-true' the weights, both 2BW weight versions and the optimizer state "
+                "would be half precision, where updates smaller than the weights' resolution are lost; other plugins "
+                "(transformer-engine, bitsandbytes) are untested with the pipeline. Use precision='bf16-mixed' "
+                "(bfloat16 compute and stage boundaries, float32 weights)"
+            )
         if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
             raise ValueError(
                 "precision='16-mixed' is not supported by strategy='pd2bw': fp16 needs one loss scale shared by "
@@ -323,6 +332,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
         if not dist.is_initialized():
             store = watchdog.attempt_scoped_store(self._timeout)  # torchrun restarts reuse one store
             extra = {"store": store} if store is not None else {}
+            if self.root_device.type == "cuda":  # NCCL binds its communicators to this device at once
+                extra["device_id"] = self.root_device
             init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
         self.checkpoints.create_group()
@@ -690,12 +701,15 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 "pd2bw: the pipeline's process groups exist only during a trainer call (fit/validate/test/predict); "
                 "sum over the stages from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
             )
-        dist.all_reduce(tensor, group=self.engine.groups.pipeline)
+        on_device = tensor if tensor.device == self.root_device else tensor.to(self.root_device)  # NCCL: its device
+        dist.all_reduce(on_device, group=self.engine.groups.pipeline)
+        if on_device is not tensor:
+            tensor.copy_(on_device)
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            device_barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

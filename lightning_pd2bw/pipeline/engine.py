@@ -42,7 +42,7 @@ from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
 
 
-def _barrier(device: torch.device) -> None:
+def device_barrier(device: torch.device) -> None:
     """A barrier over the default group (NCCL: on this rank's device, as Lightning's DDP does)."""
     if dist.get_backend() == "nccl" and device.type == "cuda":
         dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
@@ -124,6 +124,8 @@ class PipelineEngine:
         self.num_microbatches = layout.num_microbatches
         self.grid = grid or layout.grid(dist.get_rank(), dist.get_world_size())
         self.device = torch.device(device) if device is not None else _default_device()
+        if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
+            torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
         self.recompute, self.boundary_dtype = recompute, boundary_dtype
         self.policy = UpdatePolicy(clip_val, clip_algorithm, clip_mode, on_nonfinite)
@@ -315,7 +317,7 @@ class PipelineEngine:
         if self.update is not None and self.update.buckets is not None:
             self.update.buckets.close()
         if dist.is_initialized():
-            _barrier(self.device)  # no rank destroys a group a peer may still use
+            device_barrier(self.device)  # no rank destroys a group a peer may still use
             self.groups.destroy()
 
     @property

@@ -86,9 +86,9 @@ class SparsityCallback(Callback):
         return schedules.rewarmup_factor(step, self.dense_from_step, self.rewarmup_steps)
 
     # ------------------------------------------------------------------ engine-level use (also the test references)
-    def build(self, module: nn.Module, all_reduce: Any = None) -> Sparsifier:
+    def build(self, module: nn.Module, all_reduce: Any = None, device: torch.device | None = None) -> Sparsifier:
         targets = select_targets(module, self.targets, self.exclude)
-        return Sparsifier(targets, self.allocation, self.min_layer_density, self.seed, all_reduce)
+        return Sparsifier(targets, self.allocation, self.min_layer_density, self.seed, all_reduce, device)
 
     def before_step(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Before optimizer step ``self.step``, gradients ready: scheduled mask change, then mask the gradients."""
@@ -103,7 +103,7 @@ class SparsityCallback(Callback):
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
-        self.sparsifier = self.build(pl_module, reduce)
+        self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
         self._optimizers = list(trainer.optimizers)
         if self._pending is not None:
             self.sparsifier.load_state_dict(self._pending)

@@ -75,7 +75,11 @@ class Sparsifier:
         min_layer_density: float = 0.0,
         seed: int = 0,
         all_reduce: AllReduce | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
+        """``device``: where the counts that ``all_reduce`` sums over the stages live (NCCL reads only its device's
+        tensors; default: the targets' device, else the CPU). A stage may hold no target at all (an embedding alone)
+        and still take part in every sum."""
         if allocation not in ALLOCATIONS:
             raise ValueError(f"sparsity allocation={allocation!r} is not valid; valid: {', '.join(ALLOCATIONS)}")
         self.shapes = {n: tuple(p.shape) for n, p in targets.items()}
@@ -84,12 +88,15 @@ class Sparsifier:
         self.min_layer_density = min_layer_density
         self.seed = seed
         self.all_reduce = all_reduce
+        self._device = torch.device(device) if device is not None else None
         self.masks: dict[str, torch.Tensor] = {}  # empty: dense
         self.layer_targets = {n: 1.0 for n in self.shapes}
         self.churn = 0  # mask entries changed since the owner last reset it (the callback: at each log)
 
     @property
     def device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
         return next(iter(self.local.values())).device if self.local else torch.device("cpu")
 
     # ------------------------------------------------------------------ updates

@@ -174,6 +174,7 @@ def run(case: Case, out: Path, world: int) -> None:
         "global_step": trainer.global_step,
         "headers_sent": executor.link.headers_sent,
         "headers_received": executor.link.headers_received,
+        "peak_pending_sends": executor.link.peak_pending_sends,
     }
     if sparsity is not None:
         counters["masked_state_nonzero"] = masked_state_nonzero(trainer.optimizers, sparsity)

@@ -41,13 +41,13 @@ class CountingLink(StageLink):
         super().__init__(*args, **kwargs)
         self.sent = {"forward": 0, "backward": 0}
 
-    def send_forward(self, tensors, key) -> None:
+    def send_forward(self, tensors, key, *fused) -> None:
         self.sent["forward"] += 1
-        super().send_forward(tensors, key)
+        super().send_forward(tensors, key, *fused)
 
-    def send_backward(self, grads) -> None:
+    def send_backward(self, grads, *fused) -> bool:
         self.sent["backward"] += 1
-        super().send_backward(grads)
+        return super().send_backward(grads, *fused)
 
 
 def build(run: dict) -> tuple[PipelineEngine, list[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:

@@ -2,8 +2,9 @@
 
 Every case of ``cases.py`` records each rank's ``torch.distributed`` calls (``run_cases.py``). A run over
 gloo issues the same calls in the same order as over NCCL, so replaying them in ``nccl_model`` shows
-whether the same job could hang on GPUs: no case may. Putting both directions of a stage pair back on
-one channel (the transport this project had before) must deadlock, and the lowering of the schedules
+whether the same job could hang on GPUs, with communicators progressing independently and with kernels one at
+a time: no case may. The same calls unbatched (each send and receive its own kernel) must deadlock, and the
+lowering of the schedules
 (``comm_plan.programs``, used for the exhaustive layout sweep) must issue exactly the calls the real
 runs issued on the pipeline's own process groups.
 """
@@ -33,27 +34,26 @@ def test_real_run_is_deadlock_free_under_nccl(trained, name):
     calls = recorded(trained[name])
     outcome = simulate(calls)
     assert outcome.steps > 0
+    assert simulate(calls, serialized=True).steps == outcome.steps  # CUDA_DEVICE_MAX_CONNECTIONS=1
     if CASES[name].async_checkpoint:  # the checkpoint's collectives run in their own thread, on their own group
         background = {op.channel for ops in calls.values() for op in ops if op.thread and op.kind != "wait"}
         assert len(background) == 1 and not background & {op.channel for op in calls[0] if not op.thread}
     if as_run(trained, name)[0].num_stages > 1:  # plan="auto" may choose one stage
-        assert any(op.channel.startswith("pd2bw/activations/") for op in calls[0]), "the pipeline's messages recorded"
+        pipeline = [op for op in calls[0] if op.channel.startswith("pd2bw/p2p/")]
+        assert pipeline, "the pipeline's messages recorded"
+        assert any(op.batch >= 0 for op in pipeline), "sent in batches"
 
 
-def on_one_channel_per_pair(calls: dict[int, list[Op]]) -> dict[int, list[Op]]:
-    """The same calls with both directions of each stage pair on the default group (the old transport)."""
-    shared = re.compile(r"pd2bw/(activations|gradients)/")
-    return {
-        r: [op._replace(channel="default_pg") if shared.match(op.channel) else op for op in ops]
-        for r, ops in calls.items()
-    }
+def unbatched(calls: dict[int, list[Op]]) -> dict[int, list[Op]]:
+    """The same calls, each send and receive issued alone (its own kernel)."""
+    return {r: [op._replace(batch=-1) for op in ops] for r, ops in calls.items()}
 
 
 @pytest.mark.parametrize("name", ["gpt_flush_adamw_clip_sched", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw"])
-def test_one_channel_per_pair_deadlocks(trained, name):
-    """(Flush with d = m = 2 no longer does: its receives are posted early, ahead of the sends they crossed.)"""
+def test_the_same_calls_unbatched_deadlock(trained, name):
+    """Batching is what makes one group per pair safe: 1F1B's steady-state exchange, unbatched, is a cycle."""
     with pytest.raises(Deadlock, match="deadlock under NCCL semantics"):
-        simulate(on_one_channel_per_pair(recorded(trained[name])))
+        simulate(unbatched(recorded(trained[name])))
 
 
 def normalised(ops: list[Op]) -> list[tuple]:
