@@ -14,6 +14,8 @@ in-flight backwards and the last update run; afterwards the version rule restart
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -334,6 +336,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
             extra = {"store": store} if store is not None else {}
             if self.root_device.type == "cuda":  # NCCL binds its communicators to this device at once
                 extra["device_id"] = self.root_device
+            if backend == "nccl":
+                watchdog.enable_flight_recorder(os.environ.get("PD2BW_TRACE_DIR", tempfile.gettempdir()))
             init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
         self.checkpoints.create_group()

@@ -1,0 +1,116 @@
+"""Every collective's tensors on the group's device, no host sync per step, the GPU-side failure paths
+(issue: the GPT-13B recipe's first multi-GPU step). On a CPU the "device" is played by the meta device: a tensor
+left on the CPU where the stage's device is meant shows up as a device mismatch, as it would under NCCL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_pd2bw.checkpoint import SHARED_PROBE, check_shared
+from lightning_pd2bw.pipeline import watchdog
+from lightning_pd2bw.preemption import Preemption
+from lightning_pd2bw.sparsity.masks import MaskUpdate, Sparsifier
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Seen(Exception):
+    pass
+
+
+def recording(devices):
+    def all_reduce(tensor):
+        devices.append(tensor.device)
+        raise Seen  # the device is what this test checks; a meta tensor has no values to go on with
+
+    return all_reduce
+
+
+@pytest.mark.parametrize("allocation", ["global"])
+def test_sparsity_counts_are_built_on_the_stages_device_even_without_targets(allocation):
+    """A stage that holds none of the targeted weights (an embedding alone) still takes part in every sum over the
+    stages; its counts were built on the CPU, which NCCL refuses. They live on the stage's device now."""
+    net = nn.Linear(4, 4, device="meta")  # the weight lives on another stage
+    devices = []
+    sparsifier = Sparsifier({"weight": net.weight}, allocation, all_reduce=recording(devices), device="meta")
+    with pytest.raises(Seen):
+        sparsifier.measure()
+    with pytest.raises(Seen):
+        sparsifier.update(1, MaskUpdate("magnitude", density=0.5))
+    assert devices == [torch.device("meta"), torch.device("meta")]
+
+
+def test_the_preemption_flag_lives_on_the_host(one_process_group):
+    """The per-step SIGTERM agreement reads a result on the host (no device sync per step), whatever the stage's
+    device; the flag was a device tensor read with ``.item()`` every step."""
+    preemption = Preemption(trainer=None, device=torch.device("meta"))
+    preemption.check()
+    work, flag = preemption._pending
+    assert flag.device.type == "cpu"
+    assert preemption.settle() is False
+    preemption.received = True
+    preemption.check()
+    assert preemption.settle() is True
+
+
+def test_a_checkpoint_folder_that_some_rank_cannot_see_is_an_error(tmp_path):
+    """Rank 0 alone lists and publishes a checkpoint, so a folder local to each host loses the other hosts' shards
+    silently. The first save checks that every rank reads the token rank 0 wrote (here rank 1, on another host,
+    reads nothing)."""
+    tmp = tmp_path / "epoch=0-step=3.ckpt.tmp"
+    tmp.mkdir()
+    calls = []
+
+    def gather(obj):  # rank 0's view of an all_gather_object with rank 1 on a host without the folder
+        calls.append(obj)
+        return [obj, None] if len(calls) == 1 else [obj, (False, "node-b")]
+
+    with pytest.raises(RuntimeError, match="rank 1 on node-b cannot see .*local to each host"):
+        check_shared(tmp, True, gather)
+    assert not (tmp / SHARED_PROBE).exists()
+
+    def everyone_sees(obj):
+        return [obj, None] if not isinstance(obj, tuple) else [obj, obj]
+
+    other = tmp_path / "shared" / "a.ckpt.tmp"
+    other.mkdir(parents=True)
+    check_shared(other, True, everyone_sees)
+    check_shared(other, True, lambda obj: pytest.fail("checked once per folder"))
+
+
+def test_the_flight_recorder_is_on_and_the_users_settings_win(monkeypatch, tmp_path):
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/mine/trace_")
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
+    watchdog.enable_flight_recorder(str(tmp_path))
+    import os
+
+    assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/mine/trace_"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "nccl_trace_rank_")
+
+
+def test_no_nccl_no_abort(one_process_group):
+    assert watchdog.abort_nccl(0) is None
+    dist.all_reduce(torch.ones(1))  # the group is untouched
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_weights_are_refused_by_name(precision):
+    import lightning as L
+
+    import lightning_pd2bw  # noqa: F401
+
+    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by strategy='pd2bw'.*bf16-mixed"):
+        L.Trainer(strategy="pd2bw", precision=precision, devices=2, accelerator="cpu", logger=False)
