@@ -232,6 +232,36 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine.start(optimizers) must be called before training or evaluating")
         return self.executor
 
+    def counters(self) -> dict[str, int]:
+        """What this stage holds now, by owner, in bytes (and the peaks since start): the terms the planner's stage
+        memory predicts (``planner.cost.stage_memory``), read from the engine itself. None of them grows with the
+        number of microbatches; the stash grows with depth (``d - r + lookahead`` microbatches)."""
+        executor = self._started()
+        link, versions = executor.link, executor.versions
+
+        def nbytes(tensors: Any) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+        state = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
+        correction = self.update.correction if self.update is not None else None
+        return {
+            "weight_bytes": nbytes(p.data for p in self.params),
+            "weight_versions": versions.num_versions,
+            "max_weight_versions": versions.max_versions_held,
+            "versions_bytes": versions.held_bytes,
+            "gradient_bytes": nbytes(p.grad for p in self.params if p.grad is not None),
+            "optimizer_state_bytes": nbytes(state),
+            "correction_bytes": correction.held_bytes if correction is not None else 0,
+            "stashed_microbatches": len(executor._stash),
+            "max_stashed_microbatches": executor.max_stashed,
+            "stash_bytes": executor.stash_bytes,
+            "peak_stash_bytes": executor.peak_stash_bytes,
+            "transport_bytes": link.held_bytes,
+            "peak_transport_bytes": link.peak_held_bytes,
+            "pending_sends": link.pending_sends,
+            "peak_pending_sends": link.peak_pending_sends,
+        }
+
     # ------------------------------------------------------------------ training
     def train_batch(
         self, batch: Any, *, global_step: int | None = None, context: AbstractContextManager | None = None

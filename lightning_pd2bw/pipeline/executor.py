@@ -47,6 +47,17 @@ def _unpack_alias(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _stash_nbytes(entry: tuple[Any, Any]) -> int:
+    """Bytes of the boundary tensors a stashed microbatch keeps (its stage inputs and outputs; the last stage's
+    scaled loss), counted once per storage."""
+    inputs, outputs = entry
+    storages = {}
+    for tensor in (*inputs, *as_tuple(outputs)):
+        if isinstance(tensor, torch.Tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 class StageExecutor:
     """One pipeline stage: its layers, its link to the neighbours, its weight versions."""
 
@@ -83,6 +94,8 @@ class StageExecutor:
         self._grads_in: dict[int, list[torch.Tensor]] = {}
         self.losses: dict[int, list[torch.Tensor]] = {}
         self.max_stashed = 0
+        self.stash_bytes = 0  # boundary tensors kept for the backward: each stashed microbatch's inputs and outputs
+        self.peak_stash_bytes = 0
         self.recorder: Recorder | None = None  # set one to record every action (timeline.py)
         self.meter: ActivationMeter | None = None  # set one to count stashed activation bytes
         self.progress: Any = None  # set a watchdog.Progress to publish every action (hang detection)
@@ -162,6 +175,8 @@ class StageExecutor:
         if self.is_first:
             self._microbatches.pop(k, None)
         self.max_stashed = max(self.max_stashed, len(self._stash))
+        self.stash_bytes += _stash_nbytes(self._stash[k])
+        self.peak_stash_bytes = max(self.peak_stash_bytes, self.stash_bytes)
 
     def _saved_tensor_hooks(self) -> Any:
         meter = self.meter
@@ -176,6 +191,7 @@ class StageExecutor:
         k = action.microbatch
         self.versions.use(action.weight_version)
         inputs, outputs = self._stash.pop(k)
+        self.stash_bytes -= _stash_nbytes((inputs, outputs))
         done = self._backwards.pop(action.batch, 0) + 1
         if done < self.num_microbatches:
             self._backwards[action.batch] = done

@@ -43,6 +43,11 @@ class WeightVersions:
     def num_versions(self) -> int:
         return len(self._storages)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every weight version held (the live parameters' storages included)."""
+        return sum(t.numel() * t.element_size() for storages in self._storages.values() for t in storages)
+
     def reset_after_drain(self) -> None:
         """After a drain the version rule restarts: relative version 0 is the newest weights."""
         self.use_latest()

@@ -20,11 +20,17 @@ def torchrun(out: Path, world: int, cases: list[str], timeout: float = 600) -> N
 
 
 def torchrun_script(
-    script: Path, args: list[str], world: int, timeout: float = 600, options: tuple[str, ...] = (), check: bool = True
+    script: Path,
+    args: list[str],
+    world: int,
+    timeout: float = 600,
+    options: tuple[str, ...] = (),
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node=WORLD [options] SCRIPT ARGS`` with one thread per rank and this
     repository importable; fails with the output's tail unless ``check=False``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
     command = [
         sys.executable,
         "-m",
