@@ -37,6 +37,7 @@ def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple
         global_batch=global_batch,
         mode=strategy.mode,
         lookahead=strategy.lookahead,
+        delay_correction=strategy.delay_correction is not None,
         weight_bytes=bytes_per_element(str(strategy.precision_plugin.precision))[0],
         autocast=strategy.precision_plugin.train_step_context,
     )

@@ -140,13 +140,40 @@ def plan_text(cfg, layout, model) -> str:
         lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
     for stage, (span, memory) in enumerate(zip(stages, memories)):
         params = sum(profile.layers[i].parameters for i in span)
+        terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
         lines.append(
             f"  stage {stage}: layers {span.start}..{span.stop - 1}, {params:,} parameters, est. memory "
-            f"{sum(memory.values()) / GiB:.2f} GiB (weights {memory['weights'] / GiB:.2f}, grads "
-            f"{memory['gradients'] / GiB:.2f}, optimizer {memory['optimizer'] / GiB:.2f}, activations "
-            f"{memory['activations'] / GiB:.2f}, workspace {memory['workspace'] / GiB:.2f})"
+            f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
+    lines += memory_warnings(cfg, memories)
     return "\n".join(lines)
+
+
+def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
+    """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers."""
+    from .planner.hardware import DEVICES, GiB
+    from .planner.search import MEMORY_HEADROOM
+
+    if not cfg.get("cluster"):
+        return []
+    device = DEVICES[cfg.cluster.device]
+    usable = device.memory_bytes * MEMORY_HEADROOM
+    out = []
+    for stage, memory in enumerate(memories):
+        need = sum(memory.values())
+        if need > usable:
+            saving = memory.get("correction", 0.0) * 2
+            fixes = ["more stages (strategy.num_stages)"]
+            fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
+            fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
+            if saving:
+                fixes.append(f"strategy.delay_correction=null (saves {saving / GiB:.2f} GiB)")
+            out.append(
+                f"WARNING: stage {stage} needs an estimated {need / GiB:.2f} GiB, more than the {usable / GiB:.1f} GiB "
+                f"usable on {device.name} ({MEMORY_HEADROOM:.0%} of {device.memory_bytes / GiB:.0f} GiB): it would "
+                f"run out of memory. Fixes: {'; '.join(fixes)}"
+            )
+    return out
 
 
 def data_text(cfg) -> str:
@@ -188,6 +215,7 @@ def candidate_of(cfg, layout):
         cfg.strategy.recompute,
         cfg.strategy.mode,
         cfg.strategy.get("lookahead", 0),
+        cfg.strategy.get("delay_correction") is not None,
     )
 
 
@@ -208,7 +236,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
 
     from .pipeline.partition import layer_parameter_counts
     from .planner.auto import shared_layers
-    from .planner.cost import ModelProfile
+    from .planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
     from .planner.hardware import DEVICES
     from .planner.profile import analytic_profile, bytes_per_element
     from .strategy import pipeline_layers_of
@@ -231,7 +259,16 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         head_parameters=counts[-1],
     )
     states = 1 if cfg.model.optimizer == "sgd" else 2
-    return ModelProfile(profiles, weight_bytes, states, shared_layers(layers))
+    mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
+    on_cpu = cfg.trainer.get("accelerator") == "cpu" and not cfg.get("cluster")
+    return ModelProfile(
+        profiles,
+        weight_bytes,
+        states,
+        shared_layers(layers),
+        output_factor=2.0 if mixed else 1.0,
+        communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
+    )
 
 
 def run(cfg) -> dict:

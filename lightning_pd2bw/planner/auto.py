@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..pipeline.microbatch import resize_batch, to_device
-from .cost import ModelProfile, Prediction
+from .cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec
 from .measure import measure_layers, synchronize
 from .search import divisors, search
@@ -71,10 +71,12 @@ def measure_link(peer: int, device: torch.device, sizes: Sequence[int] = (256, 1
 
 
 def device_memory(device: torch.device, local_processes: int) -> float:
+    """Memory a stage may plan for: what is free now (the CUDA context, other processes and what was allocated
+    before the plan are not there to take), shared by the processes of a host on a CPU."""
     if device.type == "cuda":
-        return float(torch.cuda.mem_get_info(device)[1])
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return float(total / max(1, local_processes))
+        return float(torch.cuda.mem_get_info(device)[0])
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return float(free / max(1, local_processes))
 
 
 def plan_on_world(
@@ -88,6 +90,7 @@ def plan_on_world(
     global_batch: int,
     mode: str,
     lookahead: int = 0,
+    delay_correction: bool = False,
     weight_bytes: int = 4,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
@@ -119,11 +122,20 @@ def plan_on_world(
             profiles = measure_layers(
                 layers, input_fn(batch), device, loss_fn=lambda out: loss_fn(out, batch), autocast=autocast
             )
-            return ModelProfile(profiles, weight_bytes, optimizer_states, shared)
+            nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
+            return ModelProfile(profiles, weight_bytes, optimizer_states, shared, communicator_bytes=nccl)
 
         try:
             message = [
-                search(profile_for, cluster, global_batch, mode=mode, micro_batch_sizes=micros, lookahead=lookahead)[0]
+                search(
+                    profile_for,
+                    cluster,
+                    global_batch,
+                    mode=mode,
+                    micro_batch_sizes=micros,
+                    lookahead=lookahead,
+                    delay_correction=delay_correction,
+                )[0]
             ]
         except ValueError as error:  # every rank raises it, none waits forever
             message = [error]

@@ -21,7 +21,17 @@ stages holding them, and the optimizer step. Memory per stage s:
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
 with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe; a ``lookahead`` adds that many (at most m - d)
-to every stage but the last (``schedule.warmup_forwards``).
+to every stage (``schedule.warmup_forwards``). And every other buffer the engine holds (DESIGN.md, invariant 9;
+each term checked against ``PipelineEngine.counters()`` in ``tests/distributed/test_memory.py``):
+
+    correction    2BW's delay correction: one copy of the stage's weights (D(t-1)), and D(t) while it updates
+    outputs       the stage's outputs kept for the backward, stash x output (float32 under bf16-mixed: twice
+                  the bfloat16 that crosses the boundary)
+    transport     boundary messages in flight: (warm-up + 2) outputs to the next stage (its warm-up sends, one
+                  batched send, the gradient receive posted with it) and 2 inputs from the previous (one
+                  gradient send, one activation receive); never more with m (``comm.py``)
+    communication NCCL's buffers: an estimate per communicator the stage uses (pipeline neighbours, the
+                  pipeline's collectives, the loss broadcast, replicas, tied parameters), 0 on a CPU
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ from .hardware import ClusterSpec
 from .profile import LayerProfile
 
 RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
+MiB = 1 << 20
+# NCCL's own device buffers per communicator: NCCL_BUFFSIZE (4 MiB) for each direction of each of its channels,
+# allocated when the communicator is first used. 64 MiB is an estimate (8 channels x 2 x 4 MiB), to be checked
+# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: README, GPUs).
+NCCL_BYTES_PER_COMMUNICATOR = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,8 @@ class ModelProfile:
     weight_bytes: int = 4
     optimizer_states: int = 2
     shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
+    output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
+    communicator_bytes: float = NCCL_BYTES_PER_COMMUNICATOR  # per communicator (0: gloo, on a CPU)
 
 
 @dataclass(frozen=True)
@@ -53,7 +70,8 @@ class Candidate:
     micro_batch_size: int
     recompute: bool
     mode: str = "2bw"
-    lookahead: int = 0  # more forwards in flight before the last stage (the strategy's ``lookahead``)
+    lookahead: int = 0  # more forwards in flight on every stage (the strategy's ``lookahead``)
+    delay_correction: bool = False  # 2BW's error feedback: one more copy of the stage's weights
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)
@@ -95,7 +113,26 @@ def stage_memory(
     params -= sum(n for a, b, n in profile.shared if a in span and b in span)  # one tensor on this stage
     activations = sum(p.activation_bytes for p in layers)
     largest = max(p.activation_bytes for p in layers)
-    return memory_of(profile, params, activations, span.start, stage, candidate, num_microbatches, largest)
+    memory = memory_of(profile, params, activations, span.start, stage, candidate, num_microbatches, largest)
+    output = layers[-1].output_bytes if stage < candidate.depth - 1 else 0.0
+    given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
+    return memory | boundary_memory(profile, stage, candidate, num_microbatches, output, given)
+
+
+def boundary_memory(
+    profile: ModelProfile, stage: int, candidate: Candidate, num_microbatches: int, output: float, given: float
+) -> dict[str, float]:
+    """The stage's outputs kept for the backward, its messages in flight and NCCL's buffers (see the module's
+    docstring). ``output``: bytes the stage sends per microbatch (0 on the last), ``given``: bytes it receives."""
+    stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
+    warmup = stash - 1
+    depth, width = candidate.depth, candidate.width
+    communicators = (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + bool(profile.shared)
+    return {
+        "outputs": stash * output * profile.output_factor,
+        "transport": (warmup + 2) * output + 2 * given if depth > 1 else 0.0,
+        "communication": communicators * profile.communicator_bytes if depth * width > 1 else 0.0,
+    }
 
 
 def memory_of(
@@ -129,12 +166,14 @@ def memory_of(
     if candidate.mode != "2bw" and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
     temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
+    corrected = candidate.mode == "2bw" and candidate.delay_correction
     return {
         "weights": versions * weights,
         "gradients": weights,
         "optimizer": profile.optimizer_states * weights,
+        "correction": weights if corrected else 0.0,  # D(t-1), held between updates
         "activations": stashed,
-        "workspace": largest_layer + temporaries,
+        "workspace": largest_layer + temporaries + (weights if corrected else 0.0),  # + D(t) while updating
     }
 
 

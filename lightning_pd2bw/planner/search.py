@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .cost import Candidate, ModelProfile, Prediction, memory_of, predict
+from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict
 from .hardware import ClusterSpec, GiB
 
 MEMORY_HEADROOM = 0.9  # allocator fragmentation, CUDA context, communication buffers
@@ -43,6 +43,9 @@ def pack(
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
             widest = max(largest, layer.activation_bytes)
             memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest)
+            output = layer.output_bytes if s < d - 1 else 0.0
+            given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
+            memory |= boundary_memory(profile, s, candidate, num_microbatches, output, given)
             if sum(memory.values()) > capacity:
                 break
             time, (params, activations), largest = time + step, grown, widest
@@ -81,6 +84,7 @@ def candidates(
     mode: str,
     micro_batch_sizes: Sequence[int] | None = None,
     lookahead: int = 0,
+    delay_correction: bool = False,
 ) -> list[Candidate]:
     out = []
     for depth in divisors(num_devices):
@@ -92,7 +96,7 @@ def candidates(
             if per_replica % micro or per_replica // micro < depth:
                 continue
             for recompute in (False, True):
-                out.append(Candidate(width, depth, micro, recompute, mode, lookahead))
+                out.append(Candidate(width, depth, micro, recompute, mode, lookahead, delay_correction))
     return out
 
 
@@ -105,6 +109,7 @@ def search(
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
     lookahead: int = 0,
+    delay_correction: bool = False,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """All candidates on ``cluster``'s devices: (those that fit, fastest first; those that do not).
 
@@ -121,7 +126,10 @@ def search(
 
     num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
     fits, too_big = [], []
-    for candidate in candidates(cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes, lookahead):
+    found = candidates(
+        cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes, lookahead, delay_correction
+    )
+    for candidate in found:
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
         stages = partition(profile, candidate, m, capacity)

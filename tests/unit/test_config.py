@@ -143,8 +143,8 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
 
 
 def test_dry_run_with_a_lookahead_counts_its_stash(tmp_path):
-    """strategy.lookahead=1: the layout line says so and stage 0 (not the last stage) plans one more microbatch of
-    activations (3 instead of 2 at d = 2, m = 4)."""
+    """strategy.lookahead=1: the layout line says so and every stage plans one more microbatch of activations (3
+    instead of 2 on stage 0, 2 instead of 1 on the last stage, at d = 2, m = 4)."""
 
     def activations(*overrides: str) -> tuple[str, list[float]]:
         result = run_cli("dry_run=true", *overrides, cwd=tmp_path)
@@ -155,7 +155,34 @@ def test_dry_run_with_a_lookahead_counts_its_stash(tmp_path):
     plain_out, plain = activations()
     ahead_out, ahead = activations("strategy.lookahead=1")
     assert "lookahead" not in plain_out and "mode=2bw lookahead=1 " in ahead_out
-    assert ahead[1] == plain[1] and ahead[0] == pytest.approx(plain[0] * 3 / 2, abs=0.01)
+    assert ahead[1] == pytest.approx(plain[1] * 2, abs=0.01) and ahead[0] == pytest.approx(plain[0] * 3 / 2, abs=0.01)
+
+
+def memory_terms(stdout: str) -> list[dict[str, float]]:
+    lines = [line for line in stdout.splitlines() if "est. memory" in line]
+    terms = [line.split("GiB (")[1].rstrip(")").split(", ") for line in lines]
+    return [{name: float(value) for name, value in (t.rsplit(" ", 1) for t in stage)} for stage in terms]
+
+
+def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
+    """Each stage's estimate lists every buffer the engine holds: the delay correction's copy of the weights (the
+    default 2BW correction; strategy.delay_correction=null frees it), the outputs kept for the backward, the
+    messages in flight, NCCL's buffers. A stage that does not fit the cluster's device gets a warning with the
+    fixes."""
+    base = ("recipe=gpt13b", "dry_run=true", f"paths.output_dir={tmp_path}")
+    corrected = run_cli(*base, cwd=tmp_path)
+    plain = run_cli(*base, "strategy.delay_correction=null", cwd=tmp_path)
+    assert corrected.returncode == 0 and plain.returncode == 0, corrected.stderr[-3000:] + plain.stderr[-3000:]
+    with_correction, without = memory_terms(corrected.stdout), memory_terms(plain.stdout)
+    for stage, (a, b) in enumerate(zip(with_correction, without)):
+        assert {"correction", "outputs", "transport", "communication"} <= set(a)
+        assert a["correction"] == pytest.approx(a["weights"] / 2, abs=0.01) and b["correction"] == 0.0
+        assert a["transport"] > 0 and a["communication"] > 0
+        assert (a["outputs"] > 0) == (stage < len(with_correction) - 1)
+    small = run_cli(*base, "+cluster=v100_16g_8x8", cwd=tmp_path)
+    assert small.returncode == 0, small.stderr[-3000:]
+    warnings = [line for line in small.stdout.splitlines() if line.startswith("WARNING: stage")]
+    assert len(warnings) == 8 and "strategy.delay_correction=null (saves" in warnings[0]
 
 
 def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerProfile, NoPlanFits, predict, search
-from lightning_pd2bw.planner.cost import ModelProfile, allreduce_time, stage_memory
+from lightning_pd2bw.planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB, device_spec
 from lightning_pd2bw.planner.measure import measure_layers
 from lightning_pd2bw.planner.profile import analytic_profile, block_activation_bytes
@@ -72,6 +72,18 @@ def test_allreduce_on_the_right_level():
     assert allreduce_time(bytes_, Candidate(1, 4, 1, False), cluster()) == 0.0
 
 
+def test_the_delay_correction_is_in_the_plan():
+    """2BW's error feedback keeps D(t-1), one copy of the stage's weights, and makes D(t) while it updates; the plan
+    left it out (the gpt13b dry run printed the same memory with and without it)."""
+    profile = uniform(n=4, params=1000, act=100.0, out=10.0)
+    plain = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw"), 4)
+    corrected = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw", delay_correction=True), 4)
+    assert corrected["correction"] == 2000 * 4 and plain["correction"] == 0.0
+    assert corrected["workspace"] - plain["workspace"] == 2000 * 4
+    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush", delay_correction=True), 4)
+    assert flush["correction"] == 0.0, "flush has no delay to correct"
+
+
 def test_memory_per_stage_matches_the_paper_formula():
     # 2BW, no recompute: 2|W|/d weights + stash (d - s) x activations of the stage
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
@@ -83,9 +95,14 @@ def test_memory_per_stage_matches_the_paper_formula():
         "optimizer": 2 * 2000 * 4,
         "activations": 2 * 200.0,
         "workspace": 100.0 + 2000 * 4,  # one layer's backward buffers; Adam's step temporaries while 2BW stashes
+        "correction": 0.0,
+        "outputs": 2 * 10.0,  # the stage's output of each stashed microbatch, kept for the backward
+        "transport": (1 + 2) * 10.0,  # its warm-up send, one batched send and the gradient receive posted with it
+        "communication": 3 * NCCL_BYTES_PER_COMMUNICATOR,  # the next stage, the pipeline's and the loss's groups
     }
     last = stage_memory(profile, range(2, 4), 1, candidate, 4)
     assert last["activations"] == 1 * 200.0
+    assert last["outputs"] == 0.0 and last["transport"] == 2 * 10.0  # one gradient send, one activation receive
     # recompute: stash only the stage input (d - s of them), rebuild one microbatch's activations
     rec = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw"), 4)
     assert rec["activations"] == 2 * 10.0 + 200.0
