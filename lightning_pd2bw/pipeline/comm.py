@@ -261,6 +261,7 @@ class StageLink:
         batch = self._issue(self.next_rank, sends, receives)
         if then_receive_like is not None:
             self._posted["backward"].append(_Posted(None, receives, batch))
+            self._account()
 
     def recv_forward(self, key: Hashable) -> list[torch.Tensor]:
         assert self.prev_rank is not None
@@ -286,6 +287,7 @@ class StageLink:
         batch = self._issue(self.prev_rank, grads, receives)
         if spec is not None:
             self._posted["forward"].append(_Posted(then_receive, receives, batch))
+            self._account()
         return spec is not None
 
     def recv_backward(self, like: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:

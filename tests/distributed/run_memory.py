@@ -1,6 +1,7 @@
 """One 2-stage run of ``PipelineEngine`` with large boundary messages (4 MiB each way per microbatch), to measure
 what a stage holds as the number of microbatches grows: ``OUT/memory-m{M}-rank{R}.json`` gets the process's peak
-resident memory and the engine's counters. Usage: torchrun --nproc-per-node=2 run_memory.py OUT M MODE."""
+resident memory and the engine's counters. Usage: torchrun --nproc-per-node=2 run_memory.py OUT M MODE [adamw]
+(``adamw``: AdamW with 2BW's delay correction, for the planner's optimizer and correction terms)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Scale(nn.Module):
 
 def main() -> None:
     out, num_microbatches, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    adamw = sys.argv[4:] == ["adamw"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     engine = PipelineEngine(
@@ -50,8 +52,10 @@ def main() -> None:
         lambda batch: batch["seed"],
         lambda output, batch: output.mean(),
         device="cpu",
+        delay_correction="error_feedback" if adamw else None,
     )
-    engine.start(torch.optim.SGD(engine.parameters(), lr=0.1))
+    optimizer = torch.optim.AdamW if adamw else torch.optim.SGD
+    engine.start(optimizer(engine.parameters(), lr=0.1))
     seeds = torch.ones(num_microbatches * SAMPLES, 1)
     peaks = []
     for _ in range(4):
@@ -63,8 +67,10 @@ def main() -> None:
         "message_bytes": SAMPLES * WIDTH * 4,
         "counters": engine.counters(),
         "peak_transport_bytes": max(c["peak_transport_bytes"] for c in peaks),
+        "during": {key: max(c[key] for c in peaks) for key in peaks[0]},  # the largest after each batch
     }
-    (out / f"memory-m{num_microbatches}-{mode}-rank{dist.get_rank()}.json").write_text(json.dumps(record))
+    name = f"memory-m{num_microbatches}-{mode}{'-adamw' if adamw else ''}-rank{dist.get_rank()}.json"
+    (out / name).write_text(json.dumps(record))
     engine.close()
     dist.destroy_process_group()
 

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
+from lightning_pd2bw.planner.profile import LayerProfile
+
 from .launch import torchrun_script
+from .run_memory import SAMPLES, WIDTH
 
 SCRIPT = Path(__file__).with_name("run_memory.py")
 MiB = 1 << 20
@@ -26,6 +30,7 @@ def measured(tmp_path_factory):
     for mode in ("2bw", "flush"):
         for m in (4, 48):
             torchrun_script(SCRIPT, [str(out), str(m), mode], world=2, timeout=300, env=ALLOCATOR)
+    torchrun_script(SCRIPT, [str(out), "4", "2bw", "adamw"], world=2, timeout=300, env=ALLOCATOR)
     return lambda m, mode, rank: json.loads((out / f"memory-m{m}-{mode}-rank{rank}.json").read_text())
 
 
@@ -44,3 +49,29 @@ def test_peak_memory_is_flat_in_microbatches(measured, mode, rank):
         assert many["counters"][key] == 0, f"{key} after the drain"
     assert many["counters"]["max_stashed_microbatches"] == 2 - rank
     assert abs(many["counters"]["peak_stash_bytes"] - few["counters"]["peak_stash_bytes"]) < message / 64
+
+
+def planned(num_microbatches: int, mode: str, adamw: bool) -> list[dict[str, float]]:
+    """The planner's stage memory for run_memory.py's model: stage 0 widens a seed into a message-sized output
+    (nothing large saved for its backward), stage 1 scales it (saving its input)."""
+    message = float(SAMPLES * WIDTH * 4)
+    layers = [LayerProfile(0.0, 0.0, 0.0, message, 1), LayerProfile(0.0, 0.0, message, 4.0, 1)]
+    profile = ModelProfile(layers, weight_bytes=4, optimizer_states=2 if adamw else 0, communicator_bytes=0.0)
+    candidate = Candidate(1, 2, SAMPLES, False, mode, delay_correction=adamw)
+    return [stage_memory(profile, range(s, s + 1), s, candidate, num_microbatches) for s in range(2)]
+
+
+@pytest.mark.parametrize("run", ["4-2bw", "48-2bw", "48-flush", "4-2bw-adamw"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_planners_terms_match_the_engines_counters(measured, run, rank):
+    """DESIGN.md, invariant 9: each term of the planner's stage memory against what the engine reports holding."""
+    m, mode, *adamw = run.split("-")
+    record = measured(int(m), "-".join([mode, *adamw]), rank)
+    plan, held = planned(int(m), mode, bool(adamw))[rank], record["during"]
+    weight_bytes = held["weight_bytes"]
+    assert plan["weights"] == held["max_weight_versions"] * weight_bytes
+    assert plan["correction"] == record["counters"]["correction_bytes"] == (weight_bytes if adamw else 0)
+    assert plan["optimizer"] <= held["optimizer_state_bytes"] <= plan["optimizer"] + weight_bytes  # + AdamW's steps
+    assert plan["transport"] == pytest.approx(record["peak_transport_bytes"], rel=1e-3)  # + a shape header
+    stash = plan["outputs"] + plan["activations"]
+    assert stash == pytest.approx(held["peak_stash_bytes"], rel=1e-3)
