@@ -28,11 +28,14 @@ soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine
 schedules: venv  ## regenerate the schedule pictures quoted in the README
 	$(BIN)/python -m lightning_pd2bw.pipeline.draw
 
-gpu-check: venv  ## on a machine with a CUDA device: the GPU tests and their numbers (skipped without one)
-	$(BIN)/python -c "import torch; print('[gpu-check] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
-	$(BIN)/python -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider
+GPU_PY ?= python3
+gpu-check:  ## on a lent GPU machine, with a Python that already has CUDA torch (no install; GPU_PY=...): the GPU tests; fails without CUDA
+	@$(GPU_PY) -c "import torch, sys; ok = torch.cuda.is_available(); print('[gpu-check] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if ok else 'NO CUDA DEVICE'); sys.exit(0 if ok else 'gpu-check needs a CUDA device and a torch built with CUDA (GPU_PY=' + sys.executable + ')')"
+	@$(GPU_PY) -c "import pytest, lightning, hydra" || (echo "gpu-check: $(GPU_PY) lacks pytest, lightning or hydra-core; use a Python that has them (GPU_PY=...)" && exit 1)
+	PYTHONPATH=$(CURDIR) PD2BW_REQUIRE_GPU=1 $(GPU_PY) -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider
 
 BENCH_PY ?= $(BIN)/python
+gpu-bench: export PYTHONPATH := $(CURDIR)
 gpu-bench: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU machine (1 GPU, 16 cores), ~10 min: the engine's step vs Lightning on the GPU, then CPU pipelines at d = 2, 4, 8 (BENCH_PY=python3 where python3 already has torch with CUDA)
 	$(BENCH_PY) benchmarks/gpu_stage.py
 	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 2 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench

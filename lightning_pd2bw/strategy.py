@@ -66,6 +66,19 @@ from .sharded_checkpoints import StageCheckpoints
 STRATEGY_KEYS = rules.Keys(where="PipeDream2BWStrategy: ")  # the layout rules, in the constructor's names
 
 
+def check_async_checkpoint() -> None:
+    """async_checkpoint needs DCP's ``async_save(async_stager=...)`` (torch >= 2.8): refuse older torch by name."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        raise ValueError(
+            f"PipeDream2BWStrategy(async_checkpoint=True) needs torch >= 2.8 (torch.distributed.checkpoint.async_save "
+            f"with async_stager); this is torch {torch.__version__}. Upgrade torch or use async_checkpoint=False"
+        )
+
+
 def _boundary_dtype(value: str | torch.dtype | None) -> str | torch.dtype | None:
     """``"auto"``, None, or a floating-point dtype given as a ``torch.dtype`` or its name (``"bfloat16"``)."""
     if value in (None, "auto"):
@@ -174,6 +187,8 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 "(1.0: the update extrapolated one step ahead)"
             )
         self.boundary_dtype = _boundary_dtype(boundary_dtype)
+        if async_checkpoint:
+            check_async_checkpoint()
         self.async_checkpoint = async_checkpoint
         self.checkpoints = StageCheckpoints(self, asynchronous=async_checkpoint)  # sharded checkpoint I/O
         self.delay_correction = delay_correction

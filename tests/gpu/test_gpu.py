@@ -8,6 +8,7 @@ ranks on one device); the NCCL transport itself is proven by ``tests/unit/test_n
 
 from __future__ import annotations
 
+import os
 import traceback
 import warnings
 from dataclasses import replace
@@ -24,6 +25,9 @@ from lightning_pd2bw.pipeline.timeline import Recorder
 
 from ..distributed.cases import SEQ_LEN, Case, build_model, dataloader
 from ..distributed.reference import reference_weights
+
+if os.environ.get("PD2BW_REQUIRE_GPU") == "1" and not torch.cuda.is_available():  # make gpu-check: fail, not skip
+    raise RuntimeError("PD2BW_REQUIRE_GPU=1 but torch sees no CUDA device (torch.cuda.is_available() is False)")
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,6 +10,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,3 +46,20 @@ def test_wheel_installs_and_trains_from_anywhere(tmp_path):
     assert "stage 1: layers" in default and "data: the embedded corpus" in default, default
     big = run([venv / "bin" / "pd2bw-train", "recipe=gpt13b", "dry_run=true"], elsewhere).stdout
     assert "stage 7: layers" in big, big
+
+
+def test_gpu_check_fails_without_a_cuda_device():
+    """``make gpu-check`` runs with a Python that already has torch (no install) and fails, not skips, without
+    CUDA: a lent machine whose torch cannot see its GPU must not report success."""
+    import shutil
+
+    import torch
+
+    if torch.cuda.is_available() or shutil.which("make") is None:
+        pytest.skip("this check is for machines without CUDA (and with make)")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        ["make", "-s", "gpu-check", f"GPU_PY={sys.executable}"], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "NO CUDA DEVICE" in result.stdout and "needs a CUDA device" in result.stderr
