@@ -306,7 +306,7 @@ class PipelineEngine:
     def _publish_loss(self, step: int) -> None:
         """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
         if self.is_last:
-            value = torch.stack(self.executor.losses.pop(step)).mean().float()
+            value = (self.executor.losses.pop(step) / self.num_microbatches).float()
         else:
             value = torch.zeros((), device=self.device)
         last = self.grid.rank_of(self.num_stages - 1)

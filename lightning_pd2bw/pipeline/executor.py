@@ -92,7 +92,7 @@ class StageExecutor:
         self._stash: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = {}
         self._to_send: dict[int, Any] = {}
         self._grads_in: dict[int, list[torch.Tensor]] = {}
-        self.losses: dict[int, list[torch.Tensor]] = {}
+        self.losses: dict[int, torch.Tensor] = {}  # batch -> sum of its microbatches' losses (last stage)
         self.max_stashed = 0
         self.stash_bytes = 0  # boundary tensors kept for the backward: each stashed microbatch's inputs and outputs
         self.peak_stash_bytes = 0
@@ -167,7 +167,10 @@ class StageExecutor:
                 outputs = self.run_layers(inputs)
             if self.is_last:
                 loss = self.loss_fn(outputs, self._microbatches.pop(k))
-                self.losses.setdefault(action.batch, []).append(loss.detach())
+                # a running sum, not a list: m small tensors that live until the step ends, each allocated after
+                # that microbatch's activations, kept the host heap from shrinking (+120 MiB at m=48, 4 MiB messages)
+                total = self.losses.get(action.batch)
+                self.losses[action.batch] = loss.detach().float() if total is None else total + loss.detach().float()
                 self._stash[k] = (inputs, loss / self.num_microbatches)
             else:
                 self._stash[k] = (inputs, outputs)

@@ -42,7 +42,8 @@ class Scale(nn.Module):
 
 
 def main() -> None:
-    out, num_microbatches, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    out, num_microbatches, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].removesuffix("-default")
+    label = sys.argv[3]  # "2bw-default": the same run, told apart by the test that sets no allocator options
     adamw = sys.argv[4:] == ["adamw"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -69,7 +70,7 @@ def main() -> None:
         "peak_transport_bytes": max(c["peak_transport_bytes"] for c in peaks),
         "during": {key: max(c[key] for c in peaks) for key in peaks[0]},  # the largest after each batch
     }
-    name = f"memory-m{num_microbatches}-{mode}{'-adamw' if adamw else ''}-rank{dist.get_rank()}.json"
+    name = f"memory-m{num_microbatches}-{label}{'-adamw' if adamw else ''}-rank{dist.get_rank()}.json"
     (out / name).write_text(json.dumps(record))
     engine.close()
     dist.destroy_process_group()

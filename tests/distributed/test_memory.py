@@ -31,6 +31,8 @@ def measured(tmp_path_factory):
         for m in (4, 48):
             torchrun_script(SCRIPT, [str(out), str(m), mode], world=2, timeout=300, env=ALLOCATOR)
     torchrun_script(SCRIPT, [str(out), "4", "2bw", "adamw"], world=2, timeout=300, env=ALLOCATOR)
+    for m in (4, 48):  # glibc as it comes: what a user sees
+        torchrun_script(SCRIPT, [str(out), str(m), "2bw-default"], world=2, timeout=300)
     return lambda m, mode, rank: json.loads((out / f"memory-m{m}-{mode}-rank{rank}.json").read_text())
 
 
@@ -49,6 +51,16 @@ def test_peak_memory_is_flat_in_microbatches(measured, mode, rank):
         assert many["counters"][key] == 0, f"{key} after the drain"
     assert many["counters"]["max_stashed_microbatches"] == 2 - rank
     assert abs(many["counters"]["peak_stash_bytes"] - few["counters"]["peak_stash_bytes"]) < message / 64
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_peak_memory_is_flat_with_glibcs_defaults(measured, rank):
+    """With glibc's own mmap threshold the heap also keeps what small long-lived allocations pin above freed
+    activations: the last stage's per-microbatch loss tensors (a list kept until the step's end) did, +120 MiB at
+    m=48 on top of the transport's growth. Measured now: +17-20 MiB; the bound leaves room for the allocator."""
+    few, many = measured(4, "2bw-default", rank), measured(48, "2bw-default", rank)
+    growth = many["max_rss_bytes"] - few["max_rss_bytes"]
+    assert growth < 12 * few["message_bytes"], f"peak RSS grew {growth / MiB:.0f} MiB from m=4 to m=48"
 
 
 def planned(num_microbatches: int, mode: str, adamw: bool) -> list[dict[str, float]]:
