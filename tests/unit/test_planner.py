@@ -146,7 +146,7 @@ def test_partition_balances_time_not_layer_count():
 def test_partition_respects_memory_and_shifts_layers_off_the_first_stage():
     # the first stage stashes d microbatches, the last one: memory pushes layers to the back
     layers = [LayerProfile(1, 2, 1000.0, 0, 0)] * 6
-    profile = ModelProfile(layers)
+    profile = ModelProfile(layers, communicator_bytes=0.0)  # the stash alone (no NCCL buffers: gloo)
     balanced = partition(profile, Candidate(1, 2, 1, False), 4, float("inf"))
     assert balanced == [range(0, 3), range(3, 6)]
     # stage 0: 2 stashed x 2 layers + one layer's backward workspace; stage 1: 1 x 4 layers + workspace
