@@ -1,4 +1,5 @@
-"""Run metrics for the progress bar and any logger: tokens/s, samples/s, MFU, learning rate, memory per stage."""
+"""Run metrics for the progress bar and any logger: tokens/s, samples/s, MFU, learning rate, memory per stage, and
+the graphs ``torch.compile`` built (``strategy.compile``)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,17 @@ def compute_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision.startswith("64") else torch.float32
 
 
+def compile_counters(trainer: pl.Trainer) -> list[float] | None:
+    """This rank's ``[graphs, recompiles after warm-up]`` when the strategy compiles its layers, else None."""
+    engine = getattr(trainer.strategy, "engine", None)
+    meter = getattr(engine, "compile_meter", None)
+    return [float(meter.graphs), float(meter.recompiles_after_warmup)] if meter is not None else None
+
+
 class RunMetrics(Callback):
-    """Logs ``tokens_per_sec`` (progress bar), ``samples_per_sec``, ``mfu``, ``lr`` and peak memory per stage.
+    """Logs ``tokens_per_sec`` (progress bar), ``samples_per_sec``, ``mfu``, ``lr`` and peak memory per stage; with
+    ``strategy.compile``, ``compile/graphs`` and ``compile/recompiles_after_warmup`` summed over ranks (also at the
+    end of each training epoch, so that the run's summary holds the final counts).
 
     Rates come from Lightning's ``Throughput`` over the steps since the previous log, counted once per
     *pipeline*: every stage of a pipeline works on the same samples, so Throughput's world size is the
@@ -97,13 +107,31 @@ class RunMetrics(Callback):
         if "device/mfu" in rates:
             metrics["mfu"] = rates["device/mfu"]
         device = trainer.strategy.root_device  # the collective's device: NCCL groups take only GPU tensors
-        memory = torch.tensor([peak_memory_bytes(device) / 1024**3], device=device)
-        per_rank = trainer.strategy.all_gather(memory).flatten().tolist()
+        compiled = compile_counters(trainer)
+        values = torch.tensor([peak_memory_bytes(device) / 1024**3, *(compiled or [])], device=device)
+        gathered = trainer.strategy.all_gather(values).reshape(-1, len(values))
+        per_rank = gathered[:, 0].tolist()
         stages = getattr(trainer.strategy, "num_stages", 0)
         if stages:  # pd2bw: ranks 0..d-1 are replica 0's stages
             metrics |= {f"memory/stage{stage}_gib": per_rank[stage] for stage in range(stages)}
         else:
             metrics |= {f"memory/rank{rank}_gib": value for rank, value in enumerate(per_rank)}
+        if compiled is not None:
+            metrics |= _compile_metrics(gathered[:, 1:])
         tokens = rates["device/items_per_sec"] * self._width
         pl_module.log("tokens_per_sec", tokens, prog_bar=True, on_step=True, on_epoch=False)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compiled = compile_counters(trainer)
+        if compiled is None:
+            return
+        values = torch.tensor(compiled, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(values).reshape(-1, len(values))
+        pl_module.log_dict(_compile_metrics(gathered), on_step=False, on_epoch=True, sync_dist=False)
+
+
+def _compile_metrics(per_rank: torch.Tensor) -> dict[str, float]:
+    """``[graphs, recompiles]`` per rank -> the job's totals."""
+    graphs, recompiles = per_rank.sum(dim=0).tolist()
+    return {"compile/graphs": graphs, "compile/recompiles_after_warmup": recompiles}

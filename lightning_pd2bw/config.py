@@ -111,6 +111,9 @@ class StrategySchema:
     delay_correction_strength: float = _STRATEGY["delay_correction_strength"]  # beta of W + D + beta (D - D_prev)
     boundary_dtype: str | None = _STRATEGY["boundary_dtype"]  # auto: bfloat16 at stage cuts under bf16-mixed | null
     async_checkpoint: bool = _STRATEGY["async_checkpoint"]  # true: checkpoints written in the background (DCP)
+    compile: Any = _STRATEGY[
+        "compile"
+    ]  # true | {backend: ..., mode: ..., fullgraph: ...}: torch.compile each stage's layers
 
 
 @dataclass

@@ -50,6 +50,7 @@ from .contract import pipeline_layers_of
 from .drain_callback import DrainBeforeTrainEnd
 from .pipeline import layout as rules
 from .pipeline import watchdog
+from .pipeline.compiled import compile_options
 from .pipeline.delay_correction import METHODS as delay_correction_methods
 from .pipeline.engine import PipelineEngine, describe_rank, device_barrier
 from .pipeline.executor import StageExecutor
@@ -132,6 +133,10 @@ class PipeDream2BWStrategy(ParallelStrategy):
             waits only while each rank copies its state to host memory (one copy of the stage's weights and
             optimizer state, pinned on GPUs); the files are written, and the checkpoint published, in the
             background over a gloo group of its own. The next save and the end of training wait for it.
+        compile: ``True`` compiles each stage's layers with ``torch.compile`` (per layer, in place: names, hooks and
+            checkpoints unchanged); a mapping passes its keys to ``torch.compile`` (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``). The run logs ``compile/graphs`` and
+            ``compile/recompiles_after_warmup`` (summed over ranks). CUDA-graph modes are refused under 2BW.
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use); each replica's
             dataloader is re-batched to its share.
@@ -164,6 +169,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         boundary_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
         lookahead: int = 0,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         rules.check_mode(mode, STRATEGY_KEYS)
@@ -187,6 +193,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
                 "(1.0: the update extrapolated one step ahead)"
             )
         self.boundary_dtype = _boundary_dtype(boundary_dtype)
+        self.compile = compile_options(compile, mode, "PipeDream2BWStrategy(compile=...)")
         if async_checkpoint:
             check_async_checkpoint()
         self.async_checkpoint = async_checkpoint
@@ -446,6 +453,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
             names=self.checkpoints.parameter_names,
             progress=self.progress,
             info=rank_zero_info,
+            compile=self.compile,
         )
         self.stage_layers = self.engine.stage_layers
         place_module(module, self.root_device)

@@ -15,12 +15,23 @@ from .core import warmup_cosine
 OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
+def implementation(params: list[nn.Parameter]) -> dict[str, bool]:
+    """The fastest implementation torch has for the parameters' device: ``fused=True`` (one kernel for every tensor's
+    update) on CUDA, ``foreach=True`` (one op per step over all tensors) elsewhere. Both compute the per-tensor
+    rule's update, to floating-point rounding; the step post-hooks (sparsity masks) and the delay correction read
+    the weights after the step, whichever implementation ran it."""
+    devices = {p.device.type for p in params}
+    if devices == {"cuda"}:
+        return {"fused": True}
+    return {"foreach": True} if devices <= {"cpu", "cuda"} else {}
+
+
 def adamw(params: list[nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
-    """AdamW without weight decay on biases and norms (1-D tensors)."""
+    """AdamW without weight decay on biases and norms (1-D tensors); fused on CUDA, foreach on the CPU."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **implementation(params))
 
 
 def build_optimizers(
@@ -33,9 +44,15 @@ def build_optimizers(
     momentum: float = 0.0,
 ) -> list[torch.optim.Optimizer]:
     """``adamw`` | ``sgd`` | ``muon``: Muon for ``matrices`` (the blocks' weight matrices) and AdamW for the rest
-    of ``params`` (embeddings, the head, norms, biases), as Muon's recipe pairs them."""
+    of ``params`` (embeddings, the head, norms, biases), as Muon's recipe pairs them.
+
+    Under ``strategy="pd2bw"`` the parameters of other stages are placeholders on the meta device: they are left
+    out here (the engine would drop them), so that the fused CUDA kernels, which refuse meta tensors, can be used."""
+    if any(not p.is_meta for p in params):
+        params = [p for p in params if not p.is_meta]
+        matrices = [p for p in matrices if not p.is_meta]
     if optimizer == "sgd":
-        return [torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)]
+        return [torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **implementation(params))]
     if optimizer == "adamw":
         return [adamw(params, lr, weight_decay, betas)]
     if optimizer == "muon":

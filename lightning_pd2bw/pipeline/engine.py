@@ -19,7 +19,7 @@ Every rank of one pipeline must feed the same batch (the first stage reads its i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch import nn
 from . import schedule, watchdog
 from .build import build_stage
 from .comm import StageLink
+from .compiled import CompileMeter, compile_layers, compile_options
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
@@ -81,6 +82,8 @@ class PipelineEngine:
             neighbours (default ``comm.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
         progress: ticked at every action (a watchdog reads it); info: rank-0 messages.
+        compile: ``True`` or ``torch.compile``'s keyword arguments: compile each of this stage's layers in place
+            (``compiled.py``); ``counters()`` then reports ``compile/graphs`` and ``compile/recompiles_after_warmup``.
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class PipelineEngine:
         transport: Callable[..., StageLink] = StageLink,
         progress: watchdog.Progress | None = None,
         info: Callable[[str], None] = _rank_zero_print,
+        compile: bool | Mapping[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -144,6 +148,10 @@ class PipelineEngine:
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
         self._names = names or self._layer_names
+        self.compile = compile_options(compile, self.mode, "PipelineEngine(compile=...)")
+        self.compile_meter = CompileMeter() if self.compile is not None else None
+        if self.compile is not None:
+            compile_layers(self.layers, self.compile)
         self._closed = False
 
     # ------------------------------------------------------------------ the stage
@@ -260,7 +268,11 @@ class PipelineEngine:
             "peak_transport_bytes": link.peak_held_bytes,
             "pending_sends": link.pending_sends,
             "peak_pending_sends": link.peak_pending_sends,
-        }
+        } | (self.compile_meter.counters() if self.compile_meter is not None else {})
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        """Counts the graphs ``torch.compile`` builds during one train batch, drain, evaluation or prediction."""
+        return self.compile_meter.phase(name) if self.compile_meter is not None else nullcontext()
 
     # ------------------------------------------------------------------ training
     def train_batch(
@@ -282,7 +294,7 @@ class PipelineEngine:
         if self.update.buckets is not None:  # e.g. Lightning's module.zero_grad() before validation set them to None
             self.update.buckets.attach()
         actions = self.actions(step)
-        with context or nullcontext():
+        with context or nullcontext(), self._phase("train"):
             executor.run(actions, self.update.step, self.update.run_part)
         executor.versions.use_latest()  # between batches the stage holds the newest weights
         self._publish_loss(step)
@@ -321,7 +333,8 @@ class PipelineEngine:
         if self.mode == "2bw" and self.ledger.next_batch > 0:
             last = self.ledger.next_batch - 1
             actions = self.actions(last, drain=True)
-            self.executor.run(actions, self.update.step, self.update.run_part)
+            with self._phase("drain"):
+                self.executor.run(actions, self.update.step, self.update.run_part)
             self.executor.finish_drain()
         if self.policy.on_nonfinite == "stop":
             self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
@@ -368,7 +381,7 @@ class PipelineEngine:
         metrics' means over the microbatches."""
         executor = self._started()
         metrics_fn = metrics_fn or (lambda output, micro: {"loss": self.loss_fn(output, micro)})
-        with context or nullcontext():
+        with context or nullcontext(), self._phase("evaluate"):
             results = executor.evaluate(self._split_for_evaluation(batch), metrics_fn)
         message = [None]
         if self.is_last:
@@ -388,7 +401,7 @@ class PipelineEngine:
         dimension 0, on its device."""
         executor = self._started()
         predict_fn = predict_fn or (lambda output, _: output)
-        with context or nullcontext():
+        with context or nullcontext(), self._phase("predict"):
             results = executor.evaluate(self._split_for_evaluation(batch), predict_fn)
         message = [join_microbatches(to_device(results, torch.device("cpu")))] if self.is_last else [None]
         dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)

@@ -55,6 +55,9 @@ def reference_run(
     configured = model.configure_optimizers()
     entries = configured if isinstance(configured, list) else [configured]
     optimizers = [e["optimizer"] if isinstance(e, dict) else e for e in entries]
+    for group in (g for optimizer in optimizers for g in optimizer.param_groups):
+        # the per-tensor loop: the pipeline's models step with foreach (CPU) or fused (CUDA) kernels
+        group.update({k: False for k in ("foreach", "fused") if group.get(k)})
     schedulers = [e["lr_scheduler"]["scheduler"] for e in entries if isinstance(e, dict)]
     names = dict(model.named_parameters())
     masks = {n: m for n, p in names.items() if case.mask and (m := mask_for(n, p)) is not None}

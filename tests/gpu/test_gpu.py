@@ -175,3 +175,24 @@ def test_timeline_recorder_uses_cuda_events_not_syncs():
     assert all(e.end > e.start for e in events)
     assert all(a.end <= b.start + 1e-6 for a, b in zip(events, events[1:]))
     print(f"\n[gpu-check] recorder: 2048^2 matmul + tanh spans {[round(e.seconds * 1e3, 3) for e in events]} ms")
+
+
+def test_models_optimizers_are_fused_on_the_gpu_and_step_as_the_per_tensor_loop():
+    from lightning_pd2bw.models import GPTConfig, GPTCore
+    from lightning_pd2bw.models.optim import build_optimizers
+
+    core = GPTCore(GPTConfig.from_name("tiny", n_layer=2)).cuda()
+    params = list(core.parameters())
+    [fused] = build_optimizers(params, [], "adamw", lr=1e-2)
+    assert fused.defaults["fused"] and not fused.defaults.get("foreach")
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    [loop] = build_optimizers(twins, [], "adamw", lr=1e-2)
+    for group in loop.param_groups:
+        group["fused"] = False
+    for step in range(3):
+        for tensors, optimizer in ((params, fused), (twins, loop)):
+            for index, param in enumerate(tensors):
+                param.grad = torch.full_like(param, 0.01 * (step + index + 1))
+            optimizer.step()
+    for a, b in zip(params, twins):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -41,3 +41,41 @@ def test_schedule_warms_up_then_decays_to_its_floor():
 def test_unknown_optimizer_names_the_valid_ones():
     with pytest.raises(ValueError, match="optimizer='lion' is not supported; valid: adamw, sgd, muon"):
         build_optimizers([torch.nn.Parameter(torch.zeros(2, 2))], [], "lion")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_models_step_with_foreach_kernels_on_the_cpu_as_the_per_tensor_loop_does(name):
+    """The models' optimizers use torch's multi-tensor kernels (``foreach`` on the CPU; ``fused`` on CUDA, checked
+    in tests/gpu): the same update as the per-tensor loop, masked weights staying zero under a step post-hook."""
+    torch.manual_seed(0)
+    core = GPTCore(GPTConfig.from_name("tiny", n_layer=2))
+    params = [p for p in core.parameters()]
+    [fast] = build_optimizers(params, [], name, lr=1e-2, momentum=0.9)
+    assert all(group["foreach"] for group in fast.param_groups) and not fast.defaults.get("fused")
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    [loop] = build_optimizers(twins, [], name, lr=1e-2, momentum=0.9)
+    for group in loop.param_groups:
+        group["foreach"] = False
+    masked = next(i for i, p in enumerate(params) if p.dim() == 2)
+    mask = torch.rand_like(params[masked]) > 0.5
+    for optimizer, tensors in ((fast, params), (loop, twins)):
+        optimizer.register_step_post_hook(lambda *_, t=tensors: t[masked].data.mul_(mask))
+    for step in range(4):
+        for tensors, optimizer in ((params, fast), (twins, loop)):
+            for index, param in enumerate(tensors):
+                param.grad = torch.sin(torch.arange(param.numel(), dtype=torch.float32) + step + index).view_as(param)
+            optimizer.step()
+    for a, b in zip(params, twins):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert (params[masked][~mask] == 0).all() and params[masked][mask].abs().min() > 0
+
+
+def test_placeholders_of_other_stages_are_left_out_of_the_models_optimizers():
+    """Under strategy="pd2bw" other stages' parameters are meta placeholders: the optimizers hold the real ones
+    (so that fused CUDA kernels, which refuse meta tensors, can be used); all-meta parameters are kept as given."""
+    real = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    meta = [torch.nn.Parameter(torch.zeros(2, 2, device="meta"))]
+    [optimizer] = build_optimizers(real + meta, [], "adamw")
+    assert [p for g in optimizer.param_groups for p in g["params"]] == real
+    [on_meta] = build_optimizers(meta, [], "adamw")
+    assert [p for g in on_meta.param_groups for p in g["params"]] == meta
