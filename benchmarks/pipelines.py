@@ -36,10 +36,11 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLUSHING = ("gpipe", "1f1b", "flush")  # schedules that drain every batch: bubble m/(m+d-1)
-KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw", "2bw+ef", "2bw+la"]
-# 2bw+ef: with the delay correction; 2bw+la: lookahead=1 (one more forward in flight before the last stage)
-PD2BW = ("flush", "2bw", "2bw+ef", "2bw+la")  # ours: traced, so their bubble is known
+FLUSHING = ("gpipe", "1f1b", "flush", "flush+compile")  # schedules that drain every batch: bubble m/(m+d-1)
+KINDS = ["single", "ddp", "gpipe", "1f1b", "flush", "2bw", "2bw+ef", "2bw+la", "2bw+compile", "flush+compile"]
+# 2bw+ef: with the delay correction; 2bw+la: lookahead=1 (one more forward in flight before the last stage);
+# +compile: compile=True (torch.compile per layer, inductor)
+PD2BW = ("flush", "2bw", "2bw+ef", "2bw+la", "2bw+compile", "flush+compile")  # ours: traced, so their bubble is known
 MiB = 2**20
 
 

@@ -6,7 +6,8 @@
 ``BENCH_DEPTH=1`` runs pd2bw's kinds at depth 1 over every process (replicas only: the gradient buckets' case).
 ``kind``: ``single`` (Lightning, one device), ``ddp`` (Lightning DDP), ``gpipe`` / ``1f1b``
 (``torch.distributed.pipelining``'s ScheduleGPipe / Schedule1F1B, a plain training loop), ``flush`` /
-``2bw`` (Lightning + pd2bw; ``2bw+ef`` with the delay correction, ``2bw+la`` with ``lookahead=1``). The global batch is ``m`` microbatches of ``MICRO`` sequences; the
+``2bw`` (Lightning + pd2bw; ``2bw+ef`` with the delay correction, ``2bw+la`` with ``lookahead=1``, ``2bw+compile`` and
+``flush+compile`` with ``compile=True``: inductor, per layer; its compilation falls in the warm-up steps). The global batch is ``m`` microbatches of ``MICRO`` sequences; the
 pipelines use depth = processes and ``m`` microbatches. Each rank writes ``OUT/rank-R.json``: steady-
 state samples/s (steps after ``WARMUP``), weight bytes it holds (x versions), the peak bytes autograd
 held for backward (``ActivationMeter``), and for pd2bw the bubble fraction from the timeline.
@@ -98,11 +99,12 @@ def lightning_run(kind: str, m: int, data: LMDataset, trace: bool, out: Path) ->
     probe = Probe(meter)
     callbacks: list[pl.Callback] = [probe]
     tracer = None
-    if kind in ("flush", "2bw", "2bw+ef", "2bw+la"):
+    if kind in ("flush", "2bw", "2bw+ef", "2bw+la", "2bw+compile", "flush+compile"):
         strategy: Any = PipeDream2BWStrategy(
             num_stages=depth,
             num_microbatches=m,
-            mode="flush" if kind == "flush" else "2bw",
+            mode="flush" if kind.startswith("flush") else "2bw",
+            compile=kind.endswith("+compile"),
             delay_correction="error_feedback" if kind == "2bw+ef" else None,
             lookahead=1 if kind == "2bw+la" else 0,
             layers_per_stage=even_cut(len(model.pipeline_layers()), depth),

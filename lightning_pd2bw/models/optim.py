@@ -46,16 +46,16 @@ def build_optimizers(
     """``adamw`` | ``sgd`` | ``muon``: Muon for ``matrices`` (the blocks' weight matrices) and AdamW for the rest
     of ``params`` (embeddings, the head, norms, biases), as Muon's recipe pairs them.
 
-    Under ``strategy="pd2bw"`` the parameters of other stages are placeholders on the meta device: they are left
-    out here (the engine would drop them), so that the fused CUDA kernels, which refuse meta tensors, can be used."""
-    if any(not p.is_meta for p in params):
-        params = [p for p in params if not p.is_meta]
-        matrices = [p for p in matrices if not p.is_meta]
+    Under ``strategy="pd2bw"`` the parameters of other stages are placeholders on the meta device: each optimizer
+    leaves them out when it has real ones (the engine would drop them), so that the fused CUDA kernels, which
+    refuse meta tensors, can be used; an optimizer with no parameter on this stage keeps its placeholders."""
+    params = _real_or_all(params)
     if optimizer == "sgd":
         return [torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **implementation(params))]
     if optimizer == "adamw":
         return [adamw(params, lr, weight_decay, betas)]
     if optimizer == "muon":
+        matrices = _real_or_all(matrices)
         chosen = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in chosen]
         muon = torch.optim.Muon(
@@ -63,6 +63,11 @@ def build_optimizers(
         )
         return [muon, adamw(rest, lr, weight_decay, betas)]
     raise ValueError(f"optimizer={optimizer!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
+
+
+def _real_or_all(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters that are not meta placeholders, or all of them when every one is."""
+    return [p for p in params if not p.is_meta] or list(params)
 
 
 def block_matrices(blocks: list[nn.Module]) -> list[nn.Parameter]:
