@@ -9,7 +9,12 @@ batch (``m`` microbatches of ``--micro`` sequences) is trained by
 
 - ``lightning``: plain Lightning on one device, ``accumulate_grad_batches=m`` (the reference step);
 - ``flush`` / ``2bw``: ``PipeDream2BWStrategy(num_stages=1, num_microbatches=m)``, the pipeline engine's
-  step (executor, weight versions, update path) on one stage.
+  step (executor, weight versions, update path) on one stage;
+- ``lightning+compile`` / ``2bw+compile`` / ``flush+compile``: the same with each layer under ``torch.compile``
+  (``compile=True``; plain Lightning's layers compiled the same way, per layer, in place). The models' AdamW is
+  fused on CUDA in every run.
+
+    python benchmarks/gpu_stage.py --runs lightning+compile,2bw+compile,flush+compile   # issue 36's MFU target
 
 Each run reports the steady-state step time (after ``--warmup`` steps, the device synchronised at each
 optimizer step in every run), tokens/s and MFU from Lightning's ``Throughput`` with the device's peak from
@@ -35,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.models import GPT, GPTConfig
+from lightning_pd2bw.pipeline.compiled import compile_layers
 from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
@@ -90,15 +96,27 @@ def predicted_stage_bytes(config: GPTConfig, batch: dict[str, torch.Tensor], mic
     return float(sum(parts.values()))
 
 
+class CompileLayers(pl.Callback):
+    """Plain Lightning's layers compiled as ``compile=True`` compiles a stage's: per layer, in place."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        compile_layers(list(pl_module.pipeline_layers()), {})
+
+
 def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -> dict[str, Any]:
     pl.seed_everything(0)
     model = GPT(config, lr=1e-4)
     m, micro = args.m, args.micro
-    if kind == "lightning":
+    base, compiled = kind.removesuffix("+compile"), kind.endswith("+compile")
+    callbacks: list[pl.Callback] = []
+    if base == "lightning":
         strategy: Any = "auto"
         batch, accumulate = micro, m
+        callbacks = [CompileLayers()] if compiled else []
     else:
-        strategy = PipeDream2BWStrategy(num_stages=1, num_microbatches=m, mode=kind, failure_timeout=None)
+        strategy = PipeDream2BWStrategy(
+            num_stages=1, num_microbatches=m, mode=base, failure_timeout=None, compile=compiled
+        )
         batch, accumulate = m * micro, 1
     clock = StepClock(accumulate)
     trainer = pl.Trainer(
@@ -113,7 +131,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[clock],
+        callbacks=[clock, *callbacks],
     )
     before = torch.cuda.memory_allocated()  # what earlier runs left (the process group's buffers, caches)
     torch.cuda.reset_peak_memory_stats()
@@ -137,9 +155,9 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         "mfu": rates.get("device/mfu"),
         "max_memory_allocated": peak,
     }
-    if kind != "lightning":
+    if base != "lightning":
         sample = next(iter(DataLoader(data, batch_size=micro)))
-        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, kind)
+        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, base)
     print(f"[gpu_stage] {record}", file=sys.stderr, flush=True)
     del trainer, model
     gc.collect()
@@ -167,16 +185,17 @@ def main() -> None:
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; GPT {args.layers} x {config.n_embd} (heads "
         f"{config.n_head}, vocab {config.vocab_size}), seq {args.seq}, microbatch {args.micro}, m = {args.m}, bf16-mixed"
     )
-    base = next((r for r in records if r["kind"] == "lightning"), None)
+    bases = {r["kind"]: r for r in records if r["kind"].startswith("lightning")}
     print(
-        f"{'run':>9} | {'step s':>7} {'vs Lightning':>12} | {'tokens/s':>9} {'MFU':>6} | {'peak GiB':>8} {'planner GiB':>11}"
+        f"{'run':>17} | {'step s':>7} {'vs Lightning':>12} | {'tokens/s':>9} {'MFU':>6} | {'peak GiB':>8} {'planner GiB':>11}"
     )
     for r in records:
-        overhead = f"{r['step_s'] / base['step_s'] - 1:+.1%}" if base else "-"
+        base = bases.get("lightning+compile" if r["kind"].endswith("+compile") else "lightning")
+        overhead = f"{r['step_s'] / base['step_s'] - 1:+.1%}" if base else "-"  # against Lightning compiled alike
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         predicted = f"{r['predicted_bytes'] / GiB:.2f}" if "predicted_bytes" in r else "-"
         print(
-            f"{r['kind']:>9} | {r['step_s']:>7.4f} {overhead:>12} | {r['tokens_per_sec']:>9.0f} {mfu:>6} | "
+            f"{r['kind']:>17} | {r['step_s']:>7.4f} {overhead:>12} | {r['tokens_per_sec']:>9.0f} {mfu:>6} | "
             f"{r['max_memory_allocated'] / GiB:>8.2f} {predicted:>11}"
         )
     for r in records:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.pipeline.compiled import compile_options
 
 from .launch import torchrun_script
@@ -99,6 +100,8 @@ def test_compile_options_are_checked_by_name():
     assert compile_options({"mode": "reduce-overhead"}, "flush") == {"mode": "reduce-overhead"}
     with pytest.raises(ValueError, match="compile='yes' is invalid"):
         compile_options("yes", "2bw")
+    with pytest.raises(ValueError, match=r"PipeDream2BWStrategy\(compile=...\) has unknown key\(s\) \['fulgraph'\]"):
+        PipeDream2BWStrategy(compile={"fulgraph": True})
 
 
 def test_cli_compile_reports_graphs_and_no_recompiles_in_the_summary(tmp_path):
