@@ -7,6 +7,7 @@ the strategy calls the three pieces itself, stage by stage.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
@@ -18,7 +19,22 @@ from .core import IGNORE_INDEX, init_layer, lm_loss
 from .optim import block_matrices, build_optimizers, warmup_cosine_schedule
 from .transformer import Block
 
-__all__ = ["IGNORE_INDEX", "PipelineLanguageModel"]
+__all__ = ["IGNORE_INDEX", "PipelineLanguageModel", "config_from"]
+
+
+def config_from(value: Any, cls: type) -> Any:
+    """``value`` as a ``cls`` (a dataclass): the hyper-parameters store the config as a dict, which
+    ``Model.load_from_checkpoint`` passes back to the constructor."""
+    return cls(**value) if isinstance(value, Mapping) else value
+
+
+def _config_dict(config: Any) -> Any:
+    """The config as the hyper-parameters keep it: Hugging Face's ``to_dict()`` (it names the ``model_type``, which
+    ``asdict`` of transformers 5's dataclass configs leaves out), a dataclass's fields, else its repr (a factory:
+    pass ``config=`` again to ``load_from_checkpoint``)."""
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return asdict(config) if is_dataclass(config) else repr(config)
 
 
 class PipelineLanguageModel(pl.LightningModule):
@@ -39,7 +55,7 @@ class PipelineLanguageModel(pl.LightningModule):
         super().__init__()
         self.config = config
         self.save_hyperparameters(
-            {"config": asdict(config) if is_dataclass(config) else getattr(config, "to_dict", lambda: repr(config))()}
+            {"config": _config_dict(config)}
             | {
                 "optimizer": optimizer,
                 "lr": lr,

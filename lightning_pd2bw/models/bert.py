@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import IGNORE_INDEX, PipelineLanguageModel
+from .base import IGNORE_INDEX, PipelineLanguageModel, config_from
 from .core import BERT_PRESETS, BERTConfig, MLMHead, bert_layers
 
 __all__ = ["BERT", "BERT_PRESETS", "BERTConfig", "MLMHead"]
@@ -16,8 +17,8 @@ __all__ = ["BERT", "BERT_PRESETS", "BERTConfig", "MLMHead"]
 class BERT(PipelineLanguageModel):
     """Masked language model: ``labels`` hold the original token at masked positions, -100 elsewhere."""
 
-    def __init__(self, config: BERTConfig | None = None, **optim: Any) -> None:
-        super().__init__(config or BERTConfig(), **optim)
+    def __init__(self, config: BERTConfig | Mapping[str, Any] | None = None, **optim: Any) -> None:
+        super().__init__(config_from(config, BERTConfig) or BERTConfig(), **optim)
 
     def build_layers(self) -> list[nn.Module]:
         return bert_layers(self.config)

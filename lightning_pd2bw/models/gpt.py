@@ -6,12 +6,13 @@ Layers: ``[TokenEmbedding, Block x n_layer, LMHead]``; the head's weight *is* th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .base import PipelineLanguageModel
+from .base import PipelineLanguageModel, config_from
 from .core import BYTE_VOCAB, GPT_PRESETS, IGNORE_INDEX, GPTConfig, LMHead, gpt_layers
 
 __all__ = ["BYTE_VOCAB", "GPT", "GPT_PRESETS", "GPTConfig", "LMHead"]
@@ -20,8 +21,8 @@ __all__ = ["BYTE_VOCAB", "GPT", "GPT_PRESETS", "GPTConfig", "LMHead"]
 class GPT(PipelineLanguageModel):
     """Causal language model on bytes (or any vocabulary)."""
 
-    def __init__(self, config: GPTConfig | None = None, **optim: Any) -> None:
-        super().__init__(config or GPTConfig(), **optim)
+    def __init__(self, config: GPTConfig | Mapping[str, Any] | None = None, **optim: Any) -> None:
+        super().__init__(config_from(config, GPTConfig) or GPTConfig(), **optim)
 
     def build_layers(self) -> list[nn.Module]:
         return gpt_layers(self.config)

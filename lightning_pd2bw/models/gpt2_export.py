@@ -72,6 +72,9 @@ def save_gpt2(directory: str | Path, state: dict[str, torch.Tensor], config: dic
         attn_pdrop=0.0,
         layer_norm_epsilon=1e-5,
         tie_word_embeddings=True,
+        # GPT-2's defaults (50256) name tokens a smaller vocabulary (bytes: 256) does not have; ours has no BOS/EOS
+        bos_token_id=_token_id(50256, config["vocab_size"]),
+        eos_token_id=_token_id(50256, config["vocab_size"]),
     )
     with torch.device("meta"):
         model = GPT2LMHeadModel(hf_config)
@@ -79,6 +82,11 @@ def save_gpt2(directory: str | Path, state: dict[str, torch.Tensor], config: dic
     model.tie_weights()
     model.save_pretrained(directory)
     return Path(directory)
+
+
+def _token_id(default: int, vocab_size: int) -> int | None:
+    """GPT-2's special token id where the vocabulary has it, else None (no such token)."""
+    return default if default < vocab_size else None
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:

@@ -7,6 +7,7 @@ applies the optimizer update of ``batch`` (gradient reductions, clipping, ``opti
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -101,6 +102,7 @@ class StageExecutor:
         self.progress: Any = None  # set a watchdog.Progress to publish every action (hang detection)
         self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
         self._backwards: dict[int, int] = {}  # batch -> backwards run on this stage
+        self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -124,10 +126,36 @@ class StageExecutor:
 
     # ----------------------------------------------------------------- compute
     def run_layers(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        """The stage's layers in order: a tuple a layer returns is the next layer's positional arguments."""
         value: Any = inputs if len(inputs) > 1 else inputs[0]
-        for layer in self.layers:
-            value = layer(*value) if isinstance(value, tuple) else layer(value)
+        for index, layer in enumerate(self.layers):
+            if isinstance(value, tuple):
+                self._check_takes(index, len(value))
+                value = layer(*value)
+            else:
+                value = layer(value)
         return value
+
+    def _check_takes(self, index: int, count: int) -> None:
+        """A clear error, before the call, when layer ``index`` cannot take ``count`` positional arguments."""
+        if (index, count) in self._takes:
+            return
+        layer = self.layers[index]
+        try:
+            signature = inspect.signature(layer.forward)
+        except (TypeError, ValueError):  # no signature to read (a builtin): let the call speak
+            self._takes.add((index, count))
+            return
+        try:
+            signature.bind(*range(count))
+        except TypeError:
+            raise TypeError(
+                f"pd2bw: layer {index} of stage {self.stage} ({type(layer).__name__}.forward{signature}) receives the "
+                f"previous layer's tuple of {count} values as positional arguments (layer(*outputs)), and its "
+                f"forward cannot take {count}. Give forward one parameter per element of the tuple, in order "
+                "(e.g. forward(self, hidden, mask)), or return fewer values from the layer before it"
+            ) from None
+        self._takes.add((index, count))
 
     def _boundary(self, outputs: Any) -> tuple[torch.Tensor, ...]:
         """What crosses to the next stage: a tensor or a tuple of tensors, else an error naming the layer."""
