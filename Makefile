@@ -3,13 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test soak lint schedules gpu-check gpu-bench
+.PHONY: venv train test docs soak lint schedules gpu-check gpu-bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 -c constraints.txt
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,wandb,hf,plot]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,wandb,hf,plot,docs]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -17,10 +17,14 @@ venv: $(BIN)/.installed
 train: venv  ## the default recipe: a small GPT, 2BW over 2 CPU processes (or 2 GPUs)
 	$(BIN)/pd2bw-train $(ARGS)
 
-test: venv  ## lint + every test that fits CI's budget
-	$(BIN)/ruff check lightning_pd2bw tests
-	$(BIN)/ruff format --check lightning_pd2bw tests
+test: venv  ## lint + the docs build (strict) + every test that fits CI's budget
+	$(BIN)/ruff check lightning_pd2bw tests benchmarks examples
+	$(BIN)/ruff format --check lightning_pd2bw tests benchmarks examples
+	$(MAKE) --no-print-directory docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+docs: venv  ## the documentation site from docs/ into build/site (strict: a broken link or reference fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine counters stay bounded
 	OMP_NUM_THREADS=1 PD2BW_SOAK_STEPS=$${PD2BW_SOAK_STEPS:-3000} $(BIN)/python -m pytest -q tests/distributed/test_soak.py

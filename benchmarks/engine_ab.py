@@ -10,7 +10,7 @@ sequences cut into that many microbatches) and ``PipelineEngine`` keywords (``re
 B, in the order A B, B A, A B, ... so that a steady drift of the machine favours neither, each a fresh engine on the
 same initial weights and the same batches (the benchmark GPT of ``pipelines_run.py``: 8 x 384, seq 128, microbatches
 of 4 sequences, depth = processes, embedding and head on the end stages): one untimed step, then ``--steps`` timed
-steps and the drain, between two barriers. This machine's speed moves by 10-20% within minutes (README: Timelines
+steps and the drain, between two barriers. This machine's speed moves by 10-20% within minutes (docs/benchmarks.md: Timelines
 and benchmarks), which is the size of the effects worth measuring; a ratio taken within one round, seconds apart,
 does not see that. Rank 0 prints each round's samples/s and B/A, then the median ratio and its quartiles.
 """

@@ -1,5 +1,5 @@
 """The pipeline engine: plain PyTorch, no Lightning. Schedules are data; one executor runs them;
-``PipelineEngine`` owns a stage's whole step (README, "Without Lightning")."""
+``PipelineEngine`` owns a stage's whole step (docs/engine.md)."""
 
 from .engine import PipelineEngine
 from .layout import Layout

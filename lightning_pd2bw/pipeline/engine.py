@@ -3,7 +3,7 @@
 The engine owns the whole step of its stage: it cuts the model (``Layout``), materialises and initialises only
 this stage's layers, builds the process groups, runs each batch's schedule (``schedule.segment``) with the
 executor, applies every update (``update.UpdateRule``), drains, evaluates and predicts. The Lightning strategy
-is an adapter around it; a plain PyTorch loop drives it directly (README, "Without Lightning")::
+is an adapter around it; a plain PyTorch loop drives it directly (docs/engine.md)::
 
     dist.init_process_group("gloo")                       # torchrun: every rank runs this script
     layers = model.pipeline_layers()                      # ordered layers (meta or real tensors)
@@ -63,25 +63,31 @@ class PipelineEngine:
         layers: the model's ordered pipeline layers (layer ``i``'s output is layer ``i + 1``'s input); layers of
             other stages are released to the meta device here, this stage's are materialised on ``device``.
         layout: depth, microbatches, mode and the stage cut; the width is ``world_size // num_stages``.
-        input_fn: ``batch -> inputs`` of the first layer (first stage); ``loss_fn(output, batch) -> loss`` of a
-            microbatch (last stage; the update averages it over microbatches and replicas).
+        input_fn: ``batch -> inputs`` of the first layer (first stage).
+        loss_fn: ``loss_fn(output, batch) -> loss`` of a microbatch (last stage; the update averages it over
+            microbatches and replicas).
         device: this stage's device (default: ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU).
+        grid: the process grid (default: the layout's over the default group).
         init_layer: ``init_layer(index)`` initialises layer ``index`` when the model was built on the meta device
-            (default: each module's ``reset_parameters``); ``root``: the module the layers belong to (for
-            Hugging Face initialisation).
+            (default: each module's ``reset_parameters``).
+        root: the module the layers belong to (for Hugging Face initialisation).
         recompute: recompute activations in the backward (stash only each microbatch's stage input).
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in
             (``None``: their own).
-        clip_val, clip_algorithm (``"norm"`` | ``"value"``), clip_mode (``"global"`` | ``"stage"``): clipping.
+        clip_val: clip gradients at this value (``None``: no clipping).
+        clip_algorithm: ``"norm"`` or ``"value"``.
+        clip_mode: ``"global"`` (the norm over all stages) or ``"stage"`` (each stage's own).
         on_nonfinite: ``"stop"`` raises for a non-finite gradient; ``"skip"`` agrees over the pipeline and skips
             that batch's update.
-        delay_correction, delay_correction_strength: 2BW's optional correction of its one-step delay.
+        delay_correction: 2BW's optional correction of its one-step delay (``"error_feedback"``).
+        delay_correction_strength: the correction's ``beta``.
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
             neighbours (default ``comm.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
-        progress: ticked at every action (a watchdog reads it); info: rank-0 messages.
+        progress: ticked at every action (a watchdog reads it).
+        info: rank-0 messages.
         compile: ``True`` or ``torch.compile``'s keyword arguments: compile each of this stage's layers in place
             (``compiled.py``); ``counters()`` then reports ``compile/graphs`` and ``compile/recompiles_after_warmup``.
     """

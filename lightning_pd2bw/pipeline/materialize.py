@@ -210,6 +210,6 @@ def check_initialized(layers: Sequence[nn.Module], indices: Sequence[int], by_in
             f"pd2bw: {name!r} of pipeline layer {index} ({type(layer).__name__}) was not initialised after the model "
             f"was built on the meta device ({how}; {len(bad)} tensor(s): {', '.join(bad[:4])}). Fix: give {owner} a "
             "reset_parameters() that writes every parameter and buffer it owns, or define "
-            "init_pipeline_layer(self, index) on the LightningModule to initialise layer `index` (see README, "
-            "'Bring your own model')"
+            "init_pipeline_layer(self, index) on the LightningModule to initialise layer `index` (see docs/models.md, "
+            "'Meta initialisation and the rules')"
         )

@@ -1,4 +1,4 @@
-"""The README's "Bring your own model" examples, run as a user runs them: ``python examples/...`` (Lightning's own
+"""The "Bring your own model" examples (docs/models.md), run as a user runs them: ``python examples/...`` (Lightning's own
 launcher starts the second process)."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_hugging_face_model_trains(family):
 
 
 def test_plain_pytorch_example_learns(tmp_path):
-    """The README's "Without Lightning" example under torchrun, as a user runs it: 2 stages, 2BW."""
+    """The "Without Lightning" example (README, docs/engine.md) under torchrun, as a user runs it: 2 stages, 2BW."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     done = subprocess.run(

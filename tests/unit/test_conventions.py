@@ -156,5 +156,8 @@ def test_a_tuple_reaches_the_next_layer_as_positional_arguments():
 
 
 def test_a_layer_that_cannot_take_the_tuple_is_named_with_the_fix():
-    with pytest.raises(TypeError, match=r"layer 1 of stage 0 \(TakesOne\.forward\(hidden.*tuple of 2 values.*forward\(self, hidden, mask\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"layer 1 of stage 0 \(TakesOne\.forward\(hidden.*tuple of 2 values.*forward\(self, hidden, mask\)",
+    ):
         _stage(Pair(), TakesOne()).run_layers((torch.ones(2),))
