@@ -1,9 +1,10 @@
-# Two commands on a fresh machine:  `make train` (the main job)  and  `make test` (the test suite).
+# Two commands on a fresh machine:  `make train` (the main job)  and  `make test` (the contributor's tests).
+# CI (.ci/run) runs `make test-full`: every test but the slow soaks.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test docs soak lint schedules gpu-check gpu-bench
+.PHONY: venv train test test-full lint docs soak schedules gpu-check gpu-bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -17,10 +18,14 @@ venv: $(BIN)/.installed
 train: venv  ## the default recipe: a small GPT, 2BW over 2 CPU processes (or 2 GPUs)
 	$(BIN)/pd2bw-train $(ARGS)
 
-test: venv  ## lint + the docs build (strict) + every test that fits CI's budget
+lint: venv  ## ruff: lint and formatting
 	$(BIN)/ruff check lightning_pd2bw tests benchmarks examples
 	$(BIN)/ruff format --check lightning_pd2bw tests benchmarks examples
-	$(MAKE) --no-print-directory docs
+
+test: lint docs  ## the contributor's tier: lint, the docs build, unit tests and distributed smoke cases
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow and not full"
+
+test-full: lint docs  ## what CI runs: lint, the docs build and every test but the slow soaks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 docs: venv  ## the documentation site from docs/ into build/site (strict: a broken link or reference fails)

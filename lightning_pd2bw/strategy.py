@@ -576,10 +576,6 @@ class PipeDream2BWStrategy(ParallelStrategy):
         )
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return closure_loss  # backward ran inside the pipeline schedule
-
-    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return closure()  # the pipeline applies updates at its STEP actions
 

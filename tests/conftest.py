@@ -18,3 +18,11 @@ def no_process_group_or_environment_leaks():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tiers: every test under tests/distributed (real processes) is ``full`` unless marked ``smoke``; ``make test``
+    deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``."""
+    for item in items:
+        if "distributed" in item.path.parts and item.get_closest_marker("smoke") is None:
+            item.add_marker(pytest.mark.full)

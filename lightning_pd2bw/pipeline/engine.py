@@ -19,7 +19,7 @@ Every rank of one pipeline must feed the same batch (the first stage reads its i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -171,11 +171,6 @@ class PipelineEngine:
     def parameters(self) -> list[nn.Parameter]:
         """This stage's own parameters (a tied one once)."""
         return list(self.params)
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        names = self._names()
-        for param in self.params:
-            yield names.get(id(param), ["?"])[0], param
 
     @property
     def is_first(self) -> bool:

@@ -117,10 +117,6 @@ class StageExecutor:
                 self._keys[k] = ("train", input_signature(microbatch))
 
     @property
-    def num_stashed(self) -> int:
-        return len(self._stash)
-
-    @property
     def in_flight(self) -> bool:
         return bool(self._stash or self._received or self._to_send or self._grads_in or self._keys)
 

@@ -19,16 +19,13 @@ import torch
 from torch import nn
 
 from ..pipeline.activations import ActivationMeter
+from ..pipeline.executor import as_tuple
 from ..pipeline.materialize import materialize
 from .profile import LayerProfile
 
 
-def _as_tuple(value: Any) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
-
-
 def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _as_tuple(value) if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in as_tuple(value) if isinstance(t, torch.Tensor))
 
 
 def synchronize(device: torch.device) -> None:
@@ -83,7 +80,7 @@ def measure_layers(
     """
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
     autocast = autocast or (lambda: torch.autocast(device.type, enabled=False))
-    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(first_input))
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in as_tuple(first_input))
     cache: dict[tuple, LayerProfile] = {}
     profiles = []
     for index, original in enumerate(layers):
@@ -119,7 +116,7 @@ def measure_layers(
                 if loss is not None:
                     loss.backward()
                 else:
-                    tensors = [t for t in _as_tuple(out) if t.requires_grad]
+                    tensors = [t for t in as_tuple(out) if t.requires_grad]
                     torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
 
             both_s, _ = _timed(backward, device, repeats)
@@ -143,7 +140,7 @@ def measure_layers(
             cache[key] = profile
             del out, loss
         profiles.append(profile)
-        inputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in _as_tuple(output))
+        inputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in as_tuple(output))
         if on_meta:
             del layer
     return profiles

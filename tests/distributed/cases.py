@@ -47,6 +47,7 @@ class Case:
     correction: bool = False  # delay_correction="error_feedback" (2BW): W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
+    compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -198,5 +199,25 @@ CASES = {
         Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
         Case("gpt_2bw_d2w2_lookahead", width=2, mode="2bw", num_microbatches=4, steps=5, lookahead=1, val_every=3),
         Case("gpt_flush_lookahead", num_microbatches=4, lookahead=1, schedule=True),
+        # compiled layers under the Trainer: 2BW's version swaps with bf16-mixed, recomputation and validation;
+        # width 2 with the delay correction and sparsity masks (foreach AdamW; the reference steps per tensor)
+        Case(
+            "gpt_2bw_compile_bf16",
+            mode="2bw",
+            recompute=True,
+            steps=5,
+            precision="bf16-mixed",
+            val_every=2,
+            compile=True,
+        ),
+        Case(
+            "gpt_2bw_d2w2_compile_ef_sparse",
+            width=2,
+            mode="2bw",
+            steps=6,
+            correction=True,
+            sparsity="static_random",
+            compile=True,
+        ),
     ]
 }

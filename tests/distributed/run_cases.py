@@ -123,6 +123,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         delay_correction="error_feedback" if case.correction else None,
         async_checkpoint=case.async_checkpoint,
         lookahead=case.lookahead,
+        compile={"backend": "aot_eager"} if case.compile else False,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return pl.Trainer(

@@ -87,6 +87,7 @@ def test_compiled_layers_train_as_eager_and_compile_nothing_after_warmup(results
         assert result["compiled"]["counters_after_new_shape"]["compile/recompiles_after_warmup"] > 0, rank
 
 
+@pytest.mark.smoke
 def test_compile_options_are_checked_by_name():
     assert compile_options(False, "2bw") is None and compile_options(True, "2bw") == {}
     assert compile_options({"backend": "aot_eager", "options": {"a": 1}}, "flush") == {

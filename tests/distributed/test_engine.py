@@ -22,6 +22,7 @@ RUNS = [
     Case("engine_2bw_w2_clip_restart", mode="2bw", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
 ]
 WORLDS = sorted({case.world for case in RUNS})
+pytestmark = pytest.mark.smoke  # also in make test: the engine without Lightning, depth 2 and 2 x 2 (~25 s)
 
 
 def spec_of(case: Case, width: int) -> dict:

@@ -61,8 +61,9 @@ def test_pipeline_matches_reference(trained, name):
         torch.testing.assert_close(got[key], value, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{name} {k}: {m}")
     moved = max((expected[k] - initial[k]).abs().max().item() for k in expected)
     assert moved > 1e-3, "training moved the weights: the comparison is not between two untrained models"
-    if case.bf16_update and case.mode == "2bw":  # the tolerance still tells the rules apart
-        wrong = [replace(case, mode="flush")] + ([replace(case, correction=False)] if case.correction else [])
+    if case.bf16_update:  # the tolerance still tells the rules apart (Muon and autocast, in both modes)
+        wrong = [replace(case, mode="flush" if case.mode == "2bw" else "2bw")]
+        wrong += [replace(case, correction=False)] if case.correction else []
         for rule in wrong:
             other = reference_weights(rule, width)
             assert max((other[k] - expected[k]).abs().max().item() for k in expected) > 3 * atol
@@ -86,7 +87,9 @@ def test_2bw_differs_from_flush_rule(trained, name):
     case, width = as_run(trained, name)
     flush = reference_weights(replace(case, mode="flush"), width)
     got = merged(trained[name])
-    assert max((got[k] - flush[k]).abs().max().item() for k in flush) > 1e-5
+    # far outside the tolerance the pipeline is held to (test_pipeline_matches_reference): 30 x its atol
+    atol = 2e-3 if case.precision == "bf16-mixed" else 1e-3 if case.bf16_update else 1e-6
+    assert max((got[k] - flush[k]).abs().max().item() for k in flush) > max(30 * atol, 1e-4)
 
 
 @pytest.mark.parametrize("name", list(CASES))

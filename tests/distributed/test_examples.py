@@ -37,6 +37,7 @@ def test_hugging_face_model_trains(family):
     assert 0 < loss < 6.0  # random tokens over a 128-token vocabulary: ln(128) = 4.85 at best
 
 
+@pytest.mark.smoke  # also in make test: the README's plain PyTorch example under torchrun
 def test_plain_pytorch_example_learns(tmp_path):
     """The "Without Lightning" example (README, docs/engine.md) under torchrun, as a user runs it: 2 stages, 2BW."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -132,6 +132,7 @@ def check(layout: CommLayout, serialized: bool = False) -> None:
     assert outcome.steps > 0
 
 
+@pytest.mark.full  # ~40 s each: the full tier (the lowering's cases at depth 2 and 4 above stay in make test)
 @pytest.mark.parametrize("serialized", [False, True], ids=["per-communicator", "serialized-kernels"])
 def test_every_schedule_is_deadlock_free_under_nccl(serialized):
     """flush, gpipe and 2bw (2bw and flush also with lookahead 1); depth 2..8; m = d, d+1 and 16; width 1 and 2; no

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -174,15 +173,32 @@ def test_refusal_says_what_would_fit():
     assert "nothing fits v100_16g" in message and "more devices" in message and "needs" in message
 
 
-def test_search_over_1024_devices_is_fast():
+def test_search_over_1024_devices_does_bounded_work(monkeypatch):
+    """1024 devices: each microbatch size profiled once, every candidate predicted once, and each candidate's cut
+    found with a bounded number of greedy packings (the bisection's 40 steps + 1). How long it takes is a matter
+    for a benchmark, not for a test (timings on a shared 2-core machine vary several-fold)."""
+    import importlib
+
+    search_module = importlib.import_module("lightning_pd2bw.planner.search")  # the package exports search()
+
     device = device_spec("a100_80g")
-    profile = lambda b: ModelProfile(  # noqa: E731
-        analytic_profile(num_blocks=40, hidden=5120, heads=40, vocab=50304, seq=2048, micro=b, device=device),
-        shared=((0, 41, 50304 * 5120),),
-    )
-    start = time.perf_counter()
-    fits, _ = search(profile, ClusterSpec(device, 128, 8, 300e9, 200e9), 1024)
-    assert time.perf_counter() - start < 1.0 and fits
+    profiled: list[int] = []
+
+    def profile(b: int) -> ModelProfile:
+        profiled.append(b)
+        return ModelProfile(
+            analytic_profile(num_blocks=40, hidden=5120, heads=40, vocab=50304, seq=2048, micro=b, device=device),
+            shared=((0, 41, 50304 * 5120),),
+        )
+
+    packings = []
+    original = search_module.pack
+    monkeypatch.setattr(search_module, "pack", lambda *a, **k: packings.append(1) or original(*a, **k))
+    fits, too_big = search(profile, ClusterSpec(device, 128, 8, 300e9, 200e9), 1024)
+    candidates = search_module.candidates(1024, 42, 1024, "2bw")
+    assert fits and len(fits) + len(too_big) == len(candidates) >= 10
+    assert sorted(profiled) == sorted(set(profiled)), "each microbatch size is profiled once"
+    assert len(packings) <= 2 * 41 * len(candidates)  # a fitting cut, or a refused one and its unbounded cut
 
 
 def test_analytic_profile_flops_and_activations():

@@ -57,3 +57,23 @@ def test_compute_dtype_of_precision_settings():
     assert compute_dtype("bf16-mixed") == torch.bfloat16
     assert compute_dtype("16-mixed") == torch.float16
     assert compute_dtype("32-true") == torch.float32
+
+
+@pytest.mark.parametrize(
+    "shape", [dict(n_layer=2, n_head=2, n_embd=32, block_size=64), dict(n_layer=3, n_head=4, n_embd=64, block_size=32)]
+)
+def test_the_models_flop_formula_matches_torchs_flop_counter(shape):
+    """MFU's numerator, ``flops_per_token()`` (6N + 12 L T d), against an independent count: torch's
+    ``FlopCounterMode`` over one forward and backward of the module (every matmul and attention op it dispatches)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig(**shape))
+    model.configure_model()
+    batch, seq = 2, shape["block_size"]
+    tokens = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    # attention through its math kernel: matmuls the counter sees (the fused CPU kernel has no FLOP formula)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens).float().pow(2).mean().backward()
+    counted = counter.get_total_flops() / (batch * seq)
+    assert model.flops_per_token() == pytest.approx(counted, rel=0.01)
