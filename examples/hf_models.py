@@ -43,6 +43,6 @@ if __name__ == "__main__":
     family = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
     kind = HFMaskedLM if family == "bert" else HFCausalLM
     model = kind(CONFIGS[family](), lr=1e-3)
-    trainer = pl.Trainer(strategy="pd2bw", accelerator="cpu", devices=2, max_steps=10, logger=False)
+    trainer = pl.Trainer(strategy="pd2bw", accelerator="cpu", devices=2, max_steps=30, logger=False)
     trainer.fit(model, data(family))
     print(f"{family}: final train_loss {trainer.callback_metrics['train_loss'].item():.4f}")

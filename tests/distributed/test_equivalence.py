@@ -87,9 +87,11 @@ def test_2bw_differs_from_flush_rule(trained, name):
     case, width = as_run(trained, name)
     flush = reference_weights(replace(case, mode="flush"), width)
     got = merged(trained[name])
-    # far outside the tolerance the pipeline is held to (test_pipeline_matches_reference): 30 x its atol
+    # far outside the tolerance the pipeline is held to (test_pipeline_matches_reference): 100 x its atol in float32
+    # (1e-4), 5 x under bf16 arithmetic (its atol is set by bf16 rounding, not by the rules' difference)
     atol = 2e-3 if case.precision == "bf16-mixed" else 1e-3 if case.bf16_update else 1e-6
-    assert max((got[k] - flush[k]).abs().max().item() for k in flush) > max(30 * atol, 1e-4)
+    difference = max((got[k] - flush[k]).abs().max().item() for k in flush)
+    assert difference > (5 if case.bf16_update else 100) * atol, f"{name}: {difference:.2e}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

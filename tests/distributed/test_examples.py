@@ -34,7 +34,8 @@ def test_plain_module_learns():
 def test_hugging_face_model_trains(family):
     pytest.importorskip("transformers")
     loss = run_example("examples/hf_models.py", family)
-    assert 0 < loss < 6.0  # random tokens over a 128-token vocabulary: ln(128) = 4.85 at best
+    # English text as ASCII ids: a uniform guess scores ln 128 = 4.85; 30 steps reach 3.0-3.6 (measured 2026-11-24)
+    assert 0 < loss < 4.0
 
 
 @pytest.mark.smoke  # also in make test: the README's plain PyTorch example under torchrun

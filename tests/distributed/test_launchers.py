@@ -36,10 +36,21 @@ def run(command: list[str], cwd: Path, **extra_env: str) -> subprocess.Completed
 def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     out = tmp_path / "run"
     result = run(
-        [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "logger=wandb", f"paths.output_dir={out}"], tmp_path
+        [
+            sys.executable,
+            "-m",
+            "lightning_pd2bw.train",
+            *SMALL_RUN,
+            "model.warmup_steps=1",  # the recipe's 30-step warm-up would keep 6 steps' LR at a fifth of its peak
+            "model.lr=3e-3",
+            "logger=wandb",
+            f"paths.output_dir={out}",
+        ],
+        tmp_path,
     )
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["global_step"] == 6 and summary["val_loss"] < 5.6  # below uniform over bytes (ln 256)
+    # uniform over bytes is ln 256 = 5.55; 6 steps reach 4.78 (measured); with the recipe's warm-up they reach 5.38
+    assert summary["global_step"] == 6 and summary["val_loss"] < 5.0, summary
     assert summary["sparsity/density"] == 0.5, "the default recipe prunes to 50%"
     assert "${" not in (out / "config.yaml").read_text(), "the resolved config is saved"
     checkpoints = list(out.rglob("*.ckpt"))
