@@ -132,7 +132,7 @@ class PipelineEngine:
         self.mode = layout.mode
         self.num_stages = layout.num_stages
         self.num_microbatches = layout.num_microbatches
-        self.grid = grid or layout.grid(dist.get_rank(), dist.get_world_size())
+        self.grid = grid or ProcessGrid(dist.get_rank(), dist.get_world_size(), layout.num_stages)
         self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .partition import balanced_partition, layer_parameter_counts
-
-if TYPE_CHECKING:
-    from .grid import ProcessGrid
 
 MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
 DEFAULT_MODE = "2bw"  # the strategy's, the engine's and the Hydra schema's default
@@ -142,9 +138,3 @@ class Layout:
         if self.layers_per_stage is not None:
             return ranges_of(self.layers_per_stage, len(layers))
         return balanced_partition(layer_parameter_counts(layers), self.num_stages)
-
-    def grid(self, rank: int, world_size: int) -> ProcessGrid:
-        """The process grid of ``world_size`` ranks (an error names the world sizes that fit)."""
-        from .grid import ProcessGrid
-
-        return ProcessGrid(rank, world_size, self.num_stages)
