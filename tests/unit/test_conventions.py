@@ -48,25 +48,15 @@ def ours(masked: bool) -> pl.LightningModule:
 
 
 def hugging_face(masked: bool) -> pl.LightningModule:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from lightning_pd2bw.models.hf import HFCausalLM, HFMaskedLM
 
-    if masked:
-        config = transformers.BertConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            hidden_dropout_prob=0,
-            attention_probs_dropout_prob=0,
-        )
-        return HFMaskedLM(config, lr=1e-2)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    )
-    return HFCausalLM(config, lr=1e-2)
+    from ..distributed.hf_models import SEQ as HF_SEQ
+    from ..distributed.hf_models import VOCAB as HF_VOCAB
+    from ..distributed.hf_models import config
+
+    assert (HF_SEQ, HF_VOCAB) == (SEQ, VOCAB)
+    return HFMaskedLM(config("bert"), lr=1e-2) if masked else HFCausalLM(config("gpt2"), lr=1e-2)
 
 
 MODELS = {
