@@ -7,6 +7,9 @@ parameters (``engine.parameters()``) the same way.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -58,11 +61,70 @@ def build_optimizers(
         matrices = _real_or_all(matrices)
         chosen = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in chosen]
-        muon = torch.optim.Muon(
-            matrices, lr=lr, weight_decay=weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw"
-        )
+        muon = Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
         return [muon, adamw(rest, lr, weight_decay, betas)]
     raise ValueError(f"optimizer={optimizer!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
+
+
+def newton_schulz(
+    grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz orthogonalisation of a matrix, as ``torch.optim.Muon`` computes it, in ``dtype``
+    (torch: always bfloat16)."""
+    a, b, c = coefficients
+    wide = grad.size(0) > grad.size(1)
+    x = grad.to(dtype)
+    x = x.T if wide else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon``, with its Newton-Schulz iteration in ``ns_dtype``: default bfloat16 (torch's choice) on
+    accelerators and float32 on the CPU, where bfloat16 matmuls have no fast kernels (30-37x slower than float32 on
+    this project's CPU machine, one thread: docs/quality.md). ``ns_dtype=torch.bfloat16`` steps exactly
+    as torch's Muon does (tests/unit/test_optim.py); the state (``momentum_buffer``) and the options are torch's."""
+
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                if grad.ndim != 2 or torch.is_complex(param) or grad.is_sparse:
+                    raise RuntimeError("Muon steps real, dense 2-D parameters only")
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buffer = state["momentum_buffer"]
+                buffer.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+                dtype = self.ns_dtype or (torch.float32 if param.device.type == "cpu" else torch.bfloat16)
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-lr * _lr_ratio(group["adjust_lr_fn"], param.shape))
+        return loss
+
+
+def _lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's learning-rate adjustment for a matrix of ``shape`` (torch's ``adjust_lr_fn`` options)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else 1.0
 
 
 def _real_or_all(params: list[nn.Parameter]) -> list[nn.Parameter]:
