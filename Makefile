@@ -35,7 +35,7 @@ soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine
 	OMP_NUM_THREADS=1 PD2BW_SOAK_STEPS=$${PD2BW_SOAK_STEPS:-3000} $(BIN)/python -m pytest -q tests/distributed/test_soak.py
 
 schedules: venv  ## regenerate the schedule pictures quoted in the README
-	$(BIN)/python -m lightning_pd2bw.pipeline.draw
+	$(BIN)/python -m lightning_pd2bw.observe.draw
 
 GPU_PY ?= python3
 gpu-check:  ## on a lent GPU machine, with a Python that already has CUDA torch (no install; GPU_PY=...): the GPU tests; fails without CUDA

@@ -1,6 +1,6 @@
 """What ``pyproject.toml`` cannot say: the top-level ``conf/`` and ``recipes/`` ship inside the wheel as the
 package data ``lightning_pd2bw/conf`` and ``lightning_pd2bw/recipes``, so an installed ``pd2bw-train`` composes
-its configurations anywhere (a source checkout reads the top-level folders; ``lightning_pd2bw/train.py``)."""
+its configurations anywhere (a source checkout reads the top-level folders; ``lightning_pd2bw/cli/train.py``)."""
 
 from pathlib import Path
 

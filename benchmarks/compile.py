@@ -30,9 +30,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from lightning_pd2bw.engine import Layout, PipelineEngine
+    from lightning_pd2bw.engine.materialize import parameters_on_meta
     from lightning_pd2bw.models import GPTConfig, GPTCore
-    from lightning_pd2bw.pipeline import Layout, PipelineEngine
-    from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -59,7 +59,7 @@ def run(out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: a
     command = [
         sys.executable,
         "-m",
-        "lightning_pd2bw.train",
+        "lightning_pd2bw.cli.train",
         "model=gpt_tiny",
         "data.seq_len=64",
         f"model.optimizer={optimizer}",

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.pipelines_run import CONFIG, MICRO, even_cut  # noqa: E402
-from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
-from lightning_pd2bw.models import GPTCore  # noqa: E402
-from lightning_pd2bw.pipeline import Layout, PipelineEngine  # noqa: E402
-from lightning_pd2bw.pipeline.materialize import parameters_on_meta  # noqa: E402
+from lightning_pd2bw.data import LMDataset, read_corpus
+from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine.materialize import parameters_on_meta
+from lightning_pd2bw.models import GPTCore
 
 LAYOUT_KEYS = ("mode", "lookahead", "num_microbatches")
 

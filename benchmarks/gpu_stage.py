@@ -39,9 +39,9 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pd2bw import PipeDream2BWStrategy
+from lightning_pd2bw.engine.compiled import compile_layers
+from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPT, GPTConfig
-from lightning_pd2bw.pipeline.compiled import compile_layers
-from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers

@@ -33,10 +33,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
+from lightning_pd2bw.lightning.trace import PipelineTrace  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
-from lightning_pd2bw.pipeline.activations import ActivationMeter  # noqa: E402
-from lightning_pd2bw.pipeline.timeline import bubble_fraction  # noqa: E402
-from lightning_pd2bw.pipeline_trace import PipelineTrace  # noqa: E402
+from lightning_pd2bw.observe.activations import ActivationMeter  # noqa: E402
+from lightning_pd2bw.observe.timeline import bubble_fraction  # noqa: E402
 
 SEQ = int(os.environ.get("BENCH_SEQ", 128))
 MICRO = int(os.environ.get("BENCH_MICRO", 4))

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pd2bw.data import LMDataset, read_corpus, split
+from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTConfig, GPTCore
-from lightning_pd2bw.pipeline import Layout, PipelineEngine
-from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 
 
 def main() -> None:

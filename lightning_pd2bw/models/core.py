@@ -1,7 +1,7 @@
 """Plain ``nn.Module`` cores (no Lightning): one configuration dataclass and one preset table for GPT and BERT,
 their layers, the language-model loss and the seeded per-layer initialisation. ``GPTCore`` and ``BERTCore`` meet
 the partition contract on their own, so a plain PyTorch loop can drive them with
-``lightning_pd2bw.pipeline.PipelineEngine``; the LightningModules (``GPT``, ``BERT``) add the optimizer, schedule
+``lightning_pd2bw.engine.PipelineEngine``; the LightningModules (``GPT``, ``BERT``) add the optimizer, schedule
 and logging around the same layers (the same state-dict keys)."""
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _token_id(default: int, vocab_size: int) -> int | None:
 def export_checkpoint(path: str | Path, out: str | Path) -> Path:
     """A sharded checkpoint of ``lightning_pd2bw.models.GPT`` as a Hugging Face GPT-2 directory
     (``pd2bw-consolidate PATH OUT --format hf``)."""
-    from ..checkpoint import consolidate, read_meta
+    from ..checkpoint.store import consolidate, read_meta
 
     config = (read_meta(path).get("hyper_parameters") or {}).get("config")
     if not isinstance(config, dict) or "n_layer" not in config:

@@ -201,7 +201,7 @@ class HFCausalLM(PipelineLanguageModel):
     def init_pipeline_layer(self, index: int) -> None:
         """The model's own ``_init_weights`` on every module of layer ``index``, children first (as
         ``PreTrainedModel.initialize_weights`` applies it)."""
-        from ..pipeline.materialize import post_order
+        from ..engine.materialize import post_order
 
         for module in post_order(self.layers[index]):
             self.hf_model._init_weights(module)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..pipeline.schedule import warmup_forwards
+from ..engine.schedule import warmup_forwards
 from .hardware import ClusterSpec
 from .profile import LayerProfile
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..pipeline.activations import ActivationMeter
-from ..pipeline.executor import as_tuple
-from ..pipeline.materialize import materialize
+from ..engine.executor import as_tuple
+from ..engine.materialize import materialize
+from ..observe.activations import ActivationMeter
 from .profile import LayerProfile
 
 

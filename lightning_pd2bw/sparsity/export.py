@@ -37,7 +37,7 @@ def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, to
     """All sparsity masks stored by sparsity callbacks in a Lightning checkpoint (a ``.ckpt`` file, a
     loaded checkpoint dict, or a pd2bw checkpoint directory: every stage's masks)."""
     if not isinstance(checkpoint, Mapping) and Path(checkpoint).is_dir():
-        from ..checkpoint import read_entries
+        from ..checkpoint.store import read_entries
 
         return {name[len("masks/") :]: mask for name, mask in read_entries(checkpoint, "masks/").items()}
     if isinstance(checkpoint, Mapping):

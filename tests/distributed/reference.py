@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from lightning_pd2bw.pipeline.partition import balanced_partition, layer_parameter_counts
+from lightning_pd2bw.engine.partition import balanced_partition, layer_parameter_counts
 
 from .cases import Case, build_model, mask_for, replica_batch, sparsity_callback
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pd2bw import PipelineEngine
-from lightning_pd2bw.pipeline.layout import Layout
+from lightning_pd2bw.engine.layout import Layout
 
 NUM_MICROBATCHES, SAMPLES, STEPS, LR = 3, 2, 4, 0.1
 

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
-from lightning_pd2bw.pipeline.nccl_model import record_calls  # noqa: E402
+from lightning_pd2bw.engine.verify.nccl_model import record_calls  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
     MICRO_BATCH,

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTConfig, GPTCore
-from lightning_pd2bw.pipeline import Layout, PipelineEngine
-from lightning_pd2bw.pipeline.materialize import parameters_on_meta
 
 
 def build(run: dict, compile: dict | None) -> PipelineEngine:

@@ -27,11 +27,11 @@ sys.meta_path.insert(0, NoLightning())
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pd2bw.engine import Layout, PipelineEngine  # noqa: E402
+from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
+from lightning_pd2bw.engine.transport import StageLink  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
 from lightning_pd2bw.models.core import warmup_cosine  # noqa: E402
-from lightning_pd2bw.pipeline import Layout, PipelineEngine  # noqa: E402
-from lightning_pd2bw.pipeline.comm import StageLink  # noqa: E402
-from lightning_pd2bw.pipeline.materialize import parameters_on_meta  # noqa: E402
 
 
 class CountingLink(StageLink):

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_pd2bw.checkpoint as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
-from lightning_pd2bw.pipeline import watchdog  # noqa: E402
+from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.run_cases import PoisonLoss  # noqa: E402
 

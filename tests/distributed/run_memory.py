@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pd2bw import PipelineEngine
-from lightning_pd2bw.pipeline.layout import Layout
+from lightning_pd2bw.engine.layout import Layout
 
 WIDTH = 1 << 18  # floats per sample: 1 MiB
 SAMPLES = 4  # per microbatch: a 4 MiB message

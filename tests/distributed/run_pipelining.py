@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from lightning_pd2bw.pipeline import schedule
-from lightning_pd2bw.pipeline.comm import StageLink
-from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.grid import ProcessGrid, build_groups
-from lightning_pd2bw.pipeline.versions import WeightVersions
+from lightning_pd2bw.engine import schedule
+from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.grid import ProcessGrid, build_groups
+from lightning_pd2bw.engine.transport import StageLink
+from lightning_pd2bw.engine.versions import WeightVersions
 
 NUM_MICROBATCHES, WIDTH, BATCH = 4, 8, 16
 

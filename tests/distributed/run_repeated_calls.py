@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
+from lightning_pd2bw.engine.grad_buckets import _HOOKS  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
-from lightning_pd2bw.pipeline.grad_buckets import _HOOKS  # noqa: E402
 
 
 def live(group: object) -> bool:

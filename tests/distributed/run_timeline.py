@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
+from lightning_pd2bw.lightning.trace import PipelineTrace  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
-from lightning_pd2bw.pipeline_trace import PipelineTrace  # noqa: E402
 
 STEPS, MICROBATCHES = 4, 4
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.pipeline.compiled import compile_options
+from lightning_pd2bw.engine.compiled import compile_options
 
 from .launch import torchrun_script
 from .test_launchers import SMALL_RUN, run
@@ -114,7 +114,7 @@ def test_cli_compile_reports_graphs_and_no_recompiles_in_the_summary(tmp_path):
         [
             sys.executable,
             "-m",
-            "lightning_pd2bw.train",
+            "lightning_pd2bw.cli.train",
             *args,
             "trainer.max_steps=9",
             "sparsity=none",

@@ -39,7 +39,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
         [
             sys.executable,
             "-m",
-            "lightning_pd2bw.train",
+            "lightning_pd2bw.cli.train",
             *SMALL_RUN,
             "model.warmup_steps=1",  # the recipe's 30-step warm-up would keep 6 steps' LR at a fifth of its peak
             "model.lr=3e-3",
@@ -73,7 +73,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
 
 def test_torchrun_ranks_share_one_run_directory(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    run([*command, "-m", "lightning_pd2bw.train", *SMALL_RUN, "callbacks=none"], tmp_path)
+    run([*command, "-m", "lightning_pd2bw.cli.train", *SMALL_RUN, "callbacks=none"], tmp_path)
     runs = list((tmp_path / "outputs").iterdir())
     assert len(runs) == 1, f"one output directory for all ranks, got {runs}"
     assert json.loads((runs[0] / "summary.json").read_text())["global_step"] == 6
@@ -87,7 +87,7 @@ def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(tmp_path):
 
     for _ in range(2):
         command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2"]
-        run([*command, "-m", "lightning_pd2bw.train", "dry_run=true"], tmp_path)
+        run([*command, "-m", "lightning_pd2bw.cli.train", "dry_run=true"], tmp_path)
     runs = sorted((tmp_path / "outputs").iterdir())
     assert len(runs) == 2 and all("none" not in r.name for r in runs), runs
     for directory in runs:
@@ -97,7 +97,7 @@ def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(tmp_path):
 def test_ckpt_path_last_resumes_the_runs_newest_checkpoint(tmp_path):
     """The switch a restarted job uses: same run directory (PD2BW_RUN_ID here; torchrun's agent or --rdzv-id
     in a restart), ``ckpt_path=last`` picks the newest complete checkpoint of the run (or starts fresh)."""
-    train = [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "ckpt_path=last"]
+    train = [sys.executable, "-m", "lightning_pd2bw.cli.train", *SMALL_RUN, "ckpt_path=last"]
     first = run(train, tmp_path, PD2BW_RUN_ID="job")
     assert "ckpt_path=last: no checkpoint in" in first.stdout
     second = run([*train, "trainer.max_steps=9"], tmp_path, PD2BW_RUN_ID="job")

@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from lightning_pd2bw.pipeline.comm_plan import CommLayout, programs
-from lightning_pd2bw.pipeline.nccl_model import SEND, WAIT, Deadlock, Op, load_program, simulate
+from lightning_pd2bw.engine.verify.comm_plan import CommLayout, programs
+from lightning_pd2bw.engine.verify.nccl_model import SEND, WAIT, Deadlock, Op, load_program, simulate
 
 from .cases import CASES
 from .test_equivalence import as_run

@@ -31,7 +31,7 @@ def test_default_settings_do_not_spike(tmp_path, mode):
         [
             sys.executable,
             "-m",
-            "lightning_pd2bw.train",
+            "lightning_pd2bw.cli.train",
             # the default recipe's model and every setting (optimizer, LR, warm-up, clipping, batch)
             f"model.max_steps={HORIZON}",
             f"trainer.max_steps={STEPS}",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_pd2bw.checkpoint import consolidate, read_manifest
-from lightning_pd2bw.pipeline.watchdog import EXIT_CODE
+from lightning_pd2bw.observe.watchdog import EXIT_CODE
 
 from .launch import ROOT, launch_ranks
 

@@ -91,7 +91,7 @@ def test_consolidate_exports_one_file_for_the_plain_module(resharded, tmp_path):
     path = next((resharded["2x2->2x1"] / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
     out = tmp_path / "model.ckpt"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_pd2bw.consolidate", str(path), str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "lightning_pd2bw.cli.consolidate", str(path), str(out)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     assert "2 stages x 2 replicas at step 3 -> one file" in done.stdout

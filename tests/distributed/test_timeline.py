@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pd2bw.pipeline import schedule as S
+from lightning_pd2bw.engine import schedule as S
 
 from .launch import torchrun_script
 from .run_timeline import MICROBATCHES, STEPS

@@ -35,7 +35,7 @@ def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
     assert "pd2bw-train data=tokens" in prepared.stdout
     out = tmp_path / "run"
     trained = run(
-        [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "data=tokens", f"data.path={corpus}",
+        [sys.executable, "-m", "lightning_pd2bw.cli.train", *SMALL_RUN, "data=tokens", f"data.path={corpus}",
          "model.config.vocab_size=512", "model.lr=1e-2", "model.warmup_steps=0", f"paths.output_dir={out}"],
         tmp_path,
     )  # fmt: skip
@@ -46,13 +46,20 @@ def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
 
 
 def test_gpt13b_dry_run_says_what_data_it_expects(tmp_path):
-    result = run([sys.executable, "-m", "lightning_pd2bw.train", "recipe=gpt13b", "dry_run=true"], tmp_path)
+    result = run([sys.executable, "-m", "lightning_pd2bw.cli.train", "recipe=gpt13b", "dry_run=true"], tmp_path)
     assert "data: a tokenized corpus at data.path=data/gpt13b (not there" in result.stdout
     assert "pd2bw-prepare-data data/gpt13b YOUR_TEXT_FILES_OR_DIRS --vocab-size 50304" in result.stdout
 
 
 def test_a_missing_corpus_stops_before_any_process_starts(tmp_path):
-    command = [sys.executable, "-m", "lightning_pd2bw.train", *SMALL_RUN, "data=tokens", f"data.path={tmp_path / 'no'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_pd2bw.cli.train",
+        *SMALL_RUN,
+        "data=tokens",
+        f"data.path={tmp_path / 'no'}",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode != 0
     assert "Prepare one with: pd2bw-prepare-data" in result.stdout + result.stderr

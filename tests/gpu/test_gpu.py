@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.callbacks import RunMetrics
-from lightning_pd2bw.pipeline.timeline import Recorder
+from lightning_pd2bw.lightning.callbacks import RunMetrics
+from lightning_pd2bw.observe.timeline import Recorder
 
 from ..distributed.cases import SEQ_LEN, Case, build_model, dataloader
 from ..distributed.reference import reference_weights
@@ -141,7 +141,7 @@ def test_steady_state_steps_make_no_host_sync(inject_sync, monkeypatch):
     ``stop`` policy reads its non-finite flags from pinned host memory a step later). The positive control makes
     the update read one gradient norm with ``.item()``: the counter must see it and attribute it to pd2bw."""
     if inject_sync:
-        from lightning_pd2bw.pipeline.update import UpdateRule
+        from lightning_pd2bw.engine.update import UpdateRule
 
         original = UpdateRule.step
 
@@ -169,7 +169,7 @@ def test_steady_state_steps_make_no_host_sync(inject_sync, monkeypatch):
     trainer.fit(build_model(case), train_dataloaders=dataloader(case))
     print(f"\n[gpu-check] steady-state steps: {counter.seen} synchronizing calls in all, pd2bw's own: {counter.ours}")
     if inject_sync:
-        assert any("/pipeline/executor.py" in where for where in counter.ours), counter.ours  # step_fn's caller
+        assert any("/engine/executor.py" in where for where in counter.ours), counter.ours  # step_fn's caller
     else:
         assert counter.ours == []
 

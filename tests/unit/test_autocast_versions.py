@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pd2bw.pipeline import schedule
-from lightning_pd2bw.pipeline.comm import StageLink
-from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.versions import WeightVersions
+from lightning_pd2bw.engine import schedule
+from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.transport import StageLink
+from lightning_pd2bw.engine.versions import WeightVersions
 
 LR, STEPS, M = 0.5, 4, 2
 

@@ -9,9 +9,9 @@ from torch import nn
 
 import lightning_pd2bw
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.pipeline.grid import ProcessGrid
-from lightning_pd2bw.pipeline.layout import Layout, width_of
-from lightning_pd2bw.strategy import pipeline_layers_of
+from lightning_pd2bw.engine.grid import ProcessGrid
+from lightning_pd2bw.engine.layout import Layout, width_of
+from lightning_pd2bw.lightning.strategy import pipeline_layers_of
 
 
 def test_registered_name_resolves():
@@ -118,7 +118,7 @@ def test_hydra_strategy_keys_reach_the_strategy():
 
 
 def test_horizon_changes_names_each_changed_setting():
-    from lightning_pd2bw.sharded_checkpoints import horizon_changes
+    from lightning_pd2bw.lightning.checkpoints import horizon_changes
 
     saved = {"trainer.max_steps": 300, "model.max_steps": 300, "model.warmup_steps": 20}
     current = {"trainer.max_steps": 600, "model.max_steps": 600, "model.warmup_steps": 20, "new": 1}

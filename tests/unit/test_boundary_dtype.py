@@ -9,10 +9,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.pipeline import schedule as S
-from lightning_pd2bw.pipeline.comm import LinkChannels, StageLink
-from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.versions import WeightVersions
+from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.transport import LinkChannels, StageLink
+from lightning_pd2bw.engine.versions import WeightVersions
 
 
 def first_stage(boundary_dtype):

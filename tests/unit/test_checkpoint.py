@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_pd2bw import checkpoint as ckpt
-from lightning_pd2bw.config import ConfigError, check_checkpoint
-from lightning_pd2bw.consolidate import main as consolidate_main
+from lightning_pd2bw.checkpoint import store as ckpt
+from lightning_pd2bw.cli.config import ConfigError, check_checkpoint
+from lightning_pd2bw.cli.consolidate import main as consolidate_main
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
 REPLICAS = {"num_stages": 1, "data_parallel_size": 2, "num_layers": 4, "stage_layers": [(0, 4)]}

@@ -1,4 +1,4 @@
-"""The Lightning internals ``compat.py`` relies on still behave as it assumes."""
+"""The Lightning internals ``lightning/compat.py`` relies on still behave as it assumes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_pd2bw.compat import place_module
+from lightning_pd2bw.lightning.compat import place_module
 
 
 class TwoLayers(pl.LightningModule):
@@ -35,10 +35,14 @@ def test_a_plain_apply_does_not_update_lightnings_device():
 
 
 def test_sigterm_internals_exist():
-    """``preemption.py`` replaces the epoch loop's per-step SIGTERM broadcast and sets the connector's flag."""
+    """``lightning/preemption.py`` replaces the epoch loop's per-step SIGTERM broadcast and sets the connector's flag."""
     import signal
 
-    from lightning_pd2bw.compat import mark_sigterm_received, replace_sigterm_check, sigterm_handler_before_lightning
+    from lightning_pd2bw.lightning.compat import (
+        mark_sigterm_received,
+        replace_sigterm_check,
+        sigterm_handler_before_lightning,
+    )
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     calls = []
@@ -63,7 +67,7 @@ def test_fit_loop_internals_exist():
 
     from lightning.pytorch.loops.fit_loop import _FitLoop
 
-    from lightning_pd2bw.compat import combined_train_loader, skip_lightning_backward
+    from lightning_pd2bw.lightning.compat import combined_train_loader, skip_lightning_backward
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert combined_train_loader(trainer) is None  # built when fit starts
@@ -79,7 +83,7 @@ def test_lightnings_helpers_keep_the_signatures_the_strategy_calls():
     teardown): a Lightning upgrade that renames a parameter fails here, not in a launched job."""
     import inspect
 
-    from lightning_pd2bw import compat
+    from lightning_pd2bw.lightning import compat
 
     expected = {
         "init_process_group": (
@@ -100,7 +104,7 @@ def test_lightnings_helpers_keep_the_signatures_the_strategy_calls():
 
 
 def test_before_optimizer_step_hooks_run_the_callbacks_then_the_module():
-    from lightning_pd2bw.compat import before_optimizer_step_hooks
+    from lightning_pd2bw.lightning.compat import before_optimizer_step_hooks
 
     calls = []
 
@@ -122,7 +126,7 @@ def test_before_optimizer_step_hooks_run_the_callbacks_then_the_module():
 
 
 def test_only_compat_imports_lightnings_private_names():
-    """Every ``from lightning... import _name`` of the package is in ``compat.py`` (one place to update)."""
+    """Every ``from lightning... import _name`` of the package is in ``lightning/compat.py`` (one place to update)."""
     import ast
     from pathlib import Path
 
@@ -136,7 +140,7 @@ def test_only_compat_imports_lightnings_private_names():
                 private = [alias.name for alias in node.names if alias.name.startswith("_")]
                 if private or "._" in (node.module or "") or (node.module or "").endswith(".call"):
                     found.append(f"{file.relative_to(package)}: {node.module} {private}")
-    assert found and all(line.startswith("compat.py:") for line in found), found
+    assert found and all(line.startswith("lightning/compat.py:") for line in found), found
 
 
 def _imports_of(file) -> list[str]:
@@ -152,14 +156,15 @@ def _imports_of(file) -> list[str]:
 
 
 def test_the_engine_imports_no_lightning():
-    """Nothing under ``pipeline/`` (the engine) nor the plain model core imports Lightning, even lazily; the
+    """Nothing under ``engine/``, ``observe/`` or ``checkpoint/`` nor the plain model core imports Lightning, even lazily; the
     distributed test ``test_engine.py`` trains with Lightning made unimportable."""
     from pathlib import Path
 
     import lightning_pd2bw
 
     package = Path(lightning_pd2bw.__file__).parent
-    files = [*sorted((package / "pipeline").rglob("*.py")), package / "models" / "core.py"]
+    files = [*(f for d in ("engine", "observe", "checkpoint") for f in sorted((package / d).rglob("*.py")))]
+    files.append(package / "models" / "core.py")
     found = [
         f"{file.relative_to(package)}: {name}"
         for file in files
@@ -170,11 +175,11 @@ def test_the_engine_imports_no_lightning():
 
 
 def test_torchs_optimizer_hook_internals_behave_as_torch_compat_assumes():
-    """``pipeline/torch_compat.py`` swaps torch's private hook dicts: they exist, ``step()`` calls them, and
+    """``engine/torch_compat.py`` swaps torch's private hook dicts: they exist, ``step()`` calls them, and
     suspending them skips them while ``run_post_hooks`` runs the post-hooks with step()'s arguments."""
     from collections import OrderedDict
 
-    from lightning_pd2bw.pipeline.torch_compat import optimizer_hooks_suspended, run_post_hooks
+    from lightning_pd2bw.engine.torch_compat import optimizer_hooks_suspended, run_post_hooks
 
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.1)

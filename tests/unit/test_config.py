@@ -13,8 +13,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_pd2bw.config import ConfigError, check_run
-from lightning_pd2bw.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra, sparsity_config
+from lightning_pd2bw.cli.config import ConfigError, check_run
+from lightning_pd2bw.cli.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra, sparsity_config
 
 setup_hydra()
 GROUP_OPTIONS = [(d.name, f.stem) for d in sorted(CONF.iterdir()) if d.is_dir() for f in sorted(d.glob("*.yaml"))]
@@ -128,7 +128,7 @@ def test_more_stages_than_layers():
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lightning_pd2bw.train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+        [sys.executable, "-m", "lightning_pd2bw.cli.train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 
 
@@ -195,11 +195,11 @@ def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
 
 
 def test_layout_rules_are_one_set_named_in_each_callers_keys():
-    """The engine's Layout, the strategy and the Hydra checks apply the same rule (pipeline/layout.py), each
+    """The engine's Layout, the strategy and the Hydra checks apply the same rule (engine/layout.py), each
     naming the settings as its users write them."""
     from lightning_pd2bw import PipeDream2BWStrategy
-    from lightning_pd2bw.config import CONFIG_KEYS
-    from lightning_pd2bw.pipeline.layout import Layout, check_microbatches
+    from lightning_pd2bw.cli.config import CONFIG_KEYS
+    from lightning_pd2bw.engine.layout import Layout, check_microbatches
 
     messages = []
     for call in (
@@ -219,7 +219,7 @@ def test_layout_rules_are_one_set_named_in_each_callers_keys():
 def test_schema_defaults_are_the_classes_defaults():
     """Every default lives in the class it configures; the schemas read it there (no second copy to drift)."""
     from lightning_pd2bw import PipeDream2BWStrategy
-    from lightning_pd2bw.config import DataSchema, ModelSchema, StrategySchema, TokensDataSchema, defaults_of
+    from lightning_pd2bw.cli.config import DataSchema, ModelSchema, StrategySchema, TokensDataSchema, defaults_of
     from lightning_pd2bw.data import TextDataModule
     from lightning_pd2bw.data.tokens import TokenDataModule
     from lightning_pd2bw.models.base import PipelineLanguageModel

@@ -14,11 +14,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw import checkpoint as ckpt
-from lightning_pd2bw.consolidate import main as consolidate_main
+from lightning_pd2bw.checkpoint import store as ckpt
+from lightning_pd2bw.cli.consolidate import main as consolidate_main
+from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.versions import WeightVersions
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
-from lightning_pd2bw.pipeline.executor import StageExecutor
-from lightning_pd2bw.pipeline.versions import WeightVersions
 
 SEQ, VOCAB = 12, 64
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lightning_pd2bw.data import LMDataset, MLMDataset, read_corpus, split
+from lightning_pd2bw.engine.microbatch import split_microbatches
 from lightning_pd2bw.models.core import MASK_TOKEN
-from lightning_pd2bw.pipeline.microbatch import split_microbatches
 
 
 def test_embedded_corpus_is_deterministic_python_source():

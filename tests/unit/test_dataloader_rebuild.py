@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from lightning_pd2bw.data.resume import ResumableDistributedSampler, make_resumable, rebuild
+from lightning_pd2bw.lightning.data_position import ResumableDistributedSampler, make_resumable, rebuild
 
 
 class EveryOtherBatch(BatchSampler):

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pd2bw.checkpoint import SHARED_PROBE, check_shared
-from lightning_pd2bw.pipeline import watchdog
-from lightning_pd2bw.preemption import Preemption
+from lightning_pd2bw.checkpoint.store import SHARED_PROBE, check_shared
+from lightning_pd2bw.lightning.preemption import Preemption
+from lightning_pd2bw.observe import watchdog
 from lightning_pd2bw.sparsity.masks import MaskUpdate, Sparsifier
 
 

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw import checkpoint as ckpt
-from lightning_pd2bw.consolidate import main as consolidate_main
+from lightning_pd2bw.checkpoint import store as ckpt
+from lightning_pd2bw.cli.consolidate import main as consolidate_main
 from lightning_pd2bw.data import LMDataset
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 from lightning_pd2bw.models.gpt2_export import gpt2_state_dict

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_pd2bw.pipeline import grad_buckets
-from lightning_pd2bw.pipeline.grad_buckets import GradientBuckets
+from lightning_pd2bw.engine import grad_buckets
+from lightning_pd2bw.engine.grad_buckets import GradientBuckets
 
 MICROBATCHES = 3
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pd2bw.pipeline import gradients
+from lightning_pd2bw.engine import gradients
 
 
 @pytest.fixture

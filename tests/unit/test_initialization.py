@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pd2bw.pipeline.materialize import (
+from lightning_pd2bw.engine.materialize import (
     check_initialized,
     initialize_layers,
     materialize,
     parameters_on_meta,
     unwritten,
 )
-from lightning_pd2bw.strategy import pipeline_layers_of
+from lightning_pd2bw.lightning.strategy import pipeline_layers_of
 
 
 class CausalMix(nn.Module):
@@ -167,7 +167,7 @@ def test_hf_model_trains_unchanged_without_the_pipeline():
 def test_other_stages_parameters_refuse_to_be_read_with_the_way_out():
     """A callback walking pl_module.parameters() meets other stages' placeholders: shapes and meta-only ops work,
     reading values (directly or from a result) or mixing with real tensors names the fix."""
-    from lightning_pd2bw.pipeline.materialize import release
+    from lightning_pd2bw.engine.materialize import release
 
     layer = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
     release(layer)

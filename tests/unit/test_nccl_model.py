@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_pd2bw.pipeline.comm_plan import CommLayout, programs
-from lightning_pd2bw.pipeline.nccl_model import (
+from lightning_pd2bw.engine.verify.comm_plan import CommLayout, programs
+from lightning_pd2bw.engine.verify.nccl_model import (
     COLLECTIVE,
     RECV,
     SEND,

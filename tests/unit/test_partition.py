@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_pd2bw.engine.partition import balanced_partition, layer_parameter_counts, shared_parameters
 from lightning_pd2bw.models import GPT, GPTConfig
-from lightning_pd2bw.pipeline.partition import balanced_partition, layer_parameter_counts, shared_parameters
 
 
 def brute_force_best(costs, stages):

@@ -230,7 +230,7 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "lightning_pd2bw.planner.cli",
+        "lightning_pd2bw.cli.plan",
         "recipe=gpt13b",
         "cluster=a100_80g_8x8",
         f"hydra.run.dir={tmp_path}",

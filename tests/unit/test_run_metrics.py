@@ -9,8 +9,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.callbacks import RunMetrics, compute_dtype
 from lightning_pd2bw.data import LMDataset
+from lightning_pd2bw.lightning.callbacks import RunMetrics, compute_dtype
 from lightning_pd2bw.models import GPT, GPTConfig
 
 SEQ, BATCH, PEAK = 16, 4, 1e12

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pd2bw.pipeline import schedule as S
+from lightning_pd2bw.engine import schedule as S
 
 LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
 # (mode, lookahead): lookahead applies to the 1F1B schedules
@@ -130,7 +130,7 @@ def test_lookahead_never_lengthens_the_unit_time_schedule(mode, lookahead, num_s
     """With every action one slot long and messages instantaneous (``draw.timeline``), a lookahead adds no idle
     slot: 6 batches take no longer than under plain 1F1B. (A cap on stage 0 alone put stages 0 and 1 in lockstep:
     98 slots instead of 60 at d = 4, m = 4, and 15% slower measured.)"""
-    from lightning_pd2bw.pipeline.draw import timeline
+    from lightning_pd2bw.observe.draw import timeline
 
     def slots(ahead: int) -> int:
         return max(len(row) for row in timeline(mode, num_stages, num_microbatches, 6, ahead))

@@ -91,7 +91,7 @@ def test_resume_at_another_width_reads_each_window_once(texts, tmp_path):
     epoch once, in the epoch's order (the resumable sampler over the map-style token windows)."""
     from torch.utils.data import DistributedSampler
 
-    from lightning_pd2bw.data.resume import make_resumable
+    from lightning_pd2bw.lightning.data_position import make_resumable
 
     prepare(tmp_path / "t", [texts], vocab_size=300)
     data = TokenDataset(tmp_path / "t", 15)

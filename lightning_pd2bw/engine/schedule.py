@@ -40,7 +40,7 @@ class Kind(str, Enum):
     RECV_FORWARD = "RECV_F"
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
-    # the update of batch b, in this order (pipeline/update.py runs each part)
+    # the update of batch b, in this order (engine/update.py runs each part)
     REDUCE = "REDUCE"  # the next weight version made writable; gradients averaged over the replicas, tied
     #                    parameters' gradients summed over the stages holding them
     REDUCE_DEFER = "REDUCE_DEFER"  # the same, the tied sums only launched: their update is TIED_STEP(b), later

@@ -1,6 +1,6 @@
 """The update of one batch, identical on every stage (plain PyTorch), as the schedule's actions run it.
 
-``schedule.update(b)`` places the parts of batch b's update (``pipeline/schedule.py``); the executor runs each:
+``schedule.update(b)`` places the parts of batch b's update (``engine/schedule.py``); the executor runs each:
   REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; the executor does it,
                  so that the hooks, clipping and the step below see the newest weights); gradients averaged over
                  the data-parallel replicas (``grad_buckets.py``: their all-reduces started during the batch's last

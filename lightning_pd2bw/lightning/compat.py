@@ -68,7 +68,7 @@ def replace_sigterm_check(trainer: Any, check: Callable[[], None]) -> None:
     if not isinstance(loop, _TrainingEpochLoop) or not hasattr(loop, "_broadcast_sigterm_tensor"):
         raise RuntimeError(
             "this Lightning version has no _TrainingEpochLoop._broadcast_sigterm_tensor: update "
-            "lightning_pd2bw.compat.replace_sigterm_check for it"
+            "lightning_pd2bw.lightning.compat.replace_sigterm_check for it"
         )
     loop._broadcast_sigterm_tensor = check
 

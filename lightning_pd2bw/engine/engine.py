@@ -27,33 +27,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import schedule, watchdog
+from . import schedule
 from .build import build_stage
-from .comm import StageLink
 from .compiled import CompileMeter, compile_layers, compile_options
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .grad_buckets import GradientBuckets, release
-from .grid import ProcessGrid
+from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
 from .layout import Layout
 from .ledger import BatchLedger
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
+from .observer import Progress
+from .transport import StageLink
 from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
-
-
-def device_barrier(device: torch.device) -> None:
-    """A barrier over the default group (NCCL: on this rank's device, as Lightning's DDP does)."""
-    if dist.get_backend() == "nccl" and device.type == "cuda":
-        dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
-    else:
-        dist.barrier()
-
-
-def _rank_zero_print(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
 
 
 class PipelineEngine:
@@ -86,7 +74,7 @@ class PipelineEngine:
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
             neighbours (default ``comm.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
-        progress: ticked at every action (a watchdog reads it).
+        progress: ticked at every action (``observer.Progress``; a watchdog reads it).
         info: rank-0 messages.
         compile: ``True`` or ``torch.compile``'s keyword arguments: compile each of this stage's layers in place
             (``compiled.py``); ``counters()`` then reports ``compile/graphs`` and ``compile/recompiles_after_warmup``.
@@ -114,8 +102,8 @@ class PipelineEngine:
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         names: Callable[[], dict[int, list[str]]] | None = None,
         transport: Callable[..., StageLink] = StageLink,
-        progress: watchdog.Progress | None = None,
-        info: Callable[[str], None] = _rank_zero_print,
+        progress: Progress | None = None,
+        info: Callable[[str], None] = rank_zero_print,
         compile: bool | Mapping[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
@@ -133,7 +121,7 @@ class PipelineEngine:
         self.num_stages = layout.num_stages
         self.num_microbatches = layout.num_microbatches
         self.grid = grid or ProcessGrid(dist.get_rank(), dist.get_world_size(), layout.num_stages)
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
@@ -142,7 +130,7 @@ class PipelineEngine:
         self.delay_correction, self.delay_correction_strength = delay_correction, delay_correction_strength
         self.before_step = before_step
         self.transport = transport
-        self.progress = progress or watchdog.Progress()
+        self.progress = progress or Progress()
         self.info = info
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self.executor: StageExecutor | None = None
@@ -452,15 +440,3 @@ class PipelineEngine:
         if self.update is not None:
             self.update.skipped_updates[:] = state.get("skipped_updates", [])
         self.executor.versions.reset_after_drain()
-
-
-def describe_rank(rank: int, num_stages: int) -> str:
-    return f"rank {rank} (stage {rank % num_stages} of {num_stages}, replica {rank // num_stages})"
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        import os
-
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine.grid import describe_rank
+from ..observe import watchdog
 from . import compat
-from .pipeline import watchdog
-from .pipeline.engine import describe_rank
 
 _HOST_GROUPS: dict[int, Any] = {}  # id(default group) -> its gloo twin (made once per process group, on every rank)
 

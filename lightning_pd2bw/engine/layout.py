@@ -25,6 +25,8 @@ class Keys:
     """How a caller names the layout's settings in its messages."""
 
     where: str = ""  # a prefix naming the caller, e.g. "PipeDream2BWStrategy: "
+    call: str = ""  # the other options as a call's argument, e.g. "PipeDream2BWStrategy" -> PipeDream2BWStrategy(k=v)
+    prefix: str = ""  # ... or as a dotted key, e.g. "strategy." -> strategy.k=v (when call is empty)
     mode: str = "mode"
     num_stages: str = "num_stages"
     num_microbatches: str = "num_microbatches"
@@ -32,6 +34,14 @@ class Keys:
     lookahead: str = "lookahead"
     world: str = "devices x num_nodes"
     more_microbatches: str = "raise num_microbatches to at least {depth} or use fewer stages"
+
+    def named(self, key: str, value: object) -> str:
+        """``key=value`` as the caller's users write it."""
+        return f"{self.call}({key}={value!r})" if self.call else f"{self.where}{self.prefix}{key}={value!r}"
+
+    def option(self, key: str) -> str:
+        """The option itself, e.g. ``PipeDream2BWStrategy(compile=...)`` or ``strategy.compile``."""
+        return f"{self.call}({key}=...)" if self.call else f"{self.where}{self.prefix}{key}"
 
 
 def check_mode(mode: str, keys: Keys = Keys()) -> None:

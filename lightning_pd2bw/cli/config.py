@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from .pipeline import layout as rules
+from ..engine import layout as rules
 
 
 def defaults_of(cls: Any) -> dict[str, Any]:
@@ -27,10 +27,10 @@ def defaults_of(cls: Any) -> dict[str, Any]:
 
 
 def _classes() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from .data.datamodule import TextDataModule
-    from .data.tokens import TokenDataModule
-    from .models.base import PipelineLanguageModel
-    from .strategy import PipeDream2BWStrategy
+    from ..data.datamodule import TextDataModule
+    from ..data.tokens import TokenDataModule
+    from ..lightning.strategy import PipeDream2BWStrategy
+    from ..models.base import PipelineLanguageModel
 
     return tuple(map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule, PipeDream2BWStrategy)))
 
@@ -325,7 +325,7 @@ CONFIG_KEYS = rules.Keys(
 
 
 def _layout_rule(rule: Any, *args: Any, keys: rules.Keys = CONFIG_KEYS) -> Any:
-    """A layout rule of ``pipeline/layout.py`` in the config's keys, raised as a ``ConfigError``."""
+    """A layout rule of ``engine/layout.py`` in the config's keys, raised as a ``ConfigError``."""
     try:
         return rule(*args, keys)
     except ValueError as error:
@@ -336,7 +336,7 @@ def check_checkpoint(path: Any, num_layers: int | None) -> None:
     """``ckpt_path`` names a complete pd2bw checkpoint of this model (any depth x width: it is resharded)."""
     if not path:
         return
-    from .checkpoint import read_manifest
+    from ..checkpoint.store import read_manifest
 
     try:
         manifest = read_manifest(path)
@@ -371,7 +371,7 @@ def check_tokens(cfg: Any) -> None:
     """``data=tokens`` before a real run (a dry run needs no data): the corpus is there and fits the model."""
     if not str(cfg.data.get("_target_", "")).endswith("TokenDataModule"):
         return
-    from .data.tokens import read_index
+    from ..data.tokens import read_index
 
     try:
         vocab = read_index(cfg.data.path)["vocab_size"]
@@ -392,7 +392,7 @@ def _check_data(cfg: Any) -> None:
             "data.seq_len or raise the block size"
         )
     if cfg.data.get("tokenizer"):
-        from .data.hf import load_tokenizer
+        from ..data.hf import load_tokenizer
 
         vocab, model_vocab = load_tokenizer(cfg.data.tokenizer).get_vocab_size(), vocab_of(cfg.model)
         if vocab > model_vocab:

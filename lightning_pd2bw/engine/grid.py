@@ -6,13 +6,15 @@ traffic stays inside a node; the replicas of one stage all-reduce gradients acro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-from .comm import LinkChannels
 from .layout import width_of
+from .transport import LinkChannels
 
 
 @dataclass
@@ -113,3 +115,28 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
             if replica == grid.replica and grid.stage in stages:
                 shared[stages] = group
     return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links))
+
+
+def describe_rank(rank: int, num_stages: int) -> str:
+    return f"rank {rank} (stage {rank % num_stages} of {num_stages}, replica {rank // num_stages})"
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` where CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def device_barrier(device: torch.device) -> None:
+    """A barrier over the default group (NCCL: on this rank's device, as Lightning's DDP does)."""
+    if dist.get_backend() == "nccl" and device.type == "cuda":
+        dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def rank_zero_print(message: str) -> None:
+    """The engine's default ``info``: printed by rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)

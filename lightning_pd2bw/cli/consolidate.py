@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (
+from ..checkpoint.entries import entries_of
+from ..checkpoint.store import (
     FORMAT,
     LEGACY_META_FILE,
     META_FILE,
@@ -23,7 +24,6 @@ from .checkpoint import (
     resolve,
     write_state,
 )
-from .checkpoint_state import entries_of
 
 
 def export(path: str | Path, out: str | Path) -> Path:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{manifest['num_stages']} stages x {manifest['data_parallel_size']} replicas at step {manifest['global_step']}"
     )
     if args.format == "hf":
-        from .models.gpt2_export import export_checkpoint
+        from ..models.gpt2_export import export_checkpoint
 
         directory = export_checkpoint(args.checkpoint, args.out)
         print(f"{directory}: {where} -> Hugging Face GPT-2 (GPT2LMHeadModel.from_pretrained({str(directory)!r}))")

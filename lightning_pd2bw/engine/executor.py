@@ -17,9 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import schedule as S
-from .activations import ActivationMeter
-from .comm import StageLink, carries_gradient, input_signature
-from .timeline import Recorder
+from .observer import ActionRecorder, SavedTensorMeter
+from .transport import StageLink, carries_gradient, input_signature
 from .versions import WeightVersions
 
 
@@ -97,9 +96,9 @@ class StageExecutor:
         self.max_stashed = 0
         self.stash_bytes = 0  # boundary tensors kept for the backward: each stashed microbatch's inputs and outputs
         self.peak_stash_bytes = 0
-        self.recorder: Recorder | None = None  # set one to record every action (timeline.py)
-        self.meter: ActivationMeter | None = None  # set one to count stashed activation bytes
-        self.progress: Any = None  # set a watchdog.Progress to publish every action (hang detection)
+        self.recorder: ActionRecorder | None = None  # set one to record every action (observe/timeline.py)
+        self.meter: SavedTensorMeter | None = None  # set one to count stashed activation bytes
+        self.progress: Any = None  # an observer.Progress, to publish every action (hang detection)
         self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
         self._backwards: dict[int, int] = {}  # batch -> backwards run on this stage
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes

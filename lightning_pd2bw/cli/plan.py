@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..train import CONF, RECIPES, _select_recipe, analytic_model_profile, build_model_on_meta, setup_hydra
+from .train import CONF, RECIPES, _select_recipe, analytic_model_profile, build_model_on_meta, setup_hydra
 
 
 def cluster_names() -> list[str]:
@@ -29,8 +29,8 @@ def _select_cluster(argv: list[str]) -> list[str]:
 
 
 def plan(cfg, limit: int = 10) -> str:
-    from .hardware import ClusterSpec, device_spec
-    from .search import format_table, search
+    from ..planner.hardware import ClusterSpec, device_spec
+    from ..planner.search import format_table, search
 
     if not cfg.get("cluster"):
         raise ValueError(f"choose a cluster: cluster=NAME with NAME one of {', '.join(cluster_names())}")
@@ -82,7 +82,7 @@ def main() -> None:
 
 
 def _main(cfg) -> None:
-    from .search import NoPlanFits
+    from ..planner.search import NoPlanFits
 
     try:
         print(plan(cfg))

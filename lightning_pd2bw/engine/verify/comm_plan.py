@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import schedule as S
+from .. import schedule as S
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 
@@ -331,7 +331,7 @@ class _Rank:
 
     def training_step(self) -> None:
         layout = self.layout
-        if self.sigterm is not None:  # the SIGTERM agreement, asynchronous (preemption.py)
+        if self.sigterm is not None:  # the SIGTERM agreement, asynchronous (lightning/preemption.py)
             self.wait(self.sigterm, "sigterm flag")
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run

@@ -1,8 +1,8 @@
 """Sharded checkpoints of ``PipeDream2BWStrategy`` (the strategy holds one ``StageCheckpoints`` and maps
 Lightning's checkpoint hooks to it): what each rank gives to the save, the manifest's layout and data position, an
 asynchronous save in flight, loading at the same or another layout (resharding). The format
-(torch.distributed.checkpoint entries) and its atomic publication live in ``checkpoint.py`` and
-``checkpoint_state.py``."""
+(torch.distributed.checkpoint entries) and its atomic publication live in ``checkpoint/store.py`` and
+``checkpoint/entries.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from . import checkpoint as ckpt
+from ..checkpoint import store as ckpt
 from .compat import combined_train_loader
 
 

@@ -1,11 +1,11 @@
-"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (``pipeline/engine.py``).
+"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (``engine/engine.py``).
 
 What Lightning sees as one training step ``s`` is one segment of the pipeline schedule (see
-``pipeline/schedule.py``): the forwards of batch ``s``, the backwards interleaved with them and the updates due.
-The engine owns ``zero_grad``, ``backward`` and ``optimizer.step`` (``pipeline/update.py``); Lightning still
+``engine/schedule.py``): the forwards of batch ``s``, the backwards interleaved with them and the updates due.
+The engine owns ``zero_grad``, ``backward`` and ``optimizer.step`` (``engine/update.py``); Lightning still
 counts steps, steps LR schedulers, logs and checkpoints. Checkpoint I/O and resharding are
-``sharded_checkpoints.py``; ``plan="auto"`` ``auto_plan.py``; failure detection ``pipeline/watchdog.py``; SIGTERM
-``preemption.py``. In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
+``lightning/checkpoints.py``; ``plan="auto"`` ``lightning/auto_plan.py``; failure detection ``observe/watchdog.py``; SIGTERM
+``lightning/preemption.py``. In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
 ``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
 
 Drains (2BW): before validation, before a checkpoint is written and at the end of fitting the
@@ -33,7 +33,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from ..engine import layout as rules
+from ..engine.compiled import compile_options
+from ..engine.delay_correction import METHODS as delay_correction_methods
+from ..engine.engine import PipelineEngine
+from ..engine.executor import StageExecutor
+from ..engine.grid import ProcessGrid, describe_rank, device_barrier
+from ..engine.layout import Layout
+from ..engine.ledger import BatchLedger
+from ..engine.materialize import parameters_on_meta
+from ..engine.microbatch import batch_device, check_last_batch
+from ..engine.partition import layer_parameter_counts
+from ..engine.update import CLIP_MODES, NONFINITE_POLICIES
+from ..observe import watchdog
 from . import auto_plan
+from .checkpoints import StageCheckpoints
 from .compat import (
     SubprocessScriptLauncher,
     all_gather_if_distributed,
@@ -47,22 +61,8 @@ from .compat import (
     skip_lightning_backward,
 )
 from .contract import pipeline_layers_of
-from .drain_callback import DrainBeforeTrainEnd
-from .pipeline import layout as rules
-from .pipeline import watchdog
-from .pipeline.compiled import compile_options
-from .pipeline.delay_correction import METHODS as delay_correction_methods
-from .pipeline.engine import PipelineEngine, describe_rank, device_barrier
-from .pipeline.executor import StageExecutor
-from .pipeline.grid import ProcessGrid
-from .pipeline.layout import Layout
-from .pipeline.ledger import BatchLedger
-from .pipeline.materialize import parameters_on_meta
-from .pipeline.microbatch import batch_device, check_last_batch
-from .pipeline.partition import layer_parameter_counts
-from .pipeline.update import CLIP_MODES, NONFINITE_POLICIES
+from .drains import DrainBeforeTrainEnd
 from .preemption import Preemption
-from .sharded_checkpoints import StageCheckpoints
 
 STRATEGY_KEYS = rules.Keys(where="PipeDream2BWStrategy: ")  # the layout rules, in the constructor's names
 
@@ -121,7 +121,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
             needs ``failure_timeout``).
         delay_correction: ``"error_feedback"`` corrects 2BW's one-step gradient delay, optimizer-agnostic:
             ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates (see
-            ``lightning_pd2bw/pipeline/delay_correction.py``); one extra buffer of the stage's weights.
+            ``lightning_pd2bw/engine/delay_correction.py``); one extra buffer of the stage's weights.
             ``None``: the plain 2BW rule. No effect under flush (no delay).
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
@@ -412,7 +412,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds the parameters on the meta device (buffers stay real, see
-        ``pipeline/materialize.py``); each stage materialises and initialises only its layers."""
+        ``engine/materialize.py``); each stage materialises and initialises only its layers."""
         with parameters_on_meta():
             yield
 
@@ -459,7 +459,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         place_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         if fitting:
-            with several_optimizers_allowed():  # the engine steps each of them (pipeline/update.py)
+            with several_optimizers_allowed():  # the engine steps each of them (engine/update.py)
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.engine.start(self.optimizers if fitting else None)
@@ -477,7 +477,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
         return list(best.stages)
 
-    # ------------------------------------------------------------------ checkpoints (sharded_checkpoints.py)
+    # ------------------------------------------------------------------ checkpoints (lightning/checkpoints.py)
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -522,11 +522,11 @@ class PipeDream2BWStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Training loaders get a resumable sampler (exact data position on resume, see ``data/resume.py``);
+        """Training loaders get a resumable sampler (exact data position on resume, see ``lightning/data_position.py``);
         under ``plan="auto"`` each replica reads global_batch_size / width samples per step."""
         from torch.utils.data import DataLoader
 
-        from .data.resume import make_resumable, resume_at
+        from .data_position import make_resumable, resume_at
 
         trainer = self.lightning_module.trainer
         if not isinstance(dataloader, DataLoader) or not trainer.training:
@@ -570,7 +570,7 @@ class PipeDream2BWStrategy(ParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.arm()
         # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
-        # counts Lightning steps, and each update uses its own batch's learning rate (see pipeline/update.py)
+        # counts Lightning steps, and each update uses its own batch's learning rate (see engine/update.py)
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
         )

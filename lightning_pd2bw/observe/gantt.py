@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import schedule as S
+from ..engine import schedule as S
 from .timeline import StageTimeline, bubble_fraction
 
 _REDUCTIONS = (S.REDUCE, S.REDUCE_DEFER, S.CHECK, S.CLIP)

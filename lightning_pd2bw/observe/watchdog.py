@@ -38,6 +38,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..engine.observer import Progress
+
+# Progress (engine.observer) is the main thread's side of the watchdog; re-exported here for its users
+
 EXIT_CODE = 75  # EX_TEMPFAIL: the job ended early and may be resumed from its last checkpoint
 PREFIX = "pd2bw/watchdog/"
 
@@ -45,18 +49,6 @@ PREFIX = "pd2bw/watchdog/"
 def restart_attempt() -> int:
     """torchrun's restart counter (0 outside torchrun or on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-class Progress:
-    """What the main thread is doing, ticked at every action; read by the watchdog thread."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.where: object = "starting"  # an action or a phase; formatted only when published
-
-    def tick(self, where: object) -> None:
-        self.count += 1
-        self.where = where
 
 
 class Watchdog:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from .pipeline.timeline import Recorder, StageTimeline, busy_seconds, write_chrome_trace
+from ..observe.timeline import Recorder, StageTimeline, busy_seconds, write_chrome_trace
 
 
 class PipelineTrace(Callback):
@@ -109,7 +109,7 @@ class PipelineTrace(Callback):
         out = Path(self.dirpath or Path(trainer.default_root_dir) / "timeline")
         self.files["trace"] = write_chrome_trace(out / "trace.json", timelines)
         if self.picture:
-            from .pipeline.gantt import draw_gantt
+            from ..observe.gantt import draw_gantt
 
             title = (
                 f"pd2bw {strategy.mode}: d={strategy.num_stages}, m={strategy.num_microbatches}, "

@@ -15,9 +15,9 @@ from .compat import train_dataloader
 def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple[Any, int]:
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
     planner's best prediction and the global batch size it was planned for. Logged to rank 0 and the logger."""
-    from .planner.auto import plan_on_world
-    from .planner.profile import bytes_per_element
-    from .planner.search import format_table
+    from ..planner.auto import plan_on_world
+    from ..planner.profile import bytes_per_element
+    from ..planner.search import format_table
 
     loader = train_dataloader(trainer)
     sample = next(iter(loader))
@@ -66,7 +66,7 @@ def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple
 
 def rebatch(dataloader: Any, global_batch_size: int, width: int) -> Any:
     """Each replica's loader re-built to read ``global_batch_size / width`` samples per step."""
-    from .data.resume import rebuild
+    from .data_position import rebuild
 
     per_replica = global_batch_size // width
     if dataloader.batch_size == per_replica:

@@ -7,7 +7,7 @@ Layout of a checkpoint ``PATH`` (a directory, so ``ModelCheckpoint``'s ``*.ckpt`
     PATH/trainer.pt       Lightning's loops, schedulers, hparams ... from global rank 0 (written as meta.pt before
                           format 2; not "meta.pt": that name makes Lightning's consolidate_checkpoint take the
                           directory for one of its own sharded checkpoints, and fail)
-    PATH/.metadata        DCP's index of the entries (names in ``checkpoint_state.py``: model, optimizer state
+    PATH/.metadata        DCP's index of the entries (names in ``checkpoint/entries.py``: model, optimizer state
     PATH/__R_0.distcp     by parameter name, callbacks, masks), and the files the ranks wrote in parallel
 
 Every rank writes its stage's entries into ``PATH.tmp`` (DCP writes each name once: replicas are deduplicated and
@@ -19,7 +19,7 @@ point leaves a complete previous checkpoint: ``PATH`` itself, or ``PATH.old`` du
 
 Loading asks DCP for this stage's names only, at any depth x width (a reshard reads the bytes each new stage
 owns, nothing else). Format 1 (``stage-NNN.pt`` files, before DCP) is converted once by ``pd2bw-consolidate
-OLD NEW --upgrade`` (``consolidate.py``). ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(PATH, FILE)`` reads the entries
+OLD NEW --upgrade`` (``cli/consolidate.py``). ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(PATH, FILE)`` reads the entries
 too.
 """
 
@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import (
     FileSystemWriter,
 )
 
-from .checkpoint_state import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
+from .entries import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
 
 META_FILE = "trainer.pt"
 LEGACY_META_FILE = "meta.pt"  # checkpoints written before this name changed

@@ -1,4 +1,4 @@
-"""torch internals the engine relies on, in one place (the engine's counterpart of ``lightning_pd2bw/compat.py``,
+"""torch internals the engine relies on, in one place (the engine's counterpart of ``lightning_pd2bw/lightning/compat.py``,
 which holds Lightning's and may not be imported here: the engine runs without Lightning). Each is pinned by a
 test (``tests/unit/test_compat.py``) that fails loudly if torch changes it."""
 

@@ -1,4 +1,4 @@
-"""Text pictures of the schedules, drawn from ``schedule.py`` itself (``python -m lightning_pd2bw.pipeline.draw``).
+"""Text pictures of the schedules, drawn from ``schedule.py`` itself (``python -m lightning_pd2bw.observe.draw``).
 
 Time runs left to right in unit slots (a forward or a backward takes one slot; sends are free).
 Each cell shows the microbatch's batch letter and index: upper case for forwards, lower case for
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import string
 
-from . import schedule as S
+from ..engine import schedule as S
 
 
 def timeline(

@@ -77,7 +77,7 @@ def distributed_sampler_of(loader: DataLoader) -> DistributedSampler | None:
 def rebuild(loader: DataLoader, sampler: Any = None, **changes: Any) -> DataLoader:
     """The same loader (class, dataset, workers, collate, pinning, ...) with ``sampler`` (default: its own) and
     init arguments in ``changes`` (e.g. ``batch_size``) replaced: Lightning's own re-creation (``compat``)."""
-    from ..compat import reinstantiate_dataloader
+    from .compat import reinstantiate_dataloader
 
     if "batch_size" in changes and uses_batch_sampler(loader):
         raise ValueError(

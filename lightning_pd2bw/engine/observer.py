@@ -1,0 +1,51 @@
+"""How the engine reports what it does, without importing who listens (``observe/`` holds the listeners).
+
+The engine and its stage executor call three optional observers, each a small protocol:
+
+- ``Progress``: ticked before every action with the action (or a phase's name). The default here only counts;
+  ``observe.watchdog.Watchdog`` reads one from its own thread to name where a hung rank stopped.
+- ``ActionRecorder``: stamps each action's start and end (``observe.timeline.Recorder``: the Gantt chart and the
+  Chrome trace).
+- ``SavedTensorMeter``: sees every tensor autograd saves for the backward (``observe.activations.ActivationMeter``:
+  the stash's bytes as autograd holds them).
+
+Set them on the executor (``engine.executor.recorder = ...``, ``.meter = ...``) or pass ``progress=`` to the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+
+
+class Progress:
+    """What the main thread is doing, ticked at every action; read by a watchdog thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.where: object = "starting"  # an action or a phase; formatted only when published
+
+    def tick(self, where: object) -> None:
+        self.count += 1
+        self.where = where
+
+
+class ActionRecorder(Protocol):
+    def now(self) -> Any:
+        """A start stamp (a clock reading or a device event)."""
+
+    def action(self, action: Any, start: Any) -> None:
+        """``action`` ran from ``start`` until now."""
+
+
+class SavedTensorMeter(Protocol):
+    def exclude(self, weights: Iterable[torch.Tensor]) -> None:
+        """Never count these storages (weights; every version of them)."""
+
+    def pack(self, tensor: torch.Tensor) -> Any: ...
+
+    def unpack(self, packed: Any) -> torch.Tensor: ...
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks: ...

@@ -1,0 +1,188 @@
+"""One validated options object for how the pipeline runs: ``PipelineOptions``.
+
+The strategy (``PipeDream2BWStrategy(**options)``), the Hydra schema's checks (``pd2bw-train``'s ``strategy.*``
+keys, before any process starts) and the engine (``PipelineEngine(options=...)``, or its keyword arguments) all
+build this one frozen object, so each option is checked here only, and each error names the option as that caller's
+users write it (``Keys``: ``PipeDream2BWStrategy(clip_mode=...)``, ``strategy.clip_mode=...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import layout as rules
+from .compiled import compile_options
+from .delay_correction import METHODS as DELAY_CORRECTIONS
+from .update import CLIP_MODES, NONFINITE_POLICIES
+
+PLANS = (None, "auto")
+DEFAULT_KEYS = rules.Keys()
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the pipeline runs. Every field is checked when the object is built; a bad one raises ``ValueError``
+    naming it, what is wrong and what is valid.
+
+    Layout (the depth and the cut may instead come from the planner, ``plan="auto"``):
+        num_stages: pipeline depth d (default: the whole world, width 1).
+        num_microbatches: microbatches m per batch and replica (default: d); m >= d.
+        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
+        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d is
+            used): each costs one more stashed microbatch per stage and buys slack between neighbours, whose
+            uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
+        layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
+            time); default: balanced by parameter count.
+        plan: ``"auto"``: at start-up, profile the model on this device, measure the links and choose
+            depth, microbatch size and recomputation with the planner (``lightning_pd2bw.planner``);
+            ``num_stages`` and ``num_microbatches`` are then chosen, not given.
+        global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
+            (default: the dataloader's batch size x world size, as DDP would use).
+
+    Compute:
+        recompute: recompute each stage's activations in the backward (stash only stage inputs).
+        boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
+            ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
+            receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
+            ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype
+            (``torch.bfloat16`` or its name, ``"bfloat16"``).
+        compile: ``True`` compiles each stage's layers with ``torch.compile`` (per layer, in place: names, hooks and
+            checkpoints unchanged); a mapping passes its keys to ``torch.compile`` (``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``). CUDA-graph modes are refused under 2BW. Held as ``None``
+            (off) or the keyword arguments.
+
+    The update:
+        clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
+        on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
+            exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
+            all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
+        delay_correction: ``"error_feedback"`` corrects 2BW's one-step gradient delay, optimizer-agnostic:
+            ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates
+            (``engine/delay_correction.py``); one extra buffer of the stage's weights. ``None``: the plain 2BW
+            rule. No effect under flush (no delay).
+        delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
+
+    Failures and checkpoints (the Lightning strategy's):
+        failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
+            then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
+        hang_timeout: seconds without progress (no action executed by a rank and the ranks it watches) during
+            training after which the job counts as stuck: every rank prints where it is and its Python stack,
+            and exits (code 75). Must exceed the longest single action or checkpoint write (``None``: off;
+            needs ``failure_timeout``).
+        async_checkpoint: save checkpoints asynchronously (``torch.distributed.checkpoint.async_save``): training
+            waits only while each rank copies its state to host memory; the files are written, and the checkpoint
+            published, in the background over a gloo group of its own.
+
+    ``keys`` says how messages name the options (not an option itself).
+    """
+
+    num_stages: int | None = None
+    num_microbatches: int | None = None
+    mode: str = rules.DEFAULT_MODE
+    lookahead: int = 0
+    layers_per_stage: tuple[int, ...] | None = None
+    plan: str | None = None
+    global_batch_size: int | None = None
+    recompute: bool = False
+    boundary_dtype: str | torch.dtype | None = "auto"
+    compile: Any = False
+    clip_mode: str = "global"
+    on_nonfinite: str = "stop"
+    delay_correction: str | None = None
+    delay_correction_strength: float = 1.0
+    failure_timeout: float | None = 180.0
+    hang_timeout: float | None = 600.0
+    async_checkpoint: bool = False
+    keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = self.keys
+        rules.check_mode(self.mode, keys)
+        rules.check_lookahead(self.mode, self.lookahead, keys)
+        if self.num_stages is not None:
+            rules.check_depth(self.num_stages, keys)
+        if self.num_stages is not None and self.num_microbatches is not None:
+            rules.check_microbatches(self.num_stages, self.num_microbatches, keys)
+        self._check_plan()
+        self._check_choice("clip_mode", CLIP_MODES)
+        self._check_choice("on_nonfinite", NONFINITE_POLICIES)
+        if self.delay_correction not in (None, *DELAY_CORRECTIONS):
+            raise ValueError(
+                f"{keys.named('delay_correction', self.delay_correction)} is invalid; valid: None, "
+                f"{', '.join(repr(m) for m in DELAY_CORRECTIONS)}"
+            )
+        if not self.delay_correction_strength > 0:
+            raise ValueError(
+                f"{keys.named('delay_correction_strength', self.delay_correction_strength)} must be > 0 "
+                "(1.0: the update extrapolated one step ahead)"
+            )
+        for name, what in (("failure_timeout", "failure detection"), ("hang_timeout", "progress checks")):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{keys.named(name, value)} must be > 0 seconds, or None to turn {what} off")
+        self._set("boundary_dtype", boundary_dtype(self.boundary_dtype, keys))
+        self._set("compile", compile_options(self.compile, self.mode, keys.option("compile")))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # a normalised form of what was given (frozen otherwise)
+
+    def _check_choice(self, name: str, valid: tuple[str, ...]) -> None:
+        if getattr(self, name) not in valid:
+            raise ValueError(f"{self.keys.named(name, getattr(self, name))} is invalid; valid: {', '.join(valid)}")
+
+    def _check_plan(self) -> None:
+        keys = self.keys
+        if self.plan not in PLANS:
+            raise ValueError(f"{keys.named('plan', self.plan)} is invalid; valid: None (give num_stages) or 'auto'")
+        if self.plan == "auto" and (self.num_stages is not None or self.num_microbatches is not None):
+            raise ValueError(
+                f"{keys.named('plan', 'auto')} chooses num_stages and num_microbatches itself; leave both unset "
+                "(or drop plan='auto' to set them by hand)"
+            )
+        if self.global_batch_size is not None and self.plan != "auto":
+            raise ValueError(
+                f"{keys.named('global_batch_size', self.global_batch_size)} is used with plan='auto' only; otherwise "
+                "the dataloader's batch size is each replica's batch"
+            )
+        if self.layers_per_stage is not None:
+            self._set("layers_per_stage", tuple(self.layers_per_stage))
+            if self.plan == "auto" or len(self.layers_per_stage) != (self.num_stages or 0):
+                raise ValueError(
+                    f"{keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage: give "
+                    "num_stages=len(layers_per_stage) (and no plan='auto', which cuts the model itself)"
+                )
+
+    def replace(self, **changes: Any) -> PipelineOptions:
+        """A copy with ``changes`` (checked again), e.g. the planner's depth and recomputation."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as keyword arguments (``PipelineOptions(**options.as_dict())`` is ``options``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "keys"}
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "keys")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], keys: rules.Keys = DEFAULT_KEYS) -> PipelineOptions:
+        """The options among ``values`` (e.g. a Hydra ``strategy`` node; other keys are left out)."""
+        return cls(**{name: values[name] for name in cls.names() if name in values}, keys=keys)
+
+
+def boundary_dtype(value: str | torch.dtype | None, keys: rules.Keys = DEFAULT_KEYS) -> str | torch.dtype | None:
+    """``"auto"``, None, or a floating-point dtype given as a ``torch.dtype`` or its name (``"bfloat16"``)."""
+    if value in (None, "auto"):
+        return value
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"{keys.named('boundary_dtype', value)} is invalid; valid: 'auto', None or a floating-point "
+            "dtype (torch.bfloat16 or 'bfloat16', 'float16', 'float32')"
+        )
+    return dtype
