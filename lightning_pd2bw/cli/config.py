@@ -9,12 +9,14 @@ exists, and derives the batch layout that the run and the dry run print.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import MISSING
 
 from ..engine import layout as rules
+from ..engine.options import PipelineOptions
 
 
 def defaults_of(cls: Any) -> dict[str, Any]:
@@ -29,10 +31,10 @@ def defaults_of(cls: Any) -> dict[str, Any]:
 def _classes() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
     from ..data.datamodule import TextDataModule
     from ..data.tokens import TokenDataModule
-    from ..lightning.strategy import PipeDream2BWStrategy
     from ..models.base import PipelineLanguageModel
 
-    return tuple(map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule, PipeDream2BWStrategy)))
+    options = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}  # the strategy's too (a unit test)
+    return (*map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule)), options)
 
 
 _MODEL, _DATA, _TOKENS, _STRATEGY = _classes()
@@ -278,6 +280,7 @@ def vocab_of(model_cfg: Any) -> int:
 def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
     world = world_size_of(cfg.trainer)
+    check_options(cfg.strategy)
     if cfg.strategy.get("plan") == "auto":
         return _check_auto(cfg, world)
     depth = cfg.strategy.num_stages or world
@@ -314,7 +317,19 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
 
 
+def check_options(strategy: Any) -> PipelineOptions:
+    """Every ``strategy.*`` option, by the strategy's own rules (``PipelineOptions``), before any process starts."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(strategy, resolve=True) if OmegaConf.is_config(strategy) else dict(strategy)
+    try:
+        return PipelineOptions.from_mapping(values, CONFIG_KEYS)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 CONFIG_KEYS = rules.Keys(
+    prefix="strategy.",
     num_stages="strategy.num_stages",
     num_microbatches="global_batch_size / (width x micro_batch_size)",
     mode="strategy.mode",
@@ -352,11 +367,6 @@ def check_checkpoint(path: Any, num_layers: int | None) -> None:
 def _check_auto(cfg: Any, world: int) -> RunLayout:
     """``strategy.plan=auto``: the planner picks depth and microbatches at start-up; only the global batch is
     fixed. Each process's loader starts at global / world samples and the strategy re-batches it."""
-    if cfg.strategy.num_stages is not None or cfg.strategy.num_microbatches is not None:
-        raise ConfigError(
-            "strategy.plan=auto chooses the depth and the microbatches; set strategy.num_stages=null and "
-            "strategy.num_microbatches=null (or drop strategy.plan=auto)"
-        )
     if cfg.global_batch_size % world:
         raise ConfigError(
             f"global_batch_size={cfg.global_batch_size} with strategy.plan=auto must be a multiple of the world size "

@@ -29,8 +29,7 @@ from torch import nn
 
 from . import schedule
 from .build import build_stage
-from .compiled import CompileMeter, compile_layers, compile_options
-from .delay_correction import METHODS as DELAY_CORRECTIONS
+from .compiled import CompileMeter, compile_layers
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .grad_buckets import GradientBuckets, release
@@ -39,6 +38,7 @@ from .layout import Layout
 from .ledger import BatchLedger
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
+from .options import PipelineOptions, engine_options
 from .transport import StageLink
 from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
@@ -78,6 +78,8 @@ class PipelineEngine:
         info: rank-0 messages.
         compile: ``True`` or ``torch.compile``'s keyword arguments: compile each of this stage's layers in place
             (``compiled.py``); ``counters()`` then reports ``compile/graphs`` and ``compile/recompiles_after_warmup``.
+        options: a ``PipelineOptions`` instead of ``recompute`` .. ``compile`` above (the strategy passes its own,
+            checked once); its mode must be the layout's and its ``boundary_dtype`` not ``"auto"``.
     """
 
     def __init__(
@@ -105,17 +107,18 @@ class PipelineEngine:
         progress: Progress | None = None,
         info: Callable[[str], None] = rank_zero_print,
         compile: bool | Mapping[str, Any] | None = None,
+        options: PipelineOptions | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "PipelineEngine needs a process group: call torch.distributed.init_process_group() first "
                 "(under torchrun every rank runs the same script)"
             )
-        if delay_correction not in (None, *DELAY_CORRECTIONS):
-            raise ValueError(
-                f"delay_correction={delay_correction!r} is invalid; valid: None, "
-                f"{', '.join(repr(m) for m in DELAY_CORRECTIONS)}"
-            )
+        given = dict(recompute=recompute, boundary_dtype=boundary_dtype, clip_mode=clip_mode, compile=compile)
+        given |= dict(on_nonfinite=on_nonfinite, delay_correction=delay_correction)
+        self.options = options = engine_options(
+            layout, options, delay_correction_strength=delay_correction_strength, **given
+        )
         self.layout = layout
         self.mode = layout.mode
         self.num_stages = layout.num_stages
@@ -125,9 +128,7 @@ class PipelineEngine:
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
-        self.recompute, self.boundary_dtype = recompute, boundary_dtype
-        self.policy = UpdatePolicy(clip_val, clip_algorithm, clip_mode, on_nonfinite)
-        self.delay_correction, self.delay_correction_strength = delay_correction, delay_correction_strength
+        self.policy = UpdatePolicy(clip_val, clip_algorithm, options.clip_mode, options.on_nonfinite)
         self.before_step = before_step
         self.transport = transport
         self.progress = progress or Progress()
@@ -142,10 +143,9 @@ class PipelineEngine:
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
         self._names = names or self._layer_names
-        self.compile = compile_options(compile, self.mode, "PipelineEngine(compile=...)")
-        self.compile_meter = CompileMeter() if self.compile is not None else None
-        if self.compile is not None:
-            compile_layers(self.layers, self.compile)
+        self.compile_meter = CompileMeter() if options.compile is not None else None
+        if options.compile is not None:
+            compile_layers(self.layers, options.compile)
         self._closed = False
 
     # ------------------------------------------------------------------ the stage
@@ -159,6 +159,13 @@ class PipelineEngine:
     def parameters(self) -> list[nn.Parameter]:
         """This stage's own parameters (a tied one once)."""
         return list(self.params)
+
+    def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""
+        on_device = tensor if tensor.device == self.device else tensor.to(self.device)  # NCCL: the group's device
+        dist.all_reduce(on_device, group=self.groups.pipeline)
+        if on_device is not tensor:
+            tensor.copy_(on_device)
 
     @property
     def is_first(self) -> bool:
@@ -177,10 +184,11 @@ class PipelineEngine:
         self.optimizers = list(optimizers or [])
         local_optimizers(self.optimizers, self.params, self._names())
         correction = None
-        if self.delay_correction is not None and self.mode == "2bw" and self.optimizers:
-            correction = ErrorFeedback(self.params, self.delay_correction_strength)
-        elif self.delay_correction is not None and self.optimizers:
-            self.info(f"pd2bw: delay_correction={self.delay_correction!r} has no effect under mode={self.mode!r}")
+        method = self.options.delay_correction
+        if method is not None and self.mode == "2bw" and self.optimizers:
+            correction = ErrorFeedback(self.params, self.options.delay_correction_strength)
+        elif method is not None and self.optimizers:
+            self.info(f"pd2bw: delay_correction={method!r} has no effect under mode={self.mode!r}")
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(
@@ -192,8 +200,8 @@ class PipelineEngine:
             versions,
             self.input_fn,
             self.loss_fn,
-            recompute=self.recompute,
-            boundary_dtype=self.boundary_dtype,
+            recompute=self.options.recompute,
+            boundary_dtype=self.options.boundary_dtype,
         )
         self.executor.progress = self.progress
         buckets = None

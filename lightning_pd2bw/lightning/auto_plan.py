@@ -1,18 +1,22 @@
-"""``plan="auto"``: profile at start-up and plan (``choose``, which the strategy adopts), and re-batch each
-replica's dataloader to its share of the global batch (``rebatch``)."""
+"""``plan="auto"``: profile at start-up and plan (``choose``, which the strategy adopts); each replica's dataloader
+is then re-batched to its share of the global batch (``data_position.prepare_train_loader``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..engine.options import PipelineOptions
 from .compat import train_dataloader
 
 
-def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple[Any, int]:
+def choose(
+    trainer: pl.Trainer, layers: list[nn.Module], options: PipelineOptions, device: torch.device, num_nodes: int
+) -> tuple[Any, int]:
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
     planner's best prediction and the global batch size it was planned for. Logged to rank 0 and the logger."""
     from ..planner.auto import plan_on_world
@@ -21,25 +25,25 @@ def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple
 
     loader = train_dataloader(trainer)
     sample = next(iter(loader))
-    global_batch = strategy.global_batch_size
+    global_batch = options.global_batch_size
     if global_batch is None:
-        global_batch = getattr(loader, "batch_size", None) and loader.batch_size * strategy.world_size
+        global_batch = getattr(loader, "batch_size", None) and loader.batch_size * trainer.world_size
     if not global_batch:
         raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
-    module = strategy.lightning_module
+    module, precision = trainer.lightning_module, trainer.precision_plugin
     best, cluster, ranked = plan_on_world(
         layers,
         sample,
         module.pipeline_inputs,
         module.pipeline_loss,
-        device=strategy.root_device,
-        num_nodes=strategy.num_nodes,
+        device=device,
+        num_nodes=num_nodes,
         global_batch=global_batch,
-        mode=strategy.mode,
-        lookahead=strategy.lookahead,
-        delay_correction=strategy.delay_correction is not None,
-        weight_bytes=bytes_per_element(str(strategy.precision_plugin.precision))[0],
-        autocast=strategy.precision_plugin.train_step_context,
+        mode=options.mode,
+        lookahead=options.lookahead,
+        delay_correction=options.delay_correction is not None,
+        weight_bytes=bytes_per_element(str(precision.precision))[0],
+        autocast=precision.train_step_context,
     )
     chosen = best.candidate
     rank_zero_info(
@@ -62,15 +66,3 @@ def choose(strategy: Any, trainer: pl.Trainer, layers: list[nn.Module]) -> tuple
             }
         )
     return best, global_batch
-
-
-def rebatch(dataloader: Any, global_batch_size: int, width: int) -> Any:
-    """Each replica's loader re-built to read ``global_batch_size / width`` samples per step."""
-    from .data_position import rebuild
-
-    per_replica = global_batch_size // width
-    if dataloader.batch_size == per_replica:
-        return dataloader
-    if dataloader.batch_size is None:
-        raise ValueError("plan='auto' re-batches the dataloader and needs a DataLoader built with batch_size=...")
-    return rebuild(dataloader, batch_size=per_replica)

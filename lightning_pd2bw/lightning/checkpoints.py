@@ -27,6 +27,10 @@ class StageCheckpoints:
         self.stager: Any = None  # an asynchronous save's host copy, reused by every save
         self.resume_data: dict[str, Any] | None = None  # the data position of the checkpoint being resumed
 
+    def abandon(self) -> None:
+        """After a failure: an asynchronous save may wait on a dead peer; leave it unpublished."""
+        self.in_flight = None
+
     def create_group(self) -> None:
         if self.asynchronous and self.group is None:
             self.group = dist.new_group(backend="gloo")

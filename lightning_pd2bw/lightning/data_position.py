@@ -119,3 +119,38 @@ def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
     sampler.resume(position["epoch"], position["samples_in_epoch"])
     # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
+
+
+def prepare_train_loader(
+    loader: DataLoader,
+    trainer: Any,
+    num_microbatches: int,
+    per_replica_batch: int | None = None,
+    position: dict[str, Any] | None = None,
+) -> DataLoader:
+    """The strategy's training loader: re-batched to ``per_replica_batch`` (``plan="auto"``), with a resumable
+    sampler placed at ``position`` (a resumed checkpoint's), and its last batch checked against the microbatches
+    when the run reaches it."""
+    from ..engine.microbatch import check_last_batch
+
+    if per_replica_batch is not None and loader.batch_size != per_replica_batch:
+        if loader.batch_size is None:
+            raise ValueError("plan='auto' re-batches the dataloader and needs a DataLoader built with batch_size=...")
+        loader = rebuild(loader, batch_size=per_replica_batch)
+    loader = make_resumable(loader)
+    try:
+        samples = len(loader.sampler)
+    except TypeError:  # an iterable dataset: no length
+        samples = None
+    size = loader.batch_size
+    if samples is not None:
+        full = samples // size if size else 0
+        reaches_last = (trainer.max_steps == -1 or trainer.max_steps > full) and trainer.limit_train_batches in (
+            None,
+            1.0,
+        )
+        if reaches_last or (size and size % num_microbatches):
+            check_last_batch(samples, size, loader.drop_last, num_microbatches)
+    if position is not None:
+        resume_at(loader, position)
+    return loader

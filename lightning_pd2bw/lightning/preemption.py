@@ -23,13 +23,13 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..engine.grid import describe_rank
 from ..observe import watchdog
 from . import compat
 
@@ -100,9 +100,11 @@ class Preemption:
         self.agreed = True
         compat.mark_sigterm_received(self.trainer)  # Lightning stops after this batch, on every rank alike
 
-    def stop(self, strategy: Any, exception: SystemExit) -> None:
+    def stop(
+        self, exception: SystemExit, drain: Callable[[], None], wait_for_checkpoint: Callable[[], None], rank: str
+    ) -> None:
         """Every rank agreed on a SIGTERM at the same step: drain, write ``last.ckpt`` where the checkpoint
-        callback writes, and exit with ``EXIT_CODE`` ("resumable")."""
+        callback writes, and exit with ``EXIT_CODE`` ("resumable"). ``rank`` names this rank in the message."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         trainer = self.trainer
@@ -111,15 +113,15 @@ class Preemption:
         path = None
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-            trainer.save_checkpoint(path)
-            strategy.wait_for_checkpoint()
+            trainer.save_checkpoint(path)  # drains first (drains.py, 3)
+            wait_for_checkpoint()
         else:
-            strategy.drain()
+            drain()
         exception.code = watchdog.EXIT_CODE
         where = f"checkpoint written to {path}; resume with ckpt_path=last" if path else "no checkpoint callback"
         print(
             f"pd2bw: preempted (SIGTERM) at global step {trainer.global_step}: {where}. "
-            f"{describe_rank(strategy.global_rank, strategy.num_stages)} exits with code {watchdog.EXIT_CODE}",
+            f"{rank} exits with code {watchdog.EXIT_CODE}",
             file=sys.stderr,
             flush=True,
         )

@@ -11,6 +11,7 @@ import lightning_pd2bw
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.grid import ProcessGrid
 from lightning_pd2bw.engine.layout import Layout, width_of
+from lightning_pd2bw.lightning import checks
 from lightning_pd2bw.lightning.strategy import pipeline_layers_of
 
 
@@ -59,7 +60,7 @@ def test_fp16_is_refused_before_launch():
     # on a CPU Lightning itself swaps 16-mixed for bf16; the strategy's check runs when the launcher is configured
     strategy = PipeDream2BWStrategy(num_stages=2, precision_plugin=MixedPrecision("16-mixed", device="cuda"))
     with pytest.raises(ValueError, match="precision='16-mixed' is not supported by strategy='pd2bw'.*bf16-mixed"):
-        strategy._validate_precision()
+        checks.check_precision(strategy.precision_plugin)
 
 
 def test_module_without_contract():

@@ -108,7 +108,10 @@ def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
         (("strategy.num_microbatches=2",), "contradicts global_batch_size=16"),
         (("data.seq_len=4096",), "data.seq_len=4096 exceeds the model's context"),
         (("trainer.accumulate_grad_batches=2",), "trainer.accumulate_grad_batches must be 1"),
-        (("strategy.plan=auto", "strategy.num_stages=2"), "strategy.plan=auto chooses the depth"),
+        (
+            ("strategy.plan=auto", "strategy.num_stages=2"),
+            "strategy.plan='auto' chooses num_stages and num_microbatches itself; leave both unset",
+        ),
         (("strategy.plan=auto", "global_batch_size=15"), "must be a multiple of the world size 2"),
         (("strategy.lookahead=-1",), "strategy.lookahead=-1 is invalid; valid: an int >= 0"),
         (("strategy.mode=gpipe", "strategy.lookahead=1"), "strategy.lookahead=1 has no meaning under strategy.mode"),

@@ -1,0 +1,71 @@
+"""What the strategy refuses, or warns about, in Lightning's settings: the precision plugin, the trainer's
+accumulation and optimization mode, a user's own validation/test step, asynchronous checkpoints on old torch."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def check_precision(plugin: Precision | None) -> None:
+    name = getattr(plugin, "precision", type(plugin).__name__)
+    if plugin is not None and type(plugin) not in (Precision, MixedPrecision, DoublePrecision):
+        raise ValueError(
+            f"precision={name!r} is not supported by strategy='pd2bw' (supported: '32-true', 'bf16-mixed', "
+            "'64-true'): in '16-true'/'bf16-true' the weights, both 2BW weight versions and the optimizer state "
+            "would be half precision, where updates smaller than the weights' resolution are lost; other plugins "
+            "(transformer-engine, bitsandbytes) are untested with the pipeline. Use precision='bf16-mixed' "
+            "(bfloat16 compute and stage boundaries, float32 weights)"
+        )
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+        raise ValueError(
+            "precision='16-mixed' is not supported by strategy='pd2bw': fp16 needs one loss scale shared by "
+            "all stages and a skip decision they agree on. Use precision='bf16-mixed' (or '32-true')"
+        )
+
+
+def autocast_boundary_dtype(plugin: Precision | None) -> torch.dtype | None:
+    """``boundary_dtype="auto"``: bfloat16 under ``bf16-mixed``, else each tensor's own dtype."""
+    precision = str(getattr(plugin, "precision", ""))
+    return torch.bfloat16 if isinstance(plugin, MixedPrecision) and precision == "bf16-mixed" else None
+
+
+def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not used with strategy='pd2bw': "
+            "the pipeline accumulates over its microbatches. Set PipeDream2BWStrategy(num_microbatches=...) and "
+            "leave accumulate_grad_batches=1"
+        )
+    if not module.automatic_optimization:
+        raise ValueError("strategy='pd2bw' runs the optimizer itself; set automatic_optimization=True")
+
+
+def warn_unused_steps(module: pl.LightningModule) -> None:
+    """The pipeline evaluates through ``pipeline_metrics``: a user's own validation/test step is not called."""
+    if callable(getattr(module, "pipeline_metrics", None)):
+        return
+    for hook in ("validation_step", "test_step"):
+        owner = next(c for c in type(module).__mro__ if hook in vars(c))
+        if owner is not pl.LightningModule:
+            rank_zero_warn(
+                f"pd2bw: {type(module).__name__}.{hook} is not called under strategy='pd2bw' (the batch runs "
+                "through the pipeline; the last stage computes the metrics). It logs the mean of "
+                "pipeline_loss as 'val_loss'/'test_loss'; define pipeline_metrics(output, batch) -> dict of "
+                "scalar tensors to log your own metrics"
+            )
+
+
+def check_async_checkpoint() -> None:
+    """async_checkpoint needs DCP's ``async_save(async_stager=...)`` (torch >= 2.8): refuse older torch by name."""
+    import torch.distributed.checkpoint as dcp
+
+    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+        raise ValueError(
+            f"PipeDream2BWStrategy(async_checkpoint=True) needs torch >= 2.8 (torch.distributed.checkpoint.async_save "
+            f"with async_stager); this is torch {torch.__version__}. Upgrade torch or use async_checkpoint=False"
+        )

@@ -1,0 +1,123 @@
+"""Lightning's process plumbing for the strategy, as ``DDPStrategy`` has it: the processes and their ranks, the
+launcher, the process group (with torchrun's restart-scoped store, NCCL's device binding and flight recorder),
+the data-parallel sampler's shard, and the collectives Lightning calls (barrier, broadcast, reduce, all_gather).
+Nothing here knows the pipeline beyond ``num_stages`` and ``data_parallel_size``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from typing_extensions import override
+
+from ..engine.grid import device_barrier
+from ..observe import watchdog
+from . import checks
+from .compat import (
+    SubprocessScriptLauncher,
+    all_gather_if_distributed,
+    default_backend_for_device,
+    init_process_group,
+    reduce_if_distributed,
+)
+
+
+class PipelineProcesses(ParallelStrategy):
+    """The base of ``PipeDream2BWStrategy``: the ``ParallelStrategy`` duties that are not the pipeline's."""
+
+    num_stages: int
+    data_parallel_size: int
+
+    def __init__(
+        self, *args: Any, process_group_backend: str | None = None, timeout: timedelta = timedelta(minutes=30)
+    ) -> None:
+        super().__init__(*args)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # all stages of one pipeline read the same shard: the replica's
+        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.num_stages}
+
+    @override
+    def _configure_launcher(self) -> None:
+        checks.check_precision(self._precision_plugin)
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def init_process_group(self) -> None:
+        """The default process group (once per process): NCCL on CUDA devices, gloo elsewhere."""
+        backend = self._process_group_backend or default_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        if dist.is_initialized():
+            return
+        store = watchdog.attempt_scoped_store(self._timeout)  # torchrun restarts reuse one store
+        extra = {"store": store} if store is not None else {}
+        if self.root_device.type == "cuda":  # NCCL binds its communicators to this device at once
+            extra["device_id"] = self.root_device
+        if backend == "nccl":
+            watchdog.enable_flight_recorder(os.environ.get("PD2BW_TRACE_DIR", tempfile.gettempdir()))
+        init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_initialized():
+            device_barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        message = [obj]
+        dist.broadcast_object_list(message, src=src)
+        return message[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return reduce_if_distributed(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return all_gather_if_distributed(tensor, group=group, sync_grads=sync_grads)

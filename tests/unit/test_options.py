@@ -1,0 +1,95 @@
+"""One options object (``engine/options.py``): the strategy, the Hydra checks and the engine build the same
+``PipelineOptions``, so a rule and a default live in one place and each error names the option as its caller's users
+write it."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_pd2bw import Layout, PipeDream2BWStrategy, PipelineEngine
+from lightning_pd2bw.cli.config import ConfigError, check_options
+from lightning_pd2bw.engine.options import PipelineOptions
+
+
+def test_the_strategy_takes_every_option_with_the_options_default():
+    signature = inspect.signature(PipeDream2BWStrategy.__init__).parameters
+    for option in dataclasses.fields(PipelineOptions):
+        if option.name == "keys":
+            continue
+        assert option.name in signature, f"PipeDream2BWStrategy does not take {option.name}"
+        assert signature[option.name].default == option.default, option.name
+
+
+def test_the_strategy_holds_its_options_and_reads_them_by_name():
+    strategy = PipeDream2BWStrategy(num_stages=2, mode="flush", recompute=True, compile=True, lookahead=1)
+    assert strategy.options == PipelineOptions(num_stages=2, mode="flush", recompute=True, compile={}, lookahead=1)
+    assert (strategy.mode, strategy.recompute, strategy.lookahead, strategy.compile) == ("flush", True, 1, {})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.options.mode = "2bw"
+    with pytest.raises(AttributeError, match="no attribute 'not_an_option'"):
+        _ = strategy.not_an_option
+
+
+@pytest.mark.parametrize(
+    "option, strategy_message, config_message",
+    [
+        (
+            {"clip_mode": "all"},
+            "PipeDream2BWStrategy(clip_mode='all') is invalid",
+            "strategy.clip_mode='all' is invalid",
+        ),
+        ({"on_nonfinite": "x"}, "PipeDream2BWStrategy(on_nonfinite='x') is invalid", "strategy.on_nonfinite='x'"),
+        ({"hang_timeout": 0}, "PipeDream2BWStrategy(hang_timeout=0) must be > 0", "strategy.hang_timeout=0 must be"),
+        ({"boundary_dtype": "bf16"}, "(boundary_dtype='bf16') is invalid", "strategy.boundary_dtype='bf16' is invalid"),
+        ({"compile": {"nope": 1}}, "PipeDream2BWStrategy(compile=...) has unknown", "strategy.compile has unknown"),
+        ({"plan": "manual"}, "PipeDream2BWStrategy(plan='manual') is invalid", "strategy.plan='manual' is invalid"),
+        ({"mode": "x"}, "PipeDream2BWStrategy: mode='x' is not a mode", "strategy.mode='x' is not a mode"),
+    ],
+)
+def test_one_rule_named_in_each_callers_words(option, strategy_message, config_message):
+    with pytest.raises(ValueError) as error:
+        PipeDream2BWStrategy(**option)
+    assert strategy_message in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        check_options({"_target_": "lightning_pd2bw.PipeDream2BWStrategy", **option})
+    assert config_message in str(error.value)
+
+
+def test_replace_checks_again():
+    options = PipelineOptions(num_stages=2)
+    assert options.replace(num_microbatches=4).num_microbatches == 4
+    with pytest.raises(ValueError, match="num_microbatches=1 is smaller than num_stages=2"):
+        options.replace(num_microbatches=1)
+
+
+@pytest.fixture
+def one_process():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_engine_takes_the_options_or_its_keywords_not_both(one_process):
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    layout = Layout(1, 2, "flush")
+
+    def build(**kwargs):
+        return PipelineEngine(layers, layout, lambda b: b, lambda o, b: o.sum(), **kwargs)
+
+    engine = build(options=PipelineOptions(mode="flush", recompute=True, boundary_dtype=None))
+    assert engine.options.recompute and engine.executor is None
+    engine.close()
+    assert build(recompute=True, clip_mode="stage").options.clip_mode == "stage"
+    with pytest.raises(ValueError, match="give recompute in options=PipelineOptions"):
+        build(options=PipelineOptions(mode="flush", boundary_dtype=None), recompute=True)
+    with pytest.raises(ValueError, match="options.mode='2bw' but layout.mode='flush'"):
+        build(options=PipelineOptions(boundary_dtype=None))
+    with pytest.raises(ValueError, match="boundary_dtype='auto' is resolved by the strategy"):
+        build(options=PipelineOptions(mode="flush"))
+    with pytest.raises(ValueError, match=r"PipelineEngine\(clip_mode='all'\) is invalid"):
+        build(clip_mode="all")
