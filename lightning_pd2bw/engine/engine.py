@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import engine_state
 from . import schedule
 from .build import build_stage
 from .compiled import CompileMeter, compile_layers
@@ -229,6 +231,7 @@ class PipelineEngine:
             executor=self.executor,
             buckets=buckets,
         )
+        self.executor.register(self.update.handlers())
 
     def _started(self) -> StageExecutor:
         if self._closed:
@@ -292,7 +295,7 @@ class PipelineEngine:
             self.update.buckets.attach()
         actions = self.actions(step)
         with context or nullcontext(), self._phase("train"):
-            executor.run(actions, self.update.step, self.update.run_part)
+            executor.run(actions)
         executor.versions.use_latest()  # between batches the stage holds the newest weights
         self._publish_loss(step)
         if self.mode == "2bw":
@@ -331,7 +334,7 @@ class PipelineEngine:
             last = self.ledger.next_batch - 1
             actions = self.actions(last, drain=True)
             with self._phase("drain"):
-                self.executor.run(actions, self.update.step, self.update.run_part)
+                self.executor.run(actions)
             self.executor.finish_drain()
         if self.policy.on_nonfinite == "stop":
             self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
@@ -408,43 +411,28 @@ class PipelineEngine:
         count = self.num_microbatches if batch_size_of(batch) % self.num_microbatches == 0 else 1
         return split_microbatches(batch, count)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (checkpoint/engine_state.py)
     def state_dict(self) -> dict[str, Any]:
         """This stage's state after a drain: its layers' tensors (``"<layer index>.<name>"``) and its optimizers'
         states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
-        self.drain()
-        layers = {}
-        for index in self.stage_layers[self.grid.stage]:
-            for name, tensor in self.all_layers[index].state_dict().items():
-                layers[f"{index}.{name}"] = tensor
-        return {
-            "layout": {"stage": self.grid.stage, "stage_layers": [(r.start, r.stop) for r in self.stage_layers]},
-            "layers": layers,
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-            "skipped_updates": list(self.skipped_updates),
-        }
+        return engine_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned on the same stage of the same layout."""
-        self.drain()
-        cut = [(r.start, r.stop) for r in self.stage_layers]
-        saved = state["layout"]
-        if saved["stage"] != self.grid.stage or [tuple(r) for r in saved["stage_layers"]] != cut:
-            raise ValueError(
-                f"this state is stage {saved['stage']} of the cut {saved['stage_layers']}; this engine is stage "
-                f"{self.grid.stage} of {cut}: load each rank's own state into the same layout"
-            )
-        for index in self.stage_layers[self.grid.stage]:
-            prefix = f"{index}."
-            own = {k[len(prefix) :]: v for k, v in state["layers"].items() if k.startswith(prefix)}
-            self.all_layers[index].load_state_dict(own)
-        if len(state["optimizers"]) != len(self.optimizers):
-            raise ValueError(
-                f"this state has {len(state['optimizers'])} optimizer(s); the engine was started with "
-                f"{len(self.optimizers)}"
-            )
-        for optimizer, saved_state in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved_state)
-        if self.update is not None:
-            self.update.skipped_updates[:] = state.get("skipped_updates", [])
-        self.executor.versions.reset_after_drain()
+        engine_state.load_state_dict(self, state)
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Every rank: drain and write a sharded checkpoint (the strategy's format: DCP entries, a manifest, atomic
+        publication) that ``load`` reads at any depth x width; ``extra`` comes back from ``load``."""
+        return engine_state.save(self, path, extra)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """This stage's part of a checkpoint ``save`` wrote, at this or another layout (resharding)."""
+        return engine_state.load(self, path)
+
+    def parameter_names(self) -> dict[int, list[str]]:
+        """``{id(parameter): [names]}``: the ``names`` given, else ``"<layer index>.<name>"``."""
+        return self._names()
+
+    def barrier(self) -> None:
+        device_barrier(self.device)

@@ -1,14 +1,15 @@
 """Runs one stage's actions: microbatches in, activations and gradients across the link, updates.
 
-The executor interprets any schedule from ``schedule.py``; it knows nothing of Lightning. The
-caller feeds microbatches, hands it the actions of a step, and supplies ``step_fn(batch)`` which
-applies the optimizer update of ``batch`` (gradient reductions, clipping, ``optimizer.step``).
+The executor interprets any schedule from ``schedule.py`` through one ``{Kind: handler}`` table (as DeepSpeed's
+instruction map and ``torch.distributed.pipelining``'s schedules do): its own compute and transport handlers, plus
+the update's parts, which ``update.UpdateRule`` registers (``register``). It knows nothing of Lightning. The
+caller feeds microbatches and hands it the actions of a step.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -20,6 +21,8 @@ from . import schedule as S
 from .observer import ActionRecorder, SavedTensorMeter
 from .transport import StageLink, carries_gradient, input_signature
 from .versions import WeightVersions
+
+_SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -102,6 +105,16 @@ class StageExecutor:
         self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
         self._backwards: dict[int, int] = {}  # batch -> backwards run on this stage
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
+        self._fused: S.Action | None = None
+        self.handlers: dict[S.Kind, Callable[[S.Action], None]] = {  # {Kind: handler}: the interpreter's table
+            S.RECV_FORWARD: self._recv_forward,
+            S.FORWARD: self._forward,
+            S.SEND_FORWARD: self._send_forward,
+            S.RECV_BACKWARD: self._recv_backward,
+            S.BACKWARD: self._backward,
+            S.SEND_BACKWARD: self._send_backward,
+            S.WAIT_SENDS: lambda action: self.link.wait_sends(),
+        }
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -236,71 +249,61 @@ class StageExecutor:
             ]
 
     # ----------------------------------------------------------------- driver
-    def run(
-        self,
-        actions: Sequence[S.Action],
-        step_fn: Callable[[int], None],
-        update_fn: Callable[[S.Action], None] | None = None,
-    ) -> None:
-        """Execute ``actions`` in order. An update begins at REDUCE(b) (or REDUCE_DEFER(b)): the next weight version
-        is made writable, so that its hooks, clipping and step all see the newest weights; STEP(b) calls
-        ``step_fn(b)``; the update's other parts (REDUCE, CHECK, CLIP, TIED_STEP) call ``update_fn(action)`` (None:
-        nothing to do, e.g. one process without collectives)."""
+    def register(self, handlers: Mapping[S.Kind, Callable[[S.Action], None]]) -> None:
+        """Add handlers to the interpreter's table (the update registers its parts: ``UpdateRule.handlers``)."""
+        self.handlers.update(handlers)
+
+    def run(self, actions: Sequence[S.Action]) -> None:
+        """Execute ``actions`` in order, each through its kind's handler (``self.handlers``: the stage's own
+        compute and transport, plus the update's parts its ``UpdateRule`` registered); a failure is marked in the
+        listing of the actions."""
+        recorder, progress, handlers = self.recorder, self.progress, self.handlers
         for index, action in enumerate(actions):
+            if progress is not None:
+                progress.tick(action)
+            start = recorder.now() if recorder is not None else 0.0
             try:
-                fused = S.fused_receive(actions, index) if action.kind in (S.SEND_FORWARD, S.SEND_BACKWARD) else None
-                self._run_action(action, step_fn, update_fn, fused)
+                self._fused = S.fused_receive(actions, index) if action.kind in _SENDS else None
+                handler = handlers.get(action.kind)
+                if handler is None:
+                    raise ValueError(f"no handler for {action}: the update registers its parts (engine.start)")
+                handler(action)
             except Exception as error:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
                 raise
+            if recorder is not None:
+                recorder.action(action, start)
 
     def _gradient_like(self, k: int) -> list[torch.Tensor]:
         """The sent outputs of microbatch ``k`` that get a gradient back (the shapes of its RECV_B)."""
         return [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
 
-    def _run_action(
-        self,
-        action: S.Action,
-        step_fn: Callable[[int], None],
-        update_fn: Callable[[S.Action], None] | None,
-        fused: S.Action | None = None,
-    ) -> None:
-        """Run one action; ``fused``: the receive a send's batch also posts (``schedule.fused_receive``)."""
-        recorder, progress = self.recorder, self.progress
-        kind, k = action.kind, action.microbatch
-        if progress is not None:
-            progress.tick(action)
-        start = recorder.now() if recorder is not None else 0.0
-        if kind == S.RECV_FORWARD:
-            key = self._keys.pop(k) if self.is_last else self._keys[k]
-            self._received[k] = self.link.recv_forward(key)
-        elif kind == S.FORWARD:
-            self._forward(action)
-        elif kind == S.SEND_FORWARD:
-            like = self._gradient_like(fused.microbatch) if fused is not None else None
-            self.link.send_forward(self._to_send.pop(k), self._keys.pop(k), like, self.boundary_dtype)
-        elif kind == S.RECV_BACKWARD:
-            self._grads_in[k] = self.link.recv_backward(self._gradient_like(k), self.boundary_dtype)
-        elif kind == S.BACKWARD:
-            self._backward(action)
-        elif kind == S.SEND_BACKWARD:
-            self.link.send_backward(self._to_send.pop(k), self._keys[fused.microbatch] if fused is not None else None)
-        elif kind == S.STEP:
-            step_fn(action.batch)
-        elif kind in S.UPDATE_PARTS:
-            if kind in (S.REDUCE, S.REDUCE_DEFER):  # an update begins: hooks and the step see the newest weights
-                self.versions.begin_update()
-                if self.meter is not None:
-                    self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
-            if update_fn is not None:
-                update_fn(action)
-        elif kind == S.WAIT_SENDS:
-            self.link.wait_sends()
-        else:
-            raise ValueError(f"unknown action {action}")
-        if recorder is not None:
-            recorder.action(action, start)
+    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fused_receive``)
+    def _recv_forward(self, action: S.Action) -> None:
+        k = action.microbatch
+        key = self._keys.pop(k) if self.is_last else self._keys[k]
+        self._received[k] = self.link.recv_forward(key)
+
+    def _send_forward(self, action: S.Action) -> None:
+        k, fused = action.microbatch, self._fused
+        like = self._gradient_like(fused.microbatch) if fused is not None else None
+        self.link.send_forward(self._to_send.pop(k), self._keys.pop(k), like, self.boundary_dtype)
+
+    def _recv_backward(self, action: S.Action) -> None:
+        k = action.microbatch
+        self._grads_in[k] = self.link.recv_backward(self._gradient_like(k), self.boundary_dtype)
+
+    def _send_backward(self, action: S.Action) -> None:
+        fused = self._fused
+        self.link.send_backward(self._to_send.pop(action.microbatch), self._keys[fused.microbatch] if fused else None)
+
+    def begin_update(self) -> None:
+        """An update begins (REDUCE): the next weight version is made writable, so that the update's hooks,
+        clipping and step all see the newest weights."""
+        self.versions.begin_update()
+        if self.meter is not None:
+            self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
 
     def finish_drain(self) -> None:
         """After a drain's actions (they end in WAIT_SENDS): nothing may be in flight; the version rule restarts."""
@@ -330,3 +333,24 @@ class StageExecutor:
                 self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
         self.link.wait_sends()
         return results
+
+
+def local_update(executor: StageExecutor, step_fn: Callable[[int], None]) -> dict[S.Kind, Callable[[S.Action], None]]:
+    """The update's handlers for a stage driven alone (one process, no collectives: unit tests, measurements): an
+    update begins at REDUCE (the next weight version made writable), ``step_fn(batch)`` at STEP, the other parts do
+    nothing. ``executor.register(local_update(executor, step_fn))``."""
+
+    def begin(action: S.Action) -> None:
+        executor.begin_update()
+
+    def nothing(action: S.Action) -> None:
+        pass
+
+    return {
+        S.REDUCE: begin,
+        S.REDUCE_DEFER: begin,
+        S.CHECK: nothing,
+        S.CLIP: nothing,
+        S.TIED_STEP: nothing,
+        S.STEP: lambda action: step_fn(action.batch),
+    }

@@ -1,8 +1,9 @@
 """The update of one batch, identical on every stage (plain PyTorch), as the schedule's actions run it.
 
-``schedule.update(b)`` places the parts of batch b's update (``engine/schedule.py``); the executor runs each:
-  REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; the executor does it,
-                 so that the hooks, clipping and the step below see the newest weights); gradients averaged over
+``schedule.update(b)`` places the parts of batch b's update (``engine/schedule.py``); ``UpdateRule.handlers``
+registers each in the executor's ``{Kind: handler}`` table:
+  REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; first, so that the
+                 hooks, clipping and the step below see the newest weights); gradients averaged over
                  the data-parallel replicas (``grad_buckets.py``: their all-reduces started during the batch's last
                  backward; REDUCE waits for them), then summed over the stages that share a
                  parameter (GPT's tied embedding); REDUCE_DEFER(b) only launches those sums (2BW without
@@ -61,13 +62,7 @@ class UpdatePolicy:
     clip_val: float | None = None
     clip_algorithm: str = "norm"  # "norm" | "value"
     clip_mode: str = "global"
-    on_nonfinite: str = "stop"
-
-    def __post_init__(self) -> None:
-        if self.clip_mode not in CLIP_MODES:
-            raise ValueError(f"clip_mode={self.clip_mode!r} is invalid; valid: {', '.join(CLIP_MODES)}")
-        if self.on_nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} is invalid; valid: {', '.join(NONFINITE_POLICIES)}")
+    on_nonfinite: str = "stop"  # clip_mode and on_nonfinite are checked with the other options (options.py)
 
 
 @dataclass
@@ -94,23 +89,22 @@ class UpdateRule:
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
     _skipping: int | None = None  # the batch CHECK found non-finite under "skip": its CLIP and STEP do nothing
 
-    def run_part(self, action: S.Action) -> None:
-        """One part of an update, as the schedule placed it (the executor runs STEP through ``step``)."""
-        kind, batch = action.kind, action.batch
-        if kind in (S.REDUCE, S.REDUCE_DEFER):
-            self.reduce(batch, deferred=kind == S.REDUCE_DEFER)
-        elif kind == S.CHECK:
-            self.check(batch)
-        elif kind == S.CLIP:
-            self.clip(batch)
-        elif kind == S.TIED_STEP:
-            self.tied_step(batch)
-        else:
-            raise ValueError(f"{action} is not a part of the update")
+    def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
+        """The update's parts, as the schedule places them, for the executor's table (``executor.register``)."""
+        return {
+            S.REDUCE: lambda action: self.reduce(action.batch),
+            S.REDUCE_DEFER: lambda action: self.reduce(action.batch, deferred=True),
+            S.CHECK: lambda action: self.check(action.batch),
+            S.CLIP: lambda action: self.clip(action.batch),
+            S.STEP: lambda action: self.step(action.batch),
+            S.TIED_STEP: lambda action: self.tied_step(action.batch),
+        }
 
     def reduce(self, batch: int, deferred: bool = False) -> None:
-        """REDUCE(b): average over the replicas, sum the tied gradients over their stages (REDUCE_DEFER: only
-        launch the sums; TIED_STEP(b) applies them)."""
+        """REDUCE(b): the update begins (the next weight version made writable), then average over the replicas,
+        sum the tied gradients over their stages (REDUCE_DEFER: only launch the sums; TIED_STEP(b) applies them)."""
+        if self.executor is not None:
+            self.executor.begin_update()
         shared = [(s.param, s.group) for s in self.shared]
         replicated = self.params
         if self.buckets is not None:  # started during the last backward; the tied parameters are not in them

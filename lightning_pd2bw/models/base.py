@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from .core import IGNORE_INDEX, init_layer, lm_loss
+from .core import IGNORE_INDEX, PipelineContract
 from .optim import block_matrices, build_optimizers, warmup_cosine_schedule
 from .transformer import Block
 
@@ -37,8 +37,9 @@ def _config_dict(config: Any) -> Any:
     return asdict(config) if is_dataclass(config) else repr(config)
 
 
-class PipelineLanguageModel(pl.LightningModule):
-    """Owns ``self.layers`` (built lazily in ``configure_model``, on the meta device under pd2bw)."""
+class PipelineLanguageModel(PipelineContract, pl.LightningModule):
+    """Owns ``self.layers`` (built lazily in ``configure_model``, on the meta device under pd2bw); the partition
+    contract is the plain cores' (``core.PipelineContract``), around the same layers (the same state-dict keys)."""
 
     def __init__(
         self,
@@ -77,20 +78,11 @@ class PipelineLanguageModel(pl.LightningModule):
         if self.layers is not None:
             return
         self.layers = nn.ModuleList(self.build_layers())
-        if not any(p.is_meta for p in self.layers.parameters()):
-            for index in range(len(self.layers)):
-                self.init_pipeline_layer(index)
-
-    def init_pipeline_layer(self, index: int) -> None:
-        """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
-        init_layer(self.layers[index], self.config.seed, index)
+        self.init_all_layers()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         self.configure_model()
-        x = idx
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return super().forward(idx)
 
     def block_layers(self) -> list[nn.Module]:
         """The transformer blocks (Muon's matrices and the default sparsity targets come from them)."""
@@ -100,12 +92,6 @@ class PipelineLanguageModel(pl.LightningModule):
     def pipeline_layers(self) -> nn.ModuleList:
         self.configure_model()
         return self.layers
-
-    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["input_ids"]
-
-    def pipeline_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(logits, batch)
 
     def pipeline_metrics(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validation metrics of one microbatch, computed where the logits are (the last stage)."""

@@ -147,21 +147,23 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int | None, min_lr_ra
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class PipelineCore(nn.Module):
-    """A transformer as a plain module with the partition contract (``pipeline_layers``, ``pipeline_inputs``,
-    ``pipeline_loss``, ``init_pipeline_layer``). Built under ``pipeline.materialize.parameters_on_meta()`` its
-    parameters stay on the meta device until a pipeline stage materialises its own layers."""
+class PipelineContract:
+    """The partition contract over ``self.layers`` and ``self.config``, written once: the plain cores below and the
+    LightningModules (``models/base.py``) both inherit it (``pipeline_layers``, ``pipeline_inputs``,
+    ``pipeline_loss``, ``init_pipeline_layer``, and ``forward`` as the plain composition of the layers)."""
 
-    def __init__(self, config: TransformerConfig, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(layers)
+    config: TransformerConfig
+    layers: nn.ModuleList
+
+    def init_pipeline_layer(self, index: int) -> None:
+        """Seeded initialisation of layer ``index`` alone: the same values on any layout."""
+        init_layer(self.layers[index], self.config.seed, index)
+
+    def init_all_layers(self) -> None:
+        """Every layer, unless the model was built on the meta device (a stage initialises only its own)."""
         if not any(p.is_meta for p in self.layers.parameters()):
             for index in range(len(self.layers)):
                 self.init_pipeline_layer(index)
-
-    def init_pipeline_layer(self, index: int) -> None:
-        init_layer(self.layers[index], self.config.seed, index)
 
     def pipeline_layers(self) -> nn.ModuleList:
         return self.layers
@@ -176,6 +178,18 @@ class PipelineCore(nn.Module):
         for layer in self.layers:
             idx = layer(idx)
         return idx
+
+
+class PipelineCore(PipelineContract, nn.Module):
+    """A transformer as a plain module with the partition contract. Built under
+    ``engine.materialize.parameters_on_meta()`` its parameters stay on the meta device until a pipeline stage
+    materialises its own layers."""
+
+    def __init__(self, config: TransformerConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(layers)
+        self.init_all_layers()
 
 
 class GPTCore(PipelineCore):

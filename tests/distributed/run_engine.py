@@ -50,13 +50,15 @@ class CountingLink(StageLink):
         return super().send_backward(grads, *fused)
 
 
-def build(run: dict) -> tuple[PipelineEngine, list[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
+def build(
+    run: dict, cut: list[int] | None = None
+) -> tuple[PipelineEngine, list[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     """The user's side: a model built on the meta device, an engine, AdamW over the stage's parameters."""
     with parameters_on_meta():
         model = GPTCore(GPTConfig(**run["model"]))
     engine = PipelineEngine(
         model.pipeline_layers(),
-        Layout(run["num_stages"], run["num_microbatches"], run["mode"]),
+        Layout(run["num_stages"], run["num_microbatches"], run["mode"], cut),
         model.pipeline_inputs,
         model.pipeline_loss,
         device="cpu",
@@ -83,11 +85,19 @@ def train(run: dict, out: Path) -> None:
     for step, replicas in enumerate(run["batches"]):
         if step in run["restart_at"]:  # save, build everything anew, load: the run goes on as if uninterrupted
             losses.append(engine.drain())  # 2BW: the last batch's loss, not returned by train_batch yet
-            state = engine.state_dict()
-            scheduler_state = scheduler.state_dict()
-            engine, _, scheduler = build(run)
-            engine.load_state_dict(state)
-            scheduler.load_state_dict(scheduler_state)
+            if run["reshard_to"] is not None:  # the sharded checkpoint, loaded at another cut
+                path = out / f"{run['name']}-step{step}"
+                engine.save(path, extra={"scheduler": scheduler.state_dict()})
+                old_cut = engine.stage_layers
+                engine, _, scheduler = build(run, run["reshard_to"])
+                assert engine.stage_layers != old_cut
+                scheduler.load_state_dict(engine.load(path)["scheduler"])
+            else:  # one rank's state, into the same layout
+                state = engine.state_dict()
+                scheduler_state = scheduler.state_dict()
+                engine, _, scheduler = build(run)
+                engine.load_state_dict(state)
+                scheduler.load_state_dict(scheduler_state)
         loss = engine.train_batch(replicas[engine.grid.replica])
         scheduler.step()
         losses.append(loss)

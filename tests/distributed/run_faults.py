@@ -30,7 +30,7 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-import lightning_pd2bw.checkpoint as ckpt  # noqa: E402
+import lightning_pd2bw.checkpoint.store as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from lightning_pd2bw.engine import schedule
-from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.executor import StageExecutor, local_update
 from lightning_pd2bw.engine.grid import ProcessGrid, build_groups
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
@@ -49,7 +49,8 @@ def main() -> None:
     )
     executor.feed(0, [{"x": a, "y": b} for a, b in zip(x.chunk(NUM_MICROBATCHES), y.chunk(NUM_MICROBATCHES))])
     actions = schedule.segment("flush", grid.stage, grid.num_stages, NUM_MICROBATCHES, 0)
-    executor.run(actions, lambda batch: ours.extend(p.grad.clone() for p in module.parameters()))
+    executor.register(local_update(executor, lambda batch: ours.extend(p.grad.clone() for p in module.parameters())))
+    executor.run(actions)
     executor.finish_drain()
     module.zero_grad(set_to_none=True)
 

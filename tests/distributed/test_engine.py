@@ -20,7 +20,10 @@ RUNS = [
     Case("engine_flush_clip", mode="flush", steps=4, clip=0.5),
     # width 2; global clipping; save, rebuild and load at step 3 (a drain): the run goes on as if uninterrupted
     Case("engine_2bw_w2_clip_restart", mode="2bw", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
+    # engine.save at step 3, a new engine with another cut, engine.load (resharding): the run goes on as before
+    Case("engine_2bw_reshard_restart", mode="2bw", steps=6, schedule=True, checkpoint_every=3),
 ]
+RESHARD = {"engine_2bw_reshard_restart": [1, 4]}  # the new cut (the balanced one is [2, 3])
 WORLDS = sorted({case.world for case in RUNS})
 pytestmark = pytest.mark.smoke  # also in make test: the engine without Lightning, depth 2 and 2 x 2 (~25 s)
 
@@ -38,6 +41,7 @@ def spec_of(case: Case, width: int) -> dict:
         "warmup_steps": 2 if case.schedule else 0,
         "max_steps": case.steps if case.schedule else None,
         "restart_at": list(case.drains),
+        "reshard_to": RESHARD.get(case.name),
         "batches": [[replica_batch(case, s, r, width) for r in range(width)] for s in range(case.steps)],
     }
 

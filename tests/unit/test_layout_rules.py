@@ -80,11 +80,12 @@ def test_no_import_circles():
 
 
 # What each layer may import of the package (its own modules always): arrows point down only, cli -> lightning ->
-# planner/models/data/sparsity -> checkpoint/observe -> engine. The engine imports nothing of the package but itself.
+# planner/models/data/sparsity -> observe -> engine -> checkpoint. The engine imports nothing of the package but the
+# checkpoint format (its save/load), which imports nothing of the package; observe listens to the engine.
 MAY_IMPORT = {
-    ENGINE: set(),
+    ENGINE: {"checkpoint"},
     "observe": {ENGINE},
-    "checkpoint": {ENGINE},
+    "checkpoint": set(),
     "planner": {ENGINE, "observe"},
     "models": {ENGINE, "checkpoint"},
     "data": {"models"},

@@ -1,0 +1,143 @@
+"""The engine's checkpoints, for plain PyTorch users: ``PipelineEngine.save(path)`` / ``.load(path)`` write and read
+the same sharded format as the Lightning strategy (DCP entries, a manifest, atomic publication: ``store.py``) and
+load at any depth x width (resharding), and ``state_dict``/``load_state_dict`` give one rank's state for the same
+layout. Model entries are named ``"<layer index>.<name>"`` and optimizer state by the parameters' names, so a stage
+of another cut finds its own. Nothing here imports the engine: it is handed one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .store import load_stage, read_meta, same_layout, save_sharded
+
+
+def stage_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """This stage's layers' tensors, ``"<layer index>.<name>"`` (a tied weight under each layer holding it)."""
+    return {
+        f"{index}.{name}": tensor
+        for index in engine.stage_layers[engine.grid.stage]
+        for name, tensor in engine.all_layers[index].state_dict().items()
+    }
+
+
+def optimizer_parameter_names(engine: Any) -> list[list[list[str]]]:
+    """Per optimizer, per parameter in its order: the parameter's names."""
+    names = engine.parameter_names()
+    return [[names[id(p)] for g in o.param_groups for p in g["params"]] for o in engine.optimizers]
+
+
+def state_dict(engine: Any) -> dict[str, Any]:
+    engine.drain()
+    return {
+        "layout": {"stage": engine.grid.stage, "stage_layers": [(r.start, r.stop) for r in engine.stage_layers]},
+        "layers": stage_state_dict(engine),
+        "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
+        "skipped_updates": list(engine.skipped_updates),
+    }
+
+
+def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
+    engine.drain()
+    cut = [(r.start, r.stop) for r in engine.stage_layers]
+    saved = state["layout"]
+    if saved["stage"] != engine.grid.stage or [tuple(r) for r in saved["stage_layers"]] != cut:
+        raise ValueError(
+            f"this state is stage {saved['stage']} of the cut {saved['stage_layers']}; this engine is stage "
+            f"{engine.grid.stage} of {cut}: load each rank's own state into the same layout, or use "
+            "engine.save(path) / engine.load(path), which reshard"
+        )
+    for index in engine.stage_layers[engine.grid.stage]:
+        prefix = f"{index}."
+        own = {k[len(prefix) :]: v for k, v in state["layers"].items() if k.startswith(prefix)}
+        engine.all_layers[index].load_state_dict(own)
+    _load_optimizers(engine, state["optimizers"])
+    _restore(engine, state.get("skipped_updates", []))
+
+
+def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Collective (every rank): drain, then write this stage's layers and optimizer state into ``path``; ``extra``
+    (e.g. ``{"step": 100}``) is kept with rank 0's metadata and returned by ``load``."""
+    engine.drain()
+    path = Path(path)
+    checkpoint = {
+        **(extra or {}),
+        "skipped_updates": list(engine.skipped_updates),
+        "state_dict": stage_state_dict(engine),
+        "optimizer_states": [optimizer.state_dict() for optimizer in engine.optimizers],
+        "optimizer_param_names": optimizer_parameter_names(engine),
+    }
+    layout = {
+        "num_stages": engine.num_stages,
+        "data_parallel_size": engine.grid.data_parallel_size,
+        "num_microbatches": engine.num_microbatches,
+        "mode": engine.mode,
+        "num_layers": len(engine.all_layers),
+        "stage_layers": [(r.start, r.stop) for r in engine.stage_layers],
+        "weight_versions": {"drained": True, "versions_held": 1, "updates_applied": engine.executor.versions.latest},
+    }
+
+    def gather(value: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
+    save_sharded(
+        path,
+        checkpoint,
+        layout,
+        stage=engine.grid.stage,
+        is_global_zero=dist.get_rank() == 0,
+        barrier=lambda name: engine.barrier(),
+        gather=gather,
+    )
+    return path
+
+
+def load(engine: Any, path: str | Path) -> dict[str, Any]:
+    """Read this stage's part of a checkpoint ``save`` wrote at any depth x width (only this stage's bytes); returns
+    the ``extra`` given to ``save``. Each rank reads on its own (no collective)."""
+    engine.drain()
+    meta = read_meta(path)
+    manifest = meta.pop("pd2bw")
+    if manifest["num_layers"] != len(engine.all_layers):
+        raise ValueError(
+            f"checkpoint {str(path)!r} was written for a model with {manifest['num_layers']} pipeline layers; this "
+            f"engine has {len(engine.all_layers)}. Build the same model as the checkpoint's run"
+        )
+    model = stage_state_dict(engine)
+    shard = load_stage(
+        path,
+        stage=engine.grid.stage,
+        stage_layers=engine.stage_layers,
+        model=model,  # read in place
+        names=optimizer_parameter_names(engine),
+        fresh=[optimizer.state_dict() for optimizer in engine.optimizers],
+        device=engine.device,
+    )
+    if "optimizer_states" in shard:
+        _load_optimizers(engine, shard["optimizer_states"])
+    _restore(engine, meta.pop("skipped_updates", []))
+    engine.info(
+        f"pd2bw: loaded {path}"
+        + ("" if same_layout(manifest, engine.stage_layers) else f" (resharded from {manifest['stage_layers']})")
+    )
+    return meta
+
+
+def _load_optimizers(engine: Any, states: list[dict[str, Any]]) -> None:
+    if len(states) != len(engine.optimizers):
+        raise ValueError(
+            f"this state has {len(states)} optimizer(s); the engine was started with {len(engine.optimizers)}"
+        )
+    for optimizer, saved in zip(engine.optimizers, states):
+        optimizer.load_state_dict(saved)
+
+
+def _restore(engine: Any, skipped_updates: list[int]) -> None:
+    if engine.update is not None:
+        engine.update.skipped_updates[:] = skipped_updates
+    engine.executor.versions.reset_after_drain()
