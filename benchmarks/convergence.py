@@ -36,6 +36,16 @@ SETTINGS = {  # name -> Hydra overrides
         "strategy.delay_correction=error_feedback",
         "strategy.delay_correction_strength=2",
     ],
+    # the correction search of issue 33 (--settings flush,2bw+ef,2bw+ef0.5,2bw+b1,2bw+ef+b1,flush+b1)
+    "2bw+ef0.5": [
+        "strategy.mode=2bw",
+        "strategy.delay_correction=error_feedback",
+        "strategy.delay_correction_strength=0.5",
+    ],
+    # less explicit momentum: a stale gradient acts as implicit momentum (Mitliagkas et al. 2016, arXiv 1605.09774)
+    "2bw+b1": ["strategy.mode=2bw", "model.betas=[0.8,0.95]"],
+    "2bw+ef+b1": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "model.betas=[0.8,0.95]"],
+    "flush+b1": ["strategy.mode=flush", "model.betas=[0.8,0.95]"],
 }
 OPTIMIZERS = ("adamw", "muon")
 
@@ -141,7 +151,7 @@ def plot(results: dict[str, dict], path: Path, steps: int) -> None:
 
     corpora = sorted({k.split("/")[0] for k in results})
     fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4), squeeze=False)
-    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--", "2bw+ef2": "-."}
+    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--", "2bw+ef2": "-.", "2bw+ef0.5": "-.", "flush+b1": "-"}
     colors = {"adamw": "tab:blue", "muon": "tab:red"}
     for ax, corpus in zip(axes[0], corpora):
         for key, value in results.items():
@@ -150,7 +160,8 @@ def plot(results: dict[str, dict], path: Path, steps: int) -> None:
                 continue
             steps_axis = [s for s, _ in value["curves"][0]]
             mean = [statistics.mean(curve[i][1] for curve in value["curves"]) for i in range(len(steps_axis))]
-            ax.plot(steps_axis, mean, styles[setting], color=colors[optimizer], label=f"{optimizer} {setting}")
+            style = styles.get(setting, (0, (1, 1)))
+            ax.plot(steps_axis, mean, linestyle=style, color=colors[optimizer], label=f"{optimizer} {setting}")
         ax.set_title(f"{corpus}: validation loss (mean over seeds)")
         ax.set_xlabel("step")
         ax.set_xlim(0, steps)

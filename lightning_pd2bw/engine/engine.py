@@ -139,7 +139,6 @@ class PipelineEngine:
         self.executor: StageExecutor | None = None
         self.update: UpdateRule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._batches_fed = 0
         self.all_layers = list(layers)
         built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root)
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
@@ -164,6 +163,8 @@ class PipelineEngine:
 
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""
+        if self._closed:
+            raise RuntimeError("pd2bw: this engine was closed (its process groups are gone): sum while it runs")
         on_device = tensor if tensor.device == self.device else tensor.to(self.device)  # NCCL: the group's device
         dist.all_reduce(on_device, group=self.groups.pipeline)
         if on_device is not tensor:
@@ -204,6 +205,7 @@ class PipelineEngine:
             self.loss_fn,
             recompute=self.options.recompute,
             boundary_dtype=self.options.boundary_dtype,
+            ledger=self.ledger,
         )
         self.executor.progress = self.progress
         buckets = None
@@ -232,6 +234,7 @@ class PipelineEngine:
             buckets=buckets,
         )
         self.executor.register(self.update.handlers())
+        self.executor.register({schedule.LOSS: lambda action: self._publish_loss(action.batch)})
 
     def _started(self) -> StageExecutor:
         if self._closed:
@@ -286,8 +289,8 @@ class PipelineEngine:
         flush/gpipe this batch's. ``global_step`` names the batch in messages (default: batches fed so far);
         ``context`` wraps the compute (e.g. ``torch.autocast``)."""
         executor = self._started()
-        global_step = self._batches_fed if global_step is None else global_step
-        self._batches_fed += 1
+        global_step = self.ledger.fed if global_step is None else global_step
+        self.ledger.fed += 1
         step = self.ledger.open(global_step, [hyperparameters(optimizer) for optimizer in self.optimizers])
         self.progress.tick(f"training step {step} (global step {global_step})")
         executor.feed(step, split_microbatches(batch, self.num_microbatches))
@@ -297,7 +300,6 @@ class PipelineEngine:
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
         executor.versions.use_latest()  # between batches the stage holds the newest weights
-        self._publish_loss(step)
         if self.mode == "2bw":
             return self.ledger.take_loss(step - 1)
         executor.finish_drain()
@@ -316,9 +318,9 @@ class PipelineEngine:
         return make(*self._schedule_of_stage(), batch, defer, self.layout.lookahead)
 
     def _publish_loss(self, step: int) -> None:
-        """The last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
+        """LOSS(step): the last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
         if self.is_last:
-            value = (self.executor.losses.pop(step) / self.num_microbatches).float()
+            value = (self.ledger.take_loss_sum(step) / self.num_microbatches).float()
         else:
             value = torch.zeros((), device=self.device)
         last = self.grid.rank_of(self.num_stages - 1)

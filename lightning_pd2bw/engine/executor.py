@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import schedule as S
+from .ledger import BatchLedger
 from .observer import ActionRecorder, SavedTensorMeter
 from .transport import StageLink, carries_gradient, input_signature
 from .versions import WeightVersions
@@ -76,8 +77,10 @@ class StageExecutor:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         recompute: bool = False,
         boundary_dtype: torch.dtype | None = None,
+        ledger: BatchLedger | None = None,
     ) -> None:
         self.layers = list(layers)
+        self.ledger = ledger if ledger is not None else BatchLedger()  # per-batch state (the engine's)
         self.boundary_dtype = boundary_dtype  # floating-point boundary tensors travel in it (None: their own)
         self.stage = stage
         self.num_stages = num_stages
@@ -95,7 +98,6 @@ class StageExecutor:
         self._stash: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = {}
         self._to_send: dict[int, Any] = {}
         self._grads_in: dict[int, list[torch.Tensor]] = {}
-        self.losses: dict[int, torch.Tensor] = {}  # batch -> sum of its microbatches' losses (last stage)
         self.max_stashed = 0
         self.stash_bytes = 0  # boundary tensors kept for the backward: each stashed microbatch's inputs and outputs
         self.peak_stash_bytes = 0
@@ -103,7 +105,6 @@ class StageExecutor:
         self.meter: SavedTensorMeter | None = None  # set one to count stashed activation bytes
         self.progress: Any = None  # an observer.Progress, to publish every action (hang detection)
         self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
-        self._backwards: dict[int, int] = {}  # batch -> backwards run on this stage
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
         self._fused: S.Action | None = None
         self.handlers: dict[S.Kind, Callable[[S.Action], None]] = {  # {Kind: handler}: the interpreter's table
@@ -205,8 +206,7 @@ class StageExecutor:
                 loss = self.loss_fn(outputs, self._microbatches.pop(k))
                 # a running sum, not a list: m small tensors that live until the step ends, each allocated after
                 # that microbatch's activations, kept the host heap from shrinking (+120 MiB at m=48, 4 MiB messages)
-                total = self.losses.get(action.batch)
-                self.losses[action.batch] = loss.detach().float() if total is None else total + loss.detach().float()
+                self.ledger.add_loss(action.batch, loss)
                 self._stash[k] = (inputs, loss / self.num_microbatches)
             else:
                 self._stash[k] = (inputs, outputs)
@@ -231,10 +231,10 @@ class StageExecutor:
         self.versions.use(action.weight_version)
         inputs, outputs = self._stash.pop(k)
         self.stash_bytes -= _stash_nbytes((inputs, outputs))
-        done = self._backwards.pop(action.batch, 0) + 1
-        if done < self.num_microbatches:
-            self._backwards[action.batch] = done
-        elif self.gradient_buckets is not None:  # the batch's last backward here: all-reduce buckets as they fill
+        last = self.ledger.count_backward(action.batch, self.num_microbatches)
+        if (
+            last and self.gradient_buckets is not None
+        ):  # the batch's last backward here: all-reduce buckets as they fill
             self.gradient_buckets.arm()
         if self.is_last:
             outputs.backward()
@@ -311,7 +311,6 @@ class StageExecutor:
         if self.in_flight or self.link.posted_receives:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()
-        self._backwards.clear()
         self.versions.reset_after_drain()
 
     # ----------------------------------------------------------------- evaluation
@@ -337,8 +336,8 @@ class StageExecutor:
 
 def local_update(executor: StageExecutor, step_fn: Callable[[int], None]) -> dict[S.Kind, Callable[[S.Action], None]]:
     """The update's handlers for a stage driven alone (one process, no collectives: unit tests, measurements): an
-    update begins at REDUCE (the next weight version made writable), ``step_fn(batch)`` at STEP, the other parts do
-    nothing. ``executor.register(local_update(executor, step_fn))``."""
+    update begins at REDUCE (the next weight version made writable), ``step_fn(batch)`` at STEP, the other parts and
+    LOSS do nothing. ``executor.register(local_update(executor, step_fn))``."""
 
     def begin(action: S.Action) -> None:
         executor.begin_update()
@@ -350,7 +349,9 @@ def local_update(executor: StageExecutor, step_fn: Callable[[int], None]) -> dic
         S.REDUCE: begin,
         S.REDUCE_DEFER: begin,
         S.CHECK: nothing,
+        S.HOOKS: nothing,
         S.CLIP: nothing,
         S.TIED_STEP: nothing,
         S.STEP: lambda action: step_fn(action.batch),
+        S.LOSS: nothing,
     }

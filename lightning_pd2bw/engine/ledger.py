@@ -7,6 +7,11 @@ mean loss being broadcast from the last stage (taken one step later under 2BW), 
 parameters, the deferred tied-gradient sums with the hyper-parameters their delayed update uses (taken before
 batch + 2's first forward). A batch whose entries are all consumed is closed.
 
+Beside the entries, the ledger holds the per-batch state of this stage's work in flight, each popped when its
+batch is done with it: the last stage's running sum of a batch's microbatch losses (``add_loss``), the backwards run
+per batch (``count_backward``: the batch's last one arms the replica all-reduce), and the batches CHECK found
+non-finite under ``on_nonfinite="skip"`` (``skip``); and ``fed``, the batches fed since the engine was built.
+
 Bounded by construction: at most ``LIMIT`` batches are open (2BW: the batch two back waits for its tied update,
 the previous one for its update and loss, the current one); opening one more is a bug and raises rather than
 grows. ``counters()`` reports what is held.
@@ -39,6 +44,39 @@ class BatchLedger:
     def __init__(self) -> None:
         self.batches: dict[int, BatchEntry] = {}
         self.next_batch = 0  # the next training step's batch number in this run
+        self.fed = 0  # batches fed since the engine was built (train_batch's default global step)
+        self.loss_sums: dict[int, torch.Tensor] = {}  # last stage: the sum of a batch's microbatch losses so far
+        self.backwards: dict[int, int] = {}  # backwards this stage ran of a batch, until its last
+        self.skipped: set[int] = set()  # CHECK found the batch non-finite under "skip": its CLIP and STEP do nothing
+
+    # ------------------------------------------------------------------ this stage's work in flight
+    def add_loss(self, batch: int, loss: torch.Tensor) -> None:
+        """Add a microbatch's loss (detached, in float32) to its batch's sum (last stage)."""
+        total = self.loss_sums.get(batch)
+        self.loss_sums[batch] = loss.detach().float() if total is None else total + loss.detach().float()
+
+    def take_loss_sum(self, batch: int) -> torch.Tensor:
+        return self.loss_sums.pop(batch)
+
+    def count_backward(self, batch: int, per_batch: int) -> bool:
+        """Count one backward of ``batch``; True at its last (the ``per_batch``-th)."""
+        done = self.backwards.pop(batch, 0) + 1
+        if done < per_batch:
+            self.backwards[batch] = done
+        return done == per_batch
+
+    def skip(self, batch: int) -> None:
+        self.skipped.add(batch)
+
+    def is_skipped(self, batch: int) -> bool:
+        return batch in self.skipped
+
+    def take_skip(self, batch: int) -> bool:
+        """Whether ``batch``'s update is skipped (its STEP: the batch leaves the set)."""
+        if batch in self.skipped:
+            self.skipped.discard(batch)
+            return True
+        return False
 
     def open(self, global_step: int, hparams: list[list[dict[str, Any]]]) -> int:
         """Open the next batch of the run; returns its number."""
@@ -101,7 +139,13 @@ class BatchLedger:
         left = {b: e for b, e in self.batches.items() if not e.consumed()}
         if any(e.hparams is not None or e.deferred is not None or e.loss is not None for e in left.values()):
             raise RuntimeError(f"pd2bw: batches {sorted(left)} still hold an update, loss or tied sum after a drain")
+        if self.loss_sums or self.backwards:
+            raise RuntimeError(
+                f"pd2bw: losses of batches {sorted(self.loss_sums)} or backwards of {sorted(self.backwards)} are still "
+                "held after a drain"
+            )
         self.batches.clear()
+        self.skipped.clear()
         self.next_batch = 0
 
     def counters(self) -> dict[str, int]:
@@ -113,6 +157,9 @@ class BatchLedger:
             "updates_pending": sum(e.hparams is not None for e in entries),
             "losses_in_flight": sum(e.loss is not None for e in entries),
             "deferred_sums": sum(e.deferred is not None for e in entries),
+            "loss_sums": len(self.loss_sums),
+            "batches_in_backward": len(self.backwards),
+            "skipped_pending": len(self.skipped),
         }
 
     def _close_if_done(self, batch: int) -> None:

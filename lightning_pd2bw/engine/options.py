@@ -157,6 +157,15 @@ class PipelineOptions:
                     "num_stages=len(layers_per_stage) (and no plan='auto', which cuts the model itself)"
                 )
 
+    def layout(self, world_size: int) -> rules.Layout:
+        """The ``Layout`` these options give on ``world_size`` processes (depth: the world, by default; microbatches:
+        the depth). Not under ``plan="auto"``: the planner chooses the layout."""
+        if self.plan is not None:
+            raise ValueError(f"{self.keys.named('plan', self.plan)}: the planner chooses the layout at start-up")
+        depth = self.num_stages or world_size
+        microbatches = self.num_microbatches or depth
+        return rules.Layout(depth, microbatches, self.mode, self.layers_per_stage, self.lookahead)
+
     def replace(self, **changes: Any) -> PipelineOptions:
         """A copy with ``changes`` (checked again), e.g. the planner's depth and recomputation."""
         return dataclasses.replace(self, **changes)

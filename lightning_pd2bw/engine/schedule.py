@@ -45,10 +45,12 @@ class Kind(str, Enum):
     #                    parameters' gradients summed over the stages holding them
     REDUCE_DEFER = "REDUCE_DEFER"  # the same, the tied sums only launched: their update is TIED_STEP(b), later
     CHECK = "CHECK"  # the non-finite policy ("skip": agreed over the pipeline)
-    CLIP = "CLIP"  # the before-step hooks (callbacks, module), then clipping (global: a norm over the pipeline)
+    HOOKS = "HOOKS"  # the before-step hooks, once per optimizer (Lightning: on_before_optimizer_step)
+    CLIP = "CLIP"  # clipping (global: a norm over the pipeline)
     STEP = "STEP"  # every optimizer's step with batch b's hyper-parameters, the delay correction, post-hooks
     TIED_STEP = "TIED_STEP"  # 2BW: the tied parameters' deferred update of batch b, before batch b+2's forwards
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
+    LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
 
     def __str__(self) -> str:
         return self.value
@@ -62,10 +64,10 @@ class Kind(str, Enum):
 FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
-REDUCE, REDUCE_DEFER, CHECK, CLIP = Kind.REDUCE, Kind.REDUCE_DEFER, Kind.CHECK, Kind.CLIP
-TIED_STEP, WAIT_SENDS = Kind.TIED_STEP, Kind.WAIT_SENDS
-UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, CLIP, TIED_STEP)  # run by the update; STEP also makes a version
-BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS)  # actions of a whole batch: no microbatch, no version
+REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP = Kind.REDUCE, Kind.REDUCE_DEFER, Kind.CHECK, Kind.HOOKS, Kind.CLIP
+TIED_STEP, WAIT_SENDS, LOSS = Kind.TIED_STEP, Kind.WAIT_SENDS, Kind.LOSS
+UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP, TIED_STEP)  # run by the update; STEP also makes a version
+BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$"
 )
@@ -221,7 +223,7 @@ def _twobw_order(
 def update(batch: int, defer_tied: bool = False) -> list[Action]:
     """The parts of batch ``batch``'s update, in order."""
     reduce = REDUCE_DEFER if defer_tied else REDUCE
-    return [Action(reduce, batch), Action(CHECK, batch), Action(CLIP, batch), Action(STEP, batch)]
+    return [Action(kind, batch) for kind in (reduce, CHECK, HOOKS, CLIP, STEP)]
 
 
 def _insert_steps(
@@ -305,15 +307,16 @@ def segment(
     Under 2BW a segment's last action on a stage after the first is a SEND_B whose neighbour takes it only in its
     next segment, fused with the first activations of the next batch (``fused_receive``): it is sent at the head of
     the next segment (or drain), in one batch with the receive of those activations, so both ends of the pair
-    batch the same two messages; ``stream`` (the concatenation) is unchanged."""
+    batch the same two messages. Every segment ends with ``LOSS(batch)``: the last stage's broadcast of the batch's
+    mean loss to its pipeline, on a group of its own."""
     raw = _segment(mode, stage, num_stages, num_microbatches, batch, defer_tied, lookahead)
     if mode != "2bw":
-        return raw
+        return [*raw, Action(LOSS, batch)]
     actions, _ = _carried(raw)
     if batch == 0:
-        return actions
+        return [*actions, Action(LOSS, batch)]
     _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, batch - 1, defer_tied, lookahead))
-    return carried + actions
+    return [*carried, *actions, Action(LOSS, batch)]
 
 
 def drain(

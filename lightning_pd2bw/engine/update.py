@@ -10,8 +10,9 @@ registers each in the executor's ``{Kind: handler}`` table:
                  clipping), and TIED_STEP(b), placed before batch b+2's first forward, applies their update;
   CHECK(b)       the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after
                  the flags reached the host, and at every drain), ``skip`` agrees over the pipeline and drops b;
-  CLIP(b)        the ``before_step`` hook once per optimizer (under Lightning: ``on_before_optimizer_step`` of
-                 the callbacks, then of the LightningModule), then clipping: by the global norm over all stages
+  HOOKS(b)       the ``before_step`` hook once per optimizer (under Lightning: ``on_before_optimizer_step`` of
+                 the callbacks, then of the LightningModule);
+  CLIP(b)        clipping: by the global norm over all stages
                  (``clip_mode="global"``, one all-reduce of a scalar) or per stage, over every optimizer's
                  parameters;
   STEP(b)        ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was
@@ -87,7 +88,6 @@ class UpdateRule:
     buckets: GradientBuckets | None = None  # width > 1: the replicated gradients, all-reduced during the backward
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
-    _skipping: int | None = None  # the batch CHECK found non-finite under "skip": its CLIP and STEP do nothing
 
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
         """The update's parts, as the schedule places them, for the executor's table (``executor.register``)."""
@@ -95,6 +95,7 @@ class UpdateRule:
             S.REDUCE: lambda action: self.reduce(action.batch),
             S.REDUCE_DEFER: lambda action: self.reduce(action.batch, deferred=True),
             S.CHECK: lambda action: self.check(action.batch),
+            S.HOOKS: lambda action: self.hooks(action.batch),
             S.CLIP: lambda action: self.clip(action.batch),
             S.STEP: lambda action: self.step(action.batch),
             S.TIED_STEP: lambda action: self.tied_step(action.batch),
@@ -119,23 +120,25 @@ class UpdateRule:
     def check(self, batch: int) -> None:
         """CHECK(b): the non-finite policy; under "skip" a batch all stages found non-finite is not applied."""
         if not self._gradients_finite(batch):
-            self._skipping = batch
+            self.ledger.skip(batch)
 
-    def clip(self, batch: int) -> None:
-        """CLIP(b): the before-step hooks (once per optimizer), then clipping."""
-        if self._skipping == batch:
-            return
-        if self.before_step is not None:
+    def hooks(self, batch: int) -> None:
+        """HOOKS(b): the before-step hooks, once per optimizer (Lightning: ``on_before_optimizer_step`` of the
+        callbacks, then of the module; e.g. a sparsity callback masks the gradients here)."""
+        if self.before_step is not None and not self.ledger.is_skipped(batch):
             for optimizer in self.optimizers:
                 self.before_step(optimizer)
-        self._clip_gradients()
+
+    def clip(self, batch: int) -> None:
+        """CLIP(b): clipping, by the global norm over the pipeline or each stage's own."""
+        if not self.ledger.is_skipped(batch):
+            self._clip_gradients()
 
     def step(self, batch: int) -> None:
         """STEP(b), on the weight version REDUCE(b) made writable: every optimizer's step with batch b's
         hyper-parameters, 2BW's delay correction, the optimizers' post-hooks; gradients cleared."""
         hparams = self.ledger.take_hparams(batch)
-        if self._skipping == batch:
-            self._skipping = None
+        if self.ledger.take_skip(batch):
             self.zero_grad()
             return
         deferred_hparams = self.ledger.deferred_hparams(batch)

@@ -16,16 +16,34 @@ from ..checkpoint import store as ckpt
 from .compat import combined_train_loader
 
 
-class StageCheckpoints:
-    """One stage's checkpoint I/O; reads the strategy's layout, engine, module and optimizers."""
+def module_parameter_names(module: Any) -> dict[int, list[str]]:
+    """``{id(parameter): [names]}`` of this stage's parameters in the LightningModule (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if not param.is_meta:
+            names.setdefault(id(param), []).append(name)
+    return names
 
-    def __init__(self, strategy: Any, asynchronous: bool = False) -> None:
-        self.strategy = strategy
+
+class StageCheckpoints:
+    """One stage's checkpoint I/O under Lightning: the engine's state by the module's names, plus what a resumed
+    run needs (data position, schedule horizon, callbacks). ``bind(engine, trainer)`` once per trainer call."""
+
+    def __init__(self, asynchronous: bool = False) -> None:
+        self.engine: Any = None
+        self.trainer: Any = None
         self.asynchronous = asynchronous
         self.group: Any = None  # async saves: a gloo group of their own (training uses the default one)
         self.in_flight: Any = None  # the future of an asynchronous save
         self.stager: Any = None  # an asynchronous save's host copy, reused by every save
         self.resume_data: dict[str, Any] | None = None  # the data position of the checkpoint being resumed
+
+    def bind(self, engine: Any, trainer: Any) -> None:
+        self.engine, self.trainer = engine, trainer
+
+    @property
+    def module(self) -> Any:
+        return self.trainer.lightning_module
 
     def abandon(self) -> None:
         """After a failure: an asynchronous save may wait on a dead peer; leave it unpublished."""
@@ -36,21 +54,21 @@ class StageCheckpoints:
             self.group = dist.new_group(backend="gloo")
 
     def module_state_dict(self) -> dict[str, Any]:
-        self.strategy.drain()  # a checkpoint is always taken at a drain
-        return {k: v for k, v in self.strategy.lightning_module.state_dict().items() if not v.is_meta}
+        self.engine.drain()  # a checkpoint is always taken at a drain (drains.py, 3)
+        return {k: v for k, v in self.module.state_dict().items() if not v.is_meta}
 
     def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        self.strategy.progress.tick(f"saving checkpoint {filepath}")
+        self.engine.progress.tick(f"saving checkpoint {filepath}")
         self.wait()  # the previous asynchronous save is published before the next one starts
-        if self.strategy.optimizers:
+        if self.engine.optimizers:
             checkpoint["optimizer_param_names"] = self.optimizer_parameter_names()
         self.in_flight = ckpt.save_sharded(
             Path(filepath),
             checkpoint,
             self.manifest_layout(),
-            stage=self.strategy.grid.stage,
-            is_global_zero=self.strategy.is_global_zero,
-            barrier=self.strategy.barrier,
+            stage=self.engine.grid.stage,
+            is_global_zero=self.trainer.is_global_zero,
+            barrier=lambda name: self.engine.barrier(),
             gather=self._gather_objects,
             process_group=self.group,
             asynchronous=self.asynchronous,
@@ -62,7 +80,7 @@ class StageCheckpoints:
         if self.stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            cuda = self.strategy.root_device.type == "cuda"
+            cuda = self.engine.device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))  # pinned, shared, async, non-blocking
         return self.stager
 
@@ -70,7 +88,7 @@ class StageCheckpoints:
         """Block until an asynchronous save is written (and, on global rank 0, published)."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None:
-            self.strategy.progress.tick("waiting for the asynchronous checkpoint")
+            self.engine.progress.tick("waiting for the asynchronous checkpoint")
             pending.result()
 
     def close(self) -> None:
@@ -80,34 +98,27 @@ class StageCheckpoints:
             self.stager = None
 
     def _gather_objects(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.strategy.world_size
+        out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
 
-    def parameter_names(self) -> dict[int, list[str]]:
-        names: dict[int, list[str]] = {}
-        for name, param in self.strategy.lightning_module.named_parameters(remove_duplicate=False):
-            if not param.is_meta:
-                names.setdefault(id(param), []).append(name)
-        return names
-
     def optimizer_parameter_names(self) -> list[list[list[str]]]:
         """Per optimizer, per parameter in its order: the parameter's names (a tied one has several)."""
-        names = self.parameter_names()
+        names = module_parameter_names(self.module)
         return [
-            [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-            for optimizer in self.strategy.optimizers
+            [names[id(p)] for g in optimizer.param_groups for p in g["params"]] for optimizer in self.engine.optimizers
         ]
 
     def manifest_layout(self) -> dict[str, Any]:
-        versions = self.strategy.executor.versions if self.strategy.executor is not None else None
+        engine = self.engine
+        versions = engine.executor.versions if engine.executor is not None else None
         return {
-            "num_stages": self.strategy.num_stages,
-            "data_parallel_size": self.strategy.data_parallel_size,
-            "num_microbatches": self.strategy.num_microbatches,
-            "mode": self.strategy.mode,
-            "num_layers": self.strategy.stage_layers[-1].stop if self.strategy.stage_layers else None,
-            "stage_layers": [(r.start, r.stop) for r in self.strategy.stage_layers],
+            "num_stages": engine.num_stages,
+            "data_parallel_size": engine.grid.data_parallel_size,
+            "num_microbatches": engine.num_microbatches,
+            "mode": engine.mode,
+            "num_layers": engine.stage_layers[-1].stop,
+            "stage_layers": [(r.start, r.stop) for r in engine.stage_layers],
             # a checkpoint is taken at a drain: one version per stage, nothing in flight
             "weight_versions": {
                 "drained": True,
@@ -121,9 +132,9 @@ class StageCheckpoints:
     def _horizon(self) -> dict[str, int | None]:
         """What the run's schedules were computed for: ``trainer.max_steps``, the module's ``*_steps``
         hyper-parameters and the sparsity callbacks' step settings (a resume compares them)."""
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.trainer
         out: dict[str, int | None] = {"trainer.max_steps": trainer.max_steps}
-        for key, value in self.strategy.lightning_module.hparams.items():
+        for key, value in self.module.hparams.items():
             if key.endswith("steps") and (value is None or isinstance(value, int)):
                 out[f"model.{key}"] = value
         for callback in trainer.callbacks:
@@ -135,7 +146,7 @@ class StageCheckpoints:
 
     def _data_position(self) -> dict[str, Any] | None:
         """Where the training data stands: samples of this epoch's global order consumed by every replica."""
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.trainer
         loader = combined_train_loader(trainer)
         if loader is None or len(loader.flattened) != 1:
             return None
@@ -150,13 +161,14 @@ class StageCheckpoints:
             "epoch": trainer.current_epoch,
             "batches_in_epoch": batches,
             "batch_size_per_replica": batch_size,
-            "samples_in_epoch": batches * batch_size * self.strategy.data_parallel_size,
+            "samples_in_epoch": batches * batch_size * self.engine.grid.data_parallel_size,
         }
 
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
         manifest = meta["pd2bw"]
-        num_layers = self.strategy.stage_layers[-1].stop
+        engine = self.engine
+        num_layers = engine.stage_layers[-1].stop
         if manifest["num_layers"] != num_layers:
             raise ValueError(
                 f"checkpoint {str(checkpoint_path)!r} was written for a model with {manifest['num_layers']} pipeline "
@@ -170,25 +182,25 @@ class StageCheckpoints:
                 "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
                 "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys)"
             )
-        if not ckpt.same_layout(manifest, self.strategy.stage_layers):
+        if not ckpt.same_layout(manifest, engine.stage_layers):
             rank_zero_info(
                 f"pd2bw: resharding {checkpoint_path}: written as {manifest['num_stages']} stages x "
-                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {self.strategy.num_stages} x "
-                f"{self.strategy.data_parallel_size} {[(r.start, r.stop) for r in self.strategy.stage_layers]}"
+                f"{manifest['data_parallel_size']} replicas {manifest['stage_layers']}, loading as {engine.num_stages} x "
+                f"{engine.grid.data_parallel_size} {[(r.start, r.stop) for r in engine.stage_layers]}"
             )
         shard = ckpt.load_stage(
             checkpoint_path,
-            stage=self.strategy.grid.stage,
-            stage_layers=self.strategy.stage_layers,
-            model={k: v for k, v in self.strategy.lightning_module.state_dict().items() if not v.is_meta},
+            stage=engine.grid.stage,
+            stage_layers=engine.stage_layers,
+            model={k: v for k, v in self.module.state_dict().items() if not v.is_meta},
             names=self.optimizer_parameter_names(),
-            fresh=[optimizer.state_dict() for optimizer in self.strategy.optimizers],
-            device=self.strategy.root_device,
+            fresh=[optimizer.state_dict() for optimizer in engine.optimizers],
+            device=engine.device,
         )
         return meta | shard
 
     def load_module_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        module = self.strategy.lightning_module
+        module = self.module
         local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
         missing = sorted(set(local) - set(checkpoint["state_dict"]))
         if strict and missing:
@@ -209,7 +221,7 @@ class StageCheckpoints:
         module.load_state_dict(checkpoint["state_dict"], strict=False)
 
     def remove(self, filepath: Any) -> None:
-        if self.strategy.is_global_zero:
+        if self.trainer.is_global_zero:
             import shutil
 
             shutil.rmtree(filepath, ignore_errors=True)

@@ -1,14 +1,20 @@
-"""What the strategy refuses, or warns about, in Lightning's settings: the precision plugin, the trainer's
-accumulation and optimization mode, a user's own validation/test step, asynchronous checkpoints on old torch."""
+"""What the strategy refuses, or warns about, in Lightning's settings (the precision plugin, the trainer's
+accumulation and optimization mode, a user's own validation/test step, asynchronous checkpoints on old torch), and
+the layout it reports at setup."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from ..engine.partition import layer_parameter_counts
 
 
 def check_precision(plugin: Precision | None) -> None:
@@ -69,3 +75,22 @@ def check_async_checkpoint() -> None:
             f"PipeDream2BWStrategy(async_checkpoint=True) needs torch >= 2.8 (torch.distributed.checkpoint.async_save "
             f"with async_stager); this is torch {torch.__version__}. Upgrade torch or use async_checkpoint=False"
         )
+
+
+def layout_report(engine: Any, options: Any, layers: list[nn.Module]) -> str:
+    """What runs: the mode, depth, width, microbatches and each stage's layers and parameters (rank 0 prints it)."""
+    lines = [
+        f"pd2bw: mode={options.mode} stages={engine.num_stages} data_parallel={engine.grid.data_parallel_size} "
+        f"microbatches={engine.num_microbatches} lookahead={options.lookahead} recompute={options.recompute}"
+    ]
+    for stage, layer_range in enumerate(engine.stage_layers):
+        params = sum(layer_parameter_counts([layers[i] for i in layer_range]))
+        lines.append(f"  stage {stage}: layers {layer_range.start}..{layer_range.stop - 1} ({params:,} parameters)")
+    return "\n".join(lines)
+
+
+def expect_scheduler_before_first_update() -> None:
+    """2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still counts
+    Lightning's steps, and each update uses its own batch's learning rate (engine/update.py): torch's warning about
+    a scheduler stepped before its optimizer does not apply."""
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")

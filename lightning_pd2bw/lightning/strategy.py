@@ -1,20 +1,13 @@
-"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (``engine/engine.py``).
+"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (docs/architecture.md).
 
-What Lightning sees as one training step ``s`` is one segment of the pipeline schedule (``engine/schedule.py``): the
-forwards of batch ``s``, the backwards interleaved with them and the updates due. The engine owns ``zero_grad``,
-``backward`` and ``optimizer.step`` (``engine/update.py``); Lightning still counts steps, steps LR schedulers, logs
-and checkpoints. In 2BW mode a stage finishes batch b's backwards during Lightning step b+1, so at
-``on_train_batch_end`` of step s every stage holds weights W(s) (s updates), which batch s+1 uses.
-
-The options are one ``PipelineOptions`` (``engine/options.py``), checked when the strategy is built. The narrow
-components beside this file: ``checkpoints.py`` (sharded checkpoint I/O), ``auto_plan.py`` (``plan="auto"``),
-``resilience.py`` (watchdog, preemption, exceptions), ``drains.py`` (every drain trigger), ``data_position.py``
-(the training loader), ``checks.py`` (what is refused), ``compat.py`` (Lightning's private APIs).
+One Lightning training step is one segment of the pipeline schedule; the engine owns ``zero_grad``, ``backward`` and
+``optimizer.step``, Lightning counts steps, steps schedulers, logs and checkpoints. The options are one
+``PipelineOptions``; the narrow components beside this file do the rest (``processes``, ``checkpoints``,
+``auto_plan``, ``resilience``, ``drains``, ``data_position``, ``checks``, ``compat``: Lightning's private APIs).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,17 +22,14 @@ from typing_extensions import override
 
 from ..engine import layout as rules
 from ..engine.engine import PipelineEngine
-from ..engine.executor import StageExecutor
 from ..engine.grid import ProcessGrid
-from ..engine.layout import Layout
 from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
 from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
 from ..engine.options import PipelineOptions
-from ..engine.partition import layer_parameter_counts
 from . import auto_plan, checks
-from .checkpoints import StageCheckpoints
+from .checkpoints import StageCheckpoints, module_parameter_names
 from .compat import (
     before_optimizer_step_hooks,
     optimizers_to_device,
@@ -66,8 +56,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout: Lightning's, as for ``DDPStrategy``.
 
-    Clipping comes from the Trainer (``gradient_clip_val``, ``gradient_clip_algorithm``); the run logs
-    ``compile/graphs`` and ``compile/recompiles_after_warmup`` when compiling (``RunMetrics``).
+    Clipping comes from the Trainer (``gradient_clip_val``, ``gradient_clip_algorithm``).
     """
 
     strategy_name = "pd2bw"
@@ -105,7 +94,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.options = PipelineOptions(**{k: given[k] for k in PipelineOptions.names()}, keys=STRATEGY_KEYS)
         if async_checkpoint:
             checks.check_async_checkpoint()
-        self.checkpoints = StageCheckpoints(self, asynchronous=async_checkpoint)  # sharded checkpoint I/O
+        self.checkpoints = StageCheckpoints(asynchronous=async_checkpoint)  # sharded checkpoint I/O
         self.resilience = Resilience(failure_timeout, hang_timeout)
         self.drains = Drains(self.drain)
         self.planned: Any = None  # the planner's Prediction under plan="auto"
@@ -141,10 +130,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @property
     def progress(self) -> Progress:
         return self.resilience.progress
-
-    @property
-    def executor(self) -> StageExecutor | None:
-        return self.engine.executor if self.engine is not None else None
 
     @property
     def ledger(self) -> BatchLedger | None:
@@ -199,9 +184,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             self._adopt_plan(trainer, layers)
         assert self.grid is not None
         options = self.options
-        layout = Layout(
-            self.num_stages, self.num_microbatches, options.mode, options.layers_per_stage, options.lookahead
-        )
+        layout = options.layout(self.world_size)
         fitting = trainer.state.fn == TrainerFn.FITTING
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
@@ -217,10 +200,11 @@ class PipeDream2BWStrategy(PipelineProcesses):
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=str(getattr(algorithm, "value", algorithm)) if algorithm else "norm",
             before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),
-            names=self.checkpoints.parameter_names,
+            names=lambda: module_parameter_names(module),
             progress=self.progress,
             info=rank_zero_info,
         )
+        self.checkpoints.bind(self.engine, trainer)
         place_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         if fitting:
@@ -230,7 +214,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.engine.start(self.optimizers if fitting else None)
         self.drains.install(trainer, module)  # removed again in teardown
         checks.warn_unused_steps(module)
-        self._report_layout(layers)
+        rank_zero_info(checks.layout_report(self.engine, options, layers))
 
     def _adopt_plan(self, trainer: pl.Trainer, layers: list[nn.Module]) -> None:
         """``plan="auto"``: the planner's depth, microbatches, recomputation and cut become this run's options."""
@@ -245,17 +229,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
             layers_per_stage=tuple(len(r) for r in best.stages),
         )
         self._build_grid()
-
-    def _report_layout(self, layers: list[nn.Module]) -> None:
-        options = self.options
-        lines = [
-            f"pd2bw: mode={options.mode} stages={self.num_stages} data_parallel={self.data_parallel_size} "
-            f"microbatches={self.num_microbatches} lookahead={options.lookahead} recompute={options.recompute}"
-        ]
-        for stage, layer_range in enumerate(self.stage_layers):
-            params = sum(layer_parameter_counts([layers[i] for i in layer_range]))
-            lines.append(f"  stage {stage}: layers {layer_range.start}..{layer_range.stop - 1} ({params:,} parameters)")
-        rank_zero_info("\n".join(lines))
 
     def _resolved_boundary_dtype(self) -> torch.dtype | None:
         dtype = self.options.boundary_dtype
@@ -311,11 +284,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         trainer = self.lightning_module.trainer
         skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
         self.resilience.on_train_start(trainer, self.root_device)
-        # 2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still
-        # counts Lightning steps, and each update uses its own batch's learning rate (see engine/update.py)
-        warnings.filterwarnings(
-            "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
-        )
+        checks.expect_scheduler_before_first_update()
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -413,10 +382,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
-        if self.engine is None or self.engine.closed:
+        if self.engine is None:
             raise RuntimeError(
-                "pd2bw: the pipeline's process groups exist only during a trainer call (fit/validate/test/predict); "
-                "sum over the stages from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
+                "pd2bw: the pipeline exists only during a trainer call (fit/validate/test/predict); sum over the "
+                "stages from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
             )
         self.engine.all_reduce_over_stages(tensor)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..engine import schedule as S
 from .timeline import StageTimeline, bubble_fraction
 
-_REDUCTIONS = (S.REDUCE, S.REDUCE_DEFER, S.CHECK, S.CLIP)
+_REDUCTIONS = (S.REDUCE, S.REDUCE_DEFER, S.CHECK, S.HOOKS, S.CLIP)
 
 _BATCH_COLOURS = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#937860"]
 

@@ -71,7 +71,7 @@ class PoisonLoss(Callback):
         self.step = step
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        executor = trainer.strategy.executor
+        executor = trainer.strategy.engine.executor
         loss_fn = executor.loss_fn
 
         def poisoned(output, batch):
@@ -163,7 +163,7 @@ def run(case: Case, out: Path, world: int) -> None:
         )
     recorder.dump(out / f"calls-rank-{trainer.global_rank}.json")
     strategy = trainer.strategy
-    executor = strategy.executor
+    executor = strategy.engine.executor
     rank = trainer.global_rank
     if strategy.grid.replica == 0:
         torch.save(strategy.lightning_module_state_dict(), out / f"stage-{strategy.grid.stage}.pt")

@@ -34,7 +34,7 @@ SAVE_STEPS = 3
 
 def optimizer_by_name(trainer: pl.Trainer) -> dict[str, dict]:
     """``"k:name"`` -> the state of parameter ``name`` in optimizer ``k``."""
-    names = trainer.strategy.checkpoints.parameter_names()
+    names = trainer.strategy.engine.parameter_names()
     return {
         f"{k}:{names[id(p)][0]}": dict(optimizer.state[p])
         for k, optimizer in enumerate(trainer.optimizers)

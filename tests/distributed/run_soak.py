@@ -42,7 +42,7 @@ class Counters(Callback):
         if trainer.global_step % 10:
             return
         strategy = trainer.strategy
-        executor = strategy.executor
+        executor = strategy.engine.executor
         self.points.append(
             {
                 "step": trainer.global_step,
@@ -51,7 +51,7 @@ class Counters(Callback):
                 "stashed": len(executor._stash),
                 "in_flight": len(executor._microbatches) + len(executor._received) + len(executor._to_send),
                 "sends": executor.link.pending_sends,
-                "losses": len(executor.losses) + strategy.ledger.counters()["losses_in_flight"],
+                "losses": strategy.ledger.counters()["loss_sums"] + strategy.ledger.counters()["losses_in_flight"],
                 "hparams": strategy.ledger.counters()["updates_pending"] + strategy.ledger.counters()["deferred_sums"],
                 "step_map": strategy.ledger.counters()["batches"],
             }

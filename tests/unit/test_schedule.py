@@ -206,9 +206,10 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
 @pytest.mark.parametrize("defer_tied", [False, True])
 def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_microbatches, defer_tied):
-    """Every batch's update is REDUCE (or REDUCE_DEFER), CHECK, CLIP, STEP back to back; a deferred tied update
+    """Every batch's update is REDUCE (or REDUCE_DEFER), CHECK, HOOKS, CLIP, STEP back to back; a deferred tied update
     is applied (TIED_STEP) after its own STEP and before the forwards of batch b + 2; nothing stays deferred
-    after the drain, whose update sums at once; flush batches and drains end with WAIT_SENDS."""
+    after the drain, whose update sums at once; flush batches and drains end with WAIT_SENDS, every step with
+    LOSS(b)."""
     batches = 4
     for stage in range(num_stages):
         actions = S.stream(mode, stage, num_stages, num_microbatches, batches, defer_tied, lookahead)
@@ -217,8 +218,8 @@ def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_micr
         for b in range(batches):
             reduce = S.REDUCE_DEFER if deferred and b < batches - 1 else S.REDUCE
             start = actions.index(S.Action(reduce, b))
-            parts = [S.Action(k, b) for k in (reduce, S.CHECK, S.CLIP, S.STEP)]
-            assert actions[start : start + 4] == parts
+            parts = [S.Action(k, b) for k in (reduce, S.CHECK, S.HOOKS, S.CLIP, S.STEP)]
+            assert actions[start : start + 5] == parts
         tied = [a.batch for a in actions if a.kind == S.TIED_STEP]
         assert tied == (list(range(batches - 1)) if deferred else [])
         for b in tied:
@@ -228,7 +229,11 @@ def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_micr
             assert all(at < i for i in later)
         waits = [a.batch for a in actions if a.kind == S.WAIT_SENDS]
         assert waits == (list(range(batches)) if mode != "2bw" else [batches - 1])
-        assert actions[-1].kind == S.WAIT_SENDS
+        assert [a.batch for a in actions if a.kind == S.LOSS] == list(range(batches))
+        for b in range(batches):  # each step ends with its loss broadcast; a flush step waits for its sends first
+            step = S.segment(mode, stage, num_stages, num_microbatches, b, defer_tied, lookahead)
+            assert step[-1] == S.Action(S.LOSS, b) and (mode == "2bw" or step[-2].kind == S.WAIT_SENDS)
+        assert actions[-1].kind == (S.WAIT_SENDS if mode == "2bw" else S.LOSS)  # a 2BW drain waits last
 
 
 @pytest.mark.parametrize("mode,lookahead", SCHEDULES)

@@ -1,7 +1,7 @@
 """The communication program each rank of a pipeline issues, lowered from the schedules' action lists.
 
 ``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
-stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, CLIP, TIED_STEP),
+stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, HOOKS, CLIP, TIED_STEP),
 the calls the transport (``comm.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
 broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
@@ -321,6 +321,11 @@ class _Rank:
                     self.wait(handle, f"deferred tied sum of b{action.batch}")
             elif action.kind == S.WAIT_SENDS:
                 self.wait_sends()
+            elif action.kind == S.LOSS:
+                loss_group = f"pd2bw/loss/replica{self.replica}"
+                self.losses[action.batch] = self.collective(
+                    "broadcast", loss_group, self.pipeline, f"loss of b{action.batch}", block=False
+                )
             if action.kind in S.RECEIVES and self.legacy:
                 self.legacy_post_receives(actions, index)
 
@@ -346,8 +351,6 @@ class _Rank:
                 layout.lookahead,
             )
         )
-        loss_group = f"pd2bw/loss/replica{self.replica}"
-        self.losses[step] = self.collective("broadcast", loss_group, self.pipeline, f"loss of b{step}", block=False)
         if layout.mode == "2bw":
             self.step_in_run += 1
             self.take_loss(step - 1)
