@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
-    "2bw": ["strategy.mode=2bw"],
+    "2bw": ["strategy.mode=2bw", "strategy.delay_correction=null"],  # the plain rule (the default corrects)
     "2bw+ef": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback"],
     # tried, not a default: the update extrapolated two steps ahead (--settings flush,2bw+ef2)
     "2bw+ef2": [
@@ -43,7 +43,7 @@ SETTINGS = {  # name -> Hydra overrides
         "strategy.delay_correction_strength=0.5",
     ],
     # less explicit momentum: a stale gradient acts as implicit momentum (Mitliagkas et al. 2016, arXiv 1605.09774)
-    "2bw+b1": ["strategy.mode=2bw", "model.betas=[0.8,0.95]"],
+    "2bw+b1": ["strategy.mode=2bw", "strategy.delay_correction=null", "model.betas=[0.8,0.95]"],
     "2bw+ef+b1": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "model.betas=[0.8,0.95]"],
     "flush+b1": ["strategy.mode=flush", "model.betas=[0.8,0.95]"],
 }

@@ -40,7 +40,7 @@ from .layout import Layout
 from .ledger import BatchLedger
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
-from .options import PipelineOptions, engine_options
+from .options import DEFAULT_CORRECTION, PipelineOptions, engine_options
 from .transport import StageLink
 from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
@@ -69,7 +69,8 @@ class PipelineEngine:
         clip_mode: ``"global"`` (the norm over all stages) or ``"stage"`` (each stage's own).
         on_nonfinite: ``"stop"`` raises for a non-finite gradient; ``"skip"`` agrees over the pipeline and skips
             that batch's update.
-        delay_correction: 2BW's optional correction of its one-step delay (``"error_feedback"``).
+        delay_correction: 2BW's correction of its one-step delay (default ``"error_feedback"``; ``None``: the plain
+            2BW rule; no effect under flush).
         delay_correction_strength: the correction's ``beta``.
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
@@ -101,7 +102,7 @@ class PipelineEngine:
         clip_algorithm: str = "norm",
         clip_mode: str = "global",
         on_nonfinite: str = "stop",
-        delay_correction: str | None = None,
+        delay_correction: str | None = DEFAULT_CORRECTION,
         delay_correction_strength: float = 1.0,
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         names: Callable[[], dict[int, list[str]]] | None = None,
@@ -188,10 +189,8 @@ class PipelineEngine:
         local_optimizers(self.optimizers, self.params, self._names())
         correction = None
         method = self.options.delay_correction
-        if method is not None and self.mode == "2bw" and self.optimizers:
+        if method is not None and self.mode == "2bw" and self.optimizers:  # flush has no delay to correct
             correction = ErrorFeedback(self.params, self.options.delay_correction_strength)
-        elif method is not None and self.optimizers:
-            self.info(f"pd2bw: delay_correction={method!r} has no effect under mode={self.mode!r}")
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(

@@ -21,6 +21,9 @@ from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .update import CLIP_MODES, NONFINITE_POLICIES
 
 PLANS = (None, "auto")
+DEFAULT_CORRECTION = (
+    "error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
+)
 DEFAULT_KEYS = rules.Keys()
 
 
@@ -61,10 +64,10 @@ class PipelineOptions:
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
-        delay_correction: ``"error_feedback"`` corrects 2BW's one-step gradient delay, optimizer-agnostic:
-            ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates
+        delay_correction: ``"error_feedback"`` (the default) corrects 2BW's one-step gradient delay,
+            optimizer-agnostic: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates
             (``engine/delay_correction.py``); one extra buffer of the stage's weights. ``None``: the plain 2BW
-            rule. No effect under flush (no delay).
+            rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
 
     Failures and checkpoints (the Lightning strategy's):
@@ -93,7 +96,7 @@ class PipelineOptions:
     compile: Any = False
     clip_mode: str = "global"
     on_nonfinite: str = "stop"
-    delay_correction: str | None = None
+    delay_correction: str | None = DEFAULT_CORRECTION
     delay_correction_strength: float = 1.0
     failure_timeout: float | None = 180.0
     hang_timeout: float | None = 600.0
@@ -205,7 +208,7 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
     compile=None,
     clip_mode="global",
     on_nonfinite="stop",
-    delay_correction=None,
+    delay_correction=DEFAULT_CORRECTION,
     delay_correction_strength=1.0,
 )
 

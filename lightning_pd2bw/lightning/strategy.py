@@ -27,7 +27,7 @@ from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
 from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
-from ..engine.options import PipelineOptions
+from ..engine.options import DEFAULT_CORRECTION, PipelineOptions
 from . import auto_plan, checks
 from .checkpoints import StageCheckpoints, module_parameter_names
 from .compat import (
@@ -81,7 +81,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         on_nonfinite: str = "stop",
         failure_timeout: float | None = 180.0,
         hang_timeout: float | None = 600.0,
-        delay_correction: str | None = None,
+        delay_correction: str | None = DEFAULT_CORRECTION,
         delay_correction_strength: float = 1.0,
         boundary_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,

@@ -48,7 +48,9 @@ class PipelineTrace(Callback):
         self._busy = self._window = 0.0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not hasattr(trainer.strategy, "executor"):
+        from .strategy import PipeDream2BWStrategy
+
+        if not isinstance(trainer.strategy, PipeDream2BWStrategy):
             raise ValueError(
                 f"PipelineTrace records the pd2bw pipeline; this Trainer uses {type(trainer.strategy).__name__}. "
                 "Use strategy='pd2bw' or drop the callback"

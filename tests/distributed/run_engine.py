@@ -64,6 +64,7 @@ def build(
         device="cpu",
         init_layer=model.init_pipeline_layer,
         clip_val=run["clip"],
+        delay_correction=None,  # the reference is the plain 2BW rule
         transport=CountingLink,
     )
     params = engine.parameters()

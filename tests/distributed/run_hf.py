@@ -48,7 +48,11 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(samples(family), batch_size=MICRO * MICROBATCHES, shuffle=False)
     trainer = pl.Trainer(
         strategy=PipeDream2BWStrategy(
-            num_stages=STAGES, num_microbatches=MICROBATCHES, mode=mode, timeout=timedelta(seconds=60)
+            num_stages=STAGES,
+            num_microbatches=MICROBATCHES,
+            mode=mode,
+            delay_correction=None,  # the reference is the plain 2BW rule
+            timeout=timedelta(seconds=60),
         ),
         accelerator="cpu",
         devices=world,

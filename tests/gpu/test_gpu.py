@@ -49,7 +49,13 @@ def fit(case: Case, **strategy: object) -> tuple[pl.Trainer, Probe]:
     pl.seed_everything(0)
     probe = Probe()
     trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(mode=case.mode, recompute=case.recompute, failure_timeout=None, **strategy),
+        strategy=PipeDream2BWStrategy(
+            mode=case.mode,
+            recompute=case.recompute,
+            delay_correction="error_feedback" if case.correction else None,  # the reference's rule
+            failure_timeout=None,
+            **strategy,
+        ),
         accelerator="gpu",
         devices=1,
         precision=case.precision,

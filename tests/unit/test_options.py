@@ -93,3 +93,22 @@ def test_the_engine_takes_the_options_or_its_keywords_not_both(one_process):
         build(options=PipelineOptions(mode="flush"))
     with pytest.raises(ValueError, match=r"PipelineEngine\(clip_mode='all'\) is invalid"):
         build(clip_mode="all")
+
+
+def test_one_default_correction_everywhere():
+    """The Python constructor, Trainer(strategy="pd2bw") (the registry's constructor), pd2bw-train's composed
+    config and the engine all run 2BW with the same delay correction unless told otherwise (issue 33)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_pd2bw.engine.options import DEFAULT_CORRECTION, ENGINE_DEFAULTS
+
+    from .test_config import load
+
+    assert DEFAULT_CORRECTION == "error_feedback"
+    assert PipeDream2BWStrategy().options.delay_correction == DEFAULT_CORRECTION
+    assert StrategyRegistry.get("pd2bw").options.delay_correction == DEFAULT_CORRECTION
+    assert inspect.signature(PipelineEngine.__init__).parameters["delay_correction"].default == DEFAULT_CORRECTION
+    assert ENGINE_DEFAULTS["delay_correction"] == DEFAULT_CORRECTION
+    for recipe in ("tiny", "gpt13b", "bert_base"):
+        assert load(recipe).strategy.delay_correction == DEFAULT_CORRECTION, recipe
+    assert PipeDream2BWStrategy(delay_correction=None).options.delay_correction is None
