@@ -151,20 +151,24 @@ def plot(results: dict[str, dict], path: Path, steps: int) -> None:
 
     corpora = sorted({k.split("/")[0] for k in results})
     fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4), squeeze=False)
-    styles = {"flush": "-", "2bw": ":", "2bw+ef": "--", "2bw+ef2": "-.", "2bw+ef0.5": "-.", "flush+b1": "-"}
-    colors = {"adamw": "tab:blue", "muon": "tab:red"}
+    settings = list(dict.fromkeys(k.split("/")[2] for k in results))
+    colors = {setting: f"C{i % 10}" for i, setting in enumerate(settings)}  # a color per setting
+    styles = {"adamw": "-", "muon": "--"}  # a line style per optimizer
     for ax, corpus in zip(axes[0], corpora):
+        shown: list[float] = []
         for key, value in results.items():
             c, optimizer, setting = key.split("/")
             if c != corpus or not value["curves"][0]:
                 continue
             steps_axis = [s for s, _ in value["curves"][0]]
             mean = [statistics.mean(curve[i][1] for curve in value["curves"]) for i in range(len(steps_axis))]
-            style = styles.get(setting, (0, (1, 1)))
-            ax.plot(steps_axis, mean, linestyle=style, color=colors[optimizer], label=f"{optimizer} {setting}")
+            ax.plot(steps_axis, mean, styles[optimizer], color=colors[setting], label=f"{optimizer} {setting}")
+            shown += [m for s, m in zip(steps_axis, mean) if s >= steps / 3]
         ax.set_title(f"{corpus}: validation loss (mean over seeds)")
         ax.set_xlabel("step")
-        ax.set_xlim(0, steps)
+        ax.set_xlim(steps / 3, steps)  # the last two thirds: where the settings part
+        if shown:
+            ax.set_ylim(min(shown) - 0.01, max(shown) + 0.01)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
