@@ -1,37 +1,63 @@
 """Sharded checkpoints: each stage's state as DCP entries under names independent of the layout (``entries``), a
-manifest, atomic publication and reading back with resharding (``store``). The Lightning strategy and the CLI use
-it; ``consolidate(path)`` gives one whole ``state_dict`` from any checkpoint."""
+manifest, atomic publication and reading back with resharding (``store``), and the engine's ``save``/``load``
+(``engine_state``). The strategy and the CLI use it; ``consolidate(path)`` gives one whole ``state_dict`` from any
+checkpoint. Every public name of ``store`` (what ``lightning_pd2bw.checkpoint`` was as one module) is here too."""
 
-from .entries import STAGE_KEYS, entries_of, stage_checkpoint
+from .entries import STAGE_KEYS, empty_for, entries_of, names_per_optimizer, request_for, stage_checkpoint
 from .store import (
     FORMAT,
+    LEGACY_META_FILE,
     MANIFEST,
     META_FILE,
+    SHARED_PROBE,
     OldFormatError,
+    check_files,
+    check_shared,
     consolidate,
+    finish,
+    fsync_file,
     load_stage,
+    manifest_for,
     newest_checkpoint,
+    publish,
     read_entries,
     read_manifest,
     read_meta,
     resolve,
+    same_layout,
     save_sharded,
+    write_meta,
+    write_state,
 )
 
 __all__ = [
     "FORMAT",
+    "LEGACY_META_FILE",
     "MANIFEST",
     "META_FILE",
+    "SHARED_PROBE",
     "STAGE_KEYS",
     "OldFormatError",
+    "check_files",
+    "check_shared",
     "consolidate",
+    "empty_for",
     "entries_of",
+    "finish",
+    "fsync_file",
     "load_stage",
+    "manifest_for",
+    "names_per_optimizer",
     "newest_checkpoint",
+    "publish",
     "read_entries",
     "read_manifest",
     "read_meta",
+    "request_for",
     "resolve",
+    "same_layout",
     "save_sharded",
     "stage_checkpoint",
+    "write_meta",
+    "write_state",
 ]
