@@ -173,10 +173,6 @@ class PipelineOptions:
         """A copy with ``changes`` (checked again), e.g. the planner's depth and recomputation."""
         return dataclasses.replace(self, **changes)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The options as keyword arguments (``PipelineOptions(**options.as_dict())`` is ``options``)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "keys"}
-
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "keys")
