@@ -6,8 +6,9 @@ stages holding a tied weight, are deduplicated by name and the writes spread ove
     model/<state-dict key>                      the LightningModule's state-dict tensors
     optim/<k>/<parameter name>/<state key>      optimizer k's state of a parameter (its first name, when tied)
     optim_groups/<k>/stage-<s>                  optimizer k's param groups' hyper-parameters on stage s
-    callbacks/stage-<s>                         the stage's callback states, sparsity masks taken out
-    masks/<weight name>                         sparsity masks
+    callbacks/stage-<s>                         the stage's callback states, their per-parameter tensors taken out
+    <entry>/<parameter name>                    a callback's per-parameter tensors (``BY_PARAMETER``: sparsity's
+                                                masks are ``masks/<weight name>``)
 
 Loading asks DCP for exactly this stage's names, so a rank reads only the bytes it owns at any depth x width:
 the model's tensors are read in place into the module, optimizer state into tensors allocated from DCP's
@@ -23,6 +24,14 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 STAGE_KEYS = ("state_dict", "optimizer_states", "optimizer_param_names", "callbacks")
+OWN_PREFIXES = ("model", "optim", "optim_groups", "callbacks")  # the entries of the checkpoint's own parts
+BY_PARAMETER = "by_parameter"
+"""The protocol by which a callback's state contributes per-parameter entries: a dict anywhere in its state may hold
+``{"by_parameter": {entry: {parameter name: value}}}``. Tensors are stored as entries ``<entry>/<parameter name>``
+(the state keeps their names), so a stage reads only its own parameters' at any layout; other values (floats, ...)
+stay in the state. On a reshard every stage's state is merged: each ``by_parameter`` mapping is unioned, other keys
+come from the first stage that has them. Entries named ``masks`` are summarised in the manifest (density per
+parameter). The sparsity callback's masks and per-layer targets use it (``sparsity/masks.py``)."""
 
 
 def entries_of(checkpoint: Mapping[str, Any], stage: int) -> dict[str, Any]:
@@ -37,11 +46,8 @@ def entries_of(checkpoint: Mapping[str, Any], stage: int) -> dict[str, Any]:
         ]
     callbacks: dict[str, Any] = {}
     for key, state in checkpoint.get("callbacks", {}).items():
-        sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
-        if sparsifier:
-            out.update({f"masks/{name}": mask for name, mask in sparsifier["masks"].items()})
-            state = {**state, "sparsifier": {**sparsifier, "masks": sorted(sparsifier["masks"])}}
-        callbacks[key] = state
+        callbacks[key], tensors = split_by_parameter(in_todays_layout(state))
+        out.update(tensors)
     out[f"callbacks/stage-{stage}"] = callbacks
     return out
 
@@ -103,8 +109,8 @@ def request_for(
     for name in metadata:
         if name.startswith("callbacks/") and (name == own or not same_layout or own not in metadata):
             request[name] = None  # a reshard merges every stage's (small) callback states
-        elif name.startswith("masks/") and name[len("masks/") :] in local:
-            request[name] = empty_for(metadata[name], device)
+        elif "/" in name and name.split("/", 1)[0] not in OWN_PREFIXES and name.split("/", 1)[1] in local:
+            request[name] = empty_for(metadata[name], device)  # a callback's tensor of one of this stage's parameters
     return request
 
 
@@ -151,25 +157,78 @@ def stage_checkpoint(
                 {**saved, "params": group["params"]} for group, saved in zip(fresh_state["param_groups"], saved_groups)
             ]
             out["optimizer_states"].append({"state": state, "param_groups": groups})
-    masks = {k[len("masks/") :]: v for k, v in loaded.items() if k.startswith("masks/")}
     own = f"callbacks/stage-{stage}"
     stages = [own] if same_layout and own in loaded else sorted(k for k in loaded if k.startswith("callbacks/"))
     out["callbacks"] = {}
     for key in stages:
-        merge_callbacks(out["callbacks"], loaded[key], masks)
+        for name, state in loaded[key].items():
+            out["callbacks"][name] = merge_state(out["callbacks"].get(name), in_todays_layout(state), loaded)
     return out
 
 
-def merge_callbacks(into: dict[str, Any], states: Mapping[str, Any], masks: Mapping[str, torch.Tensor]) -> None:
-    """Callback states are per stage; a sparsifier's masks (by weight name) come from ``masks``; the per-layer
-    target densities are every stage's view of the whole model (measuring is a collective), kept whole."""
-    for key, state in states.items():
-        sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
-        if key not in into:
-            into[key] = dict(state) if isinstance(state, dict) else state
-            if sparsifier:
-                into[key]["sparsifier"] = {**sparsifier, "masks": {}, "layer_targets": {}}
-        if sparsifier:
-            target = into[key]["sparsifier"]
-            target["masks"].update({n: masks[n] for n in sparsifier["masks"] if n in masks})
-            target["layer_targets"].update(sparsifier.get("layer_targets", {}))
+def split_by_parameter(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``state`` with the tensors under each ``BY_PARAMETER`` taken out (their names kept, sorted), and those
+    tensors as entries ``<entry>/<parameter name>``."""
+    if not isinstance(state, Mapping):
+        return state, {}
+    out: dict[str, Any] = {}
+    entries: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key != BY_PARAMETER:
+            out[key], inner = split_by_parameter(value)
+            entries.update(inner)
+            continue
+        out[key] = {}
+        for entry, values in value.items():
+            tensors = {n: v for n, v in values.items() if isinstance(v, torch.Tensor)}
+            if tensors and len(tensors) != len(values):
+                raise ValueError(f"{BY_PARAMETER}[{entry!r}] mixes tensors and other values: give each its own entry")
+            if entry in OWN_PREFIXES or any("/" in n for n in values):
+                raise ValueError(f"{BY_PARAMETER}[{entry!r}]: the entry may not be {OWN_PREFIXES} or contain '/'")
+            entries.update({f"{entry}/{n}": v for n, v in tensors.items()})
+            out[key][entry] = sorted(tensors) if tensors else dict(values)
+    return out, entries
+
+
+def merge_state(into: Any, state: Any, loaded: Mapping[str, Any]) -> Any:
+    """``state`` (a stage's saved callback state) merged into ``into`` (the states merged so far, or None): each
+    ``BY_PARAMETER`` mapping unioned, its stored tensors put back from ``loaded`` (those this stage asked for: its own
+    parameters'); any other key kept from the first state that has it."""
+    if not isinstance(state, Mapping):
+        return state if into is None else into
+    merged = dict(into) if isinstance(into, Mapping) else {}
+    for key, value in state.items():
+        if key == BY_PARAMETER:
+            parts = {entry: dict(values) for entry, values in merged.get(key, {}).items()}
+            for entry, values in value.items():
+                if isinstance(values, list):  # tensors stored as entries
+                    values = {n: loaded[f"{entry}/{n}"] for n in values if f"{entry}/{n}" in loaded}
+                parts.setdefault(entry, {}).update(values)
+            merged[key] = parts
+        elif key not in merged or isinstance(value, Mapping):
+            merged[key] = merge_state(merged.get(key), value, loaded)
+    return merged
+
+
+def by_parameter(state: Any, entry: str) -> dict[str, Any]:
+    """Every ``BY_PARAMETER[entry]`` value in ``state`` (a callback's state, at any depth), by parameter name."""
+    found: dict[str, Any] = {}
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            if key == BY_PARAMETER:
+                found.update(value.get(entry, {}))
+            else:
+                found.update(by_parameter(value, entry))
+    return found
+
+
+def in_todays_layout(state: Any) -> Any:
+    """A sparsity callback's state as it was before ``BY_PARAMETER`` (2026-11), in today's layout: the masks in
+    ``sparsifier["masks"]`` (a format-1 shard's tensors, or a sharded checkpoint's names of its ``masks/<name>``
+    entries, which keep their names)."""
+    sparsifier = state.get("sparsifier") if isinstance(state, Mapping) else None
+    if not isinstance(sparsifier, Mapping) or not isinstance(sparsifier.get("masks"), (list, Mapping)):
+        return state
+    parts = {"masks": sparsifier["masks"], "layer_targets": sparsifier.get("layer_targets", {})}
+    rest = {k: v for k, v in sparsifier.items() if k not in parts}
+    return {**state, "sparsifier": {**rest, BY_PARAMETER: parts}}

@@ -46,7 +46,15 @@ from torch.distributed.checkpoint import (
     FileSystemWriter,
 )
 
-from .entries import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
+from .entries import (
+    STAGE_KEYS,
+    by_parameter,
+    empty_for,
+    entries_of,
+    in_todays_layout,
+    request_for,
+    stage_checkpoint,
+)
 
 META_FILE = "trainer.pt"
 LEGACY_META_FILE = "meta.pt"  # checkpoints written before this name changed
@@ -95,16 +103,14 @@ def write_state(
 
 
 def _mask_summary(callbacks: dict[str, Any]) -> dict[str, Any]:
-    """Per-weight density of the sparsity masks in a stage's callback states (empty when dense)."""
+    """Per-parameter density of the callbacks' ``masks`` entries (``entries.BY_PARAMETER``; empty when dense)."""
     out: dict[str, Any] = {}
     for state in callbacks.values():
-        sparsifier = state.get("sparsifier") if isinstance(state, dict) else None
-        if sparsifier:
-            out["step"] = state.get("step")
-            out.setdefault("density", {}).update(
-                {name: round(mask.float().mean().item(), 6) for name, mask in sparsifier["masks"].items()}
-            )
-            out.setdefault("numel", {}).update({name: mask.numel() for name, mask in sparsifier["masks"].items()})
+        masks = by_parameter(in_todays_layout(state), "masks")
+        if masks:
+            out["step"] = state.get("step") if isinstance(state, dict) else None
+            out.setdefault("density", {}).update({n: round(m.float().mean().item(), 6) for n, m in masks.items()})
+            out.setdefault("numel", {}).update({name: mask.numel() for name, mask in masks.items()})
     return out
 
 

@@ -83,12 +83,13 @@ class Action:
     weight_version: int = -1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))  # "F" or Kind.FORWARD; anything else raises
+        if not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", Kind(self.kind))  # "F" or Kind.FORWARD; anything else raises
 
     def __str__(self) -> str:
         if self.kind in BATCH_KINDS:
-            return f"{self.kind}(b{self.batch})"
-        return f"{self.kind}(m{self.microbatch},v{self.weight_version})"
+            return f"{self.kind.value}(b{self.batch})"
+        return f"{self.kind.value}(m{self.microbatch},v{self.weight_version})"
 
     @classmethod
     def parse(cls, text: str, num_microbatches: int) -> Action:

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
+from ..checkpoint.entries import by_parameter
+
 
 @torch.no_grad()
 def fold_masks(module: nn.Module, masks: Mapping[str, torch.Tensor] | None = None) -> int:
@@ -47,6 +49,8 @@ def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, to
     masks: dict[str, torch.Tensor] = {}
     for callbacks in states:
         for state in callbacks.values():
-            if isinstance(state, Mapping) and "sparsifier" in state:
-                masks.update(state["sparsifier"]["masks"])
+            masks.update(by_parameter(state, "masks"))
+            sparsifier = state.get("sparsifier") if isinstance(state, Mapping) else None
+            if isinstance(sparsifier, Mapping) and isinstance(sparsifier.get("masks"), Mapping):
+                masks.update(sparsifier["masks"])  # a checkpoint written before BY_PARAMETER
     return masks

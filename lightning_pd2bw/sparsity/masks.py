@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint.entries import BY_PARAMETER
 from .allocation import ALLOCATIONS, global_threshold, keep_count, layer_densities
 
 # Embeddings and the (tied) output head stay dense by default, as do norms and biases (not Linear weights).
@@ -225,13 +226,13 @@ class Sparsifier:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "masks": {n: m.cpu() for n, m in self.masks.items()},
-            "layer_targets": dict(self.layer_targets),
-            "churn": self.churn,
-        }
+        """The masks and per-layer targets by parameter name (``checkpoint.entries.BY_PARAMETER``: a sharded
+        checkpoint stores each mask as an entry of its own, read by the stage that holds the weight)."""
+        masks = {n: m.cpu() for n, m in self.masks.items()}
+        return {BY_PARAMETER: {"masks": masks, "layer_targets": dict(self.layer_targets)}, "churn": self.churn}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = {**state, **state.get(BY_PARAMETER, {})}  # before BY_PARAMETER the two maps were keys of their own
         unknown = sorted(set(state["masks"]) - set(self.local))
         if unknown:
             raise KeyError(

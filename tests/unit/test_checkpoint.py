@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_pd2bw.checkpoint import store as ckpt
+from lightning_pd2bw.checkpoint.entries import BY_PARAMETER
 from lightning_pd2bw.cli.config import ConfigError, check_checkpoint
 from lightning_pd2bw.cli.consolidate import main as consolidate_main
 
@@ -33,7 +34,16 @@ def stage_checkpoint(stage: int, step: int) -> dict:
         ],
         "optimizer_param_names": [[f"layers.{stage}.w"]],
         "callbacks": {
-            "Sparsity": {"step": step, "sparsifier": {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}}
+            # the sparsity callback's state as it was before checkpoint.entries.BY_PARAMETER (read in today's layout)
+            "Sparsity": {"step": step, "sparsifier": {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}},
+            # any callback's per-parameter state, through the protocol: tensors become entries, other values stay
+            "Ema": {
+                "decay": 0.9,
+                BY_PARAMETER: {
+                    "ema": {f"layers.{stage}.w": torch.full((3,), 100.0 + stage)},
+                    "scale": {f"layers.{stage}.w": 0.5 + stage},
+                },
+            },
         },
     }
 
@@ -193,8 +203,11 @@ def test_reshard_gathers_by_name(saved):
     assert optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]  # saved hyper-parameters, this run's indices
     assert torch.equal(optimizer["state"][1]["exp_avg"], torch.full((3,), -1.0))
     assert optimizer["state"][0]["step"].device.type == "cpu" and optimizer["state"][0]["step"] == 5
-    masks = part["callbacks"]["Sparsity"]["sparsifier"]["masks"]
+    masks = part["callbacks"]["Sparsity"]["sparsifier"][BY_PARAMETER]["masks"]
     assert set(masks) == {"layers.0.w", "layers.1.w"} and torch.equal(masks["layers.1.w"], torch.tensor([1, 0, 0]))
+    ema = part["callbacks"]["Ema"]
+    assert ema["decay"] == 0.9 and ema[BY_PARAMETER]["scale"] == {"layers.0.w": 0.5, "layers.1.w": 1.5}
+    assert torch.equal(ema[BY_PARAMETER]["ema"]["layers.1.w"], torch.full((3,), 101.0))
     json.dumps(ckpt.read_manifest(saved))
 
 
@@ -218,6 +231,7 @@ def test_a_stage_reads_only_its_own_bytes(saved):
 
     own = load(0)
     assert torch.equal(own["state_dict"]["layers.0.w"], torch.full((3,), 5.0))
+    assert list(own["callbacks"]["Ema"][BY_PARAMETER]["ema"]) == ["layers.0.w"]  # a callback's tensors: its own only
     assert torch.equal(own["optimizer_states"][0]["state"][0]["exp_avg"], torch.zeros(3))  # -0.0: stage 0's value
     with pytest.raises(ValueError, match="cannot be read"):
         load(1)
@@ -256,3 +270,18 @@ def test_not_mistaken_for_a_lightning_sharded_checkpoint_and_old_name_still_read
     (saved / "trainer.pt").rename(saved / "meta.pt")
     (saved / ckpt.MANIFEST).write_text(json.dumps(manifest))
     assert ckpt.read_meta(saved)["pd2bw"]["global_step"] == step
+
+
+def test_the_per_parameter_protocol_reads_older_states_and_refuses_mixed_entries():
+    from lightning_pd2bw.checkpoint.entries import in_todays_layout, merge_state, split_by_parameter
+
+    # a sharded checkpoint written before BY_PARAMETER stored the masks' names; their entries were masks/<name>
+    stored = {"step": 3, "sparsifier": {"masks": ["a.w"], "layer_targets": {"a.w": 0.5, "b.w": 0.25}, "churn": 0.0}}
+    state = merge_state(None, in_todays_layout(stored), {"masks/a.w": torch.ones(2, dtype=torch.bool)})
+    assert state["sparsifier"]["churn"] == 0.0 and state["step"] == 3
+    assert state["sparsifier"][BY_PARAMETER]["layer_targets"] == {"a.w": 0.5, "b.w": 0.25}
+    assert torch.equal(state["sparsifier"][BY_PARAMETER]["masks"]["a.w"], torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"by_parameter\['ema'\] mixes tensors and other values"):
+        split_by_parameter({BY_PARAMETER: {"ema": {"a.w": torch.ones(1), "b.w": 1.0}}})
+    with pytest.raises(ValueError, match=r"by_parameter\['model'\]: the entry may not be"):
+        split_by_parameter({BY_PARAMETER: {"model": {"a.w": torch.ones(1)}}})

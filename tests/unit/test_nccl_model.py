@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.verify.comm_plan import CommLayout, programs
 from lightning_pd2bw.engine.verify.nccl_model import (
     COLLECTIVE,
@@ -124,23 +125,25 @@ def sweep(microbatches):
             )
 
 
-def check(layout: CommLayout, serialized: bool = False) -> None:
-    try:
-        outcome = simulate(programs(layout), serialized=serialized)
-    except Deadlock as error:
-        raise AssertionError(f"{layout}\n{error}") from None
-    assert outcome.steps > 0
+def check(layout: CommLayout, serialized: tuple[bool, ...] = (False,)) -> None:
+    """``layout``'s lowering is free of deadlock under each model in ``serialized`` (lowered once)."""
+    lowered = programs(layout)
+    for strict in serialized:
+        try:
+            outcome = simulate(lowered, serialized=strict)
+        except Deadlock as error:
+            raise AssertionError(f"{layout}\n{error}") from None
+        assert outcome.steps > 0
 
 
-@pytest.mark.full  # ~40 s each: the full tier (the lowering's cases at depth 2 and 4 above stay in make test)
-@pytest.mark.parametrize("serialized", [False, True], ids=["per-communicator", "serialized-kernels"])
-def test_every_schedule_is_deadlock_free_under_nccl(serialized):
+@pytest.mark.full  # ~50 s: the full tier (the lowering's cases at depth 2 and 4 above stay in make test)
+def test_every_schedule_is_deadlock_free_under_nccl():
     """flush, gpipe and 2bw (2bw and flush also with lookahead 1); depth 2..8; m = d, d+1 and 16; width 1 and 2; no
     clipping, global or per-stage clipping, the non-finite agreement; tied parameters on and off; drains and
-    evaluation; communicators progressing independently, and kernels one at a time."""
+    evaluation; each lowering run twice: communicators progressing independently, and kernels one at a time."""
     count = 0
     for layout in sweep(lambda d: sorted({d, d + 1, 16})):
-        check(layout, serialized)
+        check(layout, serialized=(False, True))
         count += 1
     assert count == len(SCHEDULES) * 7 * 2 * len(UPDATES) * 2 * 3  # schedules x depths x widths x updates x tied x m
 
@@ -227,7 +230,7 @@ def test_the_directional_transport_deadlocks_under_serialized_kernels(mode, num_
 @pytest.mark.slow
 def test_every_schedule_is_deadlock_free_under_serialized_kernels_every_m():
     for layout in sweep(lambda d: range(d, 17)):
-        check(layout, serialized=True)
+        check(layout, serialized=(True,))
 
 
 def held_sends(ops: list[Op]) -> int:
@@ -274,3 +277,31 @@ def test_sends_are_batched_with_the_receive_the_peer_batches():
         fused_down = [b for b in down if SEND in b and RECV in b]
         fused_up = [b for b in up if SEND in b and RECV in b]
         assert len(fused_down) == len(fused_up) >= layout.steps * layout.num_microbatches - 2 * layout.num_stages
+
+
+def test_the_lowering_interprets_every_kind_the_engine_does():
+    """The lowering dispatches through a ``{Kind: handler}`` table built as the engine's (the executor's compute and
+    transport, the update's registered parts, the loss): a kind the engine learns without a lowering fails here,
+    a kind the engine has no handler for (or the lowering has and the engine not) too."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pd2bw import Layout, PipelineEngine
+    from lightning_pd2bw.engine.verify.comm_plan import _Rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+        engine = PipelineEngine(layers, Layout(1, 2, "2bw"), lambda b: b, lambda o, b: o.sum())
+        engine.start(torch.optim.SGD(engine.parameters(), lr=0.1))
+        engine_kinds = set(engine.executor.handlers)
+        engine.close()
+    finally:
+        dist.destroy_process_group()
+    lowering = _Rank(CommLayout("2bw", 2, 2), replica=0, stage=0)
+    assert set(lowering.table) == engine_kinds == set(S.Kind)

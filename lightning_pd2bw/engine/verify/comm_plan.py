@@ -17,10 +17,12 @@ when communicators progress independently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import schedule as S
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
+from .replaced_transports import ReplacedTransports
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class CommLayout:
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
 
 
-class _Rank:
+class _Rank(ReplacedTransports):
     """One rank's program and the transport/strategy state that decides which calls it makes."""
 
     def __init__(self, layout: CommLayout, replica: int, stage: int) -> None:
@@ -67,6 +69,8 @@ class _Rank:
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
         self.step_in_run = 0
+        self._fused: S.Action | None = None  # the receive the current send's batch also posts
+        self.table = self.handlers()
 
     # -------------------------------------------------------------- primitives
     def issue(
@@ -175,78 +179,6 @@ class _Rank:
         for peer in list(self.unsettled):
             self.settle(peer, label="wait_sends")
 
-    # -------------------------------------------------------------- the replaced transports
-    def legacy_channel(self, direction: str, low_stage: int) -> str:
-        if self.layout.transport == "shared":
-            return "default_pg"
-        r = self.replica
-        if direction == "activations":
-            return f"pd2bw/activations/replica{r}/stage{low_stage}->{low_stage + 1}"
-        return f"pd2bw/gradients/replica{r}/stage{low_stage + 1}->{low_stage}"
-
-    def legacy_send_forward(self, phase: str, label: str) -> None:
-        channel, peer = self.legacy_channel("activations", self.stage), self.rank + 1
-        if self.layout.transport == "shared" or ("out", phase) not in self.headers:
-            self.headers.add(("out", phase))
-            self.pending_sends.append((self.issue(SEND, channel, f"{label} header", peer), self.segment))
-        for _ in range(self.layout.boundary_tensors):
-            self.pending_sends.append((self.issue(SEND, channel, label, peer), self.segment))
-
-    def legacy_recv_forward(self, phase: str, label: str) -> None:
-        channel, peer = self.legacy_channel("activations", self.stage - 1), self.rank - 1
-        if self.posted["forward"]:
-            for handle in self.posted["forward"].pop(0):
-                self.wait(handle, label)
-            return
-        if self.layout.transport == "shared" or ("in", phase) not in self.headers:
-            self.headers.add(("in", phase))
-            self.wait(self.issue(RECV, channel, f"{label} header", peer), label)
-        for handle in [self.issue(RECV, channel, label, peer) for _ in range(self.layout.boundary_tensors)]:
-            self.wait(handle, label)
-
-    def legacy_send_backward(self, label: str) -> None:
-        channel = self.legacy_channel("gradients", self.stage - 1)
-        for _ in range(self.layout.boundary_tensors):
-            self.pending_sends.append((self.issue(SEND, channel, label, self.rank - 1), self.segment))
-
-    def legacy_recv_backward(self, label: str) -> None:
-        channel = self.legacy_channel("gradients", self.stage)
-        if self.posted["backward"]:
-            for handle in self.posted["backward"].pop(0):
-                self.wait(handle, label)
-            return
-        for handle in [self.issue(RECV, channel, label, self.rank + 1) for _ in range(self.layout.boundary_tensors)]:
-            self.wait(handle, label)
-
-    def legacy_post_receives(self, actions: list[S.Action], index: int | None) -> None:
-        """StageExecutor._post_receives: the next receive of a direction, posted early once its shapes are known."""
-        if self.layout.transport == "shared":  # the old transport posted each receive where it was used
-            return
-        for action in _receives_to_post(actions, index):
-            label = f"{action} posted early"
-            if action.kind == S.RECV_FORWARD and ("in", "train") in self.headers:
-                channel, peer = self.legacy_channel("activations", self.stage - 1), self.rank - 1
-            elif action.kind == S.RECV_BACKWARD and action.microbatch in self.stashed:
-                channel, peer = self.legacy_channel("gradients", self.stage), self.rank + 1
-            else:
-                continue
-            direction = "forward" if action.kind == S.RECV_FORWARD else "backward"
-            handles = [self.issue(RECV, channel, label, peer) for _ in range(self.layout.boundary_tensors)]
-            self.posted[direction].append(handles)
-
-    def legacy_wait_sends(self) -> None:
-        for handle, _ in self.pending_sends:
-            self.wait(handle, "wait_sends")
-        self.pending_sends.clear()
-
-    def legacy_begin_segment(self) -> None:
-        """StageLink.begin_segment: the sends of two segments ago are waited for."""
-        self.segment += 1
-        for handle, segment in self.pending_sends:
-            if segment <= self.segment - 2:
-                self.wait(handle, "retire sends")
-        self.pending_sends = [(h, s) for h, s in self.pending_sends if s > self.segment - 2]
-
     # -------------------------------------------------------------- the update (update.py)
     def _shared(self) -> bool:
         return self.layout.tied and self.layout.num_stages > 1 and self.stage in (0, self.layout.num_stages - 1)
@@ -290,44 +222,64 @@ class _Rank:
             if deferred:
                 self.deferred[batch] = [handle]
 
+    # -------------------------------------------------------------- the interpreter (executor.StageExecutor.run)
+    def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
+        """The lowering's ``{Kind: handler}`` table, built as the engine builds its own: the executor's compute and
+        transport handlers, the update's parts (``UpdateRule.handlers``) and the loss (``PipelineEngine.start``).
+        ``tests/unit/test_comm_plan.py`` checks it covers the same kinds as a started engine's table."""
+        transport = {
+            S.RECV_FORWARD: lambda action: self.recv_forward("train", str(action)),
+            S.FORWARD: lambda action: self.stashed.add(action.microbatch),
+            S.SEND_FORWARD: lambda action: self.send_forward("train", str(action), self._fused),
+            S.RECV_BACKWARD: lambda action: self.recv_backward(str(action)),
+            S.BACKWARD: self._backward,
+            S.SEND_BACKWARD: lambda action: self.send_backward(str(action), self._fused),
+            S.WAIT_SENDS: lambda action: self.wait_sends(),
+        }
+        update = {
+            S.REDUCE: lambda action: self.reduce(action.batch, deferred=False),
+            S.REDUCE_DEFER: lambda action: self.reduce(action.batch, deferred=True),
+            S.CHECK: self._check,
+            S.HOOKS: _no_calls,  # the before-step hooks: the sparsity callback's collectives are its own steps'
+            S.CLIP: self._clip,
+            S.STEP: _no_calls,  # each optimizer's step, the correction: local
+            S.TIED_STEP: self._tied_step,
+        }
+        return {**transport, **update, S.LOSS: self._loss}
+
     def run(self, actions: list[S.Action]) -> None:
         if self.legacy:
             self.legacy_begin_segment()
             self.legacy_post_receives(actions, None)
-        pipeline = f"pd2bw/pipeline/replica{self.replica}"
         for index, action in enumerate(actions):
-            label = str(action)
-            if action.kind == S.FORWARD:
-                self.stashed.add(action.microbatch)
-            elif action.kind == S.RECV_FORWARD:
-                self.recv_forward("train", label)
-            elif action.kind == S.SEND_FORWARD:
-                self.send_forward("train", label, S.fused_receive(actions, index))
-            elif action.kind == S.RECV_BACKWARD:
-                self.recv_backward(label)
-            elif action.kind == S.BACKWARD:
-                self.stashed.discard(action.microbatch)
-                self.backward(action.batch)
-            elif action.kind == S.SEND_BACKWARD:
-                self.send_backward(label, S.fused_receive(actions, index))
-            elif action.kind in (S.REDUCE, S.REDUCE_DEFER):
-                self.reduce(action.batch, deferred=action.kind == S.REDUCE_DEFER)
-            elif action.kind == S.CHECK and self.layout.skip_nonfinite:
-                self.collective("all_reduce", pipeline, self.pipeline, f"{label} non-finite agreement")
-            elif action.kind == S.CLIP and self.layout.clip == "global":
-                self.collective("all_reduce", pipeline, self.pipeline, f"{label} clip norm")
-            elif action.kind == S.TIED_STEP:
-                for handle in self.deferred.pop(action.batch):
-                    self.wait(handle, f"deferred tied sum of b{action.batch}")
-            elif action.kind == S.WAIT_SENDS:
-                self.wait_sends()
-            elif action.kind == S.LOSS:
-                loss_group = f"pd2bw/loss/replica{self.replica}"
-                self.losses[action.batch] = self.collective(
-                    "broadcast", loss_group, self.pipeline, f"loss of b{action.batch}", block=False
-                )
+            self._fused = S.fused_receive(actions, index) if action.kind in _SENDS else None
+            self.table[action.kind](action)
             if action.kind in S.RECEIVES and self.legacy:
                 self.legacy_post_receives(actions, index)
+
+    def _backward(self, action: S.Action) -> None:
+        self.stashed.discard(action.microbatch)
+        self.backward(action.batch)
+
+    def _check(self, action: S.Action) -> None:
+        if self.layout.skip_nonfinite:
+            pipeline = f"pd2bw/pipeline/replica{self.replica}"
+            self.collective("all_reduce", pipeline, self.pipeline, f"{action} non-finite agreement")
+
+    def _clip(self, action: S.Action) -> None:
+        if self.layout.clip == "global":
+            pipeline = f"pd2bw/pipeline/replica{self.replica}"
+            self.collective("all_reduce", pipeline, self.pipeline, f"{action} clip norm")
+
+    def _tied_step(self, action: S.Action) -> None:
+        for handle in self.deferred.pop(action.batch):
+            self.wait(handle, f"deferred tied sum of b{action.batch}")
+
+    def _loss(self, action: S.Action) -> None:
+        loss_group = f"pd2bw/loss/replica{self.replica}"
+        self.losses[action.batch] = self.collective(
+            "broadcast", loss_group, self.pipeline, f"loss of b{action.batch}", block=False
+        )
 
     # -------------------------------------------------------------- the strategy's step, drain, evaluation
     def take_loss(self, batch: int) -> None:
@@ -398,14 +350,11 @@ class _Rank:
             self.collective("all_reduce", "default_pg", self.world, "val metrics (sync_dist)")
 
 
-def _receives_to_post(actions: list[S.Action], index: int | None) -> list[S.Action]:
-    """The directional transport's early receives: the next receive of a direction once the previous completed."""
-    kinds = S.RECEIVES if index is None else (actions[index].kind,)
-    start = 0 if index is None else index + 1
-    found = []
-    for kind in kinds:
-        found += [a for a in actions[start:] if a.kind == kind][:1]
-    return found
+_SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
+
+
+def _no_calls(action: S.Action) -> None:
+    """An action that issues no communication."""
 
 
 def programs(layout: CommLayout) -> Programs:
