@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test test-full lint docs soak schedules gpu-check gpu-bench
+.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -22,11 +22,17 @@ lint: venv  ## ruff: lint and formatting
 	$(BIN)/ruff check lightning_pd2bw tests benchmarks examples
 	$(BIN)/ruff format --check lightning_pd2bw tests benchmarks examples
 
-test: lint docs  ## the contributor's tier: lint, the docs build, unit tests and distributed smoke cases
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow and not full"
+WORKERS ?= 2  # pytest-xdist workers: tests that share a fixture run on one (tests/conftest.py)
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
 
-test-full: lint docs  ## what CI runs: lint, the docs build and every test but the slow soaks
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+test: lint docs  ## the contributor's tier: lint, the docs build, unit tests and distributed smoke cases
+	$(PYTEST) -m "not slow and not full"
+
+test-full: lint docs  ## what CI runs: lint, the docs build and every test but the slow ones
+	$(PYTEST)
+
+test-slow: venv  ## the slow tests alone (longer runs kept out of both tiers)
+	$(PYTEST) -m slow
 
 docs: venv  ## the documentation site from docs/ into build/site (strict: a broken link or reference fails)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet

@@ -22,7 +22,26 @@ def no_process_group_or_environment_leaks():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tiers: every test under tests/distributed (real processes) is ``full`` unless marked ``smoke``; ``make test``
-    deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``."""
+    deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``.
+
+    Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in both tiers): tests that share a module- or session-scoped
+    fixture of ours (the equivalence runs, the memory runs, a written checkpoint) are one group, run by one worker,
+    so the fixture runs once; every other test goes to whichever worker is free."""
     for item in items:
         if "distributed" in item.path.parts and item.get_closest_marker("smoke") is None:
             item.add_marker(pytest.mark.full)
+        shared = shared_fixtures(item)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+
+
+def shared_fixtures(item: pytest.Item) -> list[str]:
+    """The module- or session-scoped fixtures of this repository ``item`` uses (pytest's own have no base id)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return sorted(
+        f"{defs[-1].baseid}::{name}"
+        for name, defs in info.name2fixturedefs.items()
+        if defs and defs[-1].scope in ("module", "package", "session") and defs[-1].baseid
+    )

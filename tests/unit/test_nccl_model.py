@@ -283,18 +283,15 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
     """The lowering dispatches through a ``{Kind: handler}`` table built as the engine's (the executor's compute and
     transport, the update's registered parts, the loss): a kind the engine learns without a lowering fails here,
     a kind the engine has no handler for (or the lowering has and the engine not) too."""
-    import socket
-
     import torch
     import torch.distributed as dist
 
     from lightning_pd2bw import Layout, PipelineEngine
     from lightning_pd2bw.engine.verify.comm_plan import _Rank
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from ..distributed.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
         engine = PipelineEngine(layers, Layout(1, 2, "2bw"), lambda b: b, lambda o, b: o.sum())

@@ -15,6 +15,8 @@ from lightning_pd2bw import Layout, PipeDream2BWStrategy, PipelineEngine
 from lightning_pd2bw.cli.config import ConfigError, check_options
 from lightning_pd2bw.engine.options import PipelineOptions
 
+from ..distributed.launch import free_port
+
 
 def test_the_strategy_takes_every_option_with_the_options_default():
     signature = inspect.signature(PipeDream2BWStrategy.__init__).parameters
@@ -69,7 +71,7 @@ def test_replace_checks_again():
 
 @pytest.fixture
 def one_process():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
