@@ -24,15 +24,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tiers: every test under tests/distributed (real processes) is ``full`` unless marked ``smoke``; ``make test``
     deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``.
 
-    Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in both tiers): tests that share a module- or session-scoped
-    fixture of ours (the equivalence runs, the memory runs, a written checkpoint) are one group, run by one worker,
-    so the fixture runs once; every other test goes to whichever worker is free."""
+    Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in both tiers): a file's tests are one group, run by one worker
+    (spreading one file's distributed tests over both workers was slower on 2 cores: their processes contend),
+    and tests that share a module- or session-scoped fixture of ours (the equivalence runs, which
+    ``test_nccl_traces.py`` also reads) join that fixture's group, so it runs once."""
     for item in items:
         if "distributed" in item.path.parts and item.get_closest_marker("smoke") is None:
             item.add_marker(pytest.mark.full)
         shared = shared_fixtures(item)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.path.name))
 
 
 def shared_fixtures(item: pytest.Item) -> list[str]:

@@ -25,7 +25,7 @@ def train_losses(folder) -> list[float]:
     return [loss for _, loss in sorted(rows)]
 
 
-@pytest.mark.parametrize("mode", ["2bw", "flush"])
+@pytest.mark.parametrize("mode", ["2bw", pytest.param("flush", marks=pytest.mark.slow)])  # flush: no delay to spike
 def test_default_settings_do_not_spike(tmp_path, mode):
     out = tmp_path / mode
     run(

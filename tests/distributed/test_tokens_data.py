@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 from lightning_pd2bw.data.corpus import stdlib_files
 
+from ..cli import run_cli
 from .test_launchers import SMALL_RUN, run
 
 
@@ -46,20 +46,13 @@ def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
 
 
 def test_gpt13b_dry_run_says_what_data_it_expects(tmp_path):
-    result = run([sys.executable, "-m", "lightning_pd2bw.cli.train", "recipe=gpt13b", "dry_run=true"], tmp_path)
+    result = run_cli("recipe=gpt13b", "dry_run=true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "data: a tokenized corpus at data.path=data/gpt13b (not there" in result.stdout
     assert "pd2bw-prepare-data data/gpt13b YOUR_TEXT_FILES_OR_DIRS --vocab-size 50304" in result.stdout
 
 
 def test_a_missing_corpus_stops_before_any_process_starts(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pd2bw.cli.train",
-        *SMALL_RUN,
-        "data=tokens",
-        f"data.path={tmp_path / 'no'}",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = run_cli(*SMALL_RUN, "data=tokens", f"data.path={tmp_path / 'no'}", cwd=tmp_path)
     assert result.returncode != 0
     assert "Prepare one with: pd2bw-prepare-data" in result.stdout + result.stderr

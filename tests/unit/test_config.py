@@ -3,13 +3,6 @@ cross-field checks; bad overrides and bad combinations fail with messages naming
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -18,6 +11,8 @@ from omegaconf import OmegaConf
 
 from lightning_pd2bw.cli.config import ConfigError, check_run
 from lightning_pd2bw.cli.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra, sparsity_config
+
+from ..cli import run_cli
 
 setup_hydra()
 GROUP_OPTIONS = [(d.name, f.stem) for d in sorted(CONF.iterdir()) if d.is_dir() for f in sorted(d.glob("*.yaml"))]
@@ -130,34 +125,6 @@ def test_more_stages_than_layers():
     cfg = load("tiny", ("trainer.devices=16", "strategy.num_stages=16", "global_batch_size=64"))
     with pytest.raises(ConfigError, match="has 10 pipeline layers but strategy.num_stages=16"):
         check_run(cfg, num_layers=len(build_model_on_meta(cfg).pipeline_layers()))
-
-
-def run_cli(*args: str, cwd: Path, in_process: bool = True) -> subprocess.CompletedProcess:
-    """``pd2bw-train ARGS`` in ``cwd``: by default in this process (its ``main``, as the console script calls it:
-    Hydra's own argument parsing and composition, 0.1-1 s instead of a 6 s interpreter start), or as a process."""
-    if not in_process:
-        command = [sys.executable, "-m", "lightning_pd2bw.cli.train", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd)
-    from hydra.core.global_hydra import GlobalHydra
-
-    from lightning_pd2bw.cli.train import main
-
-    out, err, code, argv, here = io.StringIO(), io.StringIO(), 0, sys.argv, Path.cwd()
-    try:
-        os.chdir(cwd)
-        sys.argv = ["pd2bw-train", *args]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-                if isinstance(exit_.code, str):
-                    err.write(exit_.code + "\n")  # what the interpreter prints for SystemExit("message")
-    finally:
-        sys.argv = argv
-        os.chdir(here)
-        GlobalHydra.instance().clear()
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
