@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_pd2bw"
 ENGINE = "engine"  # the Lightning-free engine's package
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "hydra", "omegaconf", "wandb")
@@ -132,3 +134,33 @@ def test_the_top_level_holds_at_most_two_modules():
 def test_the_strategy_is_a_thin_adapter():
     lines = len((PACKAGE / "lightning" / "strategy.py").read_text().splitlines())
     assert lines <= 400, f"lightning/strategy.py has {lines} lines: move a duty into a component beside it"
+
+
+def python(code: str) -> str:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def test_the_engine_imports_neither_lightning_nor_hugging_face():
+    """A plain PyTorch process (a torchrun worker of the engine) does not pay Lightning's and transformers' import
+    (about 3 s of each process's start here); ``import lightning_pd2bw`` alone imports not even torch."""
+    check = "import sys; print(sorted(m for m in ('lightning', 'transformers', 'torch') if m in sys.modules))"
+    assert python(f"import lightning_pd2bw; {check}") == "[]"
+    assert python(f"from lightning_pd2bw import PipelineEngine; {check}") == "['torch']"
+
+
+@pytest.mark.parametrize("first", ["lightning_pd2bw", "lightning", "lightning.pytorch"])
+def test_trainer_finds_the_strategy_whichever_is_imported_first(first):
+    """``import lightning_pd2bw`` registers ``strategy="pd2bw"`` whether Lightning is imported before or after it."""
+    other = "lightning" if first == "lightning_pd2bw" else "lightning_pd2bw"
+    code = (
+        f"import {first}, {other}\n"
+        "import lightning.pytorch as pl\n"
+        "trainer = pl.Trainer(strategy='pd2bw', accelerator='cpu', devices=1, logger=False)\n"
+        "print(type(trainer.strategy).__name__)"
+    )
+    assert python(code).splitlines()[-1] == "PipeDream2BWStrategy"
