@@ -22,8 +22,9 @@ lint: venv  ## ruff: lint and formatting
 	$(BIN)/ruff check lightning_pd2bw tests benchmarks examples
 	$(BIN)/ruff format --check lightning_pd2bw tests benchmarks examples
 
-WORKERS ?= 2  # pytest-xdist workers: tests that share a fixture run on one (tests/conftest.py)
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+# pytest-xdist workers, each taking whole test files (tests/conftest.py: scope_of)
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS)
 
 test: lint docs  ## the contributor's tier: lint, the docs build, unit tests and distributed smoke cases
 	$(PYTEST) -m "not slow and not full"

@@ -4,7 +4,9 @@ in os.environ; a later test's subprocesses would inherit the port and fail with 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -22,17 +24,30 @@ def no_process_group_or_environment_leaks():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tiers: every test under tests/distributed (real processes) is ``full`` unless marked ``smoke``; ``make test``
-    deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``.
-
-    Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in both tiers): a file's tests are one group, run by one worker
-    (spreading one file's distributed tests over both workers was slower on 2 cores: their processes contend),
-    and tests that share a module- or session-scoped fixture of ours (the equivalence runs, which
-    ``test_nccl_traces.py`` also reads) join that fixture's group, so it runs once."""
+    deselects ``full``, ``make test-full`` (CI) runs everything but ``slow``. Also checks that the tests sharing a
+    module- or session-scoped fixture of ours are in one ``scope_of`` (one xdist worker runs the fixture once)."""
+    users: dict[str, set[str]] = {}
     for item in items:
         if "distributed" in item.path.parts and item.get_closest_marker("smoke") is None:
             item.add_marker(pytest.mark.full)
-        shared = shared_fixtures(item)
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.path.name))
+        for fixture in shared_fixtures(item):
+            users.setdefault(fixture, set()).add(scope_of(item.nodeid))
+    split = {fixture: sorted(scopes) for fixture, scopes in users.items() if len(scopes) > 1}
+    if split:
+        raise pytest.UsageError(f"fixtures used from several xdist scopes (add them to SAME_WORKER): {split}")
+
+
+SAME_WORKER = {  # test files that read another file's session fixture run on that file's worker
+    "tests/distributed/test_nccl_traces.py": "tests/distributed/test_equivalence.py",  # the equivalence runs
+    "tests/distributed/test_sparsity.py": "tests/distributed/test_equivalence.py",
+}
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work an xdist worker takes whole: a test file (spreading one file's distributed tests over both
+    workers was slower on 2 cores: their processes contend, and its module fixtures ran once per worker)."""
+    path = nodeid.split("::", 1)[0]
+    return SAME_WORKER.get(path, path)
 
 
 def shared_fixtures(item: pytest.Item) -> list[str]:
@@ -45,3 +60,17 @@ def shared_fixtures(item: pytest.Item) -> list[str]:
         for name, defs in info.name2fixturedefs.items()
         if defs and defs[-1].scope in ("module", "package", "session") and defs[-1].baseid
     )
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """Workers (``make test`` and ``make test-full`` run two): each takes whole ``scope_of`` units. (xdist's own
+        ``--dist loadgroup`` does not group under pytest 9, which no longer reads ``item._nodeid``.)"""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByFile(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return scope_of(nodeid)
+
+        return ByFile(config, log)
