@@ -35,6 +35,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     split = {fixture: sorted(scopes) for fixture, scopes in users.items() if len(scopes) > 1}
     if split:
         raise pytest.UsageError(f"fixtures used from several xdist scopes (add them to SAME_WORKER): {split}")
+    items.sort(key=lambda item: start_order(scope_of(item.nodeid)))  # stable: a file's tests keep their order
+
+
+LONGEST_FIRST = (  # files measured longest (2026-11-24, serial seconds on 2 cores): started first, so that the last
+    # file a worker takes is a short one (largest-first scheduling); then the other distributed files, then the unit
+    "tests/distributed/test_equivalence.py",  # ~110 with test_nccl_traces and test_sparsity
+    "tests/distributed/test_faults.py",  # ~110
+    "tests/distributed/test_no_spikes.py",  # ~70
+    "tests/distributed/test_preemption.py",  # ~65
+    "tests/distributed/test_memory.py",  # ~60
+    "tests/distributed/test_launchers.py",  # ~60
+    "tests/unit/test_nccl_model.py",  # ~50
+    "tests/distributed/test_examples.py",  # ~50
+    "tests/distributed/test_hf_models.py",  # ~50
+    "tests/distributed/test_reshard.py",  # ~45
+    "tests/distributed/test_compile.py",  # ~40
+    "tests/distributed/test_soak.py",  # ~40
+)
+
+
+def start_order(scope: str) -> tuple[int, int]:
+    if scope in LONGEST_FIRST:
+        return (0, LONGEST_FIRST.index(scope))
+    return (1 if "/distributed/" in scope else 2, 0)
 
 
 SAME_WORKER = {  # test files that read another file's session fixture run on that file's worker
@@ -68,6 +92,8 @@ if importlib.util.find_spec("xdist") is not None:
         """Workers (``make test`` and ``make test-full`` run two): each takes whole ``scope_of`` units. (xdist's own
         ``--dist loadgroup`` does not group under pytest 9, which no longer reads ``item._nodeid``.)"""
         from xdist.scheduler import LoadScopeScheduling
+
+        config.option.loadscopereorder = False  # keep the collection's order: LONGEST_FIRST (xdist's: most tests)
 
         class ByFile(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
