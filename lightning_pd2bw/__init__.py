@@ -25,12 +25,9 @@ __version__ = "0.1.0"
 
 
 def _register_strategy() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from .lightning.strategy import PipeDream2BWStrategy
-
-    if PipeDream2BWStrategy.strategy_name not in StrategyRegistry:
-        PipeDream2BWStrategy.register_strategies(StrategyRegistry)
+    """The strategy's module registers ``"pd2bw"`` when it has run. (Its own import of ``lightning.pytorch`` can be
+    what calls this: it is then partly run, returned as it is, and registers when it finishes.)"""
+    importlib.import_module(".lightning.strategy", __name__)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

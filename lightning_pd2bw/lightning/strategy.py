@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -392,6 +393,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="PipeDream-2BW pipeline parallelism (lightning_pd2bw)"
-        )
+        strategy_registry.register(cls.strategy_name, cls, description="PipeDream-2BW pipelines (lightning_pd2bw)")
+
+
+if PipeDream2BWStrategy.strategy_name not in StrategyRegistry:  # Trainer(strategy="pd2bw") once this module ran
+    PipeDream2BWStrategy.register_strategies(StrategyRegistry)

@@ -153,12 +153,20 @@ def test_the_engine_imports_neither_lightning_nor_hugging_face():
     assert python(f"from lightning_pd2bw import PipelineEngine; {check}") == "['torch']"
 
 
-@pytest.mark.parametrize("first", ["lightning_pd2bw", "lightning", "lightning.pytorch"])
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import lightning_pd2bw",
+        "import lightning",
+        "import lightning.pytorch",
+        "from lightning_pd2bw import PipeDream2BWStrategy",  # its module imports Lightning: the hook runs inside it
+        "from lightning_pd2bw.lightning.strategy import PipeDream2BWStrategy",  # as Hydra's _target_ does
+    ],
+)
 def test_trainer_finds_the_strategy_whichever_is_imported_first(first):
     """``import lightning_pd2bw`` registers ``strategy="pd2bw"`` whether Lightning is imported before or after it."""
-    other = "lightning" if first == "lightning_pd2bw" else "lightning_pd2bw"
     code = (
-        f"import {first}, {other}\n"
+        f"{first}\nimport lightning_pd2bw, lightning\n"
         "import lightning.pytorch as pl\n"
         "trainer = pl.Trainer(strategy='pd2bw', accelerator='cpu', devices=1, logger=False)\n"
         "print(type(trainer.strategy).__name__)"
