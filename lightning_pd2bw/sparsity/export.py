@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-from ..checkpoint.entries import by_parameter
+from ..checkpoint.entries import by_parameter, in_todays_layout
 
 
 @torch.no_grad()
@@ -49,8 +49,5 @@ def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, to
     masks: dict[str, torch.Tensor] = {}
     for callbacks in states:
         for state in callbacks.values():
-            masks.update(by_parameter(state, "masks"))
-            sparsifier = state.get("sparsifier") if isinstance(state, Mapping) else None
-            if isinstance(sparsifier, Mapping) and isinstance(sparsifier.get("masks"), Mapping):
-                masks.update(sparsifier["masks"])  # a checkpoint written before BY_PARAMETER
+            masks.update(by_parameter(in_todays_layout(state), "masks"))  # written before BY_PARAMETER too
     return masks
