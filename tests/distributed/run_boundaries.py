@@ -1,7 +1,7 @@
 """A 3-stage pipeline whose boundaries carry integer and float tensors in any order: ``(mask, hidden)`` leaves
-stage 0 (the integer first), ``(hidden, mask)`` leaves stage 1. Trains with ``PipelineEngine`` under MODE and
-saves each stage's weights to ``OUT/boundaries-MODE-rankR.pt``. Usage: torchrun --nproc-per-node=3
-run_boundaries.py OUT MODE (the reference is in ``test_boundaries.py``)."""
+stage 0 (the integer first), ``(hidden, mask)`` leaves stage 1. Trains with ``PipelineEngine`` under each MODE
+in turn and saves each stage's weights to ``OUT/boundaries-MODE-rankR.pt``. Usage: torchrun --nproc-per-node=3
+run_boundaries.py OUT MODE [MODE ...] (the reference is in ``test_boundaries.py``)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,7 @@ def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return ((output - batch["y"]) ** 2).mean()
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def train(out: Path, mode: str) -> None:
     engine = PipelineEngine(
         layers(), Layout(3, NUM_MICROBATCHES, mode), lambda b: b["x"], loss_fn, device="cpu", delay_correction=None
     )  # the reference is the plain 2BW rule
@@ -64,6 +61,14 @@ def main() -> None:
     engine.drain()
     torch.save(engine.state_dict()["layers"], out / f"boundaries-{mode}-rank{dist.get_rank()}.pt")
     engine.close()
+
+
+def main() -> None:
+    out, modes = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for mode in modes:  # one engine after another in the same processes
+        train(out, mode)
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
-"""Train a Hugging Face model through ``HFCausalLM`` under torchrun; each rank saves its stage's weights.
+"""Train Hugging Face models through ``HFCausalLM`` under torchrun; each rank saves its stage's weights.
 
-    torchrun --nproc-per-node=W*2 run_hf.py OUT FAMILY MODE
+    torchrun --nproc-per-node=W*2 run_hf.py OUT FAMILY:MODE [FAMILY:MODE ...]
 
-Every rank seeds its RNG differently before ``fit``: the replicas of a stage must still start equal.
+One ``Trainer`` after another in the same processes (as a user's script may), each writing to OUT/FAMILY-MODE.
+Every rank seeds its RNG differently before each ``fit``: the replicas of a stage must still start equal.
 """
 
 from __future__ import annotations
@@ -39,10 +40,8 @@ class SaveStage(pl.Callback):
         torch.save(self.seen, self.out / f"batch-end-rank-{self.rank}.pt")
 
 
-def main() -> None:
-    out, family, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+def fit(out: Path, family: str, mode: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(100 + rank)  # no common seed: equal replicas come from the strategy
     loader = torch.utils.data.DataLoader(samples(family), batch_size=MICRO * MICROBATCHES, shuffle=False)
@@ -64,6 +63,13 @@ def main() -> None:
         callbacks=[SaveStage(out, rank)],
     )
     trainer.fit(build(family), loader)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for run in sys.argv[2:]:
+        family, mode = run.split(":")
+        fit(Path(sys.argv[1]) / f"{family}-{mode}", family, mode)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""One 2-stage run of ``PipelineEngine`` with large boundary messages (4 MiB each way per microbatch), to measure
-what a stage holds as the number of microbatches grows: ``OUT/memory-m{M}-rank{R}.json`` gets the process's peak
-resident memory and the engine's counters. Usage: torchrun --nproc-per-node=2 run_memory.py OUT M MODE [adamw]
-(``adamw``: AdamW with 2BW's delay correction, for the planner's optimizer and correction terms)."""
+"""2-stage runs of ``PipelineEngine`` with large boundary messages (4 MiB each way per microbatch), to measure
+what a stage holds as the number of microbatches grows: ``OUT/memory-m{M}-{MODE}-rank{R}.json`` gets the peak
+resident memory during the run and the engine's counters.
+
+Usage: torchrun --nproc-per-node=2 run_memory.py OUT RUN [RUN ...], each RUN ``M-MODE`` or ``M-MODE-adamw``
+(``adamw``: AdamW with 2BW's delay correction, for the planner's optimizer and correction terms), MODE ``2bw``,
+``flush`` or ``2bw-default`` (2BW, told apart by the test that sets no allocator options). The runs of one
+process follow one another, each with a fresh engine: before each, the kernel's peak resident memory (VmHWM) is
+reset to what the process holds (``/proc/self/clear_refs``), so each run's peak is its own."""
 
 from __future__ import annotations
 
+import gc
 import json
-import resource
+import re
 import sys
 from pathlib import Path
 
@@ -41,12 +47,21 @@ class Scale(nn.Module):
         return x * self.scale
 
 
-def main() -> None:
-    out, num_microbatches, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].removesuffix("-default")
-    label = sys.argv[3]  # "2bw-default": the same run, told apart by the test that sets no allocator options
-    adamw = sys.argv[4:] == ["adamw"]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def peak_rss_bytes() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def reset_peak_rss() -> None:
+    """From now on VmHWM is the peak of what the process holds from here (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(out: Path, run: str) -> None:
+    m, label = run.split("-", 1)
+    num_microbatches, adamw = int(m), label.endswith("-adamw")
+    mode = label.removesuffix("-adamw").removesuffix("-default")
+    gc.collect()
+    reset_peak_rss()
     engine = PipelineEngine(
         [Widen(), Scale()],
         Layout(2, num_microbatches, mode),
@@ -64,15 +79,22 @@ def main() -> None:
         peaks.append(engine.counters())
     engine.drain()
     record = {
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "max_rss_bytes": peak_rss_bytes(),
         "message_bytes": SAMPLES * WIDTH * 4,
         "counters": engine.counters(),
         "peak_transport_bytes": max(c["peak_transport_bytes"] for c in peaks),
         "during": {key: max(c[key] for c in peaks) for key in peaks[0]},  # the largest after each batch
     }
-    name = f"memory-m{num_microbatches}-{label}{'-adamw' if adamw else ''}-rank{dist.get_rank()}.json"
-    (out / name).write_text(json.dumps(record))
+    (out / f"memory-m{run}-rank{dist.get_rank()}.json").write_text(json.dumps(record))
     engine.close()
+
+
+def main() -> None:
+    out, runs = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for run in runs:
+        measure(out, run)
     dist.destroy_process_group()
 
 

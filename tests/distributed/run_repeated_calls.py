@@ -1,8 +1,9 @@
 """One process, several trainer calls: fit, then validate three times with the same Trainer. Each call builds its
 own engine; its teardown must release the engine's process groups and gradient-bucket hooks, so that nothing
-piles up call after call (``test_teardown.py`` reads what every rank writes).
+piles up call after call (``test_teardown.py`` reads what every rank writes to ``OUT/depth-DEPTH``). Each DEPTH
+gets its own Trainer, one after another in the same processes.
 
-    torchrun --nproc-per-node=2 tests/distributed/run_repeated_calls.py OUT DEPTH
+    torchrun --nproc-per-node=2 tests/distributed/run_repeated_calls.py OUT DEPTH [DEPTH ...]
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def snapshot(call: str, trainer: pl.Trainer, groups: list, metrics: dict) -> dic
     }
 
 
-def main() -> None:
-    out, depth = Path(sys.argv[1]), int(sys.argv[2])
+def calls(out: Path, depth: int) -> None:
     data = LMDataset(read_corpus(max_bytes=100_000), 32)
     pl.seed_everything(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), lr=1e-3)
@@ -89,6 +89,11 @@ def main() -> None:
         records.append(snapshot(f"validate {i}", trainer, groups, metrics))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(records, indent=1))
+
+
+def main() -> None:
+    for depth in sys.argv[2:]:
+        calls(Path(sys.argv[1]) / f"depth-{depth}", int(depth))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Write a checkpoint at one layout, load it at another: ``torchrun ... run_reshard.py OUT save|load STAGES``.
+"""Write a checkpoint at one layout, load it at another: ``torchrun ... run_reshard.py save|load OUT:STAGES ...``
+(one ``Trainer`` per OUT:STAGES, one after another in the same processes).
 
 save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank of replica 0 writes its stage's
       optimizer state by parameter name (``saved-optim-stage-S.pt``).
@@ -61,8 +62,7 @@ class DumpLoaded(Callback):
             )
 
 
-def main() -> None:
-    out, phase, stages = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def run(phase: str, out: Path, stages: int) -> None:
     world = int(os.environ["WORLD_SIZE"])
     out.mkdir(parents=True, exist_ok=True)
     case = Case(**{**CASE.__dict__, "num_stages": stages})
@@ -81,6 +81,13 @@ def main() -> None:
     strategy = trainer.strategy
     if strategy.grid.replica == 0:
         torch.save(strategy.lightning_module_state_dict(), out / f"final-stage-{strategy.grid.stage}.pt")
+
+
+def main() -> None:
+    phase = sys.argv[1]
+    for target in sys.argv[2:]:
+        out, stages = target.rsplit(":", 1)
+        run(phase, Path(out), int(stages))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``torchrun --nproc-per-node 2 run_timeline.py OUT MODE``: a tiny GPT under pd2bw with ``PipelineTrace``."""
+"""``torchrun --nproc-per-node 2 run_timeline.py OUT MODE [MODE ...]``: a tiny GPT under pd2bw with ``PipelineTrace``,
+one ``Trainer`` per mode in the same processes, each writing to ``OUT/MODE``."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
 STEPS, MICROBATCHES = 4, 4
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+def fit(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16), lr=1e-3)
     data = LMDataset(read_corpus(max_bytes=50_000), 16)
@@ -39,6 +39,11 @@ def main() -> None:
         limit_val_batches=0,
     )
     trainer.fit(model, DataLoader(data, batch_size=8))
+
+
+def main() -> None:
+    for mode in sys.argv[2:]:
+        fit(Path(sys.argv[1]) / mode, mode)
 
 
 if __name__ == "__main__":

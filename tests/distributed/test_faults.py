@@ -36,8 +36,8 @@ def run(tmp_path, kind: str, rank: int, step: int, world: int, stages: int | Non
 
 @pytest.mark.parametrize(
     "world,stages,victim",
-    [(2, 2, 1), (4, 4, 2), (4, 2, 3)],
-    ids=["2 ranks, stage 1 killed", "4 ranks d=4, stage 2 killed", "4 ranks 2x2, replica 1 stage 1 killed"],
+    [(2, 2, 1), (4, 2, 3)],
+    ids=["2 ranks, stage 1 killed", "4 ranks 2x2, replica 1 stage 1 killed"],
 )
 def test_killed_stage_ends_every_rank(tmp_path, world, stages, victim):
     results, logs = run(tmp_path, "kill", victim, 3, world, stages)
@@ -79,9 +79,10 @@ def test_failing_store_host_waits_until_its_verdict_is_read(tmp_path):
     assert "rendezvous store" not in results[1].stderr, logs
 
 
-@pytest.mark.parametrize("world,stages,victim", [(2, 2, 1), (4, 2, 2)], ids=["2 ranks", "4 ranks 2x2"])
-def test_rank_stuck_in_a_receive_is_found_by_the_progress_watchdog(tmp_path, world, stages, victim):
-    """Every heartbeat keeps beating; only the lack of progress shows the hang (hang_timeout=4 s)."""
+def test_rank_stuck_in_a_receive_is_found_by_the_progress_watchdog(tmp_path):
+    """Every heartbeat keeps beating; only the lack of progress shows the hang (hang_timeout=4 s). Four ranks: the
+    stuck rank's own peer, its replica's and the other replica's ranks all find it."""
+    world, stages, victim = 4, 2, 2
     results, logs = run(tmp_path, "hang_recv", victim, 3, world, stages)
     assert all(r.returncode == EXIT_CODE for r in results), logs
     for r in results:

@@ -16,18 +16,35 @@ from .launch import torchrun_script  # noqa: E402
 RUNNER = Path(__file__).with_name("run_hf.py")
 
 
+CASES = [("gpt2", "flush", 1), ("gpt2", "2bw", 2), ("llama", "2bw", 1), ("llama", "flush", 2), ("bert", "2bw", 1)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One torchrun job per width trains that width's cases one after another: ``trained(family, mode, width)`` is
+    the case's output directory."""
+    jobs: dict[int, Path] = {}
+
+    def output(family: str, mode: str, width: int) -> Path:
+        if width not in jobs:
+            out = tmp_path_factory.mktemp(f"hf-width-{width}")
+            runs = [f"{f}:{m}" for f, m, w in CASES if w == width]
+            torchrun_script(RUNNER, [str(out), *runs], STAGES * width)
+            jobs[width] = out
+        return jobs[width] / f"{family}-{mode}"
+
+    return output
+
+
 def stages(out: Path, what: str, world: int) -> list[dict[str, torch.Tensor]]:
     return [torch.load(out / f"{what}-rank-{r}.pt", weights_only=True) for r in range(world)]
 
 
-@pytest.mark.parametrize(
-    "family, mode, width",
-    [("gpt2", "flush", 1), ("gpt2", "2bw", 2), ("llama", "2bw", 1), ("llama", "flush", 2), ("bert", "2bw", 1)],
-)
-def test_hf_model_matches_reference(tmp_path, family, mode, width):
+@pytest.mark.parametrize("family, mode, width", CASES)
+def test_hf_model_matches_reference(trained, family, mode, width):
     world = STAGES * width
-    torchrun_script(RUNNER, [str(tmp_path), family, mode], world)
-    initial, final = stages(tmp_path, "initial", world), stages(tmp_path, "final", world)
+    out = trained(family, mode, width)
+    initial, final = stages(out, "initial", world), stages(out, "final", world)
     for rank in range(STAGES, world):  # replica r's stage s is rank r * STAGES + s
         for got, first in ((initial, initial), (final, final)):
             assert got[rank].keys() == first[rank % STAGES].keys()
@@ -49,7 +66,7 @@ def test_hf_model_matches_reference(tmp_path, family, mode, width):
     # and BERT's tied embeddings under 2BW get batch s-1's update just before the next forward: they lag by one)
     tied = {n for n, t in versions[0].items() if sum(u is t for u in versions[0].values()) > 1}
     for rank in range(STAGES):
-        seen = torch.load(tmp_path / f"batch-end-rank-{rank}.pt", weights_only=True)
+        seen = torch.load(out / f"batch-end-rank-{rank}.pt", weights_only=True)
         for step, weights in enumerate(seen):
             version = versions[step if mode == "2bw" else step + 1]
             for name, tensor in weights.items():

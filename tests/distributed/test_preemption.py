@@ -38,10 +38,11 @@ def preempt(tmp_path, world: int, stages: int, who: str, max_steps: int = 50):
 
 @pytest.mark.parametrize(
     "world,stages,who",
-    [(2, 2, "all"), (2, 2, "0"), (2, 2, "1"), (4, 4, "all"), (4, 2, "3")],
-    ids=["2 ranks, all", "2 ranks, rank 0 only", "2 ranks, rank 1 only", "4 ranks d=4, all", "4 ranks 2x2, rank 3"],
+    [(2, 2, "all"), (2, 2, "0"), (4, 2, "3")],
+    ids=["2 ranks, all", "2 ranks, rank 0 only", "4 ranks 2x2, rank 3"],
 )
 def test_sigterm_ends_every_rank_after_a_checkpoint(tmp_path, world, stages, who):
+    """Rank 1 of 2 alone: the resume test below starts with that preemption (the same checks)."""
     preempt(tmp_path, world, stages, who)
 
 

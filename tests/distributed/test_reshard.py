@@ -22,12 +22,14 @@ LAYOUTS = {"4x1->2x1": (4, 4, 2, 2), "2x2->2x1": (4, 2, 2, 2)}  # save world, sa
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory) -> dict:
+    """Two jobs: one saves at both 4-rank layouts (one Trainer after the other), one loads both at 2 ranks."""
     root = tmp_path_factory.mktemp("reshard")
-    for name, (save_world, save_depth, load_world, load_depth) in LAYOUTS.items():
-        out = root / name.replace(">", "")
-        torchrun_script(RUNNER, [str(out), "save", str(save_depth)], save_world)
-        torchrun_script(RUNNER, [str(out), "load", str(load_depth)], load_world)
-    return {name: root / name.replace(">", "") for name in LAYOUTS}
+    folders = {name: root / name.replace(">", "") for name in LAYOUTS}
+    for phase, world_at, depth_at in (("save", 0, 1), ("load", 2, 3)):
+        (world,) = {layout[world_at] for layout in LAYOUTS.values()}  # the layouts of one job share its world
+        runs = [f"{folders[name]}:{layout[depth_at]}" for name, layout in LAYOUTS.items()]
+        torchrun_script(RUNNER, [phase, *runs], world)
+    return folders
 
 
 def loaded(folder) -> dict:

@@ -14,11 +14,21 @@ from tests.distributed.launch import torchrun_script
 SCRIPT = Path(__file__).with_name("run_repeated_calls.py")
 
 
-@pytest.mark.parametrize("depth", [2, 1], ids=["pipeline-d2", "replicas-w2"])
-def test_repeated_trainer_calls_release_each_engines_groups_and_hooks(tmp_path, depth):
-    torchrun_script(SCRIPT, [str(tmp_path), str(depth)], world=2, timeout=300)
+DEPTHS = [2, 1]
+
+
+@pytest.fixture(scope="module")
+def called(tmp_path_factory) -> Path:
+    """One job: both depths, one Trainer (and its four calls) after the other."""
+    out = tmp_path_factory.mktemp("teardown")
+    torchrun_script(SCRIPT, [str(out), *map(str, DEPTHS)], world=2, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("depth", DEPTHS, ids=["pipeline-d2", "replicas-w2"])
+def test_repeated_trainer_calls_release_each_engines_groups_and_hooks(called, depth):
     for rank in (0, 1):
-        records = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        records = json.loads((called / f"depth-{depth}" / f"rank-{rank}.json").read_text())
         assert [r["call"] for r in records] == ["fit", "validate 0", "validate 1", "validate 2"]
         for record in records:
             assert record["engine_groups"] >= 3, record  # pipeline, loss, replica (and links at depth 2)

@@ -14,13 +14,23 @@ from lightning_pd2bw.engine import schedule as S
 from .launch import torchrun_script
 from .run_timeline import MICROBATCHES, STEPS
 
+MODES = ["2bw", "flush"]
 
-@pytest.mark.parametrize("mode", ["2bw", "flush"])
-def test_trace_matches_the_schedule(tmp_path, mode):
-    torchrun_script(Path(__file__).with_name("run_timeline.py"), [str(tmp_path), mode], 2, timeout=300)
 
-    trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())
-    assert (tmp_path / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> Path:
+    """One job traces both modes, one Trainer after the other: ``traced / mode`` holds each run's output."""
+    out = tmp_path_factory.mktemp("timeline")
+    torchrun_script(Path(__file__).with_name("run_timeline.py"), [str(out), *MODES], 2, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_trace_matches_the_schedule(traced, mode):
+    out = traced / mode
+
+    trace = json.loads((out / "timeline" / "trace.json").read_text())
+    assert (out / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     for stage in (0, 1):
         mine = sorted((e for e in spans if e["pid"] == stage), key=lambda e: e["ts"])
@@ -40,7 +50,7 @@ def test_trace_matches_the_schedule(tmp_path, mode):
         else:
             assert S.TIED_STEP not in kinds and S.WAIT_SENDS in kinds and S.REDUCE in kinds
 
-    rows = list(csv.DictReader((tmp_path / "logs" / "version_0" / "metrics.csv").open()))
+    rows = list(csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open()))
     logged = [r for r in rows if r.get("bubble/stage0")]
     assert len(logged) == STEPS // 2
     for row in logged:
