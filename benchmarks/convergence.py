@@ -2,6 +2,8 @@
 
     python benchmarks/convergence.py                 # 3 seeds x 6 settings x 2 corpora, 300 steps each
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
+    python benchmarks/convergence.py --corpora stdlib --optimizers adamw --settings flush,2bw+ef \
+        --stages 4 --horizons 1,1.2,1.4       # time to quality at depth 4 (below)
 
 Every run is ``pd2bw-train`` as a user starts it (GPT tiny, 2 CPU processes, the same data order and
 initialisation per seed for every setting). Validation every ``--val-every`` steps on held-out text (the
@@ -9,6 +11,13 @@ corpus's last 5%; each validation drains 2BW's pipeline, the same for every 2BW 
 validation loss per setting (mean and spread over seeds, gap to Flush with the same optimizer) and writes
 ``OUT/convergence.png`` (validation curves) and ``OUT/convergence.json``. Runs already finished under ``OUT``
 are reused, so an interrupted benchmark continues where it stopped.
+
+Time to quality (``--horizons``): each setting but Flush also runs with ``trainer.max_steps`` (and so its LR
+schedule) stretched by each factor. The target of seed k's run is Flush's final validation loss with seed k (the
+same initialisation and data order); a run's time to it is the training wall-clock (validations included, start-up not) at the step where its validation curve first
+reaches the target, interpolated between validations. Wall-clock comes from the run's own log: each logged
+``tokens_per_sec`` is the rate over the steps since the previous log. ``--stages`` sets the depth (one CPU process
+per stage; more stages than cores share them).
 
 Corpora: ``stdlib`` (the embedded corpus: Python source) and ``packages`` (the English descriptions of the
 Python packages installed next to this one: each ``*.dist-info/METADATA``; text no setting was tuned on).
@@ -61,8 +70,13 @@ def packages_corpus(out: Path) -> Path:
     return path
 
 
-def run(out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: argparse.Namespace) -> Path:
-    folder = out / corpus / f"{optimizer}-{setting}-seed{seed}"
+def run(
+    out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: argparse.Namespace, steps: int | None = None
+) -> Path:
+    steps = steps or args.steps
+    depth = "" if args.stages == 2 else f"-d{args.stages}"
+    horizon = "" if steps == args.steps else f"-{steps}steps"
+    folder = out / corpus / f"{optimizer}-{setting}{depth}{horizon}-seed{seed}"
     if (folder / "summary.json").exists():
         return folder
     data = [] if corpus == "stdlib" else [f"data.paths=[{packages_corpus(out)}]"]
@@ -73,7 +87,8 @@ def run(out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: a
         "model=gpt_tiny",
         "data.seq_len=64",
         f"model.optimizer={optimizer}",
-        f"trainer.max_steps={args.steps}",
+        f"trainer.max_steps={steps}",
+        f"trainer.devices={args.stages}",
         f"trainer.val_check_interval={args.val_every}",
         "trainer.limit_val_batches=16",
         "trainer.log_every_n_steps=10",
@@ -102,6 +117,69 @@ def curve(folder: Path) -> list[tuple[int, float]]:
     return sorted(points)
 
 
+def seconds(folder: Path) -> list[tuple[int, float]]:
+    """(step, training seconds since the first step) at each log of ``tokens_per_sec``: the rate over the steps since
+    the previous log (Lightning's ``Throughput``, window 2), so each interval's time is its tokens over that rate."""
+    config = (folder / "config.yaml").read_text()
+    tokens_per_step = int(_value(config, "global_batch_size")) * int(_value(config, "seq_len"))
+    points, previous, total = [], -1, 0.0
+    for metrics in folder.glob("csv/*/metrics.csv"):
+        with metrics.open() as f:
+            rows = sorted(
+                (int(r["step"]), float(r["tokens_per_sec"])) for r in csv.DictReader(f) if r.get("tokens_per_sec")
+            )
+        for step, rate in rows:
+            total += (step - previous) * tokens_per_step / rate
+            points.append((step, total))
+            previous = step
+    return points
+
+
+def _value(config: str, key: str) -> str:
+    """The first ``key: value`` of a saved (resolved) config: enough for the two integers read here."""
+    return next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.strip().startswith(f"{key}:"))
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """y at x on the piecewise-linear curve through ``points`` (sorted by x); clamped at both ends."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def time_to(target: float, folder: Path) -> tuple[float, float] | None:
+    """(step, training seconds) where the run's validation loss first reaches ``target``, or None."""
+    validation = curve(folder)
+    for (s0, l0), (s1, l1) in zip([validation[0], *validation], validation):
+        if l1 <= target:
+            step = s1 if l0 <= target or s0 == s1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+            return step, interpolate([(float(s), t) for s, t in seconds(folder)], step)
+    return None
+
+
+def quality_times(results: dict[str, dict], target: float, flush_time: float) -> str:
+    """A table: each run set's mean step and training time to Flush's final loss (seed by seed; ``target`` is their
+    mean), and the time's ratio to Flush's; a set whose runs do not all reach it says how many did."""
+    lines = [
+        f"target: Flush's final validation loss, seed by seed (mean {target:.4f})",
+        "| run | final val loss | step reaching the target | training s to the target | vs Flush |",
+        "|---|---|---|---|---|",
+    ]
+    for key, value in results.items():
+        final, reached = statistics.mean(value["final"]), value["reached"]
+        label = f"{key.rsplit('/', 1)[1]} ({value['steps']} steps)"
+        if any(r is None for r in reached):
+            hits = sum(r is not None for r in reached)
+            lines.append(f"| {label} | {final:.4f} | not reached ({hits} of {len(reached)} seeds) | - | - |")
+            continue
+        step, time_s = statistics.mean(r[0] for r in reached), statistics.mean(r[1] for r in reached)
+        lines.append(f"| {label} | {final:.4f} | {step:.0f} | {time_s:.1f} | {time_s / flush_time:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -110,18 +188,38 @@ def main() -> None:
     parser.add_argument("--corpora", default="stdlib,packages")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--settings", default="flush,2bw,2bw+ef")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline depth: CPU processes (trainer.devices)")
+    parser.add_argument("--horizons", default="", help="time to quality: e.g. 1,1.2,1.4 (factors of --steps)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
     args = parser.parse_args()
     results: dict[str, dict] = {}
+    factors = [float(h) for h in args.horizons.split(",") if h] or [1.0]
     for corpus in args.corpora.split(","):
         for optimizer in args.optimizers.split(","):
             for setting in args.settings.split(","):
-                runs = [run(args.out, corpus, optimizer, setting, s, args) for s in range(args.seeds)]
-                curves = [curve(f) for f in runs]
-                finals = [c[-1][1] for c in curves]
-                results[f"{corpus}/{optimizer}/{setting}"] = {"final": finals, "curves": curves}
-                print(f"{corpus:9s} {optimizer:6s} {setting:7s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
+                for factor in factors if setting != "flush" else [1.0]:
+                    steps = round(args.steps * factor)
+                    runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
+                    curves = [curve(f) for f in runs]
+                    finals = [c[-1][1] for c in curves]
+                    name = setting if steps == args.steps else f"{setting}@{steps}"
+                    results[f"{corpus}/{optimizer}/{name}"] = {
+                        "final": finals,
+                        "curves": curves,
+                        "steps": steps,
+                        "runs": [str(f) for f in runs],
+                    }
+                    print(f"{corpus:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
     print(table(results))
+    for corpus in args.corpora.split(",") if args.horizons else []:
+        for optimizer in args.optimizers.split(","):
+            mine = {k: v for k, v in results.items() if k.startswith(f"{corpus}/{optimizer}/")}
+            targets = mine[f"{corpus}/{optimizer}/flush"]["final"]  # seed k's run is held to Flush's seed k
+            for value in mine.values():
+                value["reached"] = [time_to(t, Path(f)) for t, f in zip(targets, value["runs"])]
+            flush_time = statistics.mean(t for _, t in mine[f"{corpus}/{optimizer}/flush"]["reached"])
+            print(f"\ntime to quality: {corpus}, {optimizer}, depth {args.stages}")
+            print(quality_times(mine, statistics.mean(targets), flush_time))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "convergence.png", args.steps)

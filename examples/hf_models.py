@@ -1,7 +1,7 @@
 """Bring your own model: an unmodified Hugging Face model (built from a config, nothing downloaded) under
 strategy="pd2bw" (2 CPU processes, Lightning launches them).
 
-    python examples/hf_models.py gpt2      # or: llama, bert
+    python examples/hf_models.py gpt2      # or: llama, bert; several train one after another: gpt2 llama bert
 """
 
 import sys
@@ -39,10 +39,14 @@ def data(family):
     return torch.utils.data.DataLoader(rows, batch_size=8, drop_last=True)
 
 
-if __name__ == "__main__":
-    family = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
+def train(family):
     kind = HFMaskedLM if family == "bert" else HFCausalLM
     model = kind(CONFIGS[family](), lr=1e-3)
     trainer = pl.Trainer(strategy="pd2bw", accelerator="cpu", devices=2, max_steps=30, logger=False)
     trainer.fit(model, data(family))
     print(f"{family}: final train_loss {trainer.callback_metrics['train_loss'].item():.4f}")
+
+
+if __name__ == "__main__":
+    for family in sys.argv[1:] or ["gpt2"]:
+        train(family)

@@ -13,29 +13,42 @@ import torch
 
 from .launch import ROOT
 
+FAMILIES = ["gpt2", "llama", "bert"]
 
-def run_example(*args: str) -> float:
+
+def run_example(*args: str, names: tuple[str, ...] = ("",)) -> dict[str, float]:
+    """Rank 0's final train loss of each run the example reports, by the run's name ("gpt2: final train_loss ...";
+    "" for an example of one unnamed run); both ranks must report every run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    # both ranks write to one pipe: rank 0's progress bar may follow a number without a newline ("0.2968Epoch 0: ...")
-    losses = [float(v) for v in re.findall(r"final train_loss (-?\d+\.\d{4})", done.stdout)]
-    assert len(losses) == 2, "both ranks finish and report"
-    return losses[0]
+    losses = {}
+    for name in names:
+        # both ranks write to one pipe: rank 0's progress bar may follow a number without a newline ("0.2968Epoch...")
+        prefix = f"{name}: " if name else ""
+        found = [float(v) for v in re.findall(rf"{prefix}final train_loss (-?\d+\.\d{{4}})", done.stdout)]
+        assert len(found) == 2, f"both ranks finish {name or 'the run'} and report it"
+        losses[name] = found[0]
+    return losses
 
 
 def test_plain_module_learns():
-    assert run_example("examples/plain_module.py") < 1.0  # the target's variance is 4
+    assert run_example("examples/plain_module.py")[""] < 1.0  # the target's variance is 4
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
-def test_hugging_face_model_trains(family):
+@pytest.fixture(scope="module")
+def hugging_face_losses() -> dict[str, float]:
+    """One run of the example for the three families, one Trainer after another (as its docstring shows)."""
     pytest.importorskip("transformers")
-    loss = run_example("examples/hf_models.py", family)
+    return run_example("examples/hf_models.py", *FAMILIES, names=tuple(FAMILIES))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hugging_face_model_trains(hugging_face_losses, family):
     # English text as ASCII ids: a uniform guess scores ln 128 = 4.85; 30 steps reach 3.0-3.6 (measured 2026-11-24)
-    assert 0 < loss < 4.0
+    assert 0 < hugging_face_losses[family] < 4.0
 
 
 @pytest.mark.smoke  # also in make test: the README's plain PyTorch example under torchrun

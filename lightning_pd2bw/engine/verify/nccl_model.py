@@ -88,9 +88,13 @@ class MismatchedCollective(RuntimeError):
 def communicator(op: Op, rank: int) -> str:
     """Which NCCL communicator (and stream) an operation runs on."""
     if op.kind in (SEND, RECV):
-        low, high = sorted((rank, op.peer))
-        return f"{op.channel} p2p {low}-{high}"
+        return _pair_communicator(op.channel, min(rank, op.peer), max(rank, op.peer))
     return op.channel
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair_communicator(channel: str, low: int, high: int) -> str:
+    return f"{channel} p2p {low}-{high}"
 
 
 @dataclass
@@ -103,6 +107,9 @@ def simulate(programs: Programs, serialized: bool = False) -> Outcome:
     """Run ``programs`` under NCCL's rules (``serialized``: kernels one at a time per rank); raise ``Deadlock`` or
     ``MismatchedCollective``, else the outcome."""
     lanes = _lanes(programs)
+    lanes_of: dict[int, list[tuple[int, str]]] = defaultdict(list)  # rank -> its lanes, the main thread's first
+    for lane in lanes:
+        lanes_of[lane[0]].append(lane)
     pc = dict.fromkeys(lanes, 0)
     queues: dict[tuple[str, int], deque[list[Op]]] = defaultdict(deque)  # (queue, rank) -> kernels, each 1+ ops
     finished: set[tuple[int, int]] = set()  # (rank, handle) of completed operations
@@ -115,7 +122,7 @@ def simulate(programs: Programs, serialized: bool = False) -> Outcome:
 
     def advance(rank: int) -> None:
         nonlocal max_queued
-        for lane in (lane for lane in lanes if lane[0] == rank):
+        for lane in lanes_of[rank]:
             program = lanes[lane]
             while pc[lane] < len(program):
                 op = program[pc[lane]]
