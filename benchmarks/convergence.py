@@ -2,8 +2,8 @@
 
     python benchmarks/convergence.py                 # 3 seeds x 6 settings x 2 corpora, 300 steps each
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
-    python benchmarks/convergence.py --corpora stdlib --optimizers adamw --settings flush,2bw+ef \
-        --stages 4 --horizons 1,1.2,1.4       # time to quality at depth 4 (below)
+    python benchmarks/convergence.py --corpora packages --optimizers adamw --settings flush,2bw+ef \
+        --stages 4 --horizons 1,1.1,1.2       # time to quality at depth 4 (below)
 
 Every run is ``pd2bw-train`` as a user starts it (GPT tiny, 2 CPU processes, the same data order and
 initialisation per seed for every setting). Validation every ``--val-every`` steps on held-out text (the
@@ -12,11 +12,12 @@ validation loss per setting (mean and spread over seeds, gap to Flush with the s
 ``OUT/convergence.png`` (validation curves) and ``OUT/convergence.json``. Runs already finished under ``OUT``
 are reused, so an interrupted benchmark continues where it stopped.
 
-Time to quality (``--horizons``): each setting but Flush also runs with ``trainer.max_steps`` (and so its LR
-schedule) stretched by each factor. The target of seed k's run is Flush's final validation loss with seed k (the
-same initialisation and data order); a run's time to it is the training wall-clock (validations included, start-up not) at the step where its validation curve first
-reaches the target, interpolated between validations. Wall-clock comes from the run's own log: each logged
-``tokens_per_sec`` is the rate over the steps since the previous log. ``--stages`` sets the depth (one CPU process
+Time to quality (``--horizons``): each setting but Flush also runs with ``trainer.max_steps`` (and with it the LR
+and sparsity schedules) stretched by each factor. The target of seed k is Flush's final validation loss with seed k
+(the same initialisation and data order). A setting's time to it is the training wall-clock (validations included,
+start-up not) of the run length whose final loss equals the target, interpolated between the two lengths around it:
+a run that stops there, schedules included, not a point in the middle of a longer schedule. Wall-clock comes from
+the run's own log: each logged ``tokens_per_sec`` is the rate over the steps since the previous log. ``--stages`` sets the depth (one CPU process
 per stage; more stages than cores share them).
 
 Corpora: ``stdlib`` (the embedded corpus: Python source) and ``packages`` (the English descriptions of the
@@ -140,43 +141,50 @@ def _value(config: str, key: str) -> str:
     return next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.strip().startswith(f"{key}:"))
 
 
-def interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """y at x on the piecewise-linear curve through ``points`` (sorted by x); clamped at both ends."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
-
-
-def time_to(target: float, folder: Path) -> tuple[float, float] | None:
-    """(step, training seconds) where the run's validation loss first reaches ``target``, or None."""
-    validation = curve(folder)
-    for (s0, l0), (s1, l1) in zip([validation[0], *validation], validation):
+def horizon_to(target: float, horizons: list[tuple[int, float, float]]) -> tuple[float, float, bool] | None:
+    """``horizons``: (steps, final loss, training seconds) of one seed's runs, by steps. The run length whose final
+    loss is ``target``, interpolated between the two runs around it: (steps, seconds, bracketed); the shortest run
+    if it already reaches the target (bracketed False: an upper bound); None if none reaches it."""
+    for (s0, l0, t0), (s1, l1, t1) in zip([horizons[0], *horizons], horizons):
         if l1 <= target:
-            step = s1 if l0 <= target or s0 == s1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
-            return step, interpolate([(float(s), t) for s, t in seconds(folder)], step)
+            if l0 <= target or s0 == s1:
+                return s1, t1, False
+            f = (l0 - target) / (l0 - l1)
+            return s0 + f * (s1 - s0), t0 + f * (t1 - t0), True
     return None
 
 
-def quality_times(results: dict[str, dict], target: float, flush_time: float) -> str:
-    """A table: each run set's mean step and training time to Flush's final loss (seed by seed; ``target`` is their
-    mean), and the time's ratio to Flush's; a set whose runs do not all reach it says how many did."""
+def quality_times(results: dict[str, dict], prefix: str) -> str:
+    """Time to quality for the runs under ``prefix`` (corpus/optimizer/): per setting and seed, the run length (LR
+    schedule and all) whose final validation loss equals Flush's with that seed, and its training time."""
+    flush = results[f"{prefix}flush"]
+    targets, flush_times = flush["final"], [seconds(Path(f))[-1][1] for f in flush["runs"]]
     lines = [
-        f"target: Flush's final validation loss, seed by seed (mean {target:.4f})",
-        "| run | final val loss | step reaching the target | training s to the target | vs Flush |",
+        f"target: Flush's final validation loss after {flush['steps']} steps, seed by seed "
+        f"(mean {statistics.mean(targets):.4f}); Flush's training time {statistics.mean(flush_times):.1f} s",
+        "| setting | final val loss per run length | steps to the target | training s to the target | vs Flush |",
         "|---|---|---|---|---|",
     ]
-    for key, value in results.items():
-        final, reached = statistics.mean(value["final"]), value["reached"]
-        label = f"{key.rsplit('/', 1)[1]} ({value['steps']} steps)"
-        if any(r is None for r in reached):
-            hits = sum(r is not None for r in reached)
-            lines.append(f"| {label} | {final:.4f} | not reached ({hits} of {len(reached)} seeds) | - | - |")
+
+    def setting_of(key: str) -> str:  # "2bw+ef@360" -> "2bw+ef"
+        return key[len(prefix) :].split("@")[0]
+
+    settings = dict.fromkeys(setting_of(k) for k in results if k.startswith(prefix))
+    for setting in settings:
+        mine = [v for k, v in results.items() if k.startswith(prefix) and setting_of(k) == setting]
+        runs = sorted(mine, key=lambda v: v["steps"])
+        finals = ", ".join(f"{v['steps']}: {statistics.mean(v['final']):.4f}" for v in runs)
+        found = []
+        for seed, target in enumerate(targets):
+            horizons = [(v["steps"], v["final"][seed], seconds(Path(v["runs"][seed]))[-1][1]) for v in runs]
+            found.append(horizon_to(target, horizons))
+        if any(f is None for f in found):
+            lines.append(f"| {setting} | {finals} | not reached by {sum(f is None for f in found)} seed(s) | - | - |")
             continue
-        step, time_s = statistics.mean(r[0] for r in reached), statistics.mean(r[1] for r in reached)
-        lines.append(f"| {label} | {final:.4f} | {step:.0f} | {time_s:.1f} | {time_s / flush_time:.2f} |")
+        bound = "" if all(f[2] for f in found) or setting == "flush" else "<= "
+        steps, time_s = statistics.mean(f[0] for f in found), statistics.mean(f[1] for f in found)
+        ratio = statistics.mean(f[1] / t for f, t in zip(found, flush_times))
+        lines.append(f"| {setting} | {finals} | {bound}{steps:.0f} | {bound}{time_s:.1f} | {ratio:.2f} |")
     return "\n".join(lines)
 
 
@@ -213,13 +221,8 @@ def main() -> None:
     print(table(results))
     for corpus in args.corpora.split(",") if args.horizons else []:
         for optimizer in args.optimizers.split(","):
-            mine = {k: v for k, v in results.items() if k.startswith(f"{corpus}/{optimizer}/")}
-            targets = mine[f"{corpus}/{optimizer}/flush"]["final"]  # seed k's run is held to Flush's seed k
-            for value in mine.values():
-                value["reached"] = [time_to(t, Path(f)) for t, f in zip(targets, value["runs"])]
-            flush_time = statistics.mean(t for _, t in mine[f"{corpus}/{optimizer}/flush"]["reached"])
             print(f"\ntime to quality: {corpus}, {optimizer}, depth {args.stages}")
-            print(quality_times(mine, statistics.mean(targets), flush_time))
+            print(quality_times(results, f"{corpus}/{optimizer}/"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "convergence.png", args.steps)

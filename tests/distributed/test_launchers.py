@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.wandb_records import read_run
+
+from .launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = [
@@ -71,24 +75,27 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     assert config["logger"]["save_dir"] == str(out) and "${" not in json.dumps(config)
 
 
-def test_torchrun_ranks_share_one_run_directory(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    run([*command, "-m", "lightning_pd2bw.cli.train", *SMALL_RUN, "callbacks=none"], tmp_path)
-    runs = list((tmp_path / "outputs").iterdir())
-    assert len(runs) == 1, f"one output directory for all ranks, got {runs}"
-    assert json.loads((runs[0] / "summary.json").read_text())["global_step"] == 6
-    assert {p.name for p in runs[0].glob("train*.log")} == {"train0.log", "train1.log"}
+@pytest.fixture(scope="module")
+def two_torchrun_jobs(tmp_path_factory) -> list[Path]:
+    """Two torchrun jobs started without --rdzv-id in one working directory, as a user starts them: a 6-step
+    training run and a dry run. Their run directories, the training job's first."""
+    cwd = tmp_path_factory.mktemp("torchrun")
+    for job in ([*SMALL_RUN, "callbacks=none"], ["dry_run=true"]):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2"]
+        run([*command, "-m", "lightning_pd2bw.cli.train", *job], cwd)
+    return sorted((cwd / "outputs").iterdir(), key=lambda d: (d / "summary.json").exists(), reverse=True)
 
 
-def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(tmp_path):
+def test_torchrun_ranks_share_one_run_directory(two_torchrun_jobs):
+    trained = two_torchrun_jobs[0]
+    assert json.loads((trained / "summary.json").read_text())["global_step"] == 6
+    assert {p.name for p in trained.glob("train*.log")} == {"train0.log", "train1.log"}
+
+
+def test_two_torchrun_jobs_without_a_run_id_get_their_own_directories(two_torchrun_jobs):
     """torchrun's run id is "none" for every job started without --rdzv-id: each job still gets its own
     directory (named after its agent), shared by its ranks."""
-    from .launch import free_port
-
-    for _ in range(2):
-        command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2"]
-        run([*command, "-m", "lightning_pd2bw.cli.train", "dry_run=true"], tmp_path)
-    runs = sorted((tmp_path / "outputs").iterdir())
+    runs = two_torchrun_jobs
     assert len(runs) == 2 and all("none" not in r.name for r in runs), runs
     for directory in runs:
         assert {p.name for p in directory.glob("train*.log")} == {"train0.log", "train1.log"}, directory
