@@ -61,7 +61,3 @@ def test_resume_after_preemption_equals_the_uninterrupted_run(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
-    # extending the run (a longer trainer.max_steps) says what changes instead of silently moving the schedules
-    longer = launch_ranks(RUNNER, [str(tmp_path / "a"), "-", "0", "2", str(steps + 2), "last"], 2, 150)
-    assert all(r.returncode == 0 for r in longer)
-    assert "resuming" in longer[0].stderr and "trainer.max_steps 10 -> 12" in longer[0].stderr, longer[0].stderr
