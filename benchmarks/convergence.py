@@ -56,6 +56,9 @@ SETTINGS = {  # name -> Hydra overrides
     "2bw+b1": ["strategy.mode=2bw", "strategy.delay_correction=null", "model.betas=[0.8,0.95]"],
     "2bw+ef+b1": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "model.betas=[0.8,0.95]"],
     "flush+b1": ["strategy.mode=flush", "model.betas=[0.8,0.95]"],
+    # issue 33 item 5: 75% gradual sparsity under the default 2BW against dense (--settings 2bw+ef+dense,2bw+ef+s75)
+    "2bw+ef+dense": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity=none"],
+    "2bw+ef+s75": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")
 
