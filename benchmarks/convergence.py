@@ -2,6 +2,8 @@
 
     python benchmarks/convergence.py                 # 3 seeds x 6 settings x 2 corpora, 300 steps each
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
+    python benchmarks/convergence.py --corpora packages --optimizers adamw \
+        --settings flush,flush+lr1e-3,2bw+ef+lr1e-3,2bw+ef+lr1e-3+wu60    # a learning-rate / warm-up sweep
     python benchmarks/convergence.py --corpora packages --optimizers adamw --settings flush,2bw+ef \
         --stages 4 --horizons 1,1.1,1.2       # time to quality at depth 4 (below)
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -61,6 +64,19 @@ SETTINGS = {  # name -> Hydra overrides
     "2bw+ef+s75": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")
+
+
+def overrides(setting: str) -> list[str]:
+    """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``) and ``+wuN``
+    (``model.warmup_steps``), e.g. ``2bw+ef+lr1e-3+wu60``."""
+    parts, extra = setting.split("+"), []
+    while parts and re.fullmatch(r"lr[0-9.e-]+|wu[0-9]+", parts[-1]):
+        part = parts.pop()
+        extra.insert(0, f"model.lr={part[2:]}" if part.startswith("lr") else f"model.warmup_steps={part[2:]}")
+    name = "+".join(parts)
+    if name not in SETTINGS:
+        raise SystemExit(f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX and +wuN")
+    return [*SETTINGS[name], *extra]
 
 
 def packages_corpus(out: Path) -> Path:
@@ -101,7 +117,7 @@ def run(
         f"seed={seed}",
         f"model.config.seed={1234 + seed}",
         f"paths.output_dir={folder}",
-        *SETTINGS[setting],
+        *overrides(setting),
         *data,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
