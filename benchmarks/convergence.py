@@ -38,6 +38,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
@@ -140,8 +142,8 @@ def curve(folder: Path) -> list[tuple[int, float]]:
 def seconds(folder: Path) -> list[tuple[int, float]]:
     """(step, training seconds since the first step) at each log of ``tokens_per_sec``: the rate over the steps since
     the previous log (Lightning's ``Throughput``, window 2), so each interval's time is its tokens over that rate."""
-    config = (folder / "config.yaml").read_text()
-    tokens_per_step = int(_value(config, "global_batch_size")) * int(_value(config, "seq_len"))
+    config = yaml.safe_load((folder / "config.yaml").read_text())  # the run's resolved config
+    tokens_per_step = config["global_batch_size"] * config["data"]["seq_len"]
     points, previous, total = [], -1, 0.0
     for metrics in folder.glob("csv/*/metrics.csv"):
         with metrics.open() as f:
@@ -153,11 +155,6 @@ def seconds(folder: Path) -> list[tuple[int, float]]:
             points.append((step, total))
             previous = step
     return points
-
-
-def _value(config: str, key: str) -> str:
-    """The first ``key: value`` of a saved (resolved) config: enough for the two integers read here."""
-    return next(line.split(":", 1)[1].strip() for line in config.splitlines() if line.strip().startswith(f"{key}:"))
 
 
 def horizon_to(target: float, horizons: list[tuple[int, float, float]]) -> tuple[float, float, bool] | None:
