@@ -1,0 +1,32 @@
+"""``benchmarks/convergence.py``'s arithmetic: time to quality, wall-clock from the logged rates, sweep suffixes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from benchmarks.convergence import SETTINGS, horizon_to, overrides, seconds
+
+
+def test_the_run_length_reaching_the_target_is_interpolated_between_the_two_around_it():
+    runs = [(300, 3.04, 16.0), (330, 3.00, 17.5), (360, 2.96, 19.0)]  # (steps, final loss, training seconds)
+    steps, time_s, bracketed = horizon_to(3.03, runs)
+    assert bracketed and steps == pytest.approx(307.5) and time_s == pytest.approx(16.375)
+    assert horizon_to(3.05, runs) == (300, 16.0, False)  # the shortest run already reaches it: an upper bound
+    assert horizon_to(2.90, runs) is None  # no run reaches it
+
+
+def test_training_seconds_come_from_each_interval_tokens_over_its_logged_rate(tmp_path):
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"global_batch_size": 16, "data": {"seq_len": 64}}))
+    logs = tmp_path / "csv" / "version_0"
+    logs.mkdir(parents=True)
+    # steps 9 and 19: 10 steps of 1024 tokens each at 1024 and then 512 tokens/s; a validation row has no rate
+    (logs / "metrics.csv").write_text("step,tokens_per_sec,val_loss\n9,1024,\n19,512,\n19,,3.0\n")
+    assert seconds(tmp_path) == [(9, 10.0), (19, 30.0)]
+
+
+def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
+    assert overrides("2bw+ef+lr2e-3+wu60") == [*SETTINGS["2bw+ef"], "model.lr=2e-3", "model.warmup_steps=60"]
+    assert overrides("flush+b1") == SETTINGS["flush+b1"]  # a setting whose own name has a "+"
+    with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
+        overrides("2bw+xx")
