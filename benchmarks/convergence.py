@@ -45,6 +45,8 @@ SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
     "2bw": ["strategy.mode=2bw", "strategy.delay_correction=null"],  # the plain rule (the default corrects)
     "2bw+ef": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback"],
+    # error feedback on the corrected updates: the weights one applied change ahead (PipeOptim's prediction)
+    "2bw+pef": ["strategy.mode=2bw", "strategy.delay_correction=predictive_error_feedback"],
     # tried, not a default: the update extrapolated two steps ahead (--settings flush,2bw+ef2)
     "2bw+ef2": [
         "strategy.mode=2bw",
@@ -66,6 +68,10 @@ SETTINGS = {  # name -> Hydra overrides
     "2bw+ef+s75": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")
+MODELS = {"gpt_tiny": 64, "gpt_small": 128}  # model preset -> sequence length (the small one's context)
+SPIKE_WINDOW = (
+    10  # a step's train loss over the median of the WINDOW logged before it (tests/distributed/test_no_spikes)
+)
 
 
 def overrides(setting: str) -> list[str]:
@@ -98,7 +104,8 @@ def run(
     steps = steps or args.steps
     depth = "" if args.stages == 2 else f"-d{args.stages}"
     horizon = "" if steps == args.steps else f"-{steps}steps"
-    folder = out / corpus / f"{optimizer}-{setting}{depth}{horizon}-seed{seed}"
+    model = "" if args.model == "gpt_tiny" else f"{args.model}-"
+    folder = out / corpus / f"{model}{optimizer}-{setting}{depth}{horizon}-seed{seed}"
     if (folder / "summary.json").exists():
         return folder
     data = [] if corpus == "stdlib" else [f"data.paths=[{packages_corpus(out)}]"]
@@ -106,14 +113,14 @@ def run(
         sys.executable,
         "-m",
         "lightning_pd2bw.cli.train",
-        "model=gpt_tiny",
-        "data.seq_len=64",
+        f"model={args.model}",
+        f"data.seq_len={MODELS[args.model]}",
         f"model.optimizer={optimizer}",
         f"trainer.max_steps={steps}",
         f"trainer.devices={args.stages}",
         f"trainer.val_check_interval={args.val_every}",
         "trainer.limit_val_batches=16",
-        "trainer.log_every_n_steps=10",
+        f"trainer.log_every_n_steps={args.log_every}",
         "trainer.enable_progress_bar=false",
         "trainer.enable_checkpointing=false",
         f"seed={seed}",
@@ -137,6 +144,21 @@ def curve(folder: Path) -> list[tuple[int, float]]:
                 if row.get("val_loss"):
                     points.append((int(row["step"]), float(row["val_loss"])))
     return sorted(points)
+
+
+def train_losses(folder: Path) -> list[float]:
+    """The logged train losses, by step."""
+    rows = []
+    for metrics in folder.glob("csv/*/metrics.csv"):
+        with metrics.open() as f:
+            rows += [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r.get("train_loss")]
+    return [loss for _, loss in sorted(rows)]
+
+
+def worst_spike(losses: list[float], window: int = SPIKE_WINDOW) -> float:
+    """The largest ratio of a logged train loss to the median of the ``window`` logged before it (1.0: none above)."""
+    ratios = [losses[i] / statistics.median(losses[i - window : i]) for i in range(window, len(losses))]
+    return max(ratios, default=1.0)
 
 
 def seconds(folder: Path) -> list[tuple[int, float]]:
@@ -214,6 +236,8 @@ def main() -> None:
     parser.add_argument("--settings", default="flush,2bw,2bw+ef")
     parser.add_argument("--stages", type=int, default=2, help="pipeline depth: CPU processes (trainer.devices)")
     parser.add_argument("--horizons", default="", help="time to quality: e.g. 1,1.2,1.4 (factors of --steps)")
+    parser.add_argument("--model", default="gpt_tiny", choices=sorted(MODELS), help="the model preset (conf/model)")
+    parser.add_argument("--log-every", type=int, default=10, help="train loss logged every N steps (1: every spike)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
     args = parser.parse_args()
     results: dict[str, dict] = {}
@@ -229,6 +253,7 @@ def main() -> None:
                     name = setting if steps == args.steps else f"{setting}@{steps}"
                     results[f"{corpus}/{optimizer}/{name}"] = {
                         "final": finals,
+                        "spike": max(worst_spike(train_losses(f)) for f in runs),
                         "curves": curves,
                         "steps": steps,
                         "runs": [str(f) for f in runs],
@@ -246,8 +271,8 @@ def main() -> None:
 
 def table(results: dict[str, dict]) -> str:
     lines = [
-        "| corpus | optimizer | setting | val loss (mean ± sd) | vs Flush (same optimizer) |",
-        "|---|---|---|---|---|",
+        "| corpus | optimizer | setting | val loss (mean ± sd) | vs Flush (same optimizer) | worst spike |",
+        "|---|---|---|---|---|---|",
     ]
     for key, value in results.items():
         corpus, optimizer, setting = key.split("/")
@@ -256,7 +281,8 @@ def table(results: dict[str, dict]) -> str:
         spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
         flush = results.get(f"{corpus}/{optimizer}/flush")
         gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
-        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} |")
+        spike = f"{value['spike']:.2f}x" if "spike" in value else "-"
+        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {spike} |")
     return "\n".join(lines)
 
 

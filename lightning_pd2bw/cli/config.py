@@ -109,8 +109,8 @@ class StrategySchema:
     on_nonfinite: str = _STRATEGY["on_nonfinite"]  # stop | skip: what a NaN/inf gradient does (skip: drop the update)
     failure_timeout: float | None = _STRATEGY["failure_timeout"]  # seconds without a heartbeat: a rank is dead
     hang_timeout: float | None = _STRATEGY["hang_timeout"]  # seconds with no action executed: a hang (stacks, exit 75)
-    delay_correction: str | None = _STRATEGY["delay_correction"]  # error_feedback: correct 2BW's one-step delay | null
-    delay_correction_strength: float = _STRATEGY["delay_correction_strength"]  # beta of W + D + beta (D - D_prev)
+    delay_correction: str | None = _STRATEGY["delay_correction"]  # predictive_error_feedback | error_feedback | null
+    delay_correction_strength: float = _STRATEGY["delay_correction_strength"]  # beta of E = D + beta (D - D_prev)
     boundary_dtype: str | None = _STRATEGY["boundary_dtype"]  # auto: bfloat16 at stage cuts under bf16-mixed | null
     async_checkpoint: bool = _STRATEGY["async_checkpoint"]  # true: checkpoints written in the background (DCP)
     compile: Any = _STRATEGY[

@@ -151,6 +151,7 @@ def plan_text(cfg, layout, model) -> str:
 
 def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
     """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers."""
+    from ..engine.delay_correction import buffers as correction_buffers
     from ..planner.hardware import DEVICES, GiB
     from ..planner.search import MEMORY_HEADROOM
 
@@ -162,7 +163,8 @@ def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
     for stage, memory in enumerate(memories):
         need = sum(memory.values())
         if need > usable:
-            saving = memory.get("correction", 0.0) * 2
+            held = correction_buffers(cfg.strategy.get("delay_correction"))
+            saving = memory.get("correction", 0.0) * (held + 1) / held if held else 0.0  # + D(t) while updating
             fixes = ["more stages (strategy.num_stages)"]
             fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
             fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
@@ -215,7 +217,7 @@ def candidate_of(cfg, layout):
         cfg.strategy.recompute,
         cfg.strategy.mode,
         cfg.strategy.get("lookahead", 0),
-        cfg.strategy.get("delay_correction") is not None,
+        cfg.strategy.get("delay_correction"),
     )
 
 
@@ -325,6 +327,8 @@ def run(cfg) -> dict:
     trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
     out = Path(cfg.paths.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    if sparsity is None:  # sparsity=none: a recipe's leftover keys (tiny's sparsity.sparsity) would read as sparse
+        resolved["sparsity"] = None
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))

@@ -69,8 +69,8 @@ class PipelineEngine:
         clip_mode: ``"global"`` (the norm over all stages) or ``"stage"`` (each stage's own).
         on_nonfinite: ``"stop"`` raises for a non-finite gradient; ``"skip"`` agrees over the pipeline and skips
             that batch's update.
-        delay_correction: 2BW's correction of its one-step delay (default ``"error_feedback"``; ``None``: the plain
-            2BW rule; no effect under flush).
+        delay_correction: 2BW's correction of its one-step delay (default ``"predictive_error_feedback"``;
+            ``"error_feedback"``; ``None``: the plain 2BW rule; no effect under flush).
         delay_correction_strength: the correction's ``beta``.
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
@@ -190,7 +190,7 @@ class PipelineEngine:
         correction = None
         method = self.options.delay_correction
         if method is not None and self.mode == "2bw" and self.optimizers:  # flush has no delay to correct
-            correction = ErrorFeedback(self.params, self.options.delay_correction_strength)
+            correction = ErrorFeedback.for_method(method, self.params, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
         self.executor = StageExecutor(

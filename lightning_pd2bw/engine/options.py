@@ -22,7 +22,7 @@ from .update import CLIP_MODES, NONFINITE_POLICIES
 
 PLANS = (None, "auto")
 DEFAULT_CORRECTION = (
-    "error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
+    "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
 )
 DEFAULT_KEYS = rules.Keys()
 
@@ -64,10 +64,12 @@ class PipelineOptions:
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
-        delay_correction: ``"error_feedback"`` (the default) corrects 2BW's one-step gradient delay,
-            optimizer-agnostic: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))`` with ``D`` the optimizers' updates
-            (``engine/delay_correction.py``); one extra buffer of the stage's weights. ``None``: the plain 2BW
-            rule. No effect under flush (no delay), which holds no buffer for it.
+        delay_correction: corrects 2BW's one-step gradient delay, for any optimizer (``engine/delay_correction.py``,
+            ``D`` the optimizers' updates). ``"predictive_error_feedback"`` (the default): the weights run one
+            corrected update ahead, so that gradients are taken where the weights are about to be,
+            ``V(t+1) = V(t) + 4 D(t) - 4 D(t-1) + D(t-2)`` at beta 1; two extra buffers of the stage's weights.
+            ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
+            plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
 
     Failures and checkpoints (the Lightning strategy's):

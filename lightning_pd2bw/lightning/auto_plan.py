@@ -41,7 +41,7 @@ def choose(
         global_batch=global_batch,
         mode=options.mode,
         lookahead=options.lookahead,
-        delay_correction=options.delay_correction is not None,
+        delay_correction=options.delay_correction,
         weight_bytes=bytes_per_element(str(precision.precision))[0],
         autocast=precision.train_step_context,
     )

@@ -90,7 +90,7 @@ def plan_on_world(
     global_batch: int,
     mode: str,
     lookahead: int = 0,
-    delay_correction: bool = False,
+    delay_correction: str | None = None,
     weight_bytes: int = 4,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,

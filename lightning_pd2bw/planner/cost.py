@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..engine.delay_correction import buffers as correction_buffers
 from ..engine.schedule import warmup_forwards
 from .hardware import ClusterSpec
 from .profile import LayerProfile
@@ -71,7 +72,7 @@ class Candidate:
     recompute: bool
     mode: str = "2bw"
     lookahead: int = 0  # more forwards in flight on every stage (the strategy's ``lookahead``)
-    delay_correction: bool = False  # 2BW's error feedback: one more copy of the stage's weights
+    delay_correction: str | None = None  # 2BW's correction (engine/delay_correction.py): its buffers of weights
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)
@@ -166,14 +167,14 @@ def memory_of(
     if candidate.mode != "2bw" and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
     temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
-    corrected = candidate.mode == "2bw" and candidate.delay_correction
+    held = correction_buffers(candidate.delay_correction) if candidate.mode == "2bw" else 0
     return {
         "weights": versions * weights,
         "gradients": weights,
         "optimizer": profile.optimizer_states * weights,
-        "correction": weights if corrected else 0.0,  # D(t-1), held between updates
+        "correction": held * weights,  # D(t-1) (and D(t-2)), held between updates
         "activations": stashed,
-        "workspace": largest_layer + temporaries + (weights if corrected else 0.0),  # + D(t) while updating
+        "workspace": largest_layer + temporaries + (weights if held else 0.0),  # + D(t) while updating
     }
 
 

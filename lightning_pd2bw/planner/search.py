@@ -84,7 +84,7 @@ def candidates(
     mode: str,
     micro_batch_sizes: Sequence[int] | None = None,
     lookahead: int = 0,
-    delay_correction: bool = False,
+    delay_correction: str | None = None,
 ) -> list[Candidate]:
     out = []
     for depth in divisors(num_devices):
@@ -109,7 +109,7 @@ def search(
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
     lookahead: int = 0,
-    delay_correction: bool = False,
+    delay_correction: str | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """All candidates on ``cluster``'s devices: (those that fit, fastest first; those that do not).
 

@@ -44,7 +44,9 @@ class Case:
     poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
     precision: str = "32-true"  # "bf16-mixed": CPU autocast; the reference autocasts each microbatch alike
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
-    correction: bool = False  # delay_correction="error_feedback" (2BW): W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
+    correction: str | None = (
+        None  # the delay_correction (2BW), e.g. "error_feedback": W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
+    )
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
@@ -65,6 +67,9 @@ class Case:
     def drains(self) -> tuple[int, ...]:
         every = self.checkpoint_every or self.val_every
         return tuple(range(every, self.steps, every)) if every else ()
+
+
+PREDICTIVE = "predictive_error_feedback"
 
 
 def build_model(case: Case):
@@ -179,9 +184,17 @@ CASES = {
         ),
         Case("gpt_2bw_muon_sparse_static", mode="2bw", optimizer="muon", steps=5, sparsity="static_random", clip=0.5),
         # the error-feedback delay correction, with one optimizer and with two, at depth 2 and 4 and width 2
-        Case("gpt_2bw_ef_adamw", mode="2bw", steps=6, correction=True, schedule=True),
-        Case("gpt_2bw_ef_muon_drain", mode="2bw", optimizer="muon", steps=7, correction=True, val_every=3),
-        Case("gpt_2bw_d4_ef_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=6, correction=True, clip=0.5),
+        Case("gpt_2bw_ef_adamw", mode="2bw", steps=6, correction="error_feedback", schedule=True),
+        Case("gpt_2bw_ef_muon_drain", mode="2bw", optimizer="muon", steps=7, correction="error_feedback", val_every=3),
+        Case(
+            "gpt_2bw_d4_ef_adamw",
+            mode="2bw",
+            num_stages=4,
+            num_microbatches=4,
+            steps=6,
+            correction="error_feedback",
+            clip=0.5,
+        ),
         Case(
             "gpt_2bw_d4_ef_muon",
             mode="2bw",
@@ -189,11 +202,39 @@ CASES = {
             num_stages=4,
             num_microbatches=4,
             steps=6,
-            correction=True,
+            correction="error_feedback",
         ),
-        Case("gpt_2bw_d2w2_ef_muon", width=2, mode="2bw", optimizer="muon", steps=6, correction=True, clip=0.5),
-        Case("gpt_2bw_d2w2_ef_adamw_sparse", width=2, mode="2bw", steps=6, correction=True, sparsity="static_random"),
-        Case("bert_2bw_ef_muon", mode="2bw", model="bert", optimizer="muon", steps=5, correction=True),
+        Case(
+            "gpt_2bw_d2w2_ef_muon",
+            width=2,
+            mode="2bw",
+            optimizer="muon",
+            steps=6,
+            correction="error_feedback",
+            clip=0.5,
+        ),
+        Case(
+            "gpt_2bw_d2w2_ef_adamw_sparse",
+            width=2,
+            mode="2bw",
+            steps=6,
+            correction="error_feedback",
+            sparsity="static_random",
+        ),
+        Case("bert_2bw_ef_muon", mode="2bw", model="bert", optimizer="muon", steps=5, correction="error_feedback"),
+        # the predictive error feedback (two updates held): a drain (and the tied weight's deferred update), depth 4,
+        # width 2
+        Case("gpt_2bw_pef_adamw_drain", mode="2bw", steps=7, correction=PREDICTIVE, val_every=3, schedule=True),
+        Case(
+            "gpt_2bw_d4_pef_adamw",
+            mode="2bw",
+            num_stages=4,
+            num_microbatches=4,
+            steps=6,
+            correction=PREDICTIVE,
+            clip=0.5,
+        ),
+        Case("gpt_2bw_d2w2_pef_muon", width=2, mode="2bw", optimizer="muon", steps=6, correction=PREDICTIVE),
         # lookahead: one more forward in flight before the last stage; the same update rule (d = 4, m = 6 gives
         # stages 0-2 room under the m - 1 cap; width 2: the bucketed all-reduce after a batch's last backward)
         Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
@@ -215,7 +256,7 @@ CASES = {
             width=2,
             mode="2bw",
             steps=6,
-            correction=True,
+            correction="error_feedback",
             sparsity="static_random",
             compile=True,
         ),

@@ -4,7 +4,9 @@ Flush: plain gradient accumulation over every microbatch of every replica, one u
 2BW:   the same averaged gradient, but evaluated at the weights of version max(t-1, 0) counted
        from the last drain, and applied to the newest weights: W(t+1) = W(t) - lr * grad f(W(t-1)).
 Delay correction (error feedback): with D(t) the optimizers' update of step t, the weights become
-       W(t) + D(t) + (D(t) - D(t-1)) when step t's gradient was stale (not the first step after a drain).
+       W(t) + E(t), E(t) = D(t) + (D(t) - D(t-1)) when step t's gradient was stale (not the first step after a
+       drain). Predictive error feedback corrects the corrected updates once more: W(t) + E(t) + (E(t) - E(t-1)),
+       with E = D at the first step after a drain.
 Several optimizers: each steps its own parameters with its own schedule.
 """
 
@@ -76,6 +78,7 @@ def reference_run(
     history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
     drain_base = 0
     previous_update: dict[str, torch.Tensor] | None = None  # D(t-1) of the delay correction
+    previous_corrected: dict[str, torch.Tensor] | None = None  # E(t-1) (predictive error feedback)
     for step in range(case.steps):
         if step in case.drains:
             drain_base = step
@@ -116,10 +119,14 @@ def reference_run(
                 group["lr"] = lr
         with torch.no_grad():
             update = {n: p - history[-1][n] for n, p in names.items()}
-            if case.correction and case.mode == "2bw" and relative >= 1 and previous_update is not None:
-                for n, p in names.items():
-                    p += update[n] - previous_update[n]
-            previous_update = update
+            stale = case.correction and case.mode == "2bw" and relative >= 1 and previous_update is not None
+            first = {n: 2 * update[n] - previous_update[n] for n in names} if stale else update  # E(t)
+            moved = first
+            if stale and case.correction == "predictive_error_feedback":
+                moved = {n: 2 * first[n] - previous_corrected[n] for n in names}
+            for n, p in names.items():
+                p += moved[n] - update[n]
+            previous_update, previous_corrected = update, first
         if sparsity is not None:
             sparsity.after_step(optimizers)
         for optimizer in optimizers:

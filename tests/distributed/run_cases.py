@@ -120,7 +120,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         mode=case.mode,
         recompute=case.recompute,
         on_nonfinite="skip" if case.poison_step is not None else "stop",
-        delay_correction="error_feedback" if case.correction else None,
+        delay_correction=case.correction,
         async_checkpoint=case.async_checkpoint,
         lookahead=case.lookahead,
         compile={"backend": "aot_eager"} if case.compile else False,

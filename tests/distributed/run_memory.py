@@ -2,8 +2,9 @@
 what a stage holds as the number of microbatches grows: ``OUT/memory-m{M}-{MODE}-rank{R}.json`` gets the peak
 resident memory during the run and the engine's counters.
 
-Usage: torchrun --nproc-per-node=2 run_memory.py OUT RUN [RUN ...], each RUN ``M-MODE`` or ``M-MODE-adamw``
-(``adamw``: AdamW with 2BW's delay correction, for the planner's optimizer and correction terms), MODE ``2bw``,
+Usage: torchrun --nproc-per-node=2 run_memory.py OUT RUN [RUN ...], each RUN ``M-MODE``, ``M-MODE-adamw`` or
+``M-MODE-pef`` (AdamW with 2BW's error feedback, or its predictive form, for the planner's optimizer and correction
+terms), MODE ``2bw``,
 ``flush`` or ``2bw-default`` (2BW, told apart by the test that sets no allocator options). The runs of one
 process follow one another, each with a fresh engine: before each, the kernel's peak resident memory (VmHWM) is
 reset to what the process holds (``/proc/self/clear_refs``), so each run's peak is its own."""
@@ -24,6 +25,7 @@ from lightning_pd2bw import PipelineEngine
 from lightning_pd2bw.engine.layout import Layout
 
 WIDTH = 1 << 18  # floats per sample: 1 MiB
+CORRECTIONS = {"adamw": "error_feedback", "pef": "predictive_error_feedback"}  # a RUN's suffix -> AdamW + this
 SAMPLES = 4  # per microbatch: a 4 MiB message
 
 
@@ -58,8 +60,9 @@ def reset_peak_rss() -> None:
 
 def measure(out: Path, run: str) -> None:
     m, label = run.split("-", 1)
-    num_microbatches, adamw = int(m), label.endswith("-adamw")
-    mode = label.removesuffix("-adamw").removesuffix("-default")
+    correction = CORRECTIONS.get(label.rsplit("-", 1)[-1])
+    num_microbatches, adamw = int(m), correction is not None
+    mode = label.split("-")[0]
     gc.collect()
     reset_peak_rss()
     engine = PipelineEngine(
@@ -68,7 +71,7 @@ def measure(out: Path, run: str) -> None:
         lambda batch: batch["seed"],
         lambda output, batch: output.mean(),
         device="cpu",
-        delay_correction="error_feedback" if adamw else None,
+        delay_correction=correction,
     )
     optimizer = torch.optim.AdamW if adamw else torch.optim.SGD
     engine.start(optimizer(engine.parameters(), lr=0.1))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.compiled import compile_options
@@ -128,3 +129,6 @@ def test_cli_compile_reports_graphs_and_no_recompiles_in_the_summary(tmp_path):
     assert summary["compile/graphs"] >= 4, summary  # 2 ranks x (training + evaluation)
     assert summary["compile/recompiles_after_warmup"] == 0, summary
     assert summary["train_loss"] < 5.5, summary
+    # sparsity=none over the tiny recipe (which sets sparsity.sparsity): dense, and the saved config says so
+    assert not any(key.startswith("sparsity/") for key in summary), summary
+    assert yaml.safe_load((out / "config.yaml").read_text())["sparsity"] is None

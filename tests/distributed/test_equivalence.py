@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from .cases import CASES, MICRO_BATCH
+from .cases import CASES, MICRO_BATCH, PREDICTIVE
 from .conftest import WORLDS
 from .reference import reference_weights
 
@@ -63,7 +63,8 @@ def test_pipeline_matches_reference(trained, name):
     assert moved > 1e-3, "training moved the weights: the comparison is not between two untrained models"
     if case.bf16_update or case.optimizer == "muon":  # the tolerance tells the rules apart, in both modes
         wrong = [replace(case, mode="flush" if case.mode == "2bw" else "2bw")]
-        wrong += [replace(case, correction=False)] if case.correction else []
+        wrong += [replace(case, correction=None)] if case.correction else []
+        wrong += [replace(case, correction="error_feedback")] if case.correction == PREDICTIVE else []
         for rule in wrong:
             other = reference_weights(rule, width)
             assert max((other[k] - expected[k]).abs().max().item() for k in expected) > 3 * atol
@@ -74,11 +75,13 @@ def test_pipeline_matches_reference(trained, name):
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].correction])
 def test_delay_correction_changes_the_update(trained, name):
-    """The corrected run is not the plain 2BW rule in disguise."""
+    """The corrected run is not the plain 2BW rule in disguise (nor, when predictive, the first-order one)."""
     case, width = as_run(trained, name)
-    plain = reference_weights(replace(case, correction=False), width)
     got = merged(trained[name])
-    assert max((got[k] - plain[k]).abs().max().item() for k in plain) > 1e-3
+    others = [None] + (["error_feedback"] if case.correction == PREDICTIVE else [])
+    for other in others:  # not the plain rule, and the predictive one is not the first-order one either
+        expected = reference_weights(replace(case, correction=other), width)
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) > 1e-3, other
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].mode == "2bw"])

@@ -14,7 +14,7 @@ from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.profile import LayerProfile
 
 from .launch import torchrun_script
-from .run_memory import SAMPLES, WIDTH
+from .run_memory import CORRECTIONS, SAMPLES, WIDTH
 
 SCRIPT = Path(__file__).with_name("run_memory.py")
 MiB = 1 << 20
@@ -30,7 +30,7 @@ def measured(tmp_path_factory):
     peak is its own: run_memory.py resets it), and glibc's defaults in a fresh pair for each m (its heap
     remembers earlier runs, which is what that test is about)."""
     out = tmp_path_factory.mktemp("memory")
-    runs = ["4-2bw", "48-2bw", "4-flush", "48-flush", "4-2bw-adamw"]
+    runs = ["4-2bw", "48-2bw", "4-flush", "48-flush", "4-2bw-adamw", "4-2bw-pef"]
     torchrun_script(SCRIPT, [str(out), *runs], world=2, timeout=300, env=ALLOCATOR)
     for m in (4, 48):  # glibc as it comes: what a user sees
         torchrun_script(SCRIPT, [str(out), f"{m}-2bw-default"], world=2, timeout=300)
@@ -64,26 +64,29 @@ def test_peak_memory_is_flat_with_glibcs_defaults(measured, rank):
     assert growth < 12 * few["message_bytes"], f"peak RSS grew {growth / MiB:.0f} MiB from m=4 to m=48"
 
 
-def planned(num_microbatches: int, mode: str, adamw: bool) -> list[dict[str, float]]:
+def planned(num_microbatches: int, mode: str, correction: str | None) -> list[dict[str, float]]:
     """The planner's stage memory for run_memory.py's model: stage 0 widens a seed into a message-sized output
     (nothing large saved for its backward), stage 1 scales it (saving its input)."""
     message = float(SAMPLES * WIDTH * 4)
     layers = [LayerProfile(0.0, 0.0, 0.0, message, 1), LayerProfile(0.0, 0.0, message, 4.0, 1)]
-    profile = ModelProfile(layers, weight_bytes=4, optimizer_states=2 if adamw else 0, communicator_bytes=0.0)
-    candidate = Candidate(1, 2, SAMPLES, False, mode, delay_correction=adamw)
+    states = 2 if correction else 0  # AdamW with a correction, else SGD
+    profile = ModelProfile(layers, weight_bytes=4, optimizer_states=states, communicator_bytes=0.0)
+    candidate = Candidate(1, 2, SAMPLES, False, mode, delay_correction=correction)
     return [stage_memory(profile, range(s, s + 1), s, candidate, num_microbatches) for s in range(2)]
 
 
-@pytest.mark.parametrize("run", ["4-2bw", "48-2bw", "48-flush", "4-2bw-adamw"])
+@pytest.mark.parametrize("run", ["4-2bw", "48-2bw", "48-flush", "4-2bw-adamw", "4-2bw-pef"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_planners_terms_match_the_engines_counters(measured, run, rank):
     """DESIGN.md, invariant 9: each term of the planner's stage memory against what the engine reports holding."""
-    m, mode, *adamw = run.split("-")
-    record = measured(int(m), "-".join([mode, *adamw]), rank)
-    plan, held = planned(int(m), mode, bool(adamw))[rank], record["during"]
+    m, mode, *suffix = run.split("-")
+    record = measured(int(m), "-".join([mode, *suffix]), rank)
+    correction = CORRECTIONS[suffix[0]] if suffix else None
+    plan, held = planned(int(m), mode, correction)[rank], record["during"]
     weight_bytes = held["weight_bytes"]
     assert plan["weights"] == held["max_weight_versions"] * weight_bytes
-    assert plan["correction"] == record["counters"]["correction_bytes"] == (weight_bytes if adamw else 0)
+    buffers = {None: 0, "error_feedback": 1, "predictive_error_feedback": 2}[correction]  # D(t-1), D(t-2)
+    assert plan["correction"] == record["counters"]["correction_bytes"] == buffers * weight_bytes
     assert plan["optimizer"] <= held["optimizer_state_bytes"] <= plan["optimizer"] + weight_bytes  # + AdamW's steps
     assert plan["transport"] == pytest.approx(record["peak_transport_bytes"], rel=1e-3)  # + a shape header
     stash = plan["outputs"] + plan["activations"]

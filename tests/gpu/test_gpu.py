@@ -52,7 +52,7 @@ def fit(case: Case, **strategy: object) -> tuple[pl.Trainer, Probe]:
         strategy=PipeDream2BWStrategy(
             mode=case.mode,
             recompute=case.recompute,
-            delay_correction="error_feedback" if case.correction else None,  # the reference's rule
+            delay_correction=case.correction,  # the reference's rule
             failure_timeout=None,
             **strategy,
         ),

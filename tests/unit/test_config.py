@@ -160,18 +160,22 @@ def memory_terms(stdout: str) -> list[dict[str, float]]:
 
 
 def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
-    """Each stage's estimate lists every buffer the engine holds: the delay correction's copy of the weights (the
-    default 2BW correction; strategy.delay_correction=null frees it), the outputs kept for the backward, the
-    messages in flight, NCCL's buffers. A stage that does not fit the cluster's device gets a warning with the
-    fixes."""
+    """Each stage's estimate lists every buffer the engine holds: the delay correction's copies of the weights (two
+    for the default 2BW correction, one for error_feedback; strategy.delay_correction=null frees them), the outputs
+    kept for the backward, the messages in flight, NCCL's buffers. A stage that does not fit the cluster's device
+    gets a warning with the fixes."""
     base = ("recipe=gpt13b", "dry_run=true", f"paths.output_dir={tmp_path}")
     corrected = run_cli(*base, cwd=tmp_path)
+    first_order = run_cli(*base, "strategy.delay_correction=error_feedback", cwd=tmp_path)
     plain = run_cli(*base, "strategy.delay_correction=null", cwd=tmp_path)
-    assert corrected.returncode == 0 and plain.returncode == 0, corrected.stderr[-3000:] + plain.stderr[-3000:]
+    for done in (corrected, first_order, plain):
+        assert done.returncode == 0, done.stderr[-3000:]
     with_correction, without = memory_terms(corrected.stdout), memory_terms(plain.stdout)
-    for stage, (a, b) in enumerate(zip(with_correction, without)):
+    for stage, (a, b, c) in enumerate(zip(with_correction, without, memory_terms(first_order.stdout))):
         assert {"correction", "outputs", "transport", "communication"} <= set(a)
-        assert a["correction"] == pytest.approx(a["weights"] / 2, abs=0.01) and b["correction"] == 0.0
+        weights = a["weights"] / 2  # two weight versions
+        assert a["correction"] == pytest.approx(2 * weights, abs=0.01) and b["correction"] == 0.0
+        assert c["correction"] == pytest.approx(weights, abs=0.01)
         assert a["transport"] > 0 and a["communication"] > 0
         assert (a["outputs"] > 0) == (stage < len(with_correction) - 1)
     small = run_cli(*base, "+cluster=v100_16g_8x8", cwd=tmp_path)

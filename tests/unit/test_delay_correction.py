@@ -1,4 +1,4 @@
-"""The error-feedback delay correction's rule, by hand, and its bad inputs."""
+"""The delay corrections' rules (error feedback, predictive error feedback), by hand, and their bad inputs."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_first_stale_update_without_history_is_plain():
     [
         (
             {"delay_correction": "nesterov"},
-            r"\(delay_correction='nesterov'\) is invalid; valid: None, 'error_feedback'",
+            r"\(delay_correction='nesterov'\) is invalid; valid: None, 'error_feedback', 'predictive_error_feedback'",
         ),
         (
             {"delay_correction": "error_feedback", "delay_correction_strength": 0},
@@ -73,3 +73,47 @@ def test_parameters_updated_apart_keep_their_own_history():
     torch.testing.assert_close(a.detach(), torch.tensor([0.5, -0.1]) + 2 * torch.tensor([0.3, 0.3]))
     torch.testing.assert_close(b.detach(), torch.tensor([1.3, 1.0, 0.9]) + 2 * torch.tensor([0.7, 1.0, 1.1]))
     assert correction.held_bytes == 5 * 4
+
+
+def test_predictive_rule_by_hand():
+    """beta = 1: the second update after a fresh one moves by 4 D(2) - 3 D(1), later ones by
+    4 D(t) - 4 D(t-1) + D(t-2); two buffers held (D(t-1), D(t-2))."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    correction = ErrorFeedback.for_method("predictive_error_feedback", [w])
+    updates = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0])]
+    # step 1 (fresh): (1, 0); step 2: (1, 0) + 4 (0, 1) - 3 (1, 0) = (-2, 4);
+    # step 3: (-2, 4) + 4 (2, 2) - 4 (0, 1) + (1, 0) = (7, 8)
+    expected = [torch.tensor([1.0, 0.0]), torch.tensor([-2.0, 4.0]), torch.tensor([7.0, 8.0])]
+    for t, (update, want) in enumerate(zip(updates, expected)):
+        before = w.detach().clone()
+        with torch.no_grad():
+            w += update
+        correction.apply([before], stale=t >= 1)
+        torch.testing.assert_close(w.detach(), want)
+    assert correction.held_bytes == 2 * 2 * 4
+
+
+def test_predictive_is_error_feedback_applied_to_the_corrected_updates():
+    """Against the nested form, E(t) = D(t) + beta (D(t) - D(t-1)) and the weights moving by
+    E(t) + beta (E(t) - E(t-1)), over random updates with a fresh one (a drain) in the middle."""
+    torch.manual_seed(0)
+    beta = 0.5
+    w = torch.nn.Parameter(torch.randn(5))
+    reference = w.detach().clone()
+    correction = ErrorFeedback([w], beta=beta, order=2)
+    fresh = {0, 4}
+    previous = previous_corrected = None
+    for t in range(8):
+        update = torch.randn(5)
+        before = w.detach().clone()
+        with torch.no_grad():
+            w += update
+        correction.apply([before], stale=t not in fresh)
+        if t in fresh:
+            corrected = update
+        else:
+            first = update + beta * (update - previous)
+            corrected = first + beta * (first - previous_corrected)
+        previous, previous_corrected = update, (update if t in fresh else first)
+        reference += corrected
+        torch.testing.assert_close(w.detach(), reference)

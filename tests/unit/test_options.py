@@ -106,7 +106,7 @@ def test_one_default_correction_everywhere():
 
     from .test_config import load
 
-    assert DEFAULT_CORRECTION == "error_feedback"
+    assert DEFAULT_CORRECTION == "predictive_error_feedback"  # the best measured: docs/quality.md
     assert PipeDream2BWStrategy().options.delay_correction == DEFAULT_CORRECTION
     assert StrategyRegistry.get("pd2bw").options.delay_correction == DEFAULT_CORRECTION
     assert inspect.signature(PipelineEngine.__init__).parameters["delay_correction"].default == DEFAULT_CORRECTION

@@ -71,15 +71,22 @@ def test_allreduce_on_the_right_level():
     assert allreduce_time(bytes_, Candidate(1, 4, 1, False), cluster()) == 0.0
 
 
+EF = "error_feedback"
+
+
 def test_the_delay_correction_is_in_the_plan():
     """2BW's error feedback keeps D(t-1), one copy of the stage's weights, and makes D(t) while it updates; the plan
     left it out (the gpt13b dry run printed the same memory with and without it)."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
     plain = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw"), 4)
-    corrected = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw", delay_correction=True), 4)
+    corrected = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw", delay_correction=EF), 4)
     assert corrected["correction"] == 2000 * 4 and plain["correction"] == 0.0
     assert corrected["workspace"] - plain["workspace"] == 2000 * 4
-    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush", delay_correction=True), 4)
+    predictive = Candidate(1, 2, 1, False, "2bw", delay_correction="predictive_error_feedback")
+    held = stage_memory(profile, range(0, 2), 0, predictive, 4)
+    assert held["correction"] == 2 * 2000 * 4, "the predictive form holds D(t-1) and D(t-2)"
+    assert held["workspace"] == corrected["workspace"]
+    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush", delay_correction=EF), 4)
     assert flush["correction"] == 0.0, "flush has no delay to correct"
 
 
