@@ -164,12 +164,14 @@ def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
         need = sum(memory.values())
         if need > usable:
             held = correction_buffers(cfg.strategy.get("delay_correction"))
-            saving = memory.get("correction", 0.0) * (held + 1) / held if held else 0.0  # + D(t) while updating
+            buffer = memory.get("correction", 0.0) / held if held else 0.0
             fixes = ["more stages (strategy.num_stages)"]
             fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
             fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
-            if saving:
-                fixes.append(f"strategy.delay_correction=null (saves {saving / GiB:.2f} GiB)")
+            if held > 1:
+                fixes.append(f"strategy.delay_correction=error_feedback (saves {buffer / GiB:.2f} GiB)")
+            if held:  # its buffers and D(t) while updating
+                fixes.append(f"strategy.delay_correction=null (saves {(held + 1) * buffer / GiB:.2f} GiB)")
             out.append(
                 f"WARNING: stage {stage} needs an estimated {need / GiB:.2f} GiB, more than the {usable / GiB:.1f} GiB "
                 f"usable on {device.name} ({MEMORY_HEADROOM:.0%} of {device.memory_bytes / GiB:.0f} GiB): it would "

@@ -182,6 +182,7 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
     assert small.returncode == 0, small.stderr[-3000:]
     warnings = [line for line in small.stdout.splitlines() if line.startswith("WARNING: stage")]
     assert len(warnings) == 8 and "strategy.delay_correction=null (saves" in warnings[0]
+    assert "strategy.delay_correction=error_feedback (saves" in warnings[0]  # one buffer of the two
 
 
 def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
