@@ -42,7 +42,7 @@ LONGEST_FIRST = (  # files measured longest (2026-11-24, serial seconds on 2 cor
     # file a worker takes is a short one (largest-first scheduling); then the other distributed files, then the unit
     "tests/distributed/test_equivalence.py",  # ~110 with test_nccl_traces and test_sparsity
     "tests/distributed/test_faults.py",  # ~110
-    "tests/distributed/test_no_spikes.py",  # ~70
+    "tests/distributed/test_no_spikes.py",  # ~95
     "tests/distributed/test_preemption.py",  # ~65
     "tests/distributed/test_memory.py",  # ~60
     "tests/distributed/test_launchers.py",  # ~60
