@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.convergence import SETTINGS, horizon_to, overrides, seconds
+from benchmarks.convergence import SETTINGS, horizon_to, overrides, seconds, worst_spike
 
 
 def test_the_run_length_reaching_the_target_is_interpolated_between_the_two_around_it():
@@ -30,3 +30,10 @@ def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
     assert overrides("flush+b1") == SETTINGS["flush+b1"]  # a setting whose own name has a "+"
     with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
         overrides("2bw+xx")
+
+
+def test_the_worst_spike_is_a_loss_over_the_median_of_the_ten_before():
+    losses = [4.0, 3.9, 3.8, 3.7, 3.6, 3.5, 3.4, 3.3, 3.2, 3.1, 3.0, 5.1, 3.0]
+    # step 10: 3.0 / median(4.0 .. 3.1) = 3.0 / 3.55; step 11: 5.1 / median(3.9 .. 3.0) = 5.1 / 3.45 (the worst)
+    assert worst_spike(losses) == pytest.approx(5.1 / 3.45)
+    assert worst_spike(losses[:10]) == 1.0  # no step has ten before it
