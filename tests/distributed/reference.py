@@ -48,7 +48,21 @@ def reference_run(
     case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``.
-    ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does."""
+    ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does. One CPU thread, as
+    each pipeline rank runs: bfloat16 matmuls round by their summation order, which the thread count changes (a
+    reference computed with the test process's threads was 2.7e-3 off in one bias of gpt_2bw_compile_bf16 when
+    its test ran alone, and within tolerance after other tests had set one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_run(case, width, device, bf16_boundaries)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_run(
+    case: Case, width: int, device: str, bf16_boundaries: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_model(case)
     model.configure_model()
     model.to(device)
@@ -120,12 +134,13 @@ def reference_run(
         with torch.no_grad():
             update = {n: p - history[-1][n] for n, p in names.items()}
             stale = case.correction and case.mode == "2bw" and relative >= 1 and previous_update is not None
-            first = {n: 2 * update[n] - previous_update[n] for n in names} if stale else update  # E(t)
-            moved = first
-            if stale and case.correction == "predictive_error_feedback":
-                moved = {n: 2 * first[n] - previous_corrected[n] for n in names}
+            fed_back = {n: update[n] - previous_update[n] for n in names} if stale else {}  # E(t) - D(t)
+            first = {n: update[n] + fed_back[n] for n in fed_back} if stale else update  # E(t)
+            if stale and case.correction == "predictive_error_feedback":  # E(t) + (E(t) - E(t-1)) - D(t)
+                fed_back = {n: fed_back[n] + (first[n] - previous_corrected[n]) for n in names}
             for n, p in names.items():
-                p += moved[n] - update[n]
+                if n in fed_back:
+                    p += fed_back[n]
             previous_update, previous_corrected = update, first
         if sparsity is not None:
             sparsity.after_step(optimizers)

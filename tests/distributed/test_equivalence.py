@@ -55,6 +55,10 @@ def test_pipeline_matches_reference(trained, name):
     # (a stale cast is ~1e-2 off); bf16-mixed also rounds activations and gradients at the stage boundaries
     # (AdamW turns a rounding in a near-zero gradient into a step-sized move: up to 1.2e-3 measured here)
     rtol, atol = (1e-3, 1e-3) if case.bf16_update else (1e-5, 1e-6)
+    if case.correction == PREDICTIVE and not case.bf16_update:
+        # the predictive rule weighs the last three updates by 4, -4 and 1 (the engine) or nests them (the reference):
+        # one update's float32 rounding, up to ~9x; measured up to 1.7e-6 on near-zero biases after 6 steps
+        atol = 5e-6
     if case.precision == "bf16-mixed":
         rtol, atol = 2e-3, 2e-3
     for key, value in expected.items():
