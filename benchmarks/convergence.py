@@ -12,7 +12,7 @@ initialisation per seed for every setting). Validation every ``--val-every`` ste
 corpus's last 5%; each validation drains 2BW's pipeline, the same for every 2BW setting). Prints the final
 validation loss per setting (mean and spread over seeds, gap to Flush with the same optimizer) and writes
 ``OUT/convergence.png`` (validation curves) and ``OUT/convergence.json``. Runs already finished under ``OUT``
-are reused, so an interrupted benchmark continues where it stopped.
+are reused, so an interrupted benchmark continues where it stopped (a run it interrupted starts again).
 
 Time to quality (``--horizons``): each setting but Flush also runs with ``trainer.max_steps`` (and with it the LR
 and sparsity schedules) stretched by each factor. The target of seed k is Flush's final validation loss with seed k
@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def run(
     horizon = "" if steps == args.steps else f"-{steps}steps"
     model = "" if args.model == "gpt_tiny" else f"{args.model}-"
     folder = out / corpus / f"{model}{optimizer}-{setting}{depth}{horizon}-seed{seed}"
-    if (folder / "summary.json").exists():
+    if finished(folder):
         return folder
     data = [] if corpus == "stdlib" else [f"data.paths=[{packages_corpus(out)}]"]
     command = [
@@ -133,6 +134,15 @@ def run(
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return folder
+
+
+def finished(folder: Path) -> bool:
+    """Whether the run in ``folder`` finished (``pd2bw-train`` wrote its summary); the folder of one that was
+    interrupted is removed, since its partial CSV log would be read with its rerun's."""
+    if (folder / "summary.json").exists():
+        return True
+    shutil.rmtree(folder, ignore_errors=True)
+    return False
 
 
 def curve(folder: Path) -> list[tuple[int, float]]:

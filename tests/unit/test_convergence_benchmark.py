@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.convergence import SETTINGS, horizon_to, overrides, seconds, worst_spike
+from benchmarks.convergence import SETTINGS, curve, finished, horizon_to, overrides, seconds, worst_spike
 
 
 def test_the_run_length_reaching_the_target_is_interpolated_between_the_two_around_it():
@@ -37,3 +37,14 @@ def test_the_worst_spike_is_a_loss_over_the_median_of_the_ten_before():
     # step 10: 3.0 / median(4.0 .. 3.1) = 3.0 / 3.55; step 11: 5.1 / median(3.9 .. 3.0) = 5.1 / 3.45 (the worst)
     assert worst_spike(losses) == pytest.approx(5.1 / 3.45)
     assert worst_spike(losses[:10]) == 1.0  # no step has ten before it
+
+
+def test_an_interrupted_run_is_removed_so_its_rerun_curve_is_its_own(tmp_path):
+    interrupted = tmp_path / "csv" / "version_0"
+    interrupted.mkdir(parents=True)
+    (interrupted / "metrics.csv").write_text("step,val_loss\n49,3.65\n")
+    assert curve(tmp_path) == [(49, 3.65)]
+    assert not finished(tmp_path) and not tmp_path.exists()  # the rerun's log would be csv/version_1 beside it
+    (tmp_path / "csv" / "version_0").mkdir(parents=True)
+    (tmp_path / "summary.json").write_text("{}")
+    assert finished(tmp_path) and (tmp_path / "csv").exists()  # a finished run is kept and reused
