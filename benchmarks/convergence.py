@@ -75,16 +75,22 @@ SPIKE_WINDOW = (
 )
 
 
+SUFFIXES = {"lr": "model.lr", "wu": "model.warmup_steps", "strength": "strategy.delay_correction_strength"}
+
+
 def overrides(setting: str) -> list[str]:
-    """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``) and ``+wuN``
-    (``model.warmup_steps``), e.g. ``2bw+ef+lr1e-3+wu60``."""
+    """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``), ``+wuN``
+    (``model.warmup_steps``) and ``+strengthX`` (``strategy.delay_correction_strength``), e.g.
+    ``2bw+ef+lr1e-3+wu60``."""
     parts, extra = setting.split("+"), []
-    while parts and re.fullmatch(r"lr[0-9.e-]+|wu[0-9]+", parts[-1]):
-        part = parts.pop()
-        extra.insert(0, f"model.lr={part[2:]}" if part.startswith("lr") else f"model.warmup_steps={part[2:]}")
+    while parts and (suffix := re.fullmatch(r"(lr|wu|strength)([0-9.e-]+)", parts[-1])):
+        parts.pop()
+        extra.insert(0, f"{SUFFIXES[suffix[1]]}={suffix[2]}")
     name = "+".join(parts)
     if name not in SETTINGS:
-        raise SystemExit(f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX and +wuN")
+        raise SystemExit(
+            f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN and +strengthX"
+        )
     return [*SETTINGS[name], *extra]
 
 
