@@ -94,6 +94,13 @@ def overrides(setting: str) -> list[str]:
     return [*SETTINGS[name], *extra]
 
 
+def flush_of(setting: str) -> str:
+    """The Flush setting a setting is compared with: Flush at the same rate and warm-up (its ``+lrX``/``+wuN``
+    suffixes; ``2bw+pef+lr6e-4@330`` -> ``flush+lr6e-4``)."""
+    parts = setting.split("@")[0].split("+")
+    return "+".join(["flush", *(p for p in parts[1:] if re.fullmatch(r"(lr|wu)[0-9.e-]+", p))])
+
+
 def packages_corpus(out: Path) -> Path:
     """The installed packages' descriptions, concatenated in name order (about 1 MB here)."""
     path = out / "packages.txt"
@@ -295,8 +302,12 @@ def table(results: dict[str, dict]) -> str:
         finals = value["final"]
         mean = statistics.mean(finals)
         spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        flush = results.get(f"{corpus}/{optimizer}/flush")
+        reference = flush_of(setting)
+        if f"{corpus}/{optimizer}/{reference}" not in results:
+            reference = "flush"  # no Flush run at this rate and warm-up: the gap says which it is against
+        flush = results.get(f"{corpus}/{optimizer}/{reference}")
         gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
+        gap += "" if not flush or reference == flush_of(setting) else " (vs flush)"
         spike = f"{value['spike']:.2f}x" if "spike" in value else "-"
         lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {spike} |")
     return "\n".join(lines)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from benchmarks.convergence import SETTINGS, curve, finished, horizon_to, overrides, seconds, worst_spike
+from benchmarks.convergence import (
+    SETTINGS,
+    curve,
+    finished,
+    flush_of,
+    horizon_to,
+    overrides,
+    seconds,
+    table,
+    worst_spike,
+)
 
 
 def test_the_run_length_reaching_the_target_is_interpolated_between_the_two_around_it():
@@ -49,3 +59,17 @@ def test_an_interrupted_run_is_removed_so_its_rerun_curve_is_its_own(tmp_path):
     (tmp_path / "csv" / "version_0").mkdir(parents=True)
     (tmp_path / "summary.json").write_text("{}")
     assert finished(tmp_path) and (tmp_path / "csv").exists()  # a finished run is kept and reused
+
+
+def test_each_setting_is_compared_with_flush_at_its_own_rate_and_warm_up():
+    assert flush_of("2bw+pef+lr6e-4+wu60") == "flush+lr6e-4+wu60"
+    assert flush_of("2bw+ef+strength2") == flush_of("2bw+ef@330") == "flush"  # Flush has no correction to strengthen
+    results = {
+        "stdlib/muon/flush": {"final": [2.0, 2.0]},
+        "stdlib/muon/flush+lr6e-4": {"final": [2.5, 2.5]},
+        "stdlib/muon/2bw+pef+lr6e-4": {"final": [2.505, 2.505]},
+        "stdlib/muon/2bw+pef+wu100": {"final": [2.02, 2.02]},
+    }
+    rows = table(results).splitlines()
+    assert "| 2bw+pef+lr6e-4 | 2.5050 ± 0.0000 | +0.20% |" in rows[4]
+    assert "| 2bw+pef+wu100 | 2.0200 ± 0.0000 | +1.00% (vs flush) |" in rows[5]  # no flush+wu100: said so
