@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from .train import CONF, RECIPES, _select_recipe, analytic_model_profile, build_model_on_meta, setup_hydra
+from .run_plan import analytic_model_profile, build_model_on_meta
+from .train import CONF, RECIPES, _select_recipe, setup_hydra
 
 
 def cluster_names() -> list[str]:

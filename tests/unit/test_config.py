@@ -10,7 +10,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_pd2bw.cli.config import ConfigError, check_run
-from lightning_pd2bw.cli.train import CONF, RECIPES, build_model_on_meta, recipe_names, setup_hydra, sparsity_config
+from lightning_pd2bw.cli.run_plan import build_model_on_meta, sparsity_config
+from lightning_pd2bw.cli.train import CONF, RECIPES, recipe_names, setup_hydra
 
 from ..cli import run_cli
 

@@ -1,0 +1,190 @@
+"""The plan of a run, read from its configuration on the meta device (no memory, no GPU): the stages the planner
+cuts, each stage's parameters and estimated memory (with a warning and its fixes where a stage would not fit the
+cluster's device), the batch layout and the data. ``pd2bw-train`` prints it at start-up and, with
+``dry_run=true``, only it; ``pd2bw-plan`` profiles the model the same way (``analytic_model_profile``).
+"""
+
+from __future__ import annotations
+
+
+def sparsity_config(cfg):
+    """The sparsity group's node, or None for ``sparsity=none`` (a recipe's leftover keys without a
+    ``_target_``, e.g. tiny's ``sparsity.sparsity: 0.5``, do not switch it on)."""
+    node = cfg.get("sparsity")
+    return node if node and "_target_" in node else None
+
+
+def build_model_on_meta(cfg):
+    """The whole model on the meta device: shapes and parameter counts, no memory."""
+    import torch
+    from hydra.utils import instantiate
+
+    model = instantiate(cfg.model)
+    with torch.device("meta"):
+        model.configure_model()
+    return model
+
+
+def plan_text(cfg, layout, model) -> str:
+    """What matters at start-up (and all a dry run prints): stages, layers, parameters, batches, memory.
+
+    Stages are cut as the planner cuts them (balanced by estimated time, not parameter count) and
+    memory per stage comes from its cost model with the analytic transformer profile.
+    """
+    from ..lightning.strategy import pipeline_layers_of
+    from ..planner.cost import stage_memory
+    from ..planner.hardware import GiB
+
+    layers = pipeline_layers_of(model)
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    candidate = candidate_of(cfg, layout)
+    stages = planned_stages(cfg, layout, model)
+    memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
+    total = sum(p.numel() for p in model.parameters())
+    lines = [
+        f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
+        f"{len(layers)} pipeline layers",
+        f"layout: {layout.world_size} processes = {layout.num_stages} stages x {layout.data_parallel_size} replicas; "
+        f"mode={cfg.strategy.mode}{_lookahead(cfg)} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
+        f"batch: global {layout.global_batch_size} = {layout.data_parallel_size} replicas x "
+        f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
+        f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
+    ]
+    lines.append(data_text(cfg))
+    if (sparsity := sparsity_config(cfg)) is not None:
+        lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
+    for stage, (span, memory) in enumerate(zip(stages, memories)):
+        params = sum(profile.layers[i].parameters for i in span)
+        terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
+        lines.append(
+            f"  stage {stage}: layers {span.start}..{span.stop - 1}, {params:,} parameters, est. memory "
+            f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
+        )
+    lines += memory_warnings(cfg, memories)
+    return "\n".join(lines)
+
+
+def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
+    """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers."""
+    from ..engine.delay_correction import buffers as correction_buffers
+    from ..planner.hardware import DEVICES, GiB
+    from ..planner.search import MEMORY_HEADROOM
+
+    if not cfg.get("cluster"):
+        return []
+    device = DEVICES[cfg.cluster.device]
+    usable = device.memory_bytes * MEMORY_HEADROOM
+    out = []
+    for stage, memory in enumerate(memories):
+        need = sum(memory.values())
+        if need > usable:
+            held = correction_buffers(cfg.strategy.get("delay_correction"))
+            buffer = memory.get("correction", 0.0) / held if held else 0.0
+            fixes = ["more stages (strategy.num_stages)"]
+            fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
+            fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
+            if held > 1:
+                fixes.append(f"strategy.delay_correction=error_feedback (saves {buffer / GiB:.2f} GiB)")
+            if held:  # its buffers and D(t) while updating
+                fixes.append(f"strategy.delay_correction=null (saves {(held + 1) * buffer / GiB:.2f} GiB)")
+            out.append(
+                f"WARNING: stage {stage} needs an estimated {need / GiB:.2f} GiB, more than the {usable / GiB:.1f} GiB "
+                f"usable on {device.name} ({MEMORY_HEADROOM:.0%} of {device.memory_bytes / GiB:.0f} GiB): it would "
+                f"run out of memory. Fixes: {'; '.join(fixes)}"
+            )
+    return out
+
+
+def data_text(cfg) -> str:
+    """What the run reads, and for a tokenized corpus whether it is there and how to prepare it."""
+    if not str(cfg.data.get("_target_", "")).endswith("TokenDataModule"):
+        source = cfg.data.get("hf_dataset") or cfg.data.get("paths") or "the embedded corpus (bytes)"
+        return f"data: {source}"
+    from ..data.tokens import INDEX, read_index
+    from .config import vocab_of
+
+    path = cfg.data.path
+    vocab = vocab_of(cfg.model)
+    try:
+        index = read_index(path)
+    except FileNotFoundError:
+        return (
+            f"data: a tokenized corpus at data.path={path} (not there: no {INDEX}). Prepare it with: "
+            f"pd2bw-prepare-data {path} YOUR_TEXT_FILES_OR_DIRS --vocab-size {vocab} (or --tokenizer tokenizer.json)"
+        )
+    return (
+        f"data: {index['tokens']:,} tokens at {path} ({index['dtype']}, vocabulary {index['vocab_size']:,}; the "
+        f"model's {vocab:,})"
+    )
+
+
+def _lookahead(cfg) -> str:
+    """`` lookahead=N`` where it is set (the dry run's layout line)."""
+    lookahead = cfg.strategy.get("lookahead", 0)
+    return f" lookahead={lookahead}" if lookahead else ""
+
+
+def candidate_of(cfg, layout):
+    from ..planner import Candidate
+
+    return Candidate(
+        layout.data_parallel_size,
+        layout.num_stages,
+        layout.micro_batch_size,
+        cfg.strategy.recompute,
+        cfg.strategy.mode,
+        cfg.strategy.get("lookahead", 0),
+        cfg.strategy.get("delay_correction"),
+    )
+
+
+def planned_stages(cfg, layout, model) -> list[range]:
+    """The stages pd2bw-train runs: ``strategy.layers_per_stage``, else the planner's cut balanced by time."""
+    from ..engine.layout import ranges_of
+    from ..planner.search import partition
+
+    if cfg.strategy.get("layers_per_stage"):
+        return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    return partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
+
+
+def analytic_model_profile(cfg, model, micro_batch_size: int):
+    """The planner's analytic profile of the configured model at ``micro_batch_size`` (FLOPs and bytes)."""
+    from hydra.utils import instantiate
+
+    from ..engine.partition import layer_parameter_counts
+    from ..lightning.strategy import pipeline_layers_of
+    from ..planner.auto import shared_layers
+    from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
+    from ..planner.hardware import DEVICES
+    from ..planner.profile import analytic_profile, bytes_per_element
+
+    config = instantiate(cfg.model.config)
+    layers = pipeline_layers_of(model)
+    counts = layer_parameter_counts(layers)
+    device = DEVICES[cfg.cluster.device] if cfg.get("cluster") else DEVICES["a100_80g"]
+    weight_bytes = bytes_per_element(cfg.trainer.precision)[0]
+    profiles = analytic_profile(
+        num_blocks=len(layers) - 2,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        vocab=config.vocab_size,
+        seq=cfg.data.seq_len,
+        micro=micro_batch_size,
+        device=device,
+        precision=cfg.trainer.precision,
+        embedding_parameters=counts[0],
+        head_parameters=counts[-1],
+    )
+    states = 1 if cfg.model.optimizer == "sgd" else 2
+    mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
+    on_cpu = cfg.trainer.get("accelerator") == "cpu" and not cfg.get("cluster")
+    return ModelProfile(
+        profiles,
+        weight_bytes,
+        states,
+        shared_layers(layers),
+        output_factor=2.0 if mixed else 1.0,
+        communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
+    )
