@@ -76,6 +76,7 @@ SPIKE_WINDOW = (
 
 
 SUFFIXES = {"lr": "model.lr", "wu": "model.warmup_steps", "strength": "strategy.delay_correction_strength"}
+SUFFIX = re.compile(r"(lr|wu|strength)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, its value
 
 
 def overrides(setting: str) -> list[str]:
@@ -83,7 +84,7 @@ def overrides(setting: str) -> list[str]:
     (``model.warmup_steps``) and ``+strengthX`` (``strategy.delay_correction_strength``), e.g.
     ``2bw+ef+lr1e-3+wu60``."""
     parts, extra = setting.split("+"), []
-    while parts and (suffix := re.fullmatch(r"(lr|wu|strength)([0-9.e-]+)", parts[-1])):
+    while parts and (suffix := SUFFIX.fullmatch(parts[-1])):
         parts.pop()
         extra.insert(0, f"{SUFFIXES[suffix[1]]}={suffix[2]}")
     name = "+".join(parts)
@@ -98,7 +99,8 @@ def flush_of(setting: str) -> str:
     """The Flush setting a setting is compared with: Flush at the same rate and warm-up (its ``+lrX``/``+wuN``
     suffixes; ``2bw+pef+lr6e-4@330`` -> ``flush+lr6e-4``)."""
     parts = setting.split("@")[0].split("+")
-    return "+".join(["flush", *(p for p in parts[1:] if re.fullmatch(r"(lr|wu)[0-9.e-]+", p))])
+    schedule = [p for p in parts[1:] if (suffix := SUFFIX.fullmatch(p)) and suffix[1] != "strength"]
+    return "+".join(["flush", *schedule])
 
 
 def packages_corpus(out: Path) -> Path:
