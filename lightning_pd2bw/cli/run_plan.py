@@ -38,7 +38,7 @@ def plan_text(cfg, layout, model) -> str:
     layers = pipeline_layers_of(model)
     profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
     candidate = candidate_of(cfg, layout)
-    stages = planned_stages(cfg, layout, model)
+    stages = planned_stages(cfg, layout, model, profile)
     memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
     total = sum(p.numel() for p in model.parameters())
     lines = [
@@ -138,14 +138,15 @@ def candidate_of(cfg, layout):
     )
 
 
-def planned_stages(cfg, layout, model) -> list[range]:
-    """The stages pd2bw-train runs: ``strategy.layers_per_stage``, else the planner's cut balanced by time."""
+def planned_stages(cfg, layout, model, profile=None) -> list[range]:
+    """The stages pd2bw-train runs: ``strategy.layers_per_stage``, else the planner's cut balanced by time
+    (``profile``: the model's analytic profile where the caller has it)."""
     from ..engine.layout import ranges_of
     from ..planner.search import partition
 
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
-    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    profile = profile or analytic_model_profile(cfg, model, layout.micro_batch_size)
     return partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
 
 

@@ -129,9 +129,8 @@ def run(cfg) -> dict:
     if auto:
         strategy = instantiate(cfg.strategy, global_batch_size=layout.global_batch_size)
     else:
-        cut = cfg.strategy.get("layers_per_stage") or [
-            len(r) for r in planned_stages(cfg, layout, build_model_on_meta(cfg))
-        ]
+        meta = build_model_on_meta(cfg)  # the plan's stages and, on rank 0, its report
+        cut = cfg.strategy.get("layers_per_stage") or [len(r) for r in planned_stages(cfg, layout, meta)]
         strategy = instantiate(
             cfg.strategy, num_stages=layout.num_stages, num_microbatches=layout.num_microbatches, layers_per_stage=cut
         )
@@ -153,7 +152,7 @@ def run(cfg) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         if not auto:
-            print(plan_text(cfg, layout, build_model_on_meta(cfg)))
+            print(plan_text(cfg, layout, meta))
     if logger:
         logger.log_hyperparams(resolved)  # the resolved config, no ${...} strings
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
