@@ -30,7 +30,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_pd2bw.engine import Layout, PipelineEngine
+    from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
     from lightning_pd2bw.engine.materialize import parameters_on_meta
     from lightning_pd2bw.models import GPTConfig, GPTCore
 
@@ -47,12 +47,11 @@ def worker(args: argparse.Namespace) -> None:
                 model = GPTCore(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.width, block_size=SEQ))
             engine = PipelineEngine(
                 model.pipeline_layers(),
-                Layout(dist.get_world_size(), M, mode),
+                PipelineOptions(num_microbatches=M, mode=mode, compile=kind == "compiled"),
                 model.pipeline_inputs,
                 model.pipeline_loss,
                 device="cpu",
                 init_layer=model.init_pipeline_layer,
-                compile=kind == "compiled",
             )
             engine.start(torch.optim.AdamW(engine.parameters(), lr=1e-4, foreach=True))
             engines[kind] = engine

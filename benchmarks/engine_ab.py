@@ -4,9 +4,9 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/engine_ab.py '{"lookahead": 1}' --base '{"mode": "2bw"}' \\
         --rounds 12 --steps 6 --microbatches 4
 
-A setting is ``Layout`` keys (``mode``, ``lookahead``, ``num_microbatches``: the same batch of ``--m`` x 4
-sequences cut into that many microbatches) and ``PipelineEngine`` keywords (``recompute``,
-``boundary_dtype`` as a name, ``clip_val``, ...) over ``--base`` (default: 2BW, no clipping). Each round trains A and
+A setting is ``PipelineOptions`` keys (``mode``, ``lookahead``, ``recompute``, ``boundary_dtype`` as a name,
+``num_microbatches``: the same batch of ``--m`` x 4 sequences cut into that many microbatches, ...) and the engine's
+``clip_val`` and ``clip_algorithm``, over ``--base`` (default: 2BW, no clipping). Each round trains A and
 B, in the order A B, B A, A B, ... so that a steady drift of the machine favours neither, each a fresh engine on the
 same initial weights and the same batches (the benchmark GPT of ``pipelines_run.py``: 8 x 384, seq 128, microbatches
 of 4 sequences, depth = processes, embedding and head on the end stages): one untimed step, then ``--steps`` timed
@@ -31,11 +31,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.pipelines_run import CONFIG, MICRO, even_cut  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus
-from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTCore
 
-LAYOUT_KEYS = ("mode", "lookahead", "num_microbatches")
+ENGINE_KEYS = ("clip_val", "clip_algorithm")  # the engine's own keywords; every other key is an option
 
 
 def engine_for(setting: dict, depth: int, m: int) -> PipelineEngine:
@@ -43,16 +43,14 @@ def engine_for(setting: dict, depth: int, m: int) -> PipelineEngine:
         model = GPTCore(CONFIG)
     layers = model.pipeline_layers()
     setting = {"num_microbatches": m, **setting}  # the batch stays m x MICRO sequences; its microbatches may differ
-    layout = Layout(
-        depth,
+    options = PipelineOptions(
+        num_stages=depth,
         layers_per_stage=tuple(even_cut(len(layers), depth)),
-        **{k: v for k, v in setting.items() if k in LAYOUT_KEYS},
+        **{k: v for k, v in setting.items() if k not in ENGINE_KEYS},
     )
-    keywords = {k: v for k, v in setting.items() if k not in LAYOUT_KEYS}
-    if isinstance(keywords.get("boundary_dtype"), str):
-        keywords["boundary_dtype"] = getattr(torch, keywords["boundary_dtype"])
+    keywords = {k: v for k, v in setting.items() if k in ENGINE_KEYS}
     engine = PipelineEngine(
-        layers, layout, model.pipeline_inputs, model.pipeline_loss, init_layer=model.init_pipeline_layer, **keywords
+        layers, options, model.pipeline_inputs, model.pipeline_loss, init_layer=model.init_pipeline_layer, **keywords
     )
     engine.start(torch.optim.AdamW(engine.parameters(), lr=1e-4))
     return engine

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pd2bw.data import LMDataset, read_corpus, split
-from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTConfig, GPTCore
 
@@ -41,7 +41,7 @@ def main() -> None:
         model = GPTCore(config)
     engine = PipelineEngine(
         model.pipeline_layers(),
-        Layout(stages, args.microbatches, args.mode),
+        PipelineOptions(num_stages=stages, num_microbatches=args.microbatches, mode=args.mode),
         model.pipeline_inputs,
         model.pipeline_loss,
         init_layer=model.init_pipeline_layer,  # the same weights as the model built on one device

@@ -20,7 +20,7 @@ from .moved import install as _install_moved_modules
 
 _install_moved_modules()  # old module paths (lightning_pd2bw.pipeline, .strategy, ...) import their new places
 
-__all__ = ["Layout", "PipeDream2BWStrategy", "PipelineEngine", "checkpoint", "models"]
+__all__ = ["Layout", "PipeDream2BWStrategy", "PipelineEngine", "PipelineOptions", "checkpoint", "models"]
 __version__ = "0.1.0"
 
 
@@ -68,7 +68,7 @@ elif _lightning_installed():
 def __getattr__(name: str) -> Any:
     if name in ("models", "checkpoint", "data", "engine", "observe", "planner", "sparsity", "pipeline"):
         return importlib.import_module(f".{name}", __name__)
-    if name in ("PipelineEngine", "Layout"):
+    if name in ("PipelineEngine", "PipelineOptions", "Layout"):
         return getattr(importlib.import_module(".engine", __name__), name)
     if name == "PipeDream2BWStrategy":
         try:

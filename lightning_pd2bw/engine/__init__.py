@@ -3,5 +3,6 @@
 
 from .engine import PipelineEngine
 from .layout import Layout
+from .options import PipelineOptions
 
-__all__ = ["Layout", "PipelineEngine"]
+__all__ = ["Layout", "PipelineEngine", "PipelineOptions"]

@@ -1,14 +1,15 @@
 """``PipelineEngine``: one stage of a pipeline-parallel training run, in plain PyTorch (no Lightning).
 
-The engine owns the whole step of its stage: it cuts the model (``Layout``), materialises and initialises only
+The engine owns the whole step of its stage: it resolves its options into a ``Layout`` once, cuts the model, materialises and initialises only
 this stage's layers, builds the process groups, runs each batch's schedule (``schedule.segment``) with the
 executor, applies every update (``update.UpdateRule``), drains, evaluates and predicts. The Lightning strategy
 is an adapter around it; a plain PyTorch loop drives it directly (docs/engine.md)::
 
     dist.init_process_group("gloo")                       # torchrun: every rank runs this script
     layers = model.pipeline_layers()                      # ordered layers (meta or real tensors)
-    engine = PipelineEngine(layers, Layout(num_stages=2, num_microbatches=4), model.pipeline_inputs,
-                            model.pipeline_loss, init_layer=model.init_pipeline_layer)
+    options = PipelineOptions(num_stages=2, num_microbatches=4)  # mode "2bw"; the other options documented there
+    engine = PipelineEngine(layers, options, model.pipeline_inputs, model.pipeline_loss,
+                            init_layer=model.init_pipeline_layer)
     engine.start(torch.optim.AdamW(engine.parameters(), lr=3e-4))
     for batch in loader:                                  # each replica reads its own shard
         loss = engine.train_batch(batch)                  # 2BW: the previous batch's loss (None at first)
@@ -40,7 +41,7 @@ from .layout import Layout
 from .ledger import BatchLedger
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
-from .options import DEFAULT_CORRECTION, PipelineOptions, engine_options
+from .options import PipelineOptions
 from .transport import StageLink
 from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
@@ -52,7 +53,10 @@ class PipelineEngine:
     Args:
         layers: the model's ordered pipeline layers (layer ``i``'s output is layer ``i + 1``'s input); layers of
             other stages are released to the meta device here, this stage's are materialised on ``device``.
-        layout: depth, microbatches, mode and the stage cut; the width is ``world_size // num_stages``.
+        options: how the pipeline runs (``PipelineOptions``: depth, microbatches, mode, cut, lookahead, recompute,
+            boundary dtype, compile, clipping mode, non-finite policy, delay correction), resolved once into
+            ``engine.layout`` on this world; the width is ``world_size // num_stages``. ``boundary_dtype="auto"``
+            is each tensor's own dtype here (the strategy resolves it from Lightning's precision).
         input_fn: ``batch -> inputs`` of the first layer (first stage).
         loss_fn: ``loss_fn(output, batch) -> loss`` of a microbatch (last stage; the update averages it over
             microbatches and replicas).
@@ -61,34 +65,21 @@ class PipelineEngine:
         init_layer: ``init_layer(index)`` initialises layer ``index`` when the model was built on the meta device
             (default: each module's ``reset_parameters``).
         root: the module the layers belong to (for Hugging Face initialisation).
-        recompute: recompute activations in the backward (stash only each microbatch's stage input).
-        boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in
-            (``None``: their own).
         clip_val: clip gradients at this value (``None``: no clipping).
         clip_algorithm: ``"norm"`` or ``"value"``.
-        clip_mode: ``"global"`` (the norm over all stages) or ``"stage"`` (each stage's own).
-        on_nonfinite: ``"stop"`` raises for a non-finite gradient; ``"skip"`` agrees over the pipeline and skips
-            that batch's update.
-        delay_correction: 2BW's correction of its one-step delay (default ``"predictive_error_feedback"``;
-            ``"error_feedback"``; ``None``: the plain 2BW rule; no effect under flush).
-        delay_correction_strength: the correction's ``beta``.
         before_step: called with each optimizer before its step (after the gradient reductions).
         names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
-            neighbours (default ``comm.StageLink``: one process group per pair, sends batched with receives); a
+            neighbours (default ``transport.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
         progress: ticked at every action (``observer.Progress``; a watchdog reads it).
         info: rank-0 messages.
-        compile: ``True`` or ``torch.compile``'s keyword arguments: compile each of this stage's layers in place
-            (``compiled.py``); ``counters()`` then reports ``compile/graphs`` and ``compile/recompiles_after_warmup``.
-        options: a ``PipelineOptions`` instead of ``recompute`` .. ``compile`` above (the strategy passes its own,
-            checked once); its mode must be the layout's and its ``boundary_dtype`` not ``"auto"``.
     """
 
     def __init__(
         self,
         layers: Sequence[nn.Module],
-        layout: Layout,
+        options: PipelineOptions,
         input_fn: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
@@ -96,37 +87,30 @@ class PipelineEngine:
         grid: ProcessGrid | None = None,
         init_layer: Callable[[int], None] | None = None,
         root: nn.Module | None = None,
-        recompute: bool = False,
-        boundary_dtype: torch.dtype | None = None,
         clip_val: float | None = None,
         clip_algorithm: str = "norm",
-        clip_mode: str = "global",
-        on_nonfinite: str = "stop",
-        delay_correction: str | None = DEFAULT_CORRECTION,
-        delay_correction_strength: float = 1.0,
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         names: Callable[[], dict[int, list[str]]] | None = None,
         transport: Callable[..., StageLink] = StageLink,
         progress: Progress | None = None,
         info: Callable[[str], None] = rank_zero_print,
-        compile: bool | Mapping[str, Any] | None = None,
-        options: PipelineOptions | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "PipelineEngine needs a process group: call torch.distributed.init_process_group() first "
                 "(under torchrun every rank runs the same script)"
             )
-        given = dict(recompute=recompute, boundary_dtype=boundary_dtype, clip_mode=clip_mode, compile=compile)
-        given |= dict(on_nonfinite=on_nonfinite, delay_correction=delay_correction)
-        self.options = options = engine_options(
-            layout, options, delay_correction_strength=delay_correction_strength, **given
-        )
-        self.layout = layout
-        self.mode = layout.mode
-        self.num_stages = layout.num_stages
-        self.num_microbatches = layout.num_microbatches
-        self.grid = grid or ProcessGrid(dist.get_rank(), dist.get_world_size(), layout.num_stages)
+        if not isinstance(options, PipelineOptions):
+            raise TypeError(
+                f"PipelineEngine takes PipelineOptions(num_stages=..., num_microbatches=..., mode=...) as its second "
+                f"argument, not {type(options).__name__}"
+            )
+        if options.boundary_dtype == "auto":  # no Lightning precision to read it from: each tensor's own dtype
+            options = options.replace(boundary_dtype=None)
+        world_size = grid.world_size if grid is not None else dist.get_world_size()
+        self.options = options
+        self.layout = layout = options.layout(world_size)  # resolved once; checked when it was built
+        self.grid = grid or ProcessGrid(dist.get_rank(), world_size, layout.num_stages)
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
@@ -170,6 +154,18 @@ class PipelineEngine:
         dist.all_reduce(on_device, group=self.groups.pipeline)
         if on_device is not tensor:
             tensor.copy_(on_device)
+
+    @property
+    def mode(self) -> str:
+        return self.layout.mode
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches
 
     @property
     def is_first(self) -> bool:

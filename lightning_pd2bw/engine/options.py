@@ -1,8 +1,8 @@
 """One validated options object for how the pipeline runs: ``PipelineOptions``.
 
-The strategy (``PipeDream2BWStrategy(**options)``), the Hydra schema's checks (``pd2bw-train``'s ``strategy.*``
-keys, before any process starts) and the engine (``PipelineEngine(options=...)``, or its keyword arguments) all
-build this one frozen object, so each option is checked here only, and each error names the option as that caller's
+The strategy (``PipeDream2BWStrategy(**options)``), the Hydra schema (generated from its fields) and its checks
+(``pd2bw-train``'s ``strategy.*`` keys, before any process starts) and the engine (``PipelineEngine(layers,
+options, ...)``) all build or take this one frozen object, so each option is checked here only, and each error names the option as that caller's
 users write it (``Keys``: ``PipeDream2BWStrategy(clip_mode=...)``, ``strategy.clip_mode=...``).
 """
 
@@ -24,7 +24,7 @@ PLANS = (None, "auto")
 DEFAULT_CORRECTION = (
     "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
 )
-DEFAULT_KEYS = rules.Keys()
+DEFAULT_KEYS = rules.Keys(where="PipelineOptions: ", call="PipelineOptions")  # plain PyTorch users build it
 
 
 @dataclass(frozen=True)
@@ -196,35 +196,3 @@ def boundary_dtype(value: str | torch.dtype | None, keys: rules.Keys = DEFAULT_K
             "dtype (torch.bfloat16 or 'bfloat16', 'float16', 'float32')"
         )
     return dtype
-
-
-ENGINE_KEYS = rules.Keys(where="PipelineEngine: ", call="PipelineEngine")
-# the engine's keyword arguments that are options, with the engine's defaults (a plain-PyTorch user gives dtypes)
-ENGINE_DEFAULTS: dict[str, Any] = dict(
-    recompute=False,
-    boundary_dtype=None,
-    compile=None,
-    clip_mode="global",
-    on_nonfinite="stop",
-    delay_correction=DEFAULT_CORRECTION,
-    delay_correction_strength=1.0,
-)
-
-
-def engine_options(layout: rules.Layout, options: PipelineOptions | None, **given: Any) -> PipelineOptions:
-    """The engine's options: ``options`` as given (its mode the layout's; no keyword argument beside it), or built
-    from the engine's keyword arguments ``given``."""
-    if options is None:
-        options = PipelineOptions(mode=layout.mode, **given, keys=ENGINE_KEYS)
-    elif both := sorted(name for name, value in given.items() if value != ENGINE_DEFAULTS[name]):
-        raise ValueError(f"PipelineEngine: give {', '.join(both)} in options=PipelineOptions(...), not beside it")
-    elif options.mode != layout.mode:
-        raise ValueError(
-            f"PipelineEngine: options.mode={options.mode!r} but layout.mode={layout.mode!r}; build both with one mode"
-        )
-    if options.boundary_dtype == "auto":
-        raise ValueError(
-            "PipelineEngine: boundary_dtype='auto' is resolved by the strategy from Lightning's precision; "
-            "give the engine a dtype (torch.bfloat16) or None (each tensor's own)"
-        )
-    return options

@@ -105,13 +105,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self._interrupted = False  # on_exception ran: teardown leaves the engine's groups alone
 
     # ------------------------------------------------------------------ the layout and the engine's state
-    def __getattr__(self, name: str) -> Any:
-        """``strategy.mode``, ``.recompute``, ...: the options, read-only (``strategy.options`` holds them)."""
-        options = self.__dict__.get("options")
-        if options is not None and name in PipelineOptions.names():
-            return getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     @property
     def num_stages(self) -> int:
         return self.options.num_stages or self.world_size
@@ -185,19 +178,17 @@ class PipeDream2BWStrategy(PipelineProcesses):
             self._adopt_plan(trainer, layers)
         assert self.grid is not None
         options = self.options
-        layout = options.layout(self.world_size)
         fitting = trainer.state.fn == TrainerFn.FITTING
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
             layers,
-            layout,
+            options.replace(boundary_dtype=self._resolved_boundary_dtype()),
             module.pipeline_inputs,
             module.pipeline_loss,
             device=self.root_device,
             grid=self.grid,
             init_layer=getattr(module, "init_pipeline_layer", None),
             root=module,
-            options=options.replace(boundary_dtype=self._resolved_boundary_dtype()),
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=str(getattr(algorithm, "value", algorithm)) if algorithm else "norm",
             before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),

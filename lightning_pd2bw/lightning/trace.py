@@ -114,7 +114,7 @@ class PipelineTrace(Callback):
             from ..observe.gantt import draw_gantt
 
             title = (
-                f"pd2bw {strategy.mode}: d={strategy.num_stages}, m={strategy.num_microbatches}, "
+                f"pd2bw {strategy.options.mode}: d={strategy.num_stages}, m={strategy.num_microbatches}, "
                 f"w={strategy.data_parallel_size}, steps {self.first_step}-{self.first_step + self.num_steps - 1}"
             )
             self.files["picture"] = draw_gantt(timelines, out / "timeline.png", title)

@@ -39,13 +39,53 @@ def round_at_stage_boundaries(model: torch.nn.Module, num_stages: int) -> None:
 
 
 def reference_weights(
-    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True
+    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    return reference_run(case, width, device, bf16_boundaries)[0]
+    return reference_run(case, width, device, bf16_boundaries, dtype)[0]
+
+
+ROUNDING_FACTOR = 4.0  # how much further from float64 a float32 run may be than the float32 reference is
+ROUNDING_FLOOR = 1e-6  # float32's rounding of an O(1) weight after a few steps, where nothing amplifies it
+
+
+def rounding_bounds(case: Case, width: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The rule computed in float64 (exact to far below float32's rounding) and, per tensor, how far a float32 run
+    of the same rule may lie from it: ``ROUNDING_FACTOR`` x the float32 reference's own largest distance from it in
+    that tensor, and at least ``ROUNDING_FLOOR``.
+
+    Why this is a bound and not one machine's number: the pipeline and the float32 reference do the same float32
+    operations in other orders (the stage cut, the replicas' all-reduce, another CPU's matmul kernels: AVX2 or
+    AVX512), so their errors against float64 are two samples of one rounding. Where training amplifies rounding
+    (AdamW divides a near-zero gradient by its own root mean square, turning its last bits into a step of up to
+    ``lr``), both runs show it in the same tensor, and the bound there grows with it; elsewhere it stays at float32's
+    scale. A wrong rule moves the weights by far more (each test checks that its wrong rules fail this bound)."""
+    exact = reference_weights(case, width, dtype=torch.float64)
+    single = reference_weights(case, width)
+    bounds = {
+        key: max(ROUNDING_FLOOR, ROUNDING_FACTOR * (single[key].double() - value).abs().max().item())
+        for key, value in exact.items()
+    }
+    return exact, bounds
+
+
+def assert_within_rounding(got: dict[str, torch.Tensor], exact: dict, bounds: dict, label: str = "") -> None:
+    assert set(got) == set(exact), f"{label}: every parameter (tied ones under each stage's name) is present"
+    for key, value in exact.items():
+        distance = (got[key].double() - value).abs().max().item()
+        assert distance <= bounds[key], f"{label} {key}: {distance:.3e} from the float64 rule (bound {bounds[key]:.3e})"
+
+
+def outside_rounding(other: dict[str, torch.Tensor], exact: dict, bounds: dict, margin: float = 3.0) -> bool:
+    """Whether weights ``other`` (a wrong rule's) lie clearly outside the bound: the bound tells the rules apart."""
+    return any((other[k].double() - v).abs().max().item() > margin * bounds[k] for k, v in exact.items())
 
 
 def reference_run(
-    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True
+    case: Case,
+    width: int,
+    device: str = "cpu",
+    bf16_boundaries: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``.
     ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does. One CPU thread, as
@@ -55,17 +95,17 @@ def reference_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_run(case, width, device, bf16_boundaries)
+        return _reference_run(case, width, device, bf16_boundaries, dtype)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_run(
-    case: Case, width: int, device: str, bf16_boundaries: bool
+    case: Case, width: int, device: str, bf16_boundaries: bool, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_model(case)
-    model.configure_model()
-    model.to(device)
+    model.configure_model()  # initialised in float32 (as the pipeline is), then computed in ``dtype``
+    model.to(device=device, dtype=dtype)
     if case.precision == "bf16-mixed" and bf16_boundaries:
         round_at_stage_boundaries(model, case.num_stages)
     configured = model.configure_optimizers()
@@ -102,7 +142,8 @@ def _reference_run(
         grads = {n: torch.zeros_like(t) for n, t in weights.items()}
         count = width * case.num_microbatches
         for replica in range(width):
-            batch = {k: v.to(device) for k, v in replica_batch(case, step, replica, width).items()}
+            batch = replica_batch(case, step, replica, width)
+            batch = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
             for micro in _split(batch, case.num_microbatches):
                 with torch.autocast(
                     torch.device(device).type, dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"

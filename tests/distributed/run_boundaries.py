@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pd2bw import PipelineEngine
-from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.options import PipelineOptions
 
 NUM_MICROBATCHES, SAMPLES, STEPS, LR = 3, 2, 4, 0.1
 
@@ -53,7 +53,11 @@ def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
 
 def train(out: Path, mode: str) -> None:
     engine = PipelineEngine(
-        layers(), Layout(3, NUM_MICROBATCHES, mode), lambda b: b["x"], loss_fn, device="cpu", delay_correction=None
+        layers(),
+        PipelineOptions(num_stages=3, num_microbatches=NUM_MICROBATCHES, mode=mode, delay_correction=None),
+        lambda b: b["x"],
+        loss_fn,
+        device="cpu",
     )  # the reference is the plain 2BW rule
     engine.start(torch.optim.SGD(engine.parameters(), lr=LR))
     for batch in batches():

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_pd2bw.engine import Layout, PipelineEngine
+from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTConfig, GPTCore
 
@@ -27,14 +27,18 @@ def build(run: dict, compile: dict | None) -> PipelineEngine:
         model = GPTCore(GPTConfig(**run["model"]))
     engine = PipelineEngine(
         model.pipeline_layers(),
-        Layout(run["num_stages"], run["num_microbatches"], run["mode"]),
+        PipelineOptions(
+            num_stages=run["num_stages"],
+            num_microbatches=run["num_microbatches"],
+            mode=run["mode"],
+            recompute=run["recompute"],
+            boundary_dtype=torch.bfloat16 if run["bf16"] else None,
+            compile=compile,
+        ),
         model.pipeline_inputs,
         model.pipeline_loss,
         device="cpu",
         init_layer=model.init_pipeline_layer,
-        recompute=run["recompute"],
-        boundary_dtype=torch.bfloat16 if run["bf16"] else None,
-        compile=compile,
     )
     params = engine.parameters()
     engine.start(torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01, foreach=True))

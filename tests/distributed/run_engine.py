@@ -27,7 +27,7 @@ sys.meta_path.insert(0, NoLightning())
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pd2bw.engine import Layout, PipelineEngine  # noqa: E402
+from lightning_pd2bw.engine import PipelineEngine, PipelineOptions  # noqa: E402
 from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
 from lightning_pd2bw.engine.transport import StageLink  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
@@ -58,13 +58,18 @@ def build(
         model = GPTCore(GPTConfig(**run["model"]))
     engine = PipelineEngine(
         model.pipeline_layers(),
-        Layout(run["num_stages"], run["num_microbatches"], run["mode"], cut),
+        PipelineOptions(
+            num_stages=run["num_stages"],
+            num_microbatches=run["num_microbatches"],
+            mode=run["mode"],
+            layers_per_stage=cut,
+            delay_correction=None,  # the reference is the plain 2BW rule
+        ),
         model.pipeline_inputs,
         model.pipeline_loss,
         device="cpu",
         init_layer=model.init_pipeline_layer,
         clip_val=run["clip"],
-        delay_correction=None,  # the reference is the plain 2BW rule
         transport=CountingLink,
     )
     params = engine.parameters()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pd2bw import PipelineEngine
-from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.options import PipelineOptions
 
 WIDTH = 1 << 18  # floats per sample: 1 MiB
 CORRECTIONS = {"adamw": "error_feedback", "pef": "predictive_error_feedback"}  # a RUN's suffix -> AdamW + this
@@ -67,11 +67,10 @@ def measure(out: Path, run: str) -> None:
     reset_peak_rss()
     engine = PipelineEngine(
         [Widen(), Scale()],
-        Layout(2, num_microbatches, mode),
+        PipelineOptions(num_stages=2, num_microbatches=num_microbatches, mode=mode, delay_correction=correction),
         lambda batch: batch["seed"],
         lambda output, batch: output.mean(),
         device="cpu",
-        delay_correction=correction,
     )
     optimizer = torch.optim.AdamW if adamw else torch.optim.SGD
     engine.start(optimizer(engine.parameters(), lr=0.1))

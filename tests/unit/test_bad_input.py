@@ -18,7 +18,7 @@ from lightning_pd2bw.lightning.strategy import pipeline_layers_of
 def test_registered_name_resolves():
     trainer = pl.Trainer(strategy="pd2bw", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, lightning_pd2bw.PipeDream2BWStrategy)
-    assert trainer.strategy.mode == "2bw"
+    assert trainer.strategy.options.mode == "2bw"
 
 
 def test_fewer_microbatches_than_stages():
@@ -44,7 +44,7 @@ def test_lookahead_is_checked_where_it_is_given():
         PipeDream2BWStrategy(mode="gpipe", lookahead=2)
     with pytest.raises(ValueError, match=r"lookahead=True is invalid"):
         Layout(2, 4, lookahead=True)
-    assert Layout(2, 4, "2bw", lookahead=1).lookahead == 1 and PipeDream2BWStrategy(lookahead=1).lookahead == 1
+    assert Layout(2, 4, "2bw", lookahead=1).lookahead == 1 and PipeDream2BWStrategy(lookahead=1).options.lookahead == 1
 
 
 def test_world_size_not_divisible_by_depth():
@@ -113,9 +113,13 @@ def test_hydra_strategy_keys_reach_the_strategy():
     overrides = ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30", "strategy.hang_timeout=null")
     cfg = load("tiny", (*overrides, "strategy.lookahead=1"))
     strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
-    assert (strategy.on_nonfinite, strategy.failure_timeout, strategy.hang_timeout) == ("skip", 30, None)
-    assert strategy.lookahead == 1
-    assert instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2).hang_timeout == 600
+    assert (strategy.options.on_nonfinite, strategy.options.failure_timeout, strategy.options.hang_timeout) == (
+        "skip",
+        30,
+        None,
+    )
+    assert strategy.options.lookahead == 1
+    assert instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2).options.hang_timeout == 600
 
 
 def test_horizon_changes_names_each_changed_setting():

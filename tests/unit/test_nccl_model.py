@@ -290,7 +290,8 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
     import torch
     import torch.distributed as dist
 
-    from lightning_pd2bw import Layout, PipelineEngine
+    from lightning_pd2bw import PipelineEngine
+    from lightning_pd2bw.engine import PipelineOptions
     from lightning_pd2bw.engine.verify.comm_plan import _Rank
 
     from ..distributed.launch import free_port
@@ -298,7 +299,7 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
-        engine = PipelineEngine(layers, Layout(1, 2, "2bw"), lambda b: b, lambda o, b: o.sum())
+        engine = PipelineEngine(layers, PipelineOptions(num_microbatches=2), lambda b: b, lambda o, b: o.sum())
         engine.start(torch.optim.SGD(engine.parameters(), lr=0.1))
         engine_kinds = set(engine.executor.handlers)
         engine.close()
