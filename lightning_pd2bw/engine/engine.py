@@ -20,7 +20,7 @@ Every rank of one pipeline must feed the same batch (the first stage reads its i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .grad_buckets import GradientBuckets, release
 from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
-from .layout import Layout
 from .ledger import BatchLedger
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
