@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
+from lightning_pd2bw.engine.options import PipelineOptions  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
 from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, predict  # noqa: E402
 from lightning_pd2bw.planner.auto import measure_link, shared_layers  # noqa: E402
@@ -54,7 +55,7 @@ def main() -> None:
     out = Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    candidate = Candidate(width, depth, micro, recompute, mode)
+    candidate = Candidate.of(PipelineOptions(mode=mode), width, depth, micro, recompute)  # the strategy's run
     m = candidate.num_microbatches(GLOBAL_BATCH)
     data = LMDataset(read_corpus(max_bytes=2_000_000), SEQ)
     latency, bandwidth = measure_link(1, torch.device("cpu"))

@@ -28,16 +28,15 @@ def defaults_of(cls: Any) -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
-def _classes() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _classes() -> tuple[dict[str, Any], ...]:
     from ..data.datamodule import TextDataModule
     from ..data.tokens import TokenDataModule
     from ..models.base import PipelineLanguageModel
 
-    options = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}  # the strategy's too (a unit test)
-    return (*map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule)), options)
+    return tuple(map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule)))
 
 
-_MODEL, _DATA, _TOKENS, _STRATEGY = _classes()
+_MODEL, _DATA, _TOKENS = _classes()
 
 
 @dataclass
@@ -95,27 +94,29 @@ class TokensDataSchema:
     num_workers: int = _TOKENS["num_workers"]
 
 
-@dataclass
-class StrategySchema:
-    _target_: str = "lightning_pd2bw.PipeDream2BWStrategy"
-    num_stages: int | None = None
-    num_microbatches: int | None = None  # derived from the batch sizes when null
-    mode: str = _STRATEGY["mode"]
-    lookahead: int = _STRATEGY["lookahead"]  # forwards in flight beyond 1F1B's before the last stage (one stash each)
-    recompute: bool = _STRATEGY["recompute"]
-    clip_mode: str = _STRATEGY["clip_mode"]
-    layers_per_stage: list[int] | None = None  # null: the planner's time-balanced cut (pd2bw-train)
-    plan: str | None = None  # auto: depth, microbatch size and recomputation chosen at start-up by the planner
-    on_nonfinite: str = _STRATEGY["on_nonfinite"]  # stop | skip: what a NaN/inf gradient does (skip: drop the update)
-    failure_timeout: float | None = _STRATEGY["failure_timeout"]  # seconds without a heartbeat: a rank is dead
-    hang_timeout: float | None = _STRATEGY["hang_timeout"]  # seconds with no action executed: a hang (stacks, exit 75)
-    delay_correction: str | None = _STRATEGY["delay_correction"]  # predictive_error_feedback | error_feedback | null
-    delay_correction_strength: float = _STRATEGY["delay_correction_strength"]  # beta of E = D + beta (D - D_prev)
-    boundary_dtype: str | None = _STRATEGY["boundary_dtype"]  # auto: bfloat16 at stage cuts under bf16-mixed | null
-    async_checkpoint: bool = _STRATEGY["async_checkpoint"]  # true: checkpoints written in the background (DCP)
-    compile: Any = _STRATEGY[
-        "compile"
-    ]  # true | {backend: ..., mode: ..., fullgraph: ...}: torch.compile each stage's layers
+# how a YAML value spells the options whose Python type OmegaConf cannot hold (a dtype, a tuple, anything)
+STRATEGY_YAML_TYPES: dict[str, Any] = {
+    "boundary_dtype": str | None,  # auto | null | bfloat16 | float16 | float32
+    "layers_per_stage": list[int] | None,  # null: the planner's time-balanced cut (pd2bw-train)
+    "compile": Any,  # true | {backend: ..., mode: ..., fullgraph: ...}
+}
+
+
+def strategy_schema() -> type:
+    """``strategy.*``: generated from ``PipelineOptions``' fields (names, types, defaults; each documented there),
+    so an option is declared once, in the options, and the strategy's signature (a unit test keeps that equal)."""
+    import typing
+
+    hints = typing.get_type_hints(PipelineOptions)
+    fields: list[Any] = [("_target_", str, field(default="lightning_pd2bw.PipeDream2BWStrategy"))]
+    for option in dataclasses.fields(PipelineOptions):
+        if option.name != "keys":
+            kind = STRATEGY_YAML_TYPES.get(option.name, hints[option.name])
+            fields.append((option.name, kind, field(default=option.default)))
+    return dataclasses.make_dataclass("StrategySchema", fields)
+
+
+StrategySchema = strategy_schema()
 
 
 @dataclass

@@ -29,14 +29,14 @@ def _select_cluster(argv: list[str]) -> list[str]:
     return out
 
 
-def plan(cfg, limit: int = 10) -> str:
+def cluster_of(cfg):
+    """The configured ``cluster`` group as the planner's ``ClusterSpec``."""
     from ..planner.hardware import ClusterSpec, device_spec
-    from ..planner.search import format_table, search
 
     if not cfg.get("cluster"):
         raise ValueError(f"choose a cluster: cluster=NAME with NAME one of {', '.join(cluster_names())}")
     c = cfg.cluster
-    cluster = ClusterSpec(
+    return ClusterSpec(
         device_spec(c.device),
         c.num_nodes,
         c.devices_per_node,
@@ -45,16 +45,32 @@ def plan(cfg, limit: int = 10) -> str:
         c.latency,
         name=c.name,
     )
+
+
+def search_plans(cfg, model):
+    """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
+    delay correction's buffers: ``Candidate.of``) on the configured cluster."""
+    from ..planner.search import search
+    from .config import check_options
+
+    options = check_options(cfg.strategy)
+    profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
+    return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
+
+
+def plan(cfg, limit: int = 10) -> str:
+    from ..planner.search import format_table
+
+    cluster, options = cluster_of(cfg), cfg.strategy
     model = build_model_on_meta(cfg)
     total = sum(p.numel() for p in model.parameters())
-    fits, too_big = search(
-        lambda micro: analytic_model_profile(cfg, model, micro), cluster, cfg.global_batch_size, mode=cfg.strategy.mode
-    )
+    fits, too_big = search_plans(cfg, model)
     best = fits[0]
     chosen = best.candidate
     lines = [
         f"model: {cfg.model.config.name}, {total / 1e9:.2f}B parameters; sequence {cfg.data.seq_len}; global batch "
-        f"{cfg.global_batch_size}; mode={cfg.strategy.mode}; precision={cfg.trainer.precision}",
+        f"{cfg.global_batch_size}; mode={options.mode}; delay_correction={options.delay_correction}; lookahead="
+        f"{options.lookahead}; precision={cfg.trainer.precision}",
         f"cluster: {cluster.describe()}",
         f"{len(fits)} configurations fit (of {len(fits) + len(too_big)}), fastest first:",
         format_table(fits, limit),
@@ -66,12 +82,20 @@ def plan(cfg, limit: int = 10) -> str:
         f"{best.num_microbatches} microbatches, recompute {chosen.recompute}: {best.throughput:.1f} samples/s "
         f"predicted, {best.peak_memory / 2**30:.1f} GiB on the fullest stage",
         f"stages (layers): {' '.join(f'{r.start}-{r.stop - 1}' for r in best.stages)}",
-        f"train it: pd2bw-train trainer.num_nodes={c.num_nodes} trainer.devices={c.devices_per_node} "
-        f"strategy.num_stages={chosen.depth} micro_batch_size={chosen.micro_batch_size} "
-        f"strategy.recompute={str(chosen.recompute).lower()} "
-        f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'",
+        f"train it: pd2bw-train {train_overrides(cluster, best)}",
     ]
     return "\n".join(lines)
+
+
+def train_overrides(cluster, best) -> str:
+    """The ``pd2bw-train`` overrides that run prediction ``best`` on ``cluster`` (beside the plan's own)."""
+    chosen = best.candidate
+    return (
+        f"trainer.num_nodes={cluster.num_nodes} trainer.devices={cluster.devices_per_node} "
+        f"strategy.num_stages={chosen.depth} micro_batch_size={chosen.micro_batch_size} "
+        f"strategy.recompute={str(chosen.recompute).lower()} "
+        f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'"
+    )
 
 
 def main() -> None:

@@ -31,15 +31,11 @@ def plan_text(cfg, layout, model) -> str:
     Stages are cut as the planner cuts them (balanced by estimated time, not parameter count) and
     memory per stage comes from its cost model with the analytic transformer profile.
     """
-    from ..lightning.strategy import pipeline_layers_of
-    from ..planner.cost import stage_memory
+    from ..lightning.contract import pipeline_layers_of
     from ..planner.hardware import GiB
 
     layers = pipeline_layers_of(model)
-    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
-    candidate = candidate_of(cfg, layout)
-    stages = planned_stages(cfg, layout, model, profile)
-    memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
+    profile, stages, memories = stage_plan(cfg, layout, model)
     total = sum(p.numel() for p in model.parameters())
     lines = [
         f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
@@ -62,6 +58,18 @@ def plan_text(cfg, layout, model) -> str:
         )
     lines += memory_warnings(cfg, memories)
     return "\n".join(lines)
+
+
+def stage_plan(cfg, layout, model):
+    """(the analytic profile, the stages, each stage's memory terms) of this run, as the planner computes them for
+    the same options (``candidate_of``): what ``pd2bw-plan`` predicts for the configuration it proposes."""
+    from ..planner.cost import stage_memory
+
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    candidate = candidate_of(cfg, layout)
+    stages = planned_stages(cfg, layout, model, profile)
+    memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
+    return profile, stages, memories
 
 
 def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
@@ -125,17 +133,13 @@ def _lookahead(cfg) -> str:
 
 
 def candidate_of(cfg, layout):
+    """The planner's candidate for this run: its options (``Candidate.of``, as ``pd2bw-plan`` and ``plan="auto"``
+    read them) on the layout's width, depth and microbatch size."""
     from ..planner import Candidate
+    from .config import check_options
 
-    return Candidate(
-        layout.data_parallel_size,
-        layout.num_stages,
-        layout.micro_batch_size,
-        cfg.strategy.recompute,
-        cfg.strategy.mode,
-        cfg.strategy.get("lookahead", 0),
-        cfg.strategy.get("delay_correction"),
-    )
+    options = check_options(cfg.strategy)
+    return Candidate.of(options, layout.data_parallel_size, layout.num_stages, layout.micro_batch_size)
 
 
 def planned_stages(cfg, layout, model, profile=None) -> list[range]:
@@ -155,7 +159,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     from hydra.utils import instantiate
 
     from ..engine.partition import layer_parameter_counts
-    from ..lightning.strategy import pipeline_layers_of
+    from ..lightning.contract import pipeline_layers_of
     from ..planner.auto import shared_layers
     from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
     from ..planner.hardware import DEVICES

@@ -39,9 +39,7 @@ def choose(
         device=device,
         num_nodes=num_nodes,
         global_batch=global_batch,
-        mode=options.mode,
-        lookahead=options.lookahead,
-        delay_correction=options.delay_correction,
+        options=options,
         weight_bytes=bytes_per_element(str(precision.precision))[0],
         autocast=precision.train_step_context,
     )

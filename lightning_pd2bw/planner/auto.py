@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.microbatch import resize_batch, to_device
+from ..engine.options import PipelineOptions
 from .cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec
 from .measure import measure_layers, synchronize
@@ -88,15 +89,14 @@ def plan_on_world(
     device: torch.device,
     num_nodes: int,
     global_batch: int,
-    mode: str,
-    lookahead: int = 0,
-    delay_correction: str | None = None,
+    options: PipelineOptions,
     weight_bytes: int = 4,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
     max_micro_sizes: int = 6,
 ) -> tuple[Prediction, ClusterSpec, list[Prediction]]:
-    """The fastest plan that fits, chosen on rank 0 from measured profiles, identical on every rank."""
+    """The fastest plan that runs ``options`` (mode, lookahead, delay correction) and fits, chosen on rank 0 from
+    measured profiles, identical on every rank."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = world // num_nodes
     latency, bandwidth = measure_link(1, device) if world > 1 else (0.0, float("inf"))
@@ -126,17 +126,7 @@ def plan_on_world(
             return ModelProfile(profiles, weight_bytes, optimizer_states, shared, communicator_bytes=nccl)
 
         try:
-            message = [
-                search(
-                    profile_for,
-                    cluster,
-                    global_batch,
-                    mode=mode,
-                    micro_batch_sizes=micros,
-                    lookahead=lookahead,
-                    delay_correction=delay_correction,
-                )[0]
-            ]
+            message = [search(profile_for, cluster, global_batch, options, micro_batch_sizes=micros)[0]]
         except ValueError as error:  # every rank raises it, none waits forever
             message = [error]
     dist.broadcast_object_list(message, src=0)

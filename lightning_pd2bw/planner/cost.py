@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..engine.delay_correction import buffers as correction_buffers
+from ..engine.options import PipelineOptions
 from ..engine.schedule import warmup_forwards
 from .hardware import ClusterSpec
 from .profile import LayerProfile
@@ -73,6 +74,16 @@ class Candidate:
     mode: str = "2bw"
     lookahead: int = 0  # more forwards in flight on every stage (the strategy's ``lookahead``)
     delay_correction: str | None = None  # 2BW's correction (engine/delay_correction.py): its buffers of weights
+
+    @classmethod
+    def of(
+        cls, options: PipelineOptions, width: int, depth: int, micro_batch_size: int, recompute: bool | None = None
+    ) -> Candidate:
+        """The candidate that runs with ``options`` (mode, lookahead, delay correction and, unless searched,
+        recomputation as the run has them): every reader of one run (``pd2bw-plan``, the dry run, ``plan="auto"``)
+        plans it through here."""
+        recompute = options.recompute if recompute is None else recompute
+        return cls(width, depth, micro_batch_size, recompute, options.mode, options.lookahead, options.delay_correction)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)

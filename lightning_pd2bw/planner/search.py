@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..engine.options import PipelineOptions
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict
 from .hardware import ClusterSpec, GiB
 
@@ -81,11 +82,11 @@ def candidates(
     num_devices: int,
     num_layers: int,
     global_batch: int,
-    mode: str,
+    options: PipelineOptions,
     micro_batch_sizes: Sequence[int] | None = None,
-    lookahead: int = 0,
-    delay_correction: str | None = None,
 ) -> list[Candidate]:
+    """Every width x depth x microbatch size x recomputation of ``num_devices`` that runs ``options``' mode,
+    lookahead and delay correction (m >= d)."""
     out = []
     for depth in divisors(num_devices):
         width = num_devices // depth
@@ -96,7 +97,7 @@ def candidates(
             if per_replica % micro or per_replica // micro < depth:
                 continue
             for recompute in (False, True):
-                out.append(Candidate(width, depth, micro, recompute, mode, lookahead, delay_correction))
+                out.append(Candidate.of(options, width, depth, micro, recompute))
     return out
 
 
@@ -104,14 +105,13 @@ def search(
     profile_for: Callable[[int], ModelProfile],
     cluster: ClusterSpec,
     global_batch: int,
+    options: PipelineOptions | None = None,
     *,
-    mode: str = "2bw",
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
-    lookahead: int = 0,
-    delay_correction: str | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
-    """All candidates on ``cluster``'s devices: (those that fit, fastest first; those that do not).
+    """All candidates on ``cluster``'s devices that run ``options`` (default: ``PipelineOptions()``, the strategy's
+    defaults): (those that fit, fastest first; those that do not).
 
     ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size).
     Raises ``NoPlanFits`` when nothing fits, saying what would.
@@ -126,9 +126,7 @@ def search(
 
     num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
     fits, too_big = [], []
-    found = candidates(
-        cluster.num_devices, num_layers, global_batch, mode, micro_batch_sizes, lookahead, delay_correction
-    )
+    found = candidates(cluster.num_devices, num_layers, global_batch, options or PipelineOptions(), micro_batch_sizes)
     for candidate in found:
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)

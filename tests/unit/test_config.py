@@ -239,3 +239,33 @@ def test_schema_defaults_are_the_classes_defaults():
             field = fields[key]
             value = field.default_factory() if callable(field.default_factory) else field.default
             assert value == (list(own[key]) if isinstance(own[key], tuple) else own[key]), (schema.__name__, key)
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [("gpt13b", ()), ("gpt13b", ("strategy.lookahead=2", "strategy.delay_correction=error_feedback"))],
+)
+def test_pd2bw_plan_plans_the_run_that_trains(recipe, extra):
+    """pd2bw-plan's proposal, trained with its own "train it:" overrides, is the run the dry run (and plan="auto",
+    through the same ``Candidate.of``) plans: the same stages, the same memory per stage to the byte, the same
+    predicted time. Before 0.2.0, pd2bw-plan left out the default delay correction's buffers and the lookahead."""
+    import shlex
+
+    from lightning_pd2bw.cli.plan import cluster_of, search_plans, train_overrides
+    from lightning_pd2bw.cli.run_plan import candidate_of, stage_plan
+    from lightning_pd2bw.planner.cost import predict
+
+    cluster = ("+cluster=a100_80g_8x8",)
+    planned = load(recipe, cluster + extra)
+    best = search_plans(planned, build_model_on_meta(planned))[0][0]
+    assert best.candidate.delay_correction == planned.strategy.delay_correction is not None
+    assert best.candidate.lookahead == planned.strategy.lookahead
+    trained = load(recipe, cluster + extra + tuple(shlex.split(train_overrides(cluster_of(planned), best))))
+    model = build_model_on_meta(trained)
+    layout = check_run(trained, num_layers=len(model.pipeline_layers()))
+    profile, stages, memories = stage_plan(trained, layout, model)
+    assert [tuple(r) for r in stages] == [tuple(r) for r in best.stages]
+    assert memories == list(best.stage_memory)
+    assert candidate_of(trained, layout) == best.candidate
+    again = predict(profile, candidate_of(trained, layout), cluster_of(trained), layout.global_batch_size, stages)
+    assert again.batch_time == best.batch_time

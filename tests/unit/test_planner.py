@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerProfile, NoPlanFits, predict, search
 from lightning_pd2bw.planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB, device_spec
@@ -202,7 +203,7 @@ def test_search_over_1024_devices_does_bounded_work(monkeypatch):
     original = search_module.pack
     monkeypatch.setattr(search_module, "pack", lambda *a, **k: packings.append(1) or original(*a, **k))
     fits, too_big = search(profile, ClusterSpec(device, 128, 8, 300e9, 200e9), 1024)
-    candidates = search_module.candidates(1024, 42, 1024, "2bw")
+    candidates = search_module.candidates(1024, 42, 1024, PipelineOptions())
     assert fits and len(fits) + len(too_big) == len(candidates) >= 10
     assert sorted(profiled) == sorted(set(profiled)), "each microbatch size is profiled once"
     assert len(packings) <= 2 * 41 * len(candidates)  # a fitting cut, or a refused one and its unbounded cut
