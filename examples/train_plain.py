@@ -45,6 +45,7 @@ def main() -> None:
         model.pipeline_inputs,
         model.pipeline_loss,
         init_layer=model.init_pipeline_layer,  # the same weights as the model built on one device
+        root=model,  # checkpoint entries by the module's names: the same as the Lightning strategy's
         clip_val=1.0,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3, weight_decay=0.01)

@@ -16,12 +16,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .moved import install as _install_moved_modules
-
-_install_moved_modules()  # old module paths (lightning_pd2bw.pipeline, .strategy, ...) import their new places
-
 __all__ = ["Layout", "PipeDream2BWStrategy", "PipelineEngine", "PipelineOptions", "checkpoint", "models"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _register_strategy() -> None:
@@ -66,7 +62,7 @@ elif _lightning_installed():
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("models", "checkpoint", "data", "engine", "observe", "planner", "sparsity", "pipeline"):
+    if name in ("models", "checkpoint", "data", "engine", "observe", "planner", "sparsity"):
         return importlib.import_module(f".{name}", __name__)
     if name in ("PipelineEngine", "PipelineOptions", "Layout"):
         return getattr(importlib.import_module(".engine", __name__), name)

@@ -1,8 +1,9 @@
 """The engine's checkpoints, for plain PyTorch users: ``PipelineEngine.save(path)`` / ``.load(path)`` write and read
 the same sharded format as the Lightning strategy (DCP entries, a manifest, atomic publication: ``store.py``) and
 load at any depth x width (resharding), and ``state_dict``/``load_state_dict`` give one rank's state for the same
-layout. Model entries are named ``"<layer index>.<name>"`` and optimizer state by the parameters' names, so a stage
-of another cut finds its own. Nothing here imports the engine: it is handed one."""
+layout. Model entries and optimizer state are named by the engine's ``root`` (``engine.stage_state_dict``,
+``engine.parameter_names``), as the strategy names them, so a stage of another cut finds its own and either side
+loads the other's checkpoint. Nothing here imports the engine: it is handed one."""
 
 from __future__ import annotations
 
@@ -15,26 +16,11 @@ import torch.distributed as dist
 from .store import load_stage, read_meta, same_layout, save_sharded
 
 
-def stage_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """This stage's layers' tensors, ``"<layer index>.<name>"`` (a tied weight under each layer holding it)."""
-    return {
-        f"{index}.{name}": tensor
-        for index in engine.stage_layers[engine.grid.stage]
-        for name, tensor in engine.all_layers[index].state_dict().items()
-    }
-
-
-def optimizer_parameter_names(engine: Any) -> list[list[list[str]]]:
-    """Per optimizer, per parameter in its order: the parameter's names."""
-    names = engine.parameter_names()
-    return [[names[id(p)] for g in o.param_groups for p in g["params"]] for o in engine.optimizers]
-
-
 def state_dict(engine: Any) -> dict[str, Any]:
     engine.drain()
     return {
         "layout": {"stage": engine.grid.stage, "stage_layers": [(r.start, r.stop) for r in engine.stage_layers]},
-        "layers": stage_state_dict(engine),
+        "layers": engine.stage_state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
         "skipped_updates": list(engine.skipped_updates),
     }
@@ -50,10 +36,12 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
             f"{engine.grid.stage} of {cut}: load each rank's own state into the same layout, or use "
             "engine.save(path) / engine.load(path), which reshard"
         )
-    for index in engine.stage_layers[engine.grid.stage]:
-        prefix = f"{index}."
-        own = {k[len(prefix) :]: v for k, v in state["layers"].items() if k.startswith(prefix)}
-        engine.all_layers[index].load_state_dict(own)
+    own = engine.stage_state_dict()
+    if missing := sorted(set(own) - set(state["layers"])):
+        raise KeyError(f"this state does not hold this stage's entries {missing[:5]}: it was written for another model")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state["layers"][name])
     _load_optimizers(engine, state["optimizers"])
     _restore(engine, state.get("skipped_updates", []))
 
@@ -66,9 +54,9 @@ def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> 
     checkpoint = {
         **(extra or {}),
         "skipped_updates": list(engine.skipped_updates),
-        "state_dict": stage_state_dict(engine),
+        "state_dict": engine.stage_state_dict(),
         "optimizer_states": [optimizer.state_dict() for optimizer in engine.optimizers],
-        "optimizer_param_names": optimizer_parameter_names(engine),
+        "optimizer_param_names": engine.optimizer_parameter_names(),
     }
     layout = {
         "num_stages": engine.num_stages,
@@ -108,13 +96,13 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
             f"checkpoint {str(path)!r} was written for a model with {manifest['num_layers']} pipeline layers; this "
             f"engine has {len(engine.all_layers)}. Build the same model as the checkpoint's run"
         )
-    model = stage_state_dict(engine)
+    model = engine.stage_state_dict()
     shard = load_stage(
         path,
         stage=engine.grid.stage,
         stage_layers=engine.stage_layers,
         model=model,  # read in place
-        names=optimizer_parameter_names(engine),
+        names=engine.optimizer_parameter_names(),
         fresh=[optimizer.state_dict() for optimizer in engine.optimizers],
         device=engine.device,
     )

@@ -90,12 +90,12 @@ def request_for(
         )
     request: dict[str, Any] = {f"model/{k}": v.detach() for k, v in model.items()}
     saved_optimizers = {name.split("/")[1] for name in metadata if name.startswith("optim_groups/")}
-    if saved_optimizers and len(saved_optimizers) != len(names):
+    if saved_optimizers and names and len(saved_optimizers) != len(names):  # no names: evaluation, no optimizer
         raise ValueError(
             f"the checkpoint was written with {len(saved_optimizers)} optimizer(s), this run configures {len(names)}: "
             "configure the same optimizers as the checkpoint's run"
         )
-    if saved_optimizers:
+    if saved_optimizers and names:
         stored = _optimizer_entries(metadata)
         for k, names_of in enumerate(names):
             for param_names in names_of:

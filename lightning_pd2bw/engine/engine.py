@@ -63,11 +63,12 @@ class PipelineEngine:
         grid: the process grid (default: the layout's over the default group).
         init_layer: ``init_layer(index)`` initialises layer ``index`` when the model was built on the meta device
             (default: each module's ``reset_parameters``).
-        root: the module the layers belong to (for Hugging Face initialisation).
+        root: the module the layers belong to: its names name every tensor in messages and checkpoints (so
+            ``engine.save`` and the Lightning strategy write the same entries for the same module), and Hugging Face
+            models are initialised through it. Default: ``nn.ModuleList(layers)`` (``"<layer index>.<name>"``).
         clip_val: clip gradients at this value (``None``: no clipping).
         clip_algorithm: ``"norm"`` or ``"value"``.
         before_step: called with each optimizer before its step (after the gradient reductions).
-        names: ``() -> {id(parameter): [names]}`` for messages (default: ``"<layer index>.<name>"``).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
             neighbours (default ``transport.StageLink``: one process group per pair, sends batched with receives); a
             subclass may record, delay or reroute messages.
@@ -89,7 +90,6 @@ class PipelineEngine:
         clip_val: float | None = None,
         clip_algorithm: str = "norm",
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
-        names: Callable[[], dict[int, list[str]]] | None = None,
         transport: Callable[..., StageLink] = StageLink,
         progress: Progress | None = None,
         info: Callable[[str], None] = rank_zero_print,
@@ -127,19 +127,31 @@ class PipelineEngine:
         built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root)
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
-        self._names = names or self._layer_names
+        self.root = root if root is not None else nn.ModuleList(self.all_layers)  # what names every tensor
         self.compile_meter = CompileMeter() if options.compile is not None else None
         if options.compile is not None:
             compile_layers(self.layers, options.compile)
         self._closed = False
 
     # ------------------------------------------------------------------ the stage
-    def _layer_names(self) -> dict[int, list[str]]:
+    def parameter_names(self) -> dict[int, list[str]]:
+        """``{id(parameter): [names]}`` of this stage's parameters: their names in ``root`` (a tied one has several),
+        the names of messages and checkpoints (``"<layer index>.<name>"`` without a root)."""
         names: dict[int, list[str]] = {}
-        for index in self.stage_layers[self.grid.stage]:
-            for name, param in self.all_layers[index].named_parameters(remove_duplicate=False):
-                names.setdefault(id(param), []).append(f"{index}.{name}")
+        for name, param in self.root.named_parameters(remove_duplicate=False):
+            if not param.is_meta:
+                names.setdefault(id(param), []).append(name)
         return names
+
+    def optimizer_parameter_names(self) -> list[list[list[str]]]:
+        """Per optimizer, per parameter in its order: the parameter's names (how checkpoints key optimizer state)."""
+        names = self.parameter_names()
+        return [[names[id(p)] for g in o.param_groups for p in g["params"]] for o in self.optimizers]
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors by their names in ``root`` (other stages' are on the meta device): what a checkpoint
+        holds of this stage, the same entries under ``engine.save`` and the Lightning strategy."""
+        return {name: tensor for name, tensor in self.root.state_dict().items() if not tensor.is_meta}
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's own parameters (a tied one once)."""
@@ -181,7 +193,7 @@ class PipelineEngine:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers or [])
-        local_optimizers(self.optimizers, self.params, self._names())
+        local_optimizers(self.optimizers, self.params, self.parameter_names())
         correction = None
         method = self.options.delay_correction
         if method is not None and self.mode == "2bw" and self.optimizers:  # flush has no delay to correct
@@ -222,7 +234,7 @@ class PipelineEngine:
             correction=correction,
             before_step=self.before_step,
             describe=lambda: describe_rank(self.grid.rank, self.num_stages),
-            names=self._names,
+            names=self.parameter_names,
             info=self.info,
             executor=self.executor,
             buckets=buckets,
@@ -409,8 +421,7 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ state (checkpoint/engine_state.py)
     def state_dict(self) -> dict[str, Any]:
-        """This stage's state after a drain: its layers' tensors (``"<layer index>.<name>"``) and its optimizers'
-        states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
+        """This stage's state after a drain: its tensors (``stage_state_dict``) and its optimizers' states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
         return engine_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -425,10 +436,6 @@ class PipelineEngine:
     def load(self, path: str | Path) -> dict[str, Any]:
         """This stage's part of a checkpoint ``save`` wrote, at this or another layout (resharding)."""
         return engine_state.load(self, path)
-
-    def parameter_names(self) -> dict[int, list[str]]:
-        """``{id(parameter): [names]}``: the ``names`` given, else ``"<layer index>.<name>"``."""
-        return self._names()
 
     def barrier(self) -> None:
         device_barrier(self.device)

@@ -58,8 +58,6 @@ class Kind(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 
-    __hash__ = str.__hash__  # the same dict key as its text, "F" (Enum hashes the member's name)
-
 
 FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD

@@ -9,20 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..checkpoint import store as ckpt
 from .compat import combined_train_loader
-
-
-def module_parameter_names(module: Any) -> dict[int, list[str]]:
-    """``{id(parameter): [names]}`` of this stage's parameters in the LightningModule (a tied one has several)."""
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if not param.is_meta:
-            names.setdefault(id(param), []).append(name)
-    return names
 
 
 class StageCheckpoints:
@@ -55,13 +47,13 @@ class StageCheckpoints:
 
     def module_state_dict(self) -> dict[str, Any]:
         self.engine.drain()  # a checkpoint is always taken at a drain (drains.py, 3)
-        return {k: v for k, v in self.module.state_dict().items() if not v.is_meta}
+        return self.engine.stage_state_dict()  # the module's names: the engine's root is the module
 
     def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         self.engine.progress.tick(f"saving checkpoint {filepath}")
         self.wait()  # the previous asynchronous save is published before the next one starts
         if self.engine.optimizers:
-            checkpoint["optimizer_param_names"] = self.optimizer_parameter_names()
+            checkpoint["optimizer_param_names"] = self.engine.optimizer_parameter_names()
         self.in_flight = ckpt.save_sharded(
             Path(filepath),
             checkpoint,
@@ -101,13 +93,6 @@ class StageCheckpoints:
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
-
-    def optimizer_parameter_names(self) -> list[list[list[str]]]:
-        """Per optimizer, per parameter in its order: the parameter's names (a tied one has several)."""
-        names = module_parameter_names(self.module)
-        return [
-            [names[id(p)] for g in optimizer.param_groups for p in g["params"]] for optimizer in self.engine.optimizers
-        ]
 
     def manifest_layout(self) -> dict[str, Any]:
         engine = self.engine
@@ -167,6 +152,8 @@ class StageCheckpoints:
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
         manifest = meta["pd2bw"]
+        # written by PipelineEngine.save (no Lightning): the same entries, read as this Lightning's own checkpoint
+        meta.setdefault("pytorch-lightning_version", pl.__version__)
         engine = self.engine
         num_layers = engine.stage_layers[-1].stop
         if manifest["num_layers"] != num_layers:
@@ -192,8 +179,8 @@ class StageCheckpoints:
             checkpoint_path,
             stage=engine.grid.stage,
             stage_layers=engine.stage_layers,
-            model={k: v for k, v in self.module.state_dict().items() if not v.is_meta},
-            names=self.optimizer_parameter_names(),
+            model=self.engine.stage_state_dict(),
+            names=self.engine.optimizer_parameter_names(),
             fresh=[optimizer.state_dict() for optimizer in engine.optimizers],
             device=engine.device,
         )
@@ -201,7 +188,7 @@ class StageCheckpoints:
 
     def load_module_state(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         module = self.module
-        local = {k: v for k, v in module.state_dict().items() if not v.is_meta}
+        local = self.engine.stage_state_dict()
         missing = sorted(set(local) - set(checkpoint["state_dict"]))
         if strict and missing:
             raise KeyError(

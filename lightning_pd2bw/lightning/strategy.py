@@ -30,7 +30,7 @@ from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
 from ..engine.options import DEFAULT_CORRECTION, PipelineOptions
 from . import auto_plan, checks
-from .checkpoints import StageCheckpoints, module_parameter_names
+from .checkpoints import StageCheckpoints
 from .compat import (
     before_optimizer_step_hooks,
     optimizers_to_device,
@@ -192,7 +192,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
             clip_val=trainer.gradient_clip_val,
             clip_algorithm=str(getattr(algorithm, "value", algorithm)) if algorithm else "norm",
             before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),
-            names=lambda: module_parameter_names(module),
             progress=self.progress,
             info=rank_zero_info,
         )

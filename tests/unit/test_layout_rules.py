@@ -126,9 +126,17 @@ def test_no_file_over_450_lines():
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
-def test_the_top_level_holds_at_most_two_modules():
+def test_the_top_level_holds_one_module_and_no_shim():
+    """``train.py`` (for ``torchrun -m lightning_pd2bw.train``); no module that maps old import paths (0.2.0
+    removed ``moved.py``: a 0.x package announces a break in CHANGELOG.md instead)."""
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-    assert len(top) <= 2, f"top-level modules: {top}"
+    assert top == ["train.py"], f"top-level modules: {top}"
+    import sys
+
+    import lightning_pd2bw  # noqa: F401
+
+    finders = [type(f).__module__ for f in sys.meta_path]
+    assert not any(m.startswith("lightning_pd2bw") and m != "lightning_pd2bw" for m in finders), finders
 
 
 def test_the_strategy_is_a_thin_adapter():
