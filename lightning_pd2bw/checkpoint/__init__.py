@@ -3,14 +3,13 @@ manifest, atomic publication and reading back with resharding (``store``), and t
 (``engine_state``). The strategy and the CLI use it; ``consolidate(path)`` gives one whole ``state_dict`` from any
 checkpoint. Every public name of ``store`` (what ``lightning_pd2bw.checkpoint`` was as one module) is here too."""
 
-from .entries import STAGE_KEYS, empty_for, entries_of, names_per_optimizer, request_for, stage_checkpoint
+from .entries import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
 from .store import (
     FORMAT,
-    LEGACY_META_FILE,
     MANIFEST,
     META_FILE,
     SHARED_PROBE,
-    OldFormatError,
+    UnreadableCheckpoint,
     check_files,
     check_shared,
     consolidate,
@@ -32,12 +31,11 @@ from .store import (
 
 __all__ = [
     "FORMAT",
-    "LEGACY_META_FILE",
     "MANIFEST",
     "META_FILE",
     "SHARED_PROBE",
     "STAGE_KEYS",
-    "OldFormatError",
+    "UnreadableCheckpoint",
     "check_files",
     "check_shared",
     "consolidate",
@@ -47,7 +45,6 @@ __all__ = [
     "fsync_file",
     "load_stage",
     "manifest_for",
-    "names_per_optimizer",
     "newest_checkpoint",
     "publish",
     "read_entries",

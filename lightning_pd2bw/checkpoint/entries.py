@@ -37,7 +37,7 @@ parameter). The sparsity callback's masks and per-layer targets use it (``sparsi
 def entries_of(checkpoint: Mapping[str, Any], stage: int) -> dict[str, Any]:
     """The DCP entries of one stage's checkpoint (Lightning's dict, plus ``optimizer_param_names``)."""
     out: dict[str, Any] = {f"model/{k}": v for k, v in checkpoint.get("state_dict", {}).items()}
-    names = names_per_optimizer(checkpoint.get("optimizer_param_names") or [])
+    names = checkpoint.get("optimizer_param_names") or []  # per optimizer, per parameter: its names
     for k, (state, names_of) in enumerate(zip(checkpoint.get("optimizer_states") or [], names)):
         for index, values in state["state"].items():
             out.update({f"optim/{k}/{names_of[index][0]}/{key}": v for key, v in values.items()})
@@ -46,17 +46,10 @@ def entries_of(checkpoint: Mapping[str, Any], stage: int) -> dict[str, Any]:
         ]
     callbacks: dict[str, Any] = {}
     for key, state in checkpoint.get("callbacks", {}).items():
-        callbacks[key], tensors = split_by_parameter(in_todays_layout(state))
+        callbacks[key], tensors = split_by_parameter(state)
         out.update(tensors)
     out[f"callbacks/stage-{stage}"] = callbacks
     return out
-
-
-def names_per_optimizer(saved: list[Any]) -> list[list[list[str]]]:
-    """``optimizer_param_names`` as one list per optimizer (before several optimizers: one flat list)."""
-    if saved and saved[0] and isinstance(saved[0][0], str):
-        return [saved]
-    return saved
 
 
 def request_for(
@@ -162,7 +155,7 @@ def stage_checkpoint(
     out["callbacks"] = {}
     for key in stages:
         for name, state in loaded[key].items():
-            out["callbacks"][name] = merge_state(out["callbacks"].get(name), in_todays_layout(state), loaded)
+            out["callbacks"][name] = merge_state(out["callbacks"].get(name), state, loaded)
     return out
 
 
@@ -220,15 +213,3 @@ def by_parameter(state: Any, entry: str) -> dict[str, Any]:
             else:
                 found.update(by_parameter(value, entry))
     return found
-
-
-def in_todays_layout(state: Any) -> Any:
-    """A sparsity callback's state as it was before ``BY_PARAMETER`` (2026-11), in today's layout: the masks in
-    ``sparsifier["masks"]`` (a format-1 shard's tensors, or a sharded checkpoint's names of its ``masks/<name>``
-    entries, which keep their names)."""
-    sparsifier = state.get("sparsifier") if isinstance(state, Mapping) else None
-    if not isinstance(sparsifier, Mapping) or not isinstance(sparsifier.get("masks"), (list, Mapping)):
-        return state
-    parts = {"masks": sparsifier["masks"], "layer_targets": sparsifier.get("layer_targets", {})}
-    rest = {k: v for k, v in sparsifier.items() if k not in parts}
-    return {**state, "sparsifier": {**rest, BY_PARAMETER: parts}}

@@ -4,9 +4,8 @@ Layout of a checkpoint ``PATH`` (a directory, so ``ModelCheckpoint``'s ``*.ckpt`
 
     PATH/manifest.json    written last: format, step, layout, weight-version state, data position, sparsity,
                           schedule horizon, every file's size (a checkpoint without it was never published)
-    PATH/trainer.pt       Lightning's loops, schedulers, hparams ... from global rank 0 (written as meta.pt before
-                          format 2; not "meta.pt": that name makes Lightning's consolidate_checkpoint take the
-                          directory for one of its own sharded checkpoints, and fail)
+    PATH/trainer.pt       Lightning's loops, schedulers, hparams ... from global rank 0 (not "meta.pt": that name
+                          makes Lightning's consolidate_checkpoint take the directory for one of its own)
     PATH/.metadata        DCP's index of the entries (names in ``checkpoint/entries.py``: model, optimizer state
     PATH/__R_0.distcp     by parameter name, callbacks, masks), and the files the ranks wrote in parallel
 
@@ -18,9 +17,9 @@ point leaves a complete previous checkpoint: ``PATH`` itself, or ``PATH.old`` du
 ``resolve`` then uses.
 
 Loading asks DCP for this stage's names only, at any depth x width (a reshard reads the bytes each new stage
-owns, nothing else). Format 1 (``stage-NNN.pt`` files, before DCP) is converted once by ``pd2bw-consolidate
-OLD NEW --upgrade`` (``cli/consolidate.py``). ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(PATH, FILE)`` reads the entries
-too.
+owns, nothing else); a checkpoint of another format, or with a damaged manifest, is refused by name
+(``UnreadableCheckpoint``). ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(PATH, FILE)`` reads the
+entries too.
 """
 
 from __future__ import annotations
@@ -51,20 +50,19 @@ from .entries import (
     by_parameter,
     empty_for,
     entries_of,
-    in_todays_layout,
     request_for,
     stage_checkpoint,
 )
 
 META_FILE = "trainer.pt"
-LEGACY_META_FILE = "meta.pt"  # checkpoints written before this name changed
 MANIFEST = "manifest.json"
 FORMAT = 2
 _publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd2bw-publish")
 
 
-class OldFormatError(ValueError):
-    """A checkpoint written by an earlier version of lightning_pd2bw, in a format this one does not read."""
+class UnreadableCheckpoint(ValueError):
+    """A published checkpoint this version cannot read: a damaged manifest, or another format. Never passed over
+    in silence (``ckpt_path="last"`` refuses it by name rather than resume from an older one or from step 0)."""
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -106,7 +104,7 @@ def _mask_summary(callbacks: dict[str, Any]) -> dict[str, Any]:
     """Per-parameter density of the callbacks' ``masks`` entries (``entries.BY_PARAMETER``; empty when dense)."""
     out: dict[str, Any] = {}
     for state in callbacks.values():
-        masks = by_parameter(in_todays_layout(state), "masks")
+        masks = by_parameter(state, "masks")
         if masks:
             out["step"] = state.get("step") if isinstance(state, dict) else None
             out.setdefault("density", {}).update({n: round(m.float().mean().item(), 6) for n, m in masks.items()})
@@ -247,14 +245,14 @@ def resolve(path: str | Path) -> Path:
 def newest_checkpoint(directory: str | Path) -> Path | None:
     """The complete pd2bw checkpoint in ``directory`` with the highest global step (then the newest), or None.
     Unpublished saves (``*.tmp``, no manifest) are skipped; a crash between the two renames counts as its path.
-    A checkpoint of an older format raises (``OldFormatError``) rather than being passed over."""
+    A published checkpoint that cannot be read (``UnreadableCheckpoint``) raises rather than being passed over."""
     found = []
     for path in Path(directory).glob("*") if Path(directory).is_dir() else []:
         if path.name.endswith((".tmp", ".old")) or not path.is_dir():
             continue
         try:
             manifest = read_manifest(path)
-        except OldFormatError:
+        except UnreadableCheckpoint:
             raise
         except (FileNotFoundError, ValueError):
             continue
@@ -266,7 +264,7 @@ def newest_checkpoint(directory: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
-def read_manifest(path: str | Path, *, any_format: bool = False) -> dict[str, Any]:
+def read_manifest(path: str | Path) -> dict[str, Any]:
     path = resolve(path)
     file = path / MANIFEST
     if not file.is_file():
@@ -275,7 +273,7 @@ def read_manifest(path: str | Path, *, any_format: bool = False) -> dict[str, An
                 f"{str(path)!r} is a single-file checkpoint, not a pd2bw checkpoint directory; load it with "
                 "strategy='auto' (or consolidate it: it already is one)"
             )
-        if path.is_dir() and any((path / name).exists() for name in (META_FILE, LEGACY_META_FILE)):
+        if path.is_dir() and (path / META_FILE).exists():
             raise ValueError(
                 f"checkpoint {str(path)!r} has no {MANIFEST}: its save never finished (it was interrupted); "
                 "resume from the previous checkpoint"
@@ -286,19 +284,29 @@ def read_manifest(path: str | Path, *, any_format: bool = False) -> dict[str, An
         )
     try:
         manifest = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"checkpoint {str(path)!r}: {MANIFEST} is corrupt ({error}); use another checkpoint"
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UnreadableCheckpoint(
+            f"checkpoint {str(path)!r}: {MANIFEST} is damaged ({error}); it was not resumed from: use another "
+            "checkpoint (pass it as ckpt_path, or move this one away so that ckpt_path='last' finds the one before)"
         ) from error
-    if manifest.get("format") == 1 and not any_format:
-        raise OldFormatError(
-            f"checkpoint {str(path)!r} has format 1 (one stage-NNN.pt file per stage, written by lightning_pd2bw "
-            f"before its checkpoints moved to torch.distributed.checkpoint); this version reads format {FORMAT}. "
-            f"Convert it once: pd2bw-consolidate {path} NEW_PATH --upgrade, then resume from NEW_PATH"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        hint = (
+            " (format 1: one stage-NNN.pt per stage, written by lightning_pd2bw before 0.1.0's DCP checkpoints; "
+            "convert it with lightning_pd2bw 0.1.x: pd2bw-consolidate PATH NEW_PATH --upgrade)"
+            if found == 1
+            else ""
         )
-    if manifest.get("format") != FORMAT and not any_format:
-        raise ValueError(f"checkpoint {str(path)!r} has format {manifest.get('format')}; this version reads {FORMAT}")
+        raise UnreadableCheckpoint(
+            f"checkpoint {str(path)!r} has format {found!r}{hint}; lightning_pd2bw {_version()} reads format {FORMAT}"
+        )
     return manifest
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def check_files(path: Path, manifest: dict[str, Any]) -> None:
@@ -325,7 +333,7 @@ def _checked(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     folder, manifest = _checked(path)
-    name = LEGACY_META_FILE if LEGACY_META_FILE in manifest["files"] else META_FILE
+    name = META_FILE
     try:
         meta = torch.load(folder / name, map_location="cpu", weights_only=False)
     except Exception as error:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-from ..checkpoint.entries import by_parameter, in_todays_layout
+from ..checkpoint.entries import by_parameter
 
 
 @torch.no_grad()
@@ -49,5 +49,5 @@ def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, to
     masks: dict[str, torch.Tensor] = {}
     for callbacks in states:
         for state in callbacks.values():
-            masks.update(by_parameter(in_todays_layout(state), "masks"))  # written before BY_PARAMETER too
+            masks.update(by_parameter(state, "masks"))
     return masks

@@ -1,5 +1,5 @@
 """Checkpoint files: DCP entries written by two real ranks (gloo), atomic publication, the manifest, reading only
-a stage's own bytes, the format-1 upgrade, and clear errors for corrupt or foreign input."""
+a stage's own bytes, and clear errors for corrupt or foreign input."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from lightning_pd2bw.checkpoint import store as ckpt
 from lightning_pd2bw.checkpoint.entries import BY_PARAMETER
 from lightning_pd2bw.cli.config import ConfigError, check_checkpoint
-from lightning_pd2bw.cli.consolidate import main as consolidate_main
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
 REPLICAS = {"num_stages": 1, "data_parallel_size": 2, "num_layers": 4, "stage_layers": [(0, 4)]}
@@ -32,10 +31,13 @@ def stage_checkpoint(stage: int, step: int) -> dict:
                 "param_groups": [{"lr": 0.1, "params": [0]}],
             }
         ],
-        "optimizer_param_names": [[f"layers.{stage}.w"]],
+        "optimizer_param_names": [[[f"layers.{stage}.w"]]],  # per optimizer, per parameter: its names
         "callbacks": {
-            # the sparsity callback's state as it was before checkpoint.entries.BY_PARAMETER (read in today's layout)
-            "Sparsity": {"step": step, "sparsifier": {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}},
+            # the sparsity callback's state: its masks through the per-parameter protocol
+            "Sparsity": {
+                "step": step,
+                "sparsifier": {BY_PARAMETER: {"masks": {f"layers.{stage}.w": torch.tensor([1, 0, 0])}}},
+            },
             # any callback's per-parameter state, through the protocol: tensors become entries, other values stay
             "Ema": {
                 "decay": 0.9,
@@ -151,7 +153,7 @@ def test_crash_between_the_two_renames_falls_back_to_old(saved):
         ),
         (lambda p: (p / "__1_0.distcp").unlink(), "has no __1_0.distcp; it is incomplete"),
         (lambda p: (p / "manifest.json").unlink(), "has no manifest.json: its save never finished"),
-        (lambda p: (p / "manifest.json").write_text("{"), "manifest.json is corrupt"),
+        (lambda p: (p / "manifest.json").write_text("{"), "manifest.json is damaged"),
     ],
     ids=["truncated shard", "missing shard", "unpublished", "corrupt manifest"],
 )
@@ -237,50 +239,38 @@ def test_a_stage_reads_only_its_own_bytes(saved):
         load(1)
 
 
-def test_format_1_checkpoints_name_their_version_and_upgrade(tmp_path):
-    """A checkpoint of the format before DCP (one ``stage-NNN.pt`` per stage, written here by hand as that version
-    wrote it) is refused with its version and the command that converts it; converted, it loads by name."""
-    old = tmp_path / "old.ckpt"
-    old.mkdir()
-    for stage in range(2):
-        shard = stage_checkpoint(stage, 5)
-        torch.save({k: shard[k] for k in ckpt.STAGE_KEYS}, old / f"stage-{stage:03d}.pt")
-    torch.save({"global_step": 5, "epoch": 0}, old / "meta.pt")
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": "0" * 64} for f in old.iterdir()}
-    (old / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "global_step": 5, "epoch": 0, **LAYOUT, "files": files}))
-    with pytest.raises(ckpt.OldFormatError, match=r"format 1 .*pd2bw-consolidate .*old.ckpt NEW_PATH --upgrade"):
-        ckpt.read_manifest(old)
-    with pytest.raises(ckpt.OldFormatError):
-        ckpt.newest_checkpoint(tmp_path)  # not silently passed over by ckpt_path=last
-    consolidate_main([str(old), str(tmp_path / "new.ckpt"), "--upgrade"])
-    new = tmp_path / "new.ckpt"
-    assert ckpt.read_manifest(new)["format"] == ckpt.FORMAT and ckpt.read_meta(new)["global_step"] == 5
-    part = load_whole_model_as_one_stage(new)
-    assert_weights(part["model"], 5.0, 6.0)
-    assert torch.equal(part["optimizer_states"][0]["state"][1]["exp_avg"], torch.full((3,), -1.0))
-
-
-def test_not_mistaken_for_a_lightning_sharded_checkpoint_and_old_name_still_read(saved):
+def test_not_mistaken_for_a_lightning_sharded_checkpoint(saved):
     """Lightning's consolidate_checkpoint recognises its own sharded checkpoints by a ``meta.pt`` file: ours has
-    none. A checkpoint written under the old name (``meta.pt`` in its manifest) still loads."""
-    assert not (saved / "meta.pt").exists()
-    step = ckpt.read_meta(saved)["pd2bw"]["global_step"]
-    manifest = json.loads((saved / ckpt.MANIFEST).read_text())
-    manifest["files"]["meta.pt"] = manifest["files"].pop("trainer.pt")  # as format-2 checkpoints once named it
-    (saved / "trainer.pt").rename(saved / "meta.pt")
-    (saved / ckpt.MANIFEST).write_text(json.dumps(manifest))
-    assert ckpt.read_meta(saved)["pd2bw"]["global_step"] == step
+    none."""
+    assert not (saved / "meta.pt").exists() and (saved / ckpt.META_FILE).exists()
 
 
-def test_the_per_parameter_protocol_reads_older_states_and_refuses_mixed_entries():
-    from lightning_pd2bw.checkpoint.entries import in_todays_layout, merge_state, split_by_parameter
+def test_an_unreadable_newest_checkpoint_is_refused_by_name_never_passed_over(tmp_path, saved):
+    """``ckpt_path="last"`` (``newest_checkpoint``) names a published checkpoint it cannot read (a damaged manifest,
+    or a format-1 checkpoint of 0.1.0's first days) instead of resuming from an older one, or from step 0 when it
+    is the only one. An unpublished save (no manifest: killed mid-save) is still passed over."""
+    import shutil
 
-    # a sharded checkpoint written before BY_PARAMETER stored the masks' names; their entries were masks/<name>
-    stored = {"step": 3, "sparsifier": {"masks": ["a.w"], "layer_targets": {"a.w": 0.5, "b.w": 0.25}, "churn": 0.0}}
-    state = merge_state(None, in_todays_layout(stored), {"masks/a.w": torch.ones(2, dtype=torch.bool)})
-    assert state["sparsifier"]["churn"] == 0.0 and state["step"] == 3
-    assert state["sparsifier"][BY_PARAMETER]["layer_targets"] == {"a.w": 0.5, "b.w": 0.25}
-    assert torch.equal(state["sparsifier"][BY_PARAMETER]["masks"]["a.w"], torch.ones(2, dtype=torch.bool))
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copytree(saved, folder / "step=2.ckpt")
+    shutil.copytree(saved, folder / "step=4.ckpt")
+    manifest = json.loads((folder / "step=4.ckpt" / ckpt.MANIFEST).read_text())
+    (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text(json.dumps({**manifest, "global_step": 99}))
+    (folder / "step=6.ckpt").mkdir()  # killed mid-save: files, no manifest
+    (folder / "step=6.ckpt" / ckpt.META_FILE).write_bytes(b"partial")
+    assert ckpt.newest_checkpoint(folder).name == "step=4.ckpt"
+    (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text('{"format": 2, "glob')
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=r"step=4.ckpt.*manifest.json is damaged.*not resumed"):
+        ckpt.newest_checkpoint(folder)
+    (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=r"format 1 .*lightning_pd2bw 0.1.x.*reads format 2"):
+        ckpt.newest_checkpoint(folder)
+
+
+def test_the_per_parameter_protocol_refuses_mixed_entries():
+    from lightning_pd2bw.checkpoint.entries import split_by_parameter
+
     with pytest.raises(ValueError, match=r"by_parameter\['ema'\] mixes tensors and other values"):
         split_by_parameter({BY_PARAMETER: {"ema": {"a.w": torch.ones(1), "b.w": 1.0}}})
     with pytest.raises(ValueError, match=r"by_parameter\['model'\]: the entry may not be"):
