@@ -1,7 +1,8 @@
 """Gradient collectives of one pipeline update: replica averaging, shared-parameter sums, clipping (and the
 broadcast that starts every replica of a stage from the same weights).
 
-Plain torch.distributed (no Lightning). Run at a STEP action, in the same order on every stage.
+Plain torch.distributed (no Lightning). Run by the update's actions (REDUCE, CHECK, CLIP, TIED_STEP), in the same
+order on every stage.
 """
 
 from __future__ import annotations

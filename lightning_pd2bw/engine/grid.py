@@ -63,7 +63,7 @@ class Groups:
     ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
     behind an update's collective); ``replica``: one stage's data-parallel replicas (gradient averaging);
     ``shared``: the stages holding a tied parameter; ``link``: one group per neighbour, both directions, used in
-    batches (``comm.py`` says why).
+    batches (``transport.py`` says why).
     """
 
     pipeline: object

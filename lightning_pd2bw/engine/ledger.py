@@ -32,7 +32,7 @@ class BatchEntry:
     global_step: int
     hparams: list[list[dict[str, Any]]] | None  # per optimizer, per param group; None once the update took it
     loss: tuple[torch.Tensor, Any] | None = None  # (value, the broadcast's work) in flight
-    deferred: list[Any] | None = None  # the tied-gradient sums (gradients.DeferredSharedSums.launch)
+    deferred: list[Any] | None = None  # the tied-gradient sums in flight (gradients.launch_shared_sums)
     deferred_hparams: list[list[dict[str, Any]]] | None = None
     loss_expected: bool = field(default=True)
 

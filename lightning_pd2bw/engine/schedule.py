@@ -64,7 +64,7 @@ SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP = Kind.REDUCE, Kind.REDUCE_DEFER, Kind.CHECK, Kind.HOOKS, Kind.CLIP
 TIED_STEP, WAIT_SENDS, LOSS = Kind.TIED_STEP, Kind.WAIT_SENDS, Kind.LOSS
-UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP, TIED_STEP)  # run by the update; STEP also makes a version
+UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP, TIED_STEP)  # run by the update; REDUCE also makes a version
 BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$"
@@ -119,7 +119,7 @@ def fused_receive(actions: Sequence[Action], index: int) -> Action | None:
     neighbour, when it is a receive (1F1B's ``SEND_F(k)`` then ``RECV_B(j)``; ``SEND_B(j)`` then ``RECV_F(k+1)``),
     else None. Stage r's ``{SEND_F(k), RECV_B(j)}`` then meets stage r+1's ``{SEND_B(j), RECV_F(k)}``: the batching
     Megatron-LM and ``torch.distributed.pipelining`` use, deadlock-free when kernels run one at a time
-    (``comm.py``; proven by ``nccl_model`` over ``comm_plan``'s lowering)."""
+    (``transport.py``; proven by ``nccl_model`` over ``comm_plan``'s lowering)."""
     kind = actions[index].kind
     if kind not in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
         raise ValueError(f"{actions[index]} is not a send")

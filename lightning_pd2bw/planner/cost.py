@@ -29,7 +29,7 @@ each term checked against ``PipelineEngine.counters()`` in ``tests/distributed/t
                   the bfloat16 that crosses the boundary)
     transport     boundary messages in flight: (warm-up + 2) outputs to the next stage (its warm-up sends, one
                   batched send, the gradient receive posted with it) and 2 inputs from the previous (one
-                  gradient send, one activation receive); never more with m (``comm.py``)
+                  gradient send, one activation receive); never more with m (``transport.py``)
     communication NCCL's buffers: an estimate per communicator the stage uses (pipeline neighbours, the
                   pipeline's collectives, the loss broadcast, replicas, tied parameters), 0 on a CPU
 """

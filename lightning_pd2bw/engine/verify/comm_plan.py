@@ -2,12 +2,12 @@
 
 ``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
 stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, HOOKS, CLIP, TIED_STEP),
-the calls the transport (``comm.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
+the calls the transport (``transport.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
 broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
 the same ones on the pipeline's own process groups, so the model cannot drift from the code.
 
-``transport="batched"`` (the default) is ``comm.StageLink``: one group per stage pair, each send in one batch with
+``transport="batched"`` (the default) is ``transport.StageLink``: one group per stage pair, each send in one batch with
 the receive fused to it. The transports this project had before stay here as lowerings, so the model can show
 why they were replaced: ``"directional"`` (one group per direction, receives posted early, sends retired two
 segments later) deadlocks once kernels of different communicators run one at a time, and keeps O(m) messages;
@@ -39,7 +39,7 @@ class CommLayout:
     eval_batches: int = 0  # validation batches run after each of those drains
     boundary_tensors: int = 1  # tensors crossing each stage boundary
     gradient_buckets: int = 1  # replica all-reduce buckets per update
-    transport: str = "batched"  # comm.StageLink; "directional" and "shared": the transports it replaced
+    transport: str = "batched"  # transport.StageLink; "directional" and "shared": the transports it replaced
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
 
 
@@ -91,7 +91,7 @@ class _Rank(ReplacedTransports):
             self.wait(handle, label)
         return handle
 
-    # -------------------------------------------------------------- transport (comm.StageLink)
+    # -------------------------------------------------------------- transport (transport.StageLink)
     @property
     def legacy(self) -> bool:
         return self.layout.transport != "batched"

@@ -1,4 +1,4 @@
-"""The transports this project had before ``comm.StageLink``, kept as lowerings so that ``nccl_model`` can show why
+"""The transports this project had before ``transport.StageLink``, kept as lowerings so that ``nccl_model`` can show why
 they were replaced (``comm_plan.CommLayout.transport``):
 
 - ``"directional"``: one group per direction, receives posted early, sends retired two segments later. Free of
