@@ -267,6 +267,9 @@ class PipelineEngine:
             "max_weight_versions": versions.max_versions_held,
             "versions_bytes": versions.held_bytes,
             "gradient_bytes": nbytes(p.grad for p in self.params if p.grad is not None),
+            # 2BW: batch b's gradients set aside from its REDUCE to its STEP, while batch b + 1 accumulates its own
+            "pending_gradient_bytes": self.update.pending_bytes if self.update is not None else 0,
+            "peak_pending_gradient_bytes": self.update.peak_pending_bytes if self.update is not None else 0,
             "optimizer_state_bytes": nbytes(state),
             "correction_bytes": correction.held_bytes if correction is not None else 0,
             "stashed_microbatches": len(executor._stash),
@@ -313,15 +316,11 @@ class PipelineEngine:
         self.ledger.restart()
         return loss
 
-    def _schedule_of_stage(self) -> tuple[str, int, int, int]:
-        return self.mode, self.grid.stage, self.num_stages, self.num_microbatches
-
     def actions(self, batch: int, drain: bool = False) -> list[schedule.Action]:
         """This stage's actions for batch ``batch`` of a run (``drain``: what its drain runs), the update's parts
         included; ``print(schedule.listing(engine.actions(3)))`` shows them."""
-        defer = self.update.defers_tied_sums() if self.update is not None else False
         make = schedule.drain if drain else schedule.segment
-        return make(*self._schedule_of_stage(), batch, defer, self.layout.lookahead)
+        return make(self.layout, self.grid.stage, batch)
 
     def _publish_loss(self, step: int) -> None:
         """LOSS(step): the last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""

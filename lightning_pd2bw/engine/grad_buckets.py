@@ -12,7 +12,7 @@ A parameter that gets no gradient in a batch on any replica keeps ``grad=None``,
 (an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
 with the gradients; ``finish`` reads the flags only on a replica that missed a gradient (a host sync in that
 case alone). Parameters held by several stages (a tied embedding) are not in the buckets: 2BW moves their
-gradients aside for a deferred sum (``gradients.launch_shared_sums``).
+gradients aside for their sums over the stages (``update.py``, REDUCE).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Gradient collectives of one pipeline update: replica averaging, shared-parameter sums, clipping (and the
 broadcast that starts every replica of a stage from the same weights).
 
-Plain torch.distributed (no Lightning). Run by the update's actions (REDUCE, CHECK, CLIP, TIED_STEP), in the same
-order on every stage.
+Plain torch.distributed (no Lightning). Run by the update's actions (REDUCE, CHECK, CLIP), in the same order on
+every stage.
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int)
         finish(*entry)
 
 
-def nonfinite_flag(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """A one-element float tensor on ``device``: 1.0 if any gradient entry is non-finite, else 0.0 (no sync)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def nonfinite_flag(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A one-element float tensor on ``device``: 1.0 if any entry of ``grads`` is non-finite, else 0.0 (no sync)."""
     if not grads:
         return torch.zeros(1, device=device)
     return finite_flags(grads).all().logical_not().float().reshape(1)
@@ -125,57 +124,20 @@ class FiniteWatch:
         return None
 
 
-def sum_shared(shared: Sequence[tuple[nn.Parameter, Any]]) -> None:
-    """A parameter held by several stages (a tied embedding) gets the sum of their gradients on each."""
-    for param, group in shared:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, group=group)
-
-
-def launch_shared_sums(shared: Sequence[tuple[nn.Parameter, Any]]) -> list[tuple[nn.Parameter, torch.Tensor, Any]]:
-    """2BW's tied-parameter sums, off the critical path.
-
-    The stages holding a tied parameter reach the update of batch b at different moments (the last
-    stage first), so a blocking sum makes the early ones wait. Under 2BW, batch b's update is first
-    read by batch b+2's forwards; the tied gradients are therefore moved aside (the next batch's
-    backwards start fresh ones: one extra gradient copy of the tied parameters) and summed
-    asynchronously; ``finish_shared_sums`` hands them over before batch b+2 begins (the ledger holds
-    them in between)."""
-    entries = []
-    for param, group in shared:
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        param.grad = None
-        entries.append((param, grad, dist.all_reduce(grad, group=group, async_op=True)))
-    return entries
-
-
-def finish_shared_sums(
-    entries: Sequence[tuple[nn.Parameter, torch.Tensor, Any]],
-) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """The summed gradients of ``launch_shared_sums`` (waits for the sums)."""
-    for _, _, work in entries:
-        work.wait()
-    return [(param, grad) for param, grad, _ in entries]
-
-
-def clip_by_norm(
-    params: Sequence[nn.Parameter],
-    max_norm: float,
-    not_counted: set[int],
-    group: Any | None,
-    device: torch.device,
-) -> None:
-    """Clip by the global L2 norm: this stage's squares (shared parameters counted on one stage only,
-    ``not_counted`` holds the others' ids) summed over ``group`` (None: this stage's norm alone)."""
-    counted = [p.grad for p in params if p.grad is not None and id(p) not in not_counted]
+def squared_norm(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of ``grads``' entries, in float32 on ``device`` (one fused norm kernel per dtype, no
+    loop over tensors): this stage's part of the clip norm, summed over the pipeline by the caller (global mode)."""
     squares = torch.zeros((), device=device, dtype=torch.float32)
-    for group_grads in _by_dtype(counted):  # one fused norm kernel per dtype, no loop over tensors
+    for group_grads in _by_dtype(grads):
         squares += torch.stack(torch._foreach_norm(group_grads)).float().pow(2).sum()
-    if group is not None:
-        dist.all_reduce(squares, group=group)
+    return squares
+
+
+def scale_to_norm(grads: Sequence[torch.Tensor], squares: torch.Tensor, max_norm: float) -> None:
+    """Clip ``grads`` in place to ``max_norm``, their total norm being ``sqrt(squares)`` (as
+    ``torch.nn.utils.clip_grad_norm_``: coefficient ``max_norm / (norm + 1e-6)``, at most 1)."""
     coefficient = torch.clamp(max_norm / (squares.sqrt() + 1e-6), max=1.0)
-    for group_grads in _by_dtype([p.grad for p in params if p.grad is not None]):
+    for group_grads in _by_dtype(grads):
         torch._foreach_mul_(group_grads, coefficient.to(group_grads[0].dtype))
 
 

@@ -3,18 +3,17 @@
 A batch (numbered within a run, the stretch between two drains) is opened by its training step with the global
 step it belongs to and the hyper-parameters every optimizer had then (its update, which 2BW applies one step
 later, must use them). It then holds, until each is consumed: those hyper-parameters (taken by the update), its
-mean loss being broadcast from the last stage (taken one step later under 2BW), and, under 2BW with tied
-parameters, the deferred tied-gradient sums with the hyper-parameters their delayed update uses (taken before
-batch + 2's first forward). A batch whose entries are all consumed is closed.
+mean loss being broadcast from the last stage (taken one step later under 2BW). A batch whose entries are all
+consumed is closed.
 
 Beside the entries, the ledger holds the per-batch state of this stage's work in flight, each popped when its
 batch is done with it: the last stage's running sum of a batch's microbatch losses (``add_loss``), the backwards run
 per batch (``count_backward``: the batch's last one arms the replica all-reduce), and the batches CHECK found
 non-finite under ``on_nonfinite="skip"`` (``skip``); and ``fed``, the batches fed since the engine was built.
 
-Bounded by construction: at most ``LIMIT`` batches are open (2BW: the batch two back waits for its tied update,
-the previous one for its update and loss, the current one); opening one more is a bug and raises rather than
-grows. ``counters()`` reports what is held.
+Bounded by construction: at most ``LIMIT`` batches are open (2BW: the batch two back waits for the end of its
+update, which the head of the current step completes, the previous one for its update and loss, the current one);
+opening one more is a bug and raises rather than grows. ``counters()`` reports what is held.
 """
 
 from __future__ import annotations
@@ -32,12 +31,10 @@ class BatchEntry:
     global_step: int
     hparams: list[list[dict[str, Any]]] | None  # per optimizer, per param group; None once the update took it
     loss: tuple[torch.Tensor, Any] | None = None  # (value, the broadcast's work) in flight
-    deferred: list[Any] | None = None  # the tied-gradient sums in flight (gradients.launch_shared_sums)
-    deferred_hparams: list[list[dict[str, Any]]] | None = None
     loss_expected: bool = field(default=True)
 
     def consumed(self) -> bool:
-        return self.hparams is None and self.loss is None and self.deferred is None and not self.loss_expected
+        return self.hparams is None and self.loss is None and not self.loss_expected
 
 
 class BatchLedger:
@@ -83,7 +80,7 @@ class BatchLedger:
         if len(self.batches) >= LIMIT:
             raise RuntimeError(
                 f"pd2bw: {len(self.batches)} batches still held ({sorted(self.batches)}) when opening batch "
-                f"{self.next_batch}: an update, loss or tied sum was never consumed (a pipeline bug)"
+                f"{self.next_batch}: an update or a loss was never consumed (a pipeline bug)"
             )
         batch, self.next_batch = self.next_batch, self.next_batch + 1
         self.batches[batch] = BatchEntry(global_step, hparams)
@@ -118,27 +115,11 @@ class BatchLedger:
     def pending_losses(self) -> list[int]:
         return sorted(b for b, e in self.batches.items() if e.loss is not None)
 
-    def defer(self, batch: int, sums: list[Any], hparams: list[list[dict[str, Any]]]) -> None:
-        entry = self.batches[batch]
-        entry.deferred, entry.deferred_hparams = sums, hparams
-
-    def deferred_hparams(self, batch: int) -> list[list[dict[str, Any]]] | None:
-        """Where the deferred tied update of ``batch`` records its hyper-parameters (None: not deferred)."""
-        entry = self.batches.get(batch)
-        return entry.deferred_hparams if entry is not None and entry.deferred is not None else None
-
-    def take_deferred(self, batch: int) -> tuple[list[Any], list[list[dict[str, Any]]]]:
-        entry = self.batches[batch]
-        out = (entry.deferred, entry.deferred_hparams)
-        entry.deferred = entry.deferred_hparams = None
-        self._close_if_done(batch)
-        return out
-
     def restart(self) -> None:
         """After a drain: every batch is consumed; numbering starts again at 0."""
         left = {b: e for b, e in self.batches.items() if not e.consumed()}
-        if any(e.hparams is not None or e.deferred is not None or e.loss is not None for e in left.values()):
-            raise RuntimeError(f"pd2bw: batches {sorted(left)} still hold an update, loss or tied sum after a drain")
+        if any(e.hparams is not None or e.loss is not None for e in left.values()):
+            raise RuntimeError(f"pd2bw: batches {sorted(left)} still hold an update or a loss after a drain")
         if self.loss_sums or self.backwards:
             raise RuntimeError(
                 f"pd2bw: losses of batches {sorted(self.loss_sums)} or backwards of {sorted(self.backwards)} are still "
@@ -149,14 +130,12 @@ class BatchLedger:
         self.next_batch = 0
 
     def counters(self) -> dict[str, int]:
-        """What is held now: open batches, updates waiting for their hyper-parameters, losses in flight,
-        deferred tied sums."""
+        """What is held now: open batches, updates waiting for their hyper-parameters, losses in flight."""
         entries = self.batches.values()
         return {
             "batches": len(self.batches),
             "updates_pending": sum(e.hparams is not None for e in entries),
             "losses_in_flight": sum(e.loss is not None for e in entries),
-            "deferred_sums": sum(e.deferred is not None for e in entries),
             "loss_sums": len(self.loss_sums),
             "batches_in_backward": len(self.backwards),
             "skipped_pending": len(self.skipped),

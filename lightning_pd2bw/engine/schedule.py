@@ -9,8 +9,12 @@ Modes (DESIGN.md):
 - ``flush``  (PipeDream-Flush): 1F1B, drain at the end of every batch, batch t uses version t.
 - ``gpipe``: all forwards, then all backwards, drain every batch, batch t uses version t.
 - ``2bw``    (PipeDream-2BW): one continuous 1F1B stream over the batches, never drained between
-  batches; batch t uses version ``max(t - 1, 0)``; the update of batch t (STEP) is applied as soon
-  as the stage has finished batch t's last backward.
+  batches; batch t uses version ``max(t - 1, 0)``. The update of batch t is first read by batch t + 2's first
+  forward, so it runs beside batch t + 1 (``update.py``): REDUCE(t) right after t's last backward on the stage
+  (its gradients set aside, the tied sums launched); CHECK, HOOKS and NORM(t) (the clip norm launched over the
+  pipeline) once batch t + 1's forward of microbatch ``(t + 1) m + w0`` has passed the stage (``w0``: the first
+  stage's warm-up), by which every stage has reached REDUCE(t), so none waits for another's tied sum; CLIP and
+  STEP(t) at the head of step t + 2. Flush and GPipe run the parts back to back at the end of their batch.
 
 ``segment(...)`` returns the actions of one training step (what the strategy runs per Lightning
 step); ``drain(...)`` returns what is left in flight after a step; ``stream(...)`` is the
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from .layout import MODES, check_schedule
+from .layout import MODES, Layout, check_schedule
 
 Mode = Literal["flush", "gpipe", "2bw"]
 __all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update", "validate"]
@@ -41,14 +45,13 @@ class Kind(str, Enum):
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
     # the update of batch b, in this order (engine/update.py runs each part)
-    REDUCE = "REDUCE"  # the next weight version made writable; gradients averaged over the replicas, tied
-    #                    parameters' gradients summed over the stages holding them
-    REDUCE_DEFER = "REDUCE_DEFER"  # the same, the tied sums only launched: their update is TIED_STEP(b), later
-    CHECK = "CHECK"  # the non-finite policy ("skip": agreed over the pipeline)
+    REDUCE = "REDUCE"  # the update begins: the next weight version made writable; gradients averaged over the
+    #                    replicas and set aside; the tied sums and the pipeline's norm and flag launched
+    CHECK = "CHECK"  # the tied sums waited for; the non-finite policy ("skip": its flag launched over the pipeline)
     HOOKS = "HOOKS"  # the before-step hooks, once per optimizer (Lightning: on_before_optimizer_step)
-    CLIP = "CLIP"  # clipping (global: a norm over the pipeline)
+    NORM = "NORM"  # the clip norm: this stage's part, summed over the pipeline (launched; global clipping)
+    CLIP = "CLIP"  # clipping (global: by the norm NORM launched)
     STEP = "STEP"  # every optimizer's step with batch b's hyper-parameters, the delay correction, post-hooks
-    TIED_STEP = "TIED_STEP"  # 2BW: the tied parameters' deferred update of batch b, before batch b+2's forwards
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
 
@@ -62,9 +65,11 @@ class Kind(str, Enum):
 FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
-REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP = Kind.REDUCE, Kind.REDUCE_DEFER, Kind.CHECK, Kind.HOOKS, Kind.CLIP
-TIED_STEP, WAIT_SENDS, LOSS = Kind.TIED_STEP, Kind.WAIT_SENDS, Kind.LOSS
-UPDATE_PARTS = (REDUCE, REDUCE_DEFER, CHECK, HOOKS, CLIP, TIED_STEP)  # run by the update; REDUCE also makes a version
+REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
+WAIT_SENDS, LOSS = Kind.WAIT_SENDS, Kind.LOSS
+UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
+PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
+FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: at the head of step b + 2)
 BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$"
@@ -219,65 +224,67 @@ def _twobw_order(
     return order
 
 
-def update(batch: int, defer_tied: bool = False) -> list[Action]:
-    """The parts of batch ``batch``'s update, in order."""
-    reduce = REDUCE_DEFER if defer_tied else REDUCE
-    return [Action(kind, batch) for kind in (reduce, CHECK, HOOKS, CLIP, STEP)]
+def update(batch: int) -> list[Action]:
+    """The parts of batch ``batch``'s update, in order, back to back (flush, gpipe, and 2BW's drain)."""
+    return [Action(REDUCE, batch), *prepare(batch), *finish(batch)]
+
+
+def prepare(batch: int) -> list[Action]:
+    """What 2BW runs of batch ``batch``'s update beside batch ``batch + 1``: the check, the hooks, the norm."""
+    return [Action(kind, batch) for kind in PREPARE_PARTS]
+
+
+def finish(batch: int) -> list[Action]:
+    """The completion of batch ``batch``'s update: what 2BW runs at the head of step ``batch + 2``."""
+    return [Action(kind, batch) for kind in FINISH_PARTS]
 
 
 def _insert_steps(
-    actions: list[Action], num_microbatches: int, pending: int | None, defer_tied: bool
+    actions: list[Action], num_microbatches: int, pending: int | None, prepare_after: int
 ) -> tuple[list[Action], int | None]:
-    """Place the update of batch b (ending in STEP(b)) right before the first F that follows b's last backward.
+    """Place REDUCE(b), the beginning of batch b's update, right before the first F that follows b's last backward,
+    and its CHECK, HOOKS and NORM right after the forward of microbatch ``(b + 1) m + prepare_after`` and its send.
 
-    Returns the actions and the batch whose update is still pending at the end (or None).
+    Returns the actions and the batch whose REDUCE is still pending at the end (or None).
     """
     out: list[Action] = []
-    for action in actions:
+    for index, action in enumerate(actions):
         if action.kind in (FORWARD, RECV_FORWARD) and pending is not None:
-            out += update(pending, defer_tied)
+            out.append(Action(REDUCE, pending))
             pending = None
         out.append(action)
         if action.kind == BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
             pending = action.batch
+        sent = index + 1 == len(actions) or actions[index + 1].kind != SEND_FORWARD  # the forward's send is out
+        if action.kind in (FORWARD, SEND_FORWARD) and sent and action.microbatch % num_microbatches == prepare_after:
+            if action.batch >= 1:
+                out += prepare(action.batch - 1)
     return out, pending
 
 
 def _pending_before(
     mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
 ) -> int | None:
-    """The batch whose STEP is pending when step ``batch`` begins (2BW's last stage carries one over)."""
+    """The batch whose REDUCE is pending when step ``batch`` begins (2BW's last stage carries one over)."""
     if mode != "2bw" or batch == 0:
         return None
     return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches, lookahead) == 0 else None
 
 
 def _segment(
-    mode: Mode,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    batch: int,
-    defer_tied: bool = False,
-    lookahead: int = 0,
+    mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
 ) -> list[Action]:
-    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``.
-
-    ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
-    each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
-    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step.
-    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``). The raw list:
-    ``segment`` moves a trailing SEND_B to the next segment."""
-    validate(mode, num_stages, num_microbatches, lookahead)
+    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``; the raw list: ``segment``
+    moves a trailing SEND_B to the next segment."""
     if mode != "2bw":
         order = _flush_order(stage, num_stages, num_microbatches, mode, batch, lookahead)
         return _expand(order, stage, num_stages, num_microbatches, mode) + update(batch) + [Action(WAIT_SENDS, batch)]
     order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     pending = _pending_before(mode, stage, num_stages, num_microbatches, batch, lookahead)
-    actions, _ = _insert_steps(actions, num_microbatches, pending, defer_tied)
-    tied = [Action(TIED_STEP, batch - 2)] if defer_tied and batch >= 2 else []
-    return tied + actions
+    first_warmup = warmup_forwards(0, num_stages, num_microbatches, lookahead)
+    actions, _ = _insert_steps(actions, num_microbatches, pending, first_warmup)
+    return (finish(batch - 2) if batch >= 2 else []) + actions
 
 
 def _carried(actions: list[Action]) -> tuple[list[Action], list[Action]]:
@@ -287,75 +294,54 @@ def _carried(actions: list[Action]) -> tuple[list[Action], list[Action]]:
     return actions, []
 
 
-def segment(
-    mode: Mode,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    batch: int,
-    defer_tied: bool = False,
-    lookahead: int = 0,
-) -> list[Action]:
-    """Actions of training step ``batch`` (0-based since the last drain) on ``stage``.
+def segment(layout: Layout, stage: int, batch: int) -> list[Action]:
+    """Actions of training step ``batch`` (0-based since the last drain) on ``stage`` of ``layout``.
 
-    ``defer_tied`` (2BW; a stage holding a tied parameter, without clipping or the skip policy): the tied sums of
-    each update are only launched (``REDUCE_DEFER``) and applied as ``TIED_STEP(b)`` at the start of step b + 2,
-    on the newest weights, which nothing has read yet; the sum's latency hides behind a whole step.
-    ``lookahead``: more forwards in flight on the stages before the last (``warmup_forwards``).
-
-    Under 2BW a segment's last action on a stage after the first is a SEND_B whose neighbour takes it only in its
-    next segment, fused with the first activations of the next batch (``fused_receive``): it is sent at the head of
-    the next segment (or drain), in one batch with the receive of those activations, so both ends of the pair
-    batch the same two messages. Every segment ends with ``LOSS(batch)``: the last stage's broadcast of the batch's
-    mean loss to its pipeline, on a group of its own."""
-    raw = _segment(mode, stage, num_stages, num_microbatches, batch, defer_tied, lookahead)
+    Under 2BW a step begins with the completion of batch ``batch - 2``'s update (CHECK .. STEP: before this batch's
+    first forward reads the weights it makes), and batch b's REDUCE follows its last backward on this stage.
+    A segment's last action on a stage after the first is a SEND_B whose neighbour takes it only in its next
+    segment, fused with the first activations of the next batch (``fused_receive``): it is sent at the head of the
+    next segment (or drain), in one batch with the receive of those activations, so both ends of the pair batch
+    the same two messages. Every segment ends with ``LOSS(batch)``: the last stage's broadcast of the batch's mean
+    loss to its pipeline, on a group of its own."""
+    mode, num_stages, num_microbatches, lookahead = _of(layout)
+    raw = _segment(mode, stage, num_stages, num_microbatches, batch, lookahead)
     if mode != "2bw":
         return [*raw, Action(LOSS, batch)]
     actions, _ = _carried(raw)
     if batch == 0:
         return [*actions, Action(LOSS, batch)]
-    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, batch - 1, defer_tied, lookahead))
+    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, batch - 1, lookahead))
     return [*carried, *actions, Action(LOSS, batch)]
 
 
-def drain(
-    mode: Mode,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    last_batch: int,
-    defer_tied: bool = False,
-    lookahead: int = 0,
-) -> list[Action]:
-    """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and update (never
-    deferred: nothing may stay pending after a drain), then the wait for its sends."""
-    validate(mode, num_stages, num_microbatches, lookahead)
+def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
+    """What remains in flight on ``stage`` after step ``last_batch``: the completion of the update before it, its
+    last backwards and its whole update (nothing may stay pending after a drain), then the wait for its sends."""
+    mode, num_stages, num_microbatches, lookahead = _of(layout)
     if mode != "2bw" or last_batch < 0:
         return []
     warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     end = (last_batch + 1) * num_microbatches
     order = [(BACKWARD, k) for k in range(end - warmup, end)]
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
-    tied = [Action(TIED_STEP, last_batch - 1)] if defer_tied and last_batch >= 1 else []
-    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, last_batch, defer_tied, lookahead))
-    # the previous step may have left this stage's update of `last_batch` pending (warm-up 0)
-    return carried + tied + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
+    before = finish(last_batch - 1) if last_batch >= 1 else []
+    _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, last_batch, lookahead))
+    # the previous step may have left this stage's REDUCE of `last_batch` pending (warm-up 0)
+    return carried + before + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
 
 
-def stream(
-    mode: Mode,
-    stage: int,
-    num_stages: int,
-    num_microbatches: int,
-    num_batches: int,
-    defer_tied: bool = False,
-    lookahead: int = 0,
-) -> list[Action]:
+def stream(layout: Layout, stage: int, num_batches: int) -> list[Action]:
     """All actions of ``num_batches`` steps followed by the drain: one run between two drains."""
     actions: list[Action] = []
     for batch in range(num_batches):
-        actions += segment(mode, stage, num_stages, num_microbatches, batch, defer_tied, lookahead)
-    return actions + drain(mode, stage, num_stages, num_microbatches, num_batches - 1, defer_tied, lookahead)
+        actions += segment(layout, stage, batch)
+    return actions + drain(layout, stage, num_batches - 1)
+
+
+def _of(layout: Layout) -> tuple[Mode, int, int, int]:
+    """The layout's schedule facts (a ``Layout`` is valid by construction: nothing is checked per step)."""
+    return layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead  # type: ignore[return-value]
 
 
 def validate(mode: str, num_stages: int, num_microbatches: int, lookahead: int = 0) -> None:

@@ -1,29 +1,34 @@
 """The update of one batch, identical on every stage (plain PyTorch), as the schedule's actions run it.
 
 ``schedule.update(b)`` places the parts of batch b's update (``engine/schedule.py``); ``UpdateRule.handlers``
-registers each in the executor's ``{Kind: handler}`` table:
-  REDUCE(b)      the next weight version made writable (2BW: the stale buffer is recycled; first, so that the
-                 hooks, clipping and the step below see the newest weights); gradients averaged over
-                 the data-parallel replicas (``grad_buckets.py``: their all-reduces started during the batch's last
-                 backward; REDUCE waits for them), then summed over the stages that share a
-                 parameter (GPT's tied embedding); REDUCE_DEFER(b) only launches those sums (2BW without
-                 clipping), and TIED_STEP(b), placed before batch b+2's first forward, applies their update;
-  CHECK(b)       the non-finite policy: ``stop`` raises (without a host sync: on a GPU at the first update after
-                 the flags reached the host, and at every drain), ``skip`` agrees over the pipeline and drops b;
-  HOOKS(b)       the ``before_step`` hook once per optimizer (under Lightning: ``on_before_optimizer_step`` of
-                 the callbacks, then of the LightningModule);
-  CLIP(b)        clipping: by the global norm over all stages
-                 (``clip_mode="global"``, one all-reduce of a scalar) or per stage, over every optimizer's
-                 parameters;
-  STEP(b)        ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was
-                 fed with; 2BW's delay correction (``delay_correction.py``); the optimizers' step post-hooks
-                 (e.g. sparsity masks) on the new version; gradients cleared.
+registers each in the executor's ``{Kind: handler}`` table. Under 2BW the update of batch b is first read by batch
+b + 2's first forward, so it runs while batch b + 1 computes (flush and gpipe run the parts back to back):
+  REDUCE(b)      right after b's last backward: the next weight version made writable (2BW: the stale buffer is
+                 recycled); gradients averaged over the data-parallel replicas (``grad_buckets.py``: their
+                 all-reduces started during the batch's last backward; REDUCE waits for them: the replicas run in
+                 step) and set aside (one more gradient buffer: the next batch's backwards accumulate afresh); the
+                 sums of the tied parameters' gradients over the stages holding them launched, not waited for;
+  CHECK(b)       (2BW: once every stage has reached REDUCE(b), so the wait is never on a peer) batch b's gradients
+                 in ``.grad`` again (the next batch's aside until NORM), the tied sums waited for; the non-finite
+                 policy: ``stop`` queues its check (raised without a host sync: on a GPU at the first update after
+                 the flags reached the host, and at every drain), ``skip`` launches its flag over the pipeline;
+  HOOKS(b)       ``skip``: the flag read (the batch dropped on every stage if any found it non-finite); the
+                 ``before_step`` hook once per optimizer (under Lightning: ``on_before_optimizer_step`` of the
+                 callbacks, then of the LightningModule; e.g. the sparsity masks on the gradients);
+  NORM(b)        global clipping: this stage's squared norm launched as a sum over the pipeline, not waited for;
+                 then the next batch's gradients back in ``.grad``;
+  CLIP(b)        (2BW: at the head of step b + 2) batch b's gradients in ``.grad`` again; clipped by the global norm
+                 NORM launched (waited for here: every stage launched it a while ago) or per stage, over every
+                 optimizer's parameters;
+  STEP(b)        ``step()`` of every optimizer, in order, with the hyper-parameters (lr, ...) batch b was fed with;
+                 2BW's delay correction (``delay_correction.py``); the optimizers' step post-hooks (e.g. sparsity
+                 masks) on the new version; then the next batch's gradients back in ``.grad``.
+The rule is unchanged, W(t+1) = W(t) - lr * grad f(W(t-1)): only when the work is done moved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +72,24 @@ class UpdatePolicy:
 
 
 @dataclass
+class SetAside:
+    """Batch b's update from REDUCE(b) to STEP(b): its gradients (one per parameter, None where none arrived) and
+    its collectives in flight; while its parts run, the gradients the next batch accumulated (``current``)."""
+
+    grads: list[torch.Tensor | None]
+    tied: list[Any]  # the tied sums' works
+    flag: torch.Tensor | None = None  # non-finite gradients anywhere in the pipeline ("skip")
+    flag_work: Any = None
+    squares: torch.Tensor | None = None  # this stage's squared norm, summed over the pipeline once `norm` is done
+    norm: Any = None
+    current: list[torch.Tensor | None] | None = None  # the next batch's gradients, aside while b's parts run
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+
+
+@dataclass
 class UpdateRule:
     """Replica averaging, tied sums, the non-finite policy, clipping and the optimizer step of one stage."""
 
@@ -88,100 +111,149 @@ class UpdateRule:
     buckets: GradientBuckets | None = None  # width > 1: the replicated gradients, all-reduced during the backward
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
+    pending: dict[int, SetAside] = field(default_factory=dict)  # batch -> its update between REDUCE and STEP
+    peak_pending_bytes: int = 0
 
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
         """The update's parts, as the schedule places them, for the executor's table (``executor.register``)."""
         return {
             S.REDUCE: lambda action: self.reduce(action.batch),
-            S.REDUCE_DEFER: lambda action: self.reduce(action.batch, deferred=True),
             S.CHECK: lambda action: self.check(action.batch),
             S.HOOKS: lambda action: self.hooks(action.batch),
+            S.NORM: lambda action: self.norm(action.batch),
             S.CLIP: lambda action: self.clip(action.batch),
             S.STEP: lambda action: self.step(action.batch),
-            S.TIED_STEP: lambda action: self.tied_step(action.batch),
         }
 
-    def reduce(self, batch: int, deferred: bool = False) -> None:
-        """REDUCE(b): the update begins (the next weight version made writable), then average over the replicas,
-        sum the tied gradients over their stages (REDUCE_DEFER: only launch the sums; TIED_STEP(b) applies them)."""
+    @property
+    def pending_bytes(self) -> int:
+        """The set-aside gradients held now (2BW: one batch's, from its REDUCE to its STEP, beside the next batch's
+        accumulating ones; flush and gpipe hold them only within their update)."""
+        return sum(aside.nbytes for aside in self.pending.values()) if self.mode == "2bw" else 0
+
+    def reduce(self, batch: int) -> None:
+        """REDUCE(b): the update begins (the next weight version made writable); average over the replicas, set
+        the gradients aside, launch the tied sums."""
         if self.executor is not None:
             self.executor.begin_update()
-        shared = [(s.param, s.group) for s in self.shared]
+        tied = {id(s.param) for s in self.shared}
         replicated = self.params
         if self.buckets is not None:  # started during the last backward; the tied parameters are not in them
             self.buckets.finish()
             replicated = [s.param for s in self.shared]
         gradients.average_over_replicas(replicated, self.groups.replica, self.data_parallel_size)
-        if deferred:
-            self.ledger.defer(batch, gradients.launch_shared_sums(shared), [[] for _ in self.optimizers])
-        else:
-            gradients.sum_shared(shared)
+        grads: list[torch.Tensor | None] = []
+        for param in self.params:
+            grad = param.grad
+            if grad is not None and self.buckets is not None and id(param) not in tied:
+                grad = grad.clone()  # a view of a bucket, which the next batch's backwards accumulate into
+            elif grad is None and id(param) in tied:
+                grad = torch.zeros_like(param)  # every holder joins the sum
+            grads.append(grad)
+            param.grad = None
+        if self.buckets is not None:
+            self.buckets.zero()
+        position = {id(p): i for i, p in enumerate(self.params)}
+        works = [
+            dist.all_reduce(grads[position[id(s.param)]], group=s.group, async_op=True)  # type: ignore[arg-type]
+            for s in self.shared
+        ]
+        self.pending[batch] = SetAside(grads, works)
+        if self.mode == "2bw":  # flush and gpipe complete the update at once: nothing accumulates beside it
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+
+    def _swap_in(self, aside: SetAside) -> None:
+        """Batch b's gradients into ``.grad`` (on the newest weights), the next batch's aside."""
+        if self.executor is not None:
+            self.executor.versions.use_latest()  # the version REDUCE(b) made writable
+        aside.current = [param.grad for param in self.params]
+        for param, grad in zip(self.params, aside.grads):
+            param.grad = grad
+
+    def _swap_out(self, aside: SetAside) -> None:
+        """The next batch's gradients back into ``.grad``; batch b's (as hooks may have replaced them) aside."""
+        aside.grads = [param.grad for param in self.params]
+        for param, grad in zip(self.params, aside.current or [None] * len(self.params)):
+            param.grad = grad  # bucket views under width > 1, accumulated meanwhile
+        aside.current = None
 
     def check(self, batch: int) -> None:
-        """CHECK(b): the non-finite policy; under "skip" a batch all stages found non-finite is not applied."""
-        if not self._gradients_finite(batch):
-            self.ledger.skip(batch)
+        """CHECK(b): batch b's gradients in ``.grad``, its tied sums waited for; the non-finite policy."""
+        aside = self.pending[batch]
+        for work in aside.tied:
+            work.wait()
+        self._swap_in(aside)
+        if self.policy.on_nonfinite == "stop":
+            self.finite_watch.push(self.ledger.global_step(batch), self.params)
+            self.raise_if_nonfinite()
+            return
+        # skip: every stage's flag over the pipeline (replicas already hold the same averaged gradients)
+        aside.flag = gradients.nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)
+        aside.flag_work = dist.all_reduce(aside.flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline, async_op=True)
 
     def hooks(self, batch: int) -> None:
-        """HOOKS(b): the before-step hooks, once per optimizer (Lightning: ``on_before_optimizer_step`` of the
-        callbacks, then of the module; e.g. a sparsity callback masks the gradients here)."""
+        """HOOKS(b): under "skip", the pipeline's verdict; the before-step hooks, once per optimizer (Lightning:
+        ``on_before_optimizer_step`` of the callbacks, then of the module; e.g. a sparsity callback masks the
+        gradients here)."""
+        aside = self.pending[batch]
+        if aside.flag_work is not None and not self._agreed_finite(batch, aside):
+            self.ledger.skip(batch)
         if self.before_step is not None and not self.ledger.is_skipped(batch):
             for optimizer in self.optimizers:
                 self.before_step(optimizer)
 
+    def norm(self, batch: int) -> None:
+        """NORM(b): global clipping: this stage's squared norm launched as a sum over the pipeline; then the next
+        batch's gradients back."""
+        aside = self.pending[batch]
+        policy = self.policy
+        if policy.clip_val and policy.clip_algorithm == "norm" and policy.clip_mode == "global":
+            if not self.ledger.is_skipped(batch):  # every stage skips alike: the collective is issued by all or none
+                aside.squares = self._squared_norm()
+                aside.norm = dist.all_reduce(aside.squares, group=self.groups.pipeline, async_op=True)
+        self._swap_out(aside)
+
     def clip(self, batch: int) -> None:
-        """CLIP(b): clipping, by the global norm over the pipeline or each stage's own."""
-        if not self.ledger.is_skipped(batch):
-            self._clip_gradients()
+        """CLIP(b): batch b's gradients in ``.grad`` again; clipped by the global norm (NORM's) or the stage's."""
+        aside = self.pending[batch]
+        self._swap_in(aside)
+        if self.ledger.is_skipped(batch) or not self.policy.clip_val:
+            return
+        if self.policy.clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.params, self.policy.clip_val)
+            return
+        squares = aside.squares
+        if aside.norm is not None:
+            aside.norm.wait()
+        else:  # clip_mode="stage": this stage's norm alone
+            squares = self._squared_norm()
+        gradients.scale_to_norm([p.grad for p in self.params if p.grad is not None], squares, self.policy.clip_val)
 
     def step(self, batch: int) -> None:
         """STEP(b), on the weight version REDUCE(b) made writable: every optimizer's step with batch b's
-        hyper-parameters, 2BW's delay correction, the optimizers' post-hooks; gradients cleared."""
+        hyper-parameters, 2BW's delay correction, the optimizers' post-hooks; then the next batch's gradients back."""
         hparams = self.ledger.take_hparams(batch)
-        if self.ledger.take_skip(batch):
-            self.zero_grad()
-            return
-        deferred_hparams = self.ledger.deferred_hparams(batch)
-        correction = self.correction if self.mode == "2bw" else None
-        with ExitStack() as stack:
-            if deferred_hparams is not None:  # the tied update later uses what this step used, after every pre-hook
-                for index, optimizer in enumerate(self.optimizers):
-                    record = deferred_hparams.__setitem__
-                    handle = optimizer.register_step_pre_hook(
-                        lambda opt, *_, i=index, r=record: r(i, hyperparameters(opt))
-                    )
-                    stack.callback(handle.remove)
+        aside = self.pending.pop(batch)
+        if not self.ledger.take_skip(batch):
+            correction = self.correction if self.mode == "2bw" else None
             self.step_optimizers(hparams, post_hooks=correction is None)
-        if correction is not None:
-            versions = self.executor.versions
-            before = versions.weights_of(versions.latest - 1)
-            if deferred_hparams is not None:  # the tied parameters are corrected with their deferred update
-                deferred = {id(s.param) for s in self.shared}
-                moved = [(p, w) for p, w in zip(self.params, before, strict=True) if id(p) not in deferred]
-                correction.apply([w for _, w in moved], stale=batch >= 1, parameters=[p for p, _ in moved])
-            else:
-                correction.apply(before, stale=batch >= 1)
-            for optimizer in self.optimizers:
-                run_post_hooks(optimizer)
-        self.zero_grad()
+            if correction is not None:
+                versions = self.executor.versions
+                correction.apply(versions.weights_of(versions.latest - 1), stale=batch >= 1)
+                for optimizer in self.optimizers:
+                    run_post_hooks(optimizer)
+        self._swap_out(aside)
 
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        if self.buckets is not None:  # the gradients live in the buckets: zeroed, the views attached again
-            self.buckets.zero()
+    def _squared_norm(self) -> torch.Tensor:
+        """This stage's squared gradient norm (a tied parameter counted on the first stage holding it only)."""
+        not_counted = {id(s.param) for s in self.shared if not s.counts_for_norm}
+        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in not_counted]
+        return gradients.squared_norm(grads, self.device)
 
-    def _gradients_finite(self, batch: int) -> bool:
-        """The non-finite policy: ``stop`` raises on the stage that sees it; ``skip`` agrees over the pipeline
-        (replicas already hold the same averaged gradients) and every stage skips batch ``batch``'s update."""
-        if self.policy.on_nonfinite == "stop":
-            self.finite_watch.push(self.ledger.global_step(batch), self.params)
-            self.raise_if_nonfinite()
-            return True
-        # skip: the decision is needed before this update (the one host sync per update of this policy)
-        flag = gradients.nonfinite_flag(self.params, self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline)
-        if flag.item() == 0:
+    def _agreed_finite(self, batch: int, aside: SetAside) -> bool:
+        """``skip``: the flag CHECK launched over the pipeline (the one host sync per update of this policy)."""
+        aside.flag_work.wait()
+        if aside.flag.item() == 0:
             return True
         step = self.ledger.global_step(batch)
         self.skipped_updates.append(step)
@@ -206,60 +278,19 @@ class UpdateRule:
             "check the data, or let the pipeline skip such updates: PipeDream2BWStrategy(on_nonfinite='skip')"
         )
 
-    def step_optimizers(self, hparams: list[list[dict[str, Any]]], hooks: bool = True, post_hooks: bool = True) -> None:
+    def step_optimizers(self, hparams: list[list[dict[str, Any]]], post_hooks: bool = True) -> None:
         """``step()`` of every optimizer with a batch's hyper-parameters (those it was fed with);
-        ``hooks=False`` completes an update whose step hooks already ran (a deferred tied parameter);
         ``post_hooks=False`` leaves the post-hooks to the caller (they run after the delay correction)."""
         for optimizer, values in zip(self.optimizers, hparams, strict=True):
             current = hyperparameters(optimizer)
             for group, saved in zip(optimizer.param_groups, values):
                 group.update(saved)
             try:
-                with optimizer_hooks_suspended(optimizer, pre=not hooks, post=not (hooks and post_hooks)):
+                with optimizer_hooks_suspended(optimizer, pre=False, post=not post_hooks):
                     optimizer.step()
             finally:
                 for group, saved in zip(optimizer.param_groups, current):
                     group.update(saved)
-
-    def defers_tied_sums(self) -> bool:
-        """Whether the schedule may defer this stage's tied sums (``schedule.segment(defer_tied=...)``): 2BW,
-        tied parameters here, no clipping (a clip norm needs the summed gradients at once) and not the skip
-        policy (its decision needs them too)."""
-        return (
-            self.mode == "2bw" and bool(self.shared) and not self.policy.clip_val and self.policy.on_nonfinite != "skip"
-        )
-
-    def tied_step(self, batch: int) -> None:
-        """TIED_STEP(b): apply batch b's deferred tied-parameter update to the newest weights.
-
-        Placed before batch b + 2's first forward: the newest version is then the one that batch's update made,
-        not yet read by anyone; every other gradient is left untouched.
-        """
-        entries, deferred_hparams = self.ledger.take_deferred(batch)
-        sums = gradients.finish_shared_sums(entries)
-        self.executor.versions.use_latest()
-        others = [(p, p.grad) for p in self.params]
-        for param in self.params:
-            param.grad = None
-        for param, grad in sums:
-            param.grad = grad
-        before = [param.detach().clone() for param, _ in sums] if self.correction is not None else []
-        self.step_optimizers(deferred_hparams, hooks=False)
-        if self.correction is not None:
-            self.correction.apply(before, stale=batch >= 1, parameters=[param for param, _ in sums])
-        for param, grad in others:
-            param.grad = grad
-
-    def _clip_gradients(self) -> None:
-        clip_val = self.policy.clip_val
-        if not clip_val:
-            return
-        if self.policy.clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(self.params, clip_val)
-            return
-        not_counted = {id(s.param) for s in self.shared if not s.counts_for_norm}
-        group = self.groups.pipeline if self.policy.clip_mode == "global" else None
-        gradients.clip_by_norm(self.params, clip_val, not_counted, group, self.device)
 
 
 def local_optimizers(

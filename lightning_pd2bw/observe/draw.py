@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 
 from ..engine import schedule as S
+from ..engine.layout import Layout
 
 
 def timeline(
@@ -19,8 +20,8 @@ def timeline(
     actions = [
         [
             a
-            for a in S.stream(mode, s, num_stages, num_microbatches, num_batches, lookahead=lookahead)
-            if a.kind in (S.FORWARD, S.BACKWARD, S.STEP)
+            for a in S.stream(Layout(num_stages, num_microbatches, mode, lookahead=lookahead), s, num_batches)
+            if a.kind in (S.FORWARD, S.BACKWARD, S.REDUCE)
         ]
         for s in range(num_stages)
     ]
@@ -35,7 +36,7 @@ def timeline(
                 rows[stage].append(" ")
                 continue
             action = actions[stage][position[stage]]
-            if action.kind == S.STEP:
+            if action.kind == S.REDUCE:  # "|": an update begins (2BW completes it beside the next batch)
                 rows[stage].append("|")
                 position[stage] += 1
                 continue

@@ -14,13 +14,13 @@ from pathlib import Path
 from ..engine import schedule as S
 from .timeline import StageTimeline, bubble_fraction
 
-_REDUCTIONS = (S.REDUCE, S.REDUCE_DEFER, S.CHECK, S.HOOKS, S.CLIP)
+_REDUCTIONS = (S.REDUCE, S.CHECK, S.HOOKS, S.CLIP)
 
 _BATCH_COLOURS = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#937860"]
 
 
 def _colour(kind: str, batch: int) -> tuple[str, float]:
-    if kind in (S.STEP, S.TIED_STEP):
+    if kind == S.STEP:
         return "#d62728", 1.0
     if kind in _REDUCTIONS:
         return "#ff7f0e", 1.0
@@ -49,7 +49,7 @@ def draw_gantt(timelines: Sequence[StageTimeline], path: str | Path, title: str 
         for event in timeline.events:
             colour, alpha = _colour(event.kind, event.batch)
             left, width = (event.start - start) * 1e3, event.seconds * 1e3
-            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.STEP, S.TIED_STEP, *_REDUCTIONS) else 0.3
+            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.STEP, *_REDUCTIONS) else 0.3
             ax.barh(y, width, left=left, height=height, color=colour, alpha=alpha, edgecolor="white", linewidth=0.3)
             if event.kind in (S.FORWARD, S.BACKWARD) and width > (end - start) * 1e3 / 120:
                 label = f"{event.microbatch}" if event.kind == S.FORWARD else f"{event.microbatch}'"

@@ -1,7 +1,7 @@
 """Pipeline timelines: what each stage ran and when, its bubble fraction, and a Chrome/Perfetto trace.
 
 Recording is switched on by giving the executor a ``Recorder``; it then notes every action of the schedule
-(forward, backward, send, receive, the update's parts: REDUCE, CHECK, HOOKS, CLIP, STEP, TIED_STEP, and a drain's
+(forward, backward, send, receive, the update's parts: REDUCE, CHECK, HOOKS, CLIP, STEP, and a drain's
 WAIT_SENDS) with its start and end: the timeline's vocabulary is the schedule's.
 Times are seconds since the recorder's ``origin``; stages that take their origin right after a
 barrier share a clock to within the barrier's skew (a few microseconds on one host).
@@ -26,7 +26,7 @@ import torch
 
 from ..engine import schedule as S
 
-COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP, S.TIED_STEP)  # the rest (transport, reductions, clipping) is bubble
+COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP)  # the rest (transport, reductions, clipping) is bubble
 
 
 @dataclass(frozen=True)

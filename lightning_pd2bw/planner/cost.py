@@ -181,7 +181,7 @@ def memory_of(
     held = correction_buffers(candidate.delay_correction) if candidate.mode == "2bw" else 0
     return {
         "weights": versions * weights,
-        "gradients": weights,
+        "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
         "optimizer": profile.optimizer_states * weights,
         "correction": held * weights,  # D(t-1) (and D(t-2)), held between updates
         "activations": stashed,

@@ -16,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from lightning_pd2bw.engine import schedule
 from lightning_pd2bw.engine.executor import StageExecutor, local_update
 from lightning_pd2bw.engine.grid import ProcessGrid, build_groups
+from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
 
@@ -48,7 +49,7 @@ def main() -> None:
         loss_fn=lambda out, mb: loss_fn(out, mb["y"]),
     )
     executor.feed(0, [{"x": a, "y": b} for a, b in zip(x.chunk(NUM_MICROBATCHES), y.chunk(NUM_MICROBATCHES))])
-    actions = schedule.segment("flush", grid.stage, grid.num_stages, NUM_MICROBATCHES, 0)
+    actions = schedule.segment(Layout(grid.num_stages, NUM_MICROBATCHES, "flush"), grid.stage, 0)
     executor.register(local_update(executor, lambda batch: ours.extend(p.grad.clone() for p in module.parameters())))
     executor.run(actions)
     executor.finish_drain()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.layout import Layout
 
 from .cases import SEQ_LEN, Case, replica_batch
 from .launch import torchrun_script
@@ -96,9 +97,10 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
     start = case.drains[-1] if case.drains else 0
     for rank, result in enumerate(results):
         stage = rank % case.num_stages
-        actions = S.stream(case.mode, stage, case.num_stages, case.num_microbatches, case.steps - start)
+        layout = Layout(case.num_stages, case.num_microbatches, case.mode)
+        actions = S.stream(layout, stage, case.steps - start)
         if case.mode != "2bw":  # flush restarts its batch numbers every step: the same actions per step
-            actions = S.segment(case.mode, stage, case.num_stages, case.num_microbatches, 0) * (case.steps - start)
+            actions = S.segment(layout, stage, 0) * (case.steps - start)
         sends = sum(a.kind == S.SEND_FORWARD for a in actions) + (
             case.num_microbatches if stage < case.num_stages - 1 else 0
         )

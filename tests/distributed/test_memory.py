@@ -85,6 +85,9 @@ def test_the_planners_terms_match_the_engines_counters(measured, run, rank):
     plan, held = planned(int(m), mode, correction)[rank], record["during"]
     weight_bytes = held["weight_bytes"]
     assert plan["weights"] == held["max_weight_versions"] * weight_bytes
+    # 2BW: batch b's gradients set aside from REDUCE(b) to STEP(b) while batch b + 1 accumulates (issue 46)
+    aside = weight_bytes if mode == "2bw" else 0
+    assert plan["gradients"] == weight_bytes + aside and record["counters"]["peak_pending_gradient_bytes"] == aside
     buffers = {None: 0, "error_feedback": 1, "predictive_error_feedback": 2}[correction]  # D(t-1), D(t-2)
     assert plan["correction"] == record["counters"]["correction_bytes"] == buffers * weight_bytes
     assert plan["optimizer"] <= held["optimizer_state_bytes"] <= plan["optimizer"] + weight_bytes  # + AdamW's steps

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.layout import Layout
 
 from .launch import torchrun_script
 from .run_timeline import MICROBATCHES, STEPS
@@ -35,20 +36,19 @@ def test_trace_matches_the_schedule(traced, mode):
     for stage in (0, 1):
         mine = sorted((e for e in spans if e["pid"] == stage), key=lambda e: e["ts"])
         actions = mine  # the timeline records the schedule's actions, the update's parts included, nothing else
-        defer = mode == "2bw"  # GPT's tied embedding without clipping: its sums are deferred two batches
         expected = []
         for step in range(STEPS):
-            expected += S.segment(mode, stage, 2, MICROBATCHES, step if mode == "2bw" else 0, defer)
+            expected += S.segment(Layout(2, MICROBATCHES, mode), stage, step if mode == "2bw" else 0)
         got = [(e["cat"], e["args"]["batch"], e["args"]["microbatch"], e["args"]["weight_version"]) for e in actions]
         assert got == [(a.kind, a.batch, a.microbatch, a.weight_version) for a in expected]
         for a, b in zip(actions, actions[1:]):  # one stage runs one action at a time
             assert b["ts"] >= a["ts"] + a["dur"] - 1.0
         kinds = {e["cat"] for e in mine}
-        if mode == "2bw":  # the deferred tied updates are applied two batches later
-            assert sorted(e["args"]["batch"] for e in mine if e["cat"] == S.TIED_STEP) == list(range(STEPS - 2))
-            assert S.WAIT_SENDS not in kinds and S.REDUCE not in kinds and S.REDUCE_DEFER in kinds
+        if mode == "2bw":  # each update completes at the head of the step two batches later (issue 46)
+            assert sorted(e["args"]["batch"] for e in mine if e["cat"] == S.STEP) == list(range(STEPS - 2))
+            assert S.WAIT_SENDS not in kinds and S.REDUCE in kinds
         else:
-            assert S.TIED_STEP not in kinds and S.WAIT_SENDS in kinds and S.REDUCE in kinds
+            assert S.WAIT_SENDS in kinds and S.REDUCE in kinds
 
     rows = list(csv.DictReader((out / "logs" / "version_0" / "metrics.csv").open()))
     logged = [r for r in rows if r.get("bubble/stage0")]

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_pd2bw.engine import schedule
 from lightning_pd2bw.engine.executor import StageExecutor, local_update
+from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
 
@@ -46,8 +47,8 @@ def pipeline_weights(recompute: bool) -> list[torch.Tensor]:
     with torch.autocast("cpu", dtype=torch.bfloat16):  # one region, cast cache on (the default)
         for t, batch in enumerate(batches()):
             executor.feed(t, [{k: v.chunk(M)[j] for k, v in batch.items()} for j in range(M)])
-            executor.run(schedule.segment("2bw", 0, 1, M, t))
-        executor.run(schedule.drain("2bw", 0, 1, M, STEPS - 1))
+            executor.run(schedule.segment(Layout(1, M, "2bw"), 0, t))
+        executor.run(schedule.drain(Layout(1, M, "2bw"), 0, STEPS - 1))
     executor.finish_drain()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -46,14 +46,16 @@ def test_replica_average_flattens_at_most_two_buckets_at_once(group, monkeypatch
         assert torch.equal(param.grad, torch.full((1000,), (i + 1) / 2))
 
 
-def test_clip_by_norm_equals_torch(group):
+def test_clip_by_the_norm_summed_over_a_group_equals_torch(group):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(s)) for s in [(5, 3), (7,), (2, 2, 2)]]
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     for p, t in zip(params, twins):
         p.grad = torch.randn_like(p) * 10
         t.grad = p.grad.clone()
-    gradients.clip_by_norm(params, 1.0, set(), group, torch.device("cpu"))
+    squares = gradients.squared_norm([p.grad for p in params], torch.device("cpu"))
+    torch.distributed.all_reduce(squares, group=group)  # one rank: what the pipeline's sum would give
+    gradients.scale_to_norm([p.grad for p in params], squares, 1.0)
     torch.nn.utils.clip_grad_norm_(twins, 1.0)
     for p, t in zip(params, twins):
         torch.testing.assert_close(p.grad, t.grad, rtol=1e-6, atol=1e-7)
@@ -114,8 +116,8 @@ def test_finite_flags_of_sparse_empty_and_mixed_dtype_gradients():
 def test_nonfinite_flag_stays_on_the_device():
     p = nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([0.0, float("-inf")])
-    flag = gradients.nonfinite_flag([p], torch.device("cpu"))
+    flag = gradients.nonfinite_flag([p.grad], torch.device("cpu"))
     assert flag.shape == (1,) and flag.item() == 1.0
     p.grad = torch.zeros(2)
-    assert gradients.nonfinite_flag([p], torch.device("cpu")).item() == 0.0
-    assert gradients.nonfinite_flag([nn.Parameter(torch.zeros(1))], torch.device("cpu")).item() == 0.0
+    assert gradients.nonfinite_flag([p.grad], torch.device("cpu")).item() == 0.0
+    assert gradients.nonfinite_flag([], torch.device("cpu")).item() == 0.0

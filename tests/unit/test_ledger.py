@@ -15,29 +15,27 @@ class Done:
 
 
 def test_a_2bw_run_holds_at_most_three_batches():
-    """Step s: the tied update of s - 2, the update of s - 1, its loss one step later (as the strategy runs them)."""
+    """Step s: the head of step s completes the update of s - 2 (STEP(s - 2) takes its hyper-parameters), then
+    s opens; s - 1's loss is taken one step later (as the strategy runs them)."""
     ledger, held = BatchLedger(), []
     hparams = [[{"lr": 0.1}]]
     for step in range(6):
-        if ledger.next_batch >= 2:  # TIED_STEP(s - 2) opens step s
-            assert ledger.take_deferred(ledger.next_batch - 2)[1] == [["deferred"]]
+        if ledger.next_batch >= 2:  # CHECK .. STEP(s - 2) at the head of step s
+            assert ledger.take_hparams(ledger.next_batch - 2) == hparams
         batch = ledger.open(global_step=10 + step, hparams=hparams)
         assert batch == step and ledger.global_step(batch) == 10 + step
-        if batch >= 1:  # batch - 1's last backward ran in this step: its update, with its tied sum deferred
-            assert ledger.take_hparams(batch - 1) == hparams
-            ledger.defer(batch - 1, ["sums"], [["deferred"]])
         ledger.put_loss(batch, torch.tensor(float(step)), Done())
         if batch >= 1:
             assert ledger.take_loss(batch - 1) == step - 1
         held.append(ledger.counters())
     assert max(c["batches"] for c in held) <= 3
-    assert held[-1] == {"batches": 2, "updates_pending": 1, "losses_in_flight": 1, "deferred_sums": 1} | {
+    assert held[-1] == {"batches": 2, "updates_pending": 2, "losses_in_flight": 1} | {
         "loss_sums": 0,
         "batches_in_backward": 0,
         "skipped_pending": 0,
     }
-    with pytest.raises(RuntimeError, match="still hold an update, loss or tied sum after a drain"):
-        ledger.restart()  # the drain's own update, loss and tied sum were not consumed
+    with pytest.raises(RuntimeError, match="still hold an update or a loss after a drain"):
+        ledger.restart()  # the drain's own updates and loss were not consumed
 
 
 def test_an_entry_never_consumed_fails_instead_of_growing():

@@ -98,7 +98,7 @@ def test_memory_per_stage_matches_the_paper_formula():
     first = stage_memory(profile, range(0, 2), 0, candidate, 4)
     assert first == {
         "weights": 2 * 2000 * 4,
-        "gradients": 2000 * 4,
+        "gradients": 2 * 2000 * 4,  # batch b's, set aside until its STEP, beside batch b + 1's (issue 46)
         "optimizer": 2 * 2000 * 4,
         "activations": 2 * 200.0,
         "workspace": 100.0 + 2000 * 4,  # one layer's backward buffers; Adam's step temporaries while 2BW stashes
@@ -116,6 +116,7 @@ def test_memory_per_stage_matches_the_paper_formula():
     # flush keeps one weight version; GPipe stashes all m microbatches
     flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 4)
     assert flush["weights"] == 2000 * 4 and flush["workspace"] == 100.0, "flush steps with nothing stashed"
+    assert flush["gradients"] == 2000 * 4, "flush completes its update at once: one gradient buffer"
     # m <= d - s: the whole stash is taken before the first backward; gradients then meet one microbatch fewer
     drained = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 2)
     assert drained["activations"] + drained["gradients"] == max(2 * 200.0, 200.0 + 2000 * 4)

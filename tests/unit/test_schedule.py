@@ -5,10 +5,19 @@ from __future__ import annotations
 import pytest
 
 from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.layout import Layout
 
 LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
 # (mode, lookahead): lookahead applies to the 1F1B schedules
 SCHEDULES = [(mode, 0) for mode in S.MODES] + [("2bw", 1), ("2bw", 2), ("flush", 1)]
+
+
+def stream(mode: str, stage: int, num_stages: int, num_microbatches: int, batches: int, lookahead: int = 0):
+    return S.stream(Layout(num_stages, num_microbatches, mode, lookahead=lookahead), stage, batches)
+
+
+def segment(mode: str, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0):
+    return S.segment(Layout(num_stages, num_microbatches, mode, lookahead=lookahead), stage, batch)
 
 
 def simulate(actions_per_stage):
@@ -41,7 +50,7 @@ def simulate(actions_per_stage):
 @pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
 def test_stream_is_deadlock_free_and_matched(mode, lookahead, num_stages, num_microbatches):
-    simulate([S.stream(mode, s, num_stages, num_microbatches, 3, lookahead=lookahead) for s in range(num_stages)])
+    simulate([stream(mode, s, num_stages, num_microbatches, 3, lookahead=lookahead) for s in range(num_stages)])
 
 
 def expected_stash(mode: str, stage: int, num_stages: int, num_microbatches: int, lookahead: int) -> int:
@@ -57,7 +66,7 @@ def expected_stash(mode: str, stage: int, num_stages: int, num_microbatches: int
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
 def test_forward_precedes_backward_and_stash_bound(mode, lookahead, num_stages, num_microbatches):
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, 3, lookahead=lookahead)
+        actions = stream(mode, stage, num_stages, num_microbatches, 3, lookahead=lookahead)
         in_flight, peak, done_forward = set(), 0, set()
         for a in actions:
             if a.kind == S.FORWARD:
@@ -77,7 +86,7 @@ def test_2bw_version_rule_and_steps(num_stages, num_microbatches, lookahead):
     """Every forward and backward runs on the version 2BW's rule gives its batch, held when it runs (at most one
     update newer): with a lookahead too, two versions suffice."""
     for stage in range(num_stages):
-        actions = S.stream("2bw", stage, num_stages, num_microbatches, 4, lookahead=lookahead)
+        actions = stream("2bw", stage, num_stages, num_microbatches, 4, lookahead=lookahead)
         updates = 0
         for a in actions:
             if a.kind in (S.FORWARD, S.BACKWARD):
@@ -92,18 +101,18 @@ def test_2bw_version_rule_and_steps(num_stages, num_microbatches, lookahead):
 
 def test_2bw_never_flushes_between_batches():
     """Stage 0 runs batch t+1's forwards before batch t's last backward (no drain)."""
-    actions = S.stream("2bw", 0, 4, 4, 3)
+    actions = stream("2bw", 0, 4, 4, 3)
     kinds = [(a.kind, a.batch) for a in actions if a.kind in (S.FORWARD, S.BACKWARD)]
     first_forward_b1 = kinds.index((S.FORWARD, 1))
     last_backward_b0 = max(i for i, k in enumerate(kinds) if k == (S.BACKWARD, 0))
     assert first_forward_b1 < last_backward_b0
-    flush = [(a.kind, a.batch) for a in S.stream("flush", 0, 4, 4, 3) if a.kind in (S.FORWARD, S.BACKWARD)]
+    flush = [(a.kind, a.batch) for a in stream("flush", 0, 4, 4, 3) if a.kind in (S.FORWARD, S.BACKWARD)]
     assert flush.index((S.FORWARD, 1)) > max(i for i, k in enumerate(flush) if k == (S.BACKWARD, 0))
 
 
 def test_1f1b_warmup_counts():
     for stage in range(4):
-        actions = [a.kind for a in S.segment("flush", stage, 4, 8, 0) if a.kind in (S.FORWARD, S.BACKWARD)]
+        actions = [a.kind for a in segment("flush", stage, 4, 8, 0) if a.kind in (S.FORWARD, S.BACKWARD)]
         assert actions.index(S.BACKWARD) == 4 - stage  # d - r - 1 warm-up forwards, then one more
 
 
@@ -114,13 +123,13 @@ def test_lookahead_adds_forwards_on_every_stage(mode):
     m - d = 2; at m = d there is no room: the schedule is plain 1F1B."""
 
     def first_backward(stage, lookahead):
-        actions = S.segment(mode, stage, 4, 6, 0, lookahead=lookahead)
+        actions = segment(mode, stage, 4, 6, 0, lookahead=lookahead)
         return [a.kind for a in actions if a.kind in (S.FORWARD, S.BACKWARD)].index(S.BACKWARD)
 
     assert [first_backward(stage, 0) for stage in range(4)] == [4, 3, 2, 1]
     assert [first_backward(stage, 1) for stage in range(4)] == [5, 4, 3, 2]
     assert [first_backward(stage, 5) for stage in range(4)] == [6, 5, 4, 3]
-    assert S.stream(mode, 0, 4, 4, 3, lookahead=1) == S.stream(mode, 0, 4, 4, 3)
+    assert stream(mode, 0, 4, 4, 3, lookahead=1) == stream(mode, 0, 4, 4, 3)
 
 
 @pytest.mark.parametrize("mode", ["2bw", "flush"])
@@ -140,24 +149,49 @@ def test_lookahead_never_lengthens_the_unit_time_schedule(mode, lookahead, num_s
 
 def test_lookahead_rejects_what_it_cannot_mean():
     with pytest.raises(ValueError, match="lookahead=-1 is invalid; valid: an int >= 0"):
-        S.segment("2bw", 0, 2, 4, 0, lookahead=-1)
+        segment("2bw", 0, 2, 4, 0, lookahead=-1)
     with pytest.raises(ValueError, match="lookahead=1 has no meaning under mode='gpipe'"):
-        S.segment("gpipe", 0, 2, 4, 0, lookahead=1)
+        segment("gpipe", 0, 2, 4, 0, lookahead=1)
 
 
-def test_step_sits_before_next_batch_forward():
-    """Each stage's update of batch t precedes its first forward of batch t + 2 (which needs W(t+1))."""
-    for stage in range(3):
-        actions = S.stream("2bw", stage, 3, 3, 4)
-        for t in range(2):
-            step = actions.index(S.Action(S.STEP, t))
-            first = next(i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.batch == t + 2)
-            assert step < first
+@pytest.mark.parametrize("mode,lookahead", SCHEDULES)
+@pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
+def test_an_update_begins_after_its_last_backward_and_ends_before_it_is_read(
+    mode, lookahead, num_stages, num_microbatches
+):
+    """2BW (issue 46): REDUCE(t) follows batch t's last backward on the stage; CHECK, HOOKS and NORM(t) follow
+    batch t + 1's forward of microbatch (t + 1) m + w0 (and its send) on every stage, which the first stage sends
+    only after its own REDUCE(t): no stage waits for another's tied sum; CLIP and STEP(t) precede the first forward
+    of batch t + 2, the first to read W(t + 1), and REDUCE(t + 1), which makes the next version; batch t + 1
+    computes in between (the overlap). Flush and GPipe run the parts back to back at the end of their batch."""
+    batches = 5
+    w0 = S.warmup_forwards(0, num_stages, num_microbatches, lookahead)
+    for stage in range(num_stages):
+        actions = stream(mode, stage, num_stages, num_microbatches, batches, lookahead)
+        for t in range(batches):
+            at = {kind: actions.index(S.Action(kind, t)) for kind in (S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS)}
+            assert list(at.values()) == sorted(at.values())
+            last_backward = max(i for i, a in enumerate(actions) if a.kind == S.BACKWARD and a.batch == t)
+            assert last_backward < at[S.REDUCE]
+            readers = [i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.weight_version == t + 1]
+            assert all(at[S.STEP] < i for i in readers), "an update read before it is complete"
+            if t + 1 < batches:
+                assert at[S.STEP] < actions.index(S.Action(S.REDUCE, t + 1))
+            computed = [a for a in actions[at[S.REDUCE] : at[S.STEP]] if a.kind in (S.FORWARD, S.BACKWARD)]
+            if mode == "2bw" and t < batches - 1:
+                assert {a.batch for a in computed} == {t + 1}, "batch t + 1 computes while t's update is in flight"
+                trigger = (t + 1) * num_microbatches + w0  # the forward that every stage's CHECK(t) waits behind
+                forward = actions.index(S.Action(S.FORWARD, t + 1, trigger, t))
+                assert forward < at[S.CHECK] and actions[at[S.CHECK] - 1].kind in (S.FORWARD, S.SEND_FORWARD)
+                assert actions[at[S.CHECK] : at[S.CHECK] + 3] == S.prepare(t)
+                assert actions[at[S.CLIP] : at[S.CLIP] + 2] == S.finish(t)
+            else:  # flush, gpipe, and 2BW's drain: back to back
+                assert actions[at[S.REDUCE] : at[S.STEP] + 1] == S.update(t)
 
 
 def test_invalid_parameters_name_the_fix():
     with pytest.raises(ValueError, match="num_microbatches=2 is smaller than num_stages=4"):
-        S.segment("2bw", 0, 4, 2, 0)
+        segment("2bw", 0, 4, 2, 0)
     with pytest.raises(ValueError, match="valid: 2bw, flush, gpipe"):
         S.validate("pipedream", 2, 2)
 
@@ -166,7 +200,7 @@ def test_invalid_parameters_name_the_fix():
 @pytest.mark.parametrize("num_stages, num_microbatches", LAYOUTS)
 def test_actions_round_trip_through_their_text(mode, num_stages, num_microbatches):
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, 3)
+        actions = stream(mode, stage, num_stages, num_microbatches, 3)
         assert all(isinstance(a.kind, S.Kind) for a in actions)
         assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
 
@@ -191,7 +225,7 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
     executor.feed(
         0, [{"x": torch.randn(2, 4), "y": torch.randn(2, 1)}, {"x": torch.randn(2, 5), "y": torch.randn(2, 1)}]
     )
-    actions = S.segment("flush", 0, 1, 2, 0)
+    actions = segment("flush", 0, 1, 2, 0)
     executor.register(local_update(executor, lambda batch: None))
     with pytest.raises(RuntimeError) as error:
         executor.run(actions)
@@ -204,34 +238,25 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
 
 @pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
-@pytest.mark.parametrize("defer_tied", [False, True])
-def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_microbatches, defer_tied):
-    """Every batch's update is REDUCE (or REDUCE_DEFER), CHECK, HOOKS, CLIP, STEP back to back; a deferred tied update
-    is applied (TIED_STEP) after its own STEP and before the forwards of batch b + 2; nothing stays deferred
-    after the drain, whose update sums at once; flush batches and drains end with WAIT_SENDS, every step with
-    LOSS(b)."""
+def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_microbatches):
+    """Every batch's update is REDUCE, CHECK, HOOKS, NORM, CLIP, STEP, each once; CLIP .. STEP back to back, under
+    2BW at the head of step b + 2 (after the SEND_B carried over) or in the drain, which completes everything;
+    flush batches and drains end with WAIT_SENDS, every step with LOSS(b)."""
     batches = 4
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, batches, defer_tied, lookahead)
+        actions = stream(mode, stage, num_stages, num_microbatches, batches, lookahead)
         assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
-        deferred = defer_tied and mode == "2bw"
         for b in range(batches):
-            reduce = S.REDUCE_DEFER if deferred and b < batches - 1 else S.REDUCE
-            start = actions.index(S.Action(reduce, b))
-            parts = [S.Action(k, b) for k in (reduce, S.CHECK, S.HOOKS, S.CLIP, S.STEP)]
-            assert actions[start : start + 5] == parts
-        tied = [a.batch for a in actions if a.kind == S.TIED_STEP]
-        assert tied == (list(range(batches - 1)) if deferred else [])
-        for b in tied:
-            at = actions.index(S.Action(S.TIED_STEP, b))
-            assert actions.index(S.Action(S.STEP, b)) < at
-            later = [i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.batch == b + 2]
-            assert all(at < i for i in later)
+            parts = [a.kind for a in actions if a.batch == b and a.kind in (*S.UPDATE_PARTS, S.STEP)]
+            assert parts == [S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS]
+            if mode == "2bw" and b + 2 < batches:
+                head = [a for a in segment(mode, stage, num_stages, num_microbatches, b + 2, lookahead)]
+                assert [a for a in head if a.kind != S.SEND_BACKWARD][:2] == S.finish(b)
         waits = [a.batch for a in actions if a.kind == S.WAIT_SENDS]
         assert waits == (list(range(batches)) if mode != "2bw" else [batches - 1])
         assert [a.batch for a in actions if a.kind == S.LOSS] == list(range(batches))
         for b in range(batches):  # each step ends with its loss broadcast; a flush step waits for its sends first
-            step = S.segment(mode, stage, num_stages, num_microbatches, b, defer_tied, lookahead)
+            step = segment(mode, stage, num_stages, num_microbatches, b, lookahead)
             assert step[-1] == S.Action(S.LOSS, b) and (mode == "2bw" or step[-2].kind == S.WAIT_SENDS)
         assert actions[-1].kind == (S.WAIT_SENDS if mode == "2bw" else S.LOSS)  # a 2BW drain waits last
 
@@ -242,7 +267,7 @@ def test_no_backward_between_a_batchs_last_backward_and_its_reduce(mode, lookahe
     """The replica all-reduce of batch b starts inside b's last backward on the stage and REDUCE(b) waits for it
     (``grad_buckets.py``): no other backward may accumulate into those gradients in between."""
     for stage in range(num_stages):
-        actions = S.stream(mode, stage, num_stages, num_microbatches, 4, False, lookahead)
+        actions = stream(mode, stage, num_stages, num_microbatches, 4, lookahead)
         for b in range(4):
             backwards = [i for i, a in enumerate(actions) if a.kind == S.BACKWARD and a.batch == b]
             assert len(backwards) == num_microbatches

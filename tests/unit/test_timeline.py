@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.executor import StageExecutor, local_update
+from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
 from lightning_pd2bw.observe.activations import ActivationMeter
@@ -64,12 +65,12 @@ def test_executor_records_every_action_once_in_order(mode):
     executor.recorder = Recorder()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     expected: list[S.Action] = []
+    executor.register(local_update(executor, lambda batch: (optimizer.step(), optimizer.zero_grad())))
     for step in range(steps):
         batch = step if mode == "2bw" else 0  # flush drains every step: the version rule restarts
         executor.feed(batch, [{"x": torch.randn(2, 4), "y": torch.randn(2, 1)} for _ in range(m)])
-        actions = S.segment(mode, 0, 1, m, batch)
+        actions = S.segment(Layout(1, m, mode), 0, batch)
         expected += actions
-        executor.register(local_update(executor, lambda batch: (optimizer.step(), optimizer.zero_grad())))
         executor.run(actions)
         if mode != "2bw":
             executor.finish_drain()
@@ -123,11 +124,11 @@ def test_executor_meter_sees_the_stash_of_1f1b():
     executor.meter = ActivationMeter(model.parameters())
     executor.feed(0, [{"x": torch.randn(8, 4), "y": torch.randn(8, 1)} for _ in range(4)])
     executor.register(local_update(executor, lambda batch: None))
-    executor.run(S.segment("flush", 0, 1, 4, 0))
+    executor.run(S.segment(Layout(1, 4, "flush"), 0, 0))
     assert executor.meter.current == 0
     one_microbatch = executor.meter.peak
     assert one_microbatch > 0
     executor.meter = ActivationMeter(model.parameters())
     executor.feed(1, [{"x": torch.randn(8, 4), "y": torch.randn(8, 1)} for _ in range(4)])
-    executor.run(S.segment("gpipe", 0, 1, 4, 1))  # all forwards first: 4 stashed
+    executor.run(S.segment(Layout(1, 4, "gpipe"), 0, 1))  # all forwards first: 4 stashed
     assert executor.meter.peak == pytest.approx(4 * one_microbatch, rel=0.05)

@@ -1,7 +1,7 @@
 """The communication program each rank of a pipeline issues, lowered from the schedules' action lists.
 
 ``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
-stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, HOOKS, CLIP, TIED_STEP),
+stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, HOOKS, CLIP, STEP),
 the calls the transport (``transport.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
 broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import schedule as S
+from ..layout import Layout
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 from .replaced_transports import ReplacedTransports
 
@@ -61,7 +62,10 @@ class _Rank(ReplacedTransports):
         self.fused: dict[str, list[tuple[list[int], list[int]]]] = {"forward": [], "backward": []}
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
-        self.deferred: dict[int, list[int]] = {}
+        self.deferred: dict[int, list[int]] = {}  # batch -> its tied sum in flight (waited at CHECK)
+        self.norms: dict[int, int] = {}  # batch -> its clip norm's all-reduce in flight (waited at CLIP)
+        self.flags: dict[int, int] = {}  # batch -> its non-finite flag's all-reduce in flight (waited at CHECK)
+        self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.bucket_handles: dict[int, list[int]] = {}
         self.posted: dict[str, list[list[int]]] = {"forward": [], "backward": []}  # legacy: receives posted early
@@ -183,11 +187,6 @@ class _Rank(ReplacedTransports):
     def _shared(self) -> bool:
         return self.layout.tied and self.layout.num_stages > 1 and self.stage in (0, self.layout.num_stages - 1)
 
-    def defers_tied(self) -> bool:
-        """``UpdateRule.defers_tied_sums`` for this rank: the schedules' ``defer_tied``."""
-        layout = self.layout
-        return layout.mode == "2bw" and self._shared() and not layout.clip and not layout.skip_nonfinite
-
     def _replicas(self) -> tuple[str, tuple[int, ...]]:
         layout = self.layout
         replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
@@ -207,7 +206,8 @@ class _Rank(ReplacedTransports):
                 for _ in range(self.layout.gradient_buckets)
             ]
 
-    def reduce(self, batch: int, deferred: bool) -> None:
+    def reduce(self, batch: int) -> None:
+        """``UpdateRule.reduce``: the replica average waited for; the tied sum launched (waited at CHECK)."""
         layout, label = self.layout, f"REDUCE(b{batch})"
         if layout.data_parallel_size > 1:
             for handle in self.bucket_handles.pop(batch):
@@ -218,9 +218,7 @@ class _Rank(ReplacedTransports):
         if self._shared():
             channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
             members = (self.pipeline[0], self.pipeline[-1])
-            handle = self.collective("all_reduce", channel, members, f"{label} tied sum", block=not deferred)
-            if deferred:
-                self.deferred[batch] = [handle]
+            self.deferred[batch] = [self.collective("all_reduce", channel, members, f"{label} tied sum", block=False)]
 
     # -------------------------------------------------------------- the interpreter (executor.StageExecutor.run)
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
@@ -237,13 +235,12 @@ class _Rank(ReplacedTransports):
             S.WAIT_SENDS: lambda action: self.wait_sends(),
         }
         update = {
-            S.REDUCE: lambda action: self.reduce(action.batch, deferred=False),
-            S.REDUCE_DEFER: lambda action: self.reduce(action.batch, deferred=True),
+            S.REDUCE: lambda action: self.reduce(action.batch),
             S.CHECK: self._check,
-            S.HOOKS: _no_calls,  # the before-step hooks: the sparsity callback's collectives are its own steps'
+            S.HOOKS: self._hooks,  # and the before-step hooks: the sparsity callback's collectives are its own steps'
+            S.NORM: self._norm,
             S.CLIP: self._clip,
             S.STEP: _no_calls,  # each optimizer's step, the correction: local
-            S.TIED_STEP: self._tied_step,
         }
         return {**transport, **update, S.LOSS: self._loss}
 
@@ -262,18 +259,28 @@ class _Rank(ReplacedTransports):
         self.backward(action.batch)
 
     def _check(self, action: S.Action) -> None:
+        for handle in self.deferred.pop(action.batch, []):
+            self.wait(handle, f"{action} tied sum")
         if self.layout.skip_nonfinite:
             pipeline = f"pd2bw/pipeline/replica{self.replica}"
-            self.collective("all_reduce", pipeline, self.pipeline, f"{action} non-finite agreement")
+            self.flags[action.batch] = self.collective(
+                "all_reduce", pipeline, self.pipeline, f"{action} non-finite flag", block=False
+            )
 
-    def _clip(self, action: S.Action) -> None:
+    def _hooks(self, action: S.Action) -> None:
+        if action.batch in self.flags:
+            self.wait(self.flags.pop(action.batch), f"{action} non-finite flag")
+
+    def _norm(self, action: S.Action) -> None:
         if self.layout.clip == "global":
             pipeline = f"pd2bw/pipeline/replica{self.replica}"
-            self.collective("all_reduce", pipeline, self.pipeline, f"{action} clip norm")
+            self.norms[action.batch] = self.collective(
+                "all_reduce", pipeline, self.pipeline, f"{action} clip norm", block=False
+            )
 
-    def _tied_step(self, action: S.Action) -> None:
-        for handle in self.deferred.pop(action.batch):
-            self.wait(handle, f"deferred tied sum of b{action.batch}")
+    def _clip(self, action: S.Action) -> None:
+        if action.batch in self.norms:
+            self.wait(self.norms.pop(action.batch), f"{action} clip norm")
 
     def _loss(self, action: S.Action) -> None:
         loss_group = f"pd2bw/loss/replica{self.replica}"
@@ -292,17 +299,7 @@ class _Rank(ReplacedTransports):
             self.wait(self.sigterm, "sigterm flag")
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
-        self.run(
-            S.segment(
-                layout.mode,
-                self.stage,
-                layout.num_stages,
-                layout.num_microbatches,
-                step,
-                self.defers_tied(),
-                layout.lookahead,
-            )
-        )
+        self.run(S.segment(self.schedule_layout, self.stage, step))
         if layout.mode == "2bw":
             self.step_in_run += 1
             self.take_loss(step - 1)
@@ -314,17 +311,7 @@ class _Rank(ReplacedTransports):
         layout = self.layout
         if layout.mode == "2bw" and self.step_in_run > 0:
             last = self.step_in_run - 1
-            self.run(
-                S.drain(
-                    layout.mode,
-                    self.stage,
-                    layout.num_stages,
-                    layout.num_microbatches,
-                    last,
-                    self.defers_tied(),
-                    layout.lookahead,
-                )
-            )
+            self.run(S.drain(self.schedule_layout, self.stage, last))
             self.wait_sends()
         self.backwards.clear()
         for batch in sorted(self.losses):
