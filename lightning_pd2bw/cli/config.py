@@ -310,6 +310,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
         "fewer strategy.num_stages",
     )
     _layout_rule(rules.check_schedule, cfg.strategy.mode, depth, microbatches, keys=keys)
+    _layout_rule(rules.check_pipeline, cfg.strategy.mode, depth, world, keys=keys)
     _layout_rule(rules.check_lookahead, cfg.strategy.mode, cfg.strategy.get("lookahead", 0), keys=keys)
     if num_layers is not None:
         _layout_rule(rules.check_layers, num_layers, depth)

@@ -105,6 +105,17 @@ def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys
     check_lookahead(mode, lookahead, keys)
 
 
+def check_pipeline(mode: str, num_stages: int, world_size: int, keys: Keys = Keys()) -> None:
+    """2BW at depth 1 over several processes is data parallelism that pays the weight delay, a second weight
+    version and the delay correction's buffers for nothing: refused, with the two runs that make sense."""
+    if mode == "2bw" and num_stages == 1 and world_size > 1:
+        raise ValueError(
+            f"{keys.where}{keys.mode}='2bw' with {keys.num_stages}=1 on {world_size} processes is plain data "
+            f"parallelism with 2BW's one-step-stale update and its second weight version, for nothing: use "
+            f"{keys.mode}='flush' (the same data parallelism, exact) or {keys.num_stages} >= 2 (a pipeline)"
+        )
+
+
 def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Keys()) -> list[range]:
     """``[2, 3]`` over 5 layers -> ``[range(0, 2), range(2, 5)]``, or a clear error."""
     if sum(layers_per_stage) != num_layers or min(layers_per_stage) < 1:

@@ -168,6 +168,7 @@ class PipelineOptions:
         if self.plan is not None:
             raise ValueError(f"{self.keys.named('plan', self.plan)}: the planner chooses the layout at start-up")
         depth = self.num_stages or world_size
+        rules.check_pipeline(self.mode, depth, world_size, self.keys)
         microbatches = self.num_microbatches or depth
         return rules.Layout(depth, microbatches, self.mode, self.layers_per_stage, self.lookahead)
 

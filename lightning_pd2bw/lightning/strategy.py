@@ -142,6 +142,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         if options.plan is None:  # bad layouts fail before any process group exists
             rules.check_schedule(options.mode, self.num_stages, self.num_microbatches, STRATEGY_KEYS)
             rules.width_of(self.world_size, self.num_stages, STRATEGY_KEYS)
+            rules.check_pipeline(options.mode, self.num_stages, self.world_size, STRATEGY_KEYS)
         super().setup_environment()
         self.init_process_group()
         self.checkpoints.create_group()

@@ -9,14 +9,16 @@ where the link is NVLink inside a server and the network where consecutive ranks
 A batch takes, in the steady state,
 
     2BW:          m * max_s t_s                       (no bubble: the pipeline never drains)
-                  + the wait a shared parameter's gradient sum adds (``shared_wait``)
+                  + the wait for the clip norm where 3(d - 1) > 2m (``norm_wait``)
     Flush/GPipe:  (m - 1) * max_s t_s + sum_s t_s     (= (m + d - 1) t for equal stages)
 
-plus the update: the all-reduce of the stage's gradients over its w replicas (ring, on the level
-of the topology the replicas span), the sum of shared (tied) parameters' gradients between the
-stages holding them, and the optimizer step. Memory per stage s:
+plus the update. Flush: the all-reduce of the stage's gradients over its w replicas (ring, on the level of the
+topology the replicas span), the sum of shared (tied) parameters' gradients between the stages holding them, and
+the optimizer step. 2BW runs its update beside the next batch (``engine/update.py``): only the optimizer's work and
+the part of the replica all-reduce longer than a microbatch slot remain. Memory per stage s:
 
-    weights x versions (2 for 2BW) + gradients + optimizer states
+    weights x versions (2 for 2BW) + gradients x versions (2BW: batch b's set aside until its STEP)
+    + optimizer states
     + stash x activations(b)                         (no recomputation)
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
@@ -219,17 +221,13 @@ def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec)
     return intra + inter + 2 * (w - 1) * cluster.latency
 
 
-def shared_wait(profile: ModelProfile, stages: Sequence[range], times: Sequence[float]) -> float:
-    """2BW's cost of a parameter shared by stages i < j (GPT's tied embedding): the gradient sum is a
-    collective inside the update, so stage j, which finishes batch b's backwards first, waits for stage
-    i to finish them, about one microbatch slot per stage in between, every batch (measured: the last
-    stage's update waits F + B of stage 0 at d = 2). Flush pays this inside its drain already."""
-    stage_of = {layer: s for s, span in enumerate(stages) for layer in span}
-    wait = 0.0
-    for a, b, _ in profile.shared:
-        first, last = stage_of[a], stage_of[b]
-        wait = max(wait, sum(times[first:last]))
-    return wait
+def norm_wait(depth: int, num_microbatches: int, slowest: float) -> float:
+    """2BW's one remaining wait at an update: the first stage clips batch b at the head of step b + 2 by a norm
+    the last stage launches once batch b + 1's forward of microbatch (b + 1) m + w0 reached it
+    (``schedule.py``); in unit slots (a forward or a backward each) the first stage is there 2m slots after
+    b + 1 began, the last stage's launch 3(d - 1) slots after, so it waits where 3(d - 1) > 2m (e.g. d = m = 4:
+    one slot). Counted always: the recipes clip by the global norm."""
+    return max(0, 3 * (depth - 1) - 2 * num_microbatches) * slowest / 2
 
 
 def predict(
@@ -261,16 +259,22 @@ def predict(
         times.append(compute + messages)
         mem = stage_memory(profile, span, s, candidate, m)
         memory.append(mem)
-        grad_bytes = mem["gradients"]
+        grad_bytes = mem["weights"] / (2 if candidate.mode == "2bw" else 1)  # one gradient buffer's bytes
         shared_sum = sum(
             2 * n * profile.weight_bytes / cluster.intra_node_bandwidth
             for a, b, n in profile.shared
             if (a in span) != (b in span) and (a in span or b in span)
         )
-        updates.append(allreduce_time(grad_bytes, candidate, cluster) + shared_sum + sum(p.optimizer_s for p in layers))
+        optimizer = sum(p.optimizer_s for p in layers)
+        replicas = allreduce_time(grad_bytes, candidate, cluster)
+        if candidate.mode == "2bw":  # beside the next batch: the replica average overlaps the last backward and
+            # the next forward, the tied sum a whole partial step; the optimizer's work stays on the device
+            updates.append(optimizer + max(0.0, replicas - compute - messages))
+        else:
+            updates.append(replicas + shared_sum + optimizer)
     slowest = max(times)
     if candidate.mode == "2bw":
-        pipeline = m * slowest + shared_wait(profile, stages, times)
+        pipeline = m * slowest + norm_wait(d, m, slowest)
     else:
         pipeline = (m - 1) * slowest + sum(times)
     update = max(updates)

@@ -86,11 +86,15 @@ def candidates(
     micro_batch_sizes: Sequence[int] | None = None,
 ) -> list[Candidate]:
     """Every width x depth x microbatch size x recomputation of ``num_devices`` that runs ``options``' mode,
-    lookahead and delay correction (m >= d)."""
+    lookahead and delay correction (m >= d). Not 2BW at depth 1 where a pipeline is possible: plain data
+    parallelism that would pay the weight delay, the second weight version and the correction's buffers for
+    nothing (Flush at depth 1 is the same run without them)."""
     out = []
     for depth in divisors(num_devices):
         width = num_devices // depth
         if depth > num_layers or global_batch % width:
+            continue
+        if depth == 1 and options.mode == "2bw" and num_devices > 1 and num_layers > 1:
             continue
         per_replica = global_batch // width
         for micro in micro_batch_sizes or divisors(per_replica):

@@ -109,3 +109,22 @@ def test_one_default_correction_everywhere():
     for recipe in ("tiny", "gpt13b", "bert_base"):
         assert load(recipe).strategy.delay_correction == DEFAULT_CORRECTION, recipe
     assert PipeDream2BWStrategy(delay_correction=None).options.delay_correction is None
+
+
+def test_2bw_at_depth_one_over_several_processes_is_refused_with_the_fix():
+    """Issue 46, 4: 2BW with one stage and several replicas is data parallelism paying the delay and a second weight
+    version for nothing; every reader of the run refuses it by name (the planner never offers it)."""
+    from lightning_pd2bw.cli.config import check_run
+    from lightning_pd2bw.planner.search import candidates
+
+    from .test_config import load
+
+    with pytest.raises(ValueError, match=r"mode='2bw' with num_stages=1 on 2 processes .* use mode='flush'"):
+        PipelineOptions(num_stages=1).layout(2)
+    assert PipelineOptions(num_stages=1, mode="flush").layout(2).num_stages == 1
+    assert PipelineOptions().layout(1).num_stages == 1  # one process: nothing else to run
+    with pytest.raises(ConfigError, match=r"strategy.mode='2bw' with strategy.num_stages=1 on 2 processes"):
+        check_run(load("tiny", ("strategy.num_stages=1",)))
+    depths = {c.depth for c in candidates(8, 10, 64, PipelineOptions())}
+    assert 1 not in depths and depths == {2, 4, 8}
+    assert 1 in {c.depth for c in candidates(8, 10, 64, PipelineOptions(mode="flush"))}
