@@ -51,7 +51,7 @@ def search_plans(cfg, model):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster."""
     from ..planner.search import search
-    from .config import check_options
+    from .checks import check_options
 
     options = check_options(cfg.strategy)
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731

@@ -109,7 +109,7 @@ def data_text(cfg) -> str:
         source = cfg.data.get("hf_dataset") or cfg.data.get("paths") or "the embedded corpus (bytes)"
         return f"data: {source}"
     from ..data.tokens import INDEX, read_index
-    from .config import vocab_of
+    from .checks import vocab_of
 
     path = cfg.data.path
     vocab = vocab_of(cfg.model)
@@ -136,7 +136,7 @@ def candidate_of(cfg, layout):
     """The planner's candidate for this run: its options (``Candidate.of``, as ``pd2bw-plan`` and ``plan="auto"``
     read them) on the layout's width, depth and microbatch size."""
     from ..planner import Candidate
-    from .config import check_options
+    from .checks import check_options
 
     options = check_options(cfg.strategy)
     return Candidate.of(options, layout.data_parallel_size, layout.num_stages, layout.micro_batch_size)

@@ -67,7 +67,7 @@ def _start_time(pid: int) -> datetime.datetime:
 
 
 def setup_hydra() -> None:
-    from .config import register_schemas
+    from .schemas import register_schemas
 
     register_resolvers()
     register_schemas()
@@ -102,7 +102,7 @@ def run(cfg) -> dict:
     import lightning_pd2bw  # noqa: F401  (registers the strategy)
 
     from ..lightning.callbacks import RunMetrics
-    from .config import check_run, check_tokens
+    from .checks import check_run, check_tokens
     from .run_plan import build_model_on_meta, plan_text, planned_stages, sparsity_config
 
     _pin_output_dir(cfg)
@@ -213,7 +213,7 @@ def main() -> None:
 
 
 def _main(cfg) -> None:
-    from .config import ConfigError
+    from .checks import ConfigError
 
     try:
         run(cfg)

@@ -327,7 +327,8 @@ class PipelineEngine:
         if self.is_last:
             value = (self.ledger.take_loss_sum(step) / self.num_microbatches).float()
         else:
-            value = torch.zeros((), device=self.device)
+            value = torch.zeros((), dtype=torch.float32, device=self.device)  # what the last stage sends, whatever
+            # the default dtype (under precision="64-true" it is float64: a float32 broadcast read as garbage)
         last = self.grid.rank_of(self.num_stages - 1)
         work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
         self.ledger.put_loss(step, value, work)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_pd2bw.checkpoint import store as ckpt
 from lightning_pd2bw.checkpoint.entries import BY_PARAMETER
-from lightning_pd2bw.cli.config import ConfigError, check_checkpoint
+from lightning_pd2bw.cli.checks import ConfigError, check_checkpoint
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
 REPLICAS = {"num_stages": 1, "data_parallel_size": 2, "num_layers": 4, "stage_layers": [(0, 4)]}

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_pd2bw.cli.config import ConfigError, check_run
+from lightning_pd2bw.cli.checks import ConfigError, check_run
 from lightning_pd2bw.cli.run_plan import build_model_on_meta, sparsity_config
 from lightning_pd2bw.cli.train import CONF, RECIPES, recipe_names, setup_hydra
 
@@ -114,12 +114,35 @@ def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
         (("strategy.plan=auto", "global_batch_size=15"), "must be a multiple of the world size 2"),
         (("strategy.lookahead=-1",), "strategy.lookahead=-1 is invalid; valid: an int >= 0"),
         (("strategy.mode=gpipe", "strategy.lookahead=1"), "strategy.lookahead=1 has no meaning under strategy.mode"),
+        # single values no schema type refuses (issue 48): named before any process starts, not a ZeroDivisionError
+        (("micro_batch_size=0",), "micro_batch_size=0 must be > 0"),
+        (("data.seq_len=0",), "data.seq_len=0 must be > 0"),
+        (("model.lr=-1",), "model.lr=-1.0 must be > 0"),
+        (("model.weight_decay=-0.1",), "model.weight_decay=-0.1 must be >= 0"),
+        (("trainer.max_steps=0",), "trainer.max_steps=0 must be >= 1 (or -1"),
+        (("trainer.precision=64",), None),  # supported: float64 runs (its loss broadcast typed: test_loss_dtype.py)
+        (("trainer.precision=16-mixed",), "trainer.precision='16-mixed' is not supported with strategy=pd2bw"),
+        (("+data.paths=[/nonexistent.txt]",), "data.paths: '/nonexistent.txt' is not a file"),
     ],
 )
 def test_cross_field_checks_say_how_to_fix(overrides, message):
+    if message is None:
+        check_run(load("tiny", overrides))
+        return
     with pytest.raises(ConfigError) as error:
         check_run(load("tiny", overrides))
     assert message in str(error.value)
+
+
+def test_data_files_that_are_not_text_are_refused_by_name(tmp_path):
+    empty, binary, text = tmp_path / "empty.txt", tmp_path / "model.bin", tmp_path / "ok.txt"
+    empty.write_text("  \n")
+    binary.write_bytes(bytes(range(256)) * 8)
+    text.write_text("héllo wörld " * 10_000)  # multi-byte characters across the 64 KiB read
+    for path, message in ((empty, "is empty"), (binary, "is not UTF-8 text")):
+        with pytest.raises(ConfigError, match=f"data.paths: '{path}' {message}"):
+            check_run(load("tiny", (f"+data.paths=[{path}]",)))
+    check_run(load("tiny", (f"+data.paths=[{text}]",)))
 
 
 def test_more_stages_than_layers():
@@ -199,7 +222,7 @@ def test_layout_rules_are_one_set_named_in_each_callers_keys():
     """The engine's Layout, the strategy and the Hydra checks apply the same rule (engine/layout.py), each
     naming the settings as its users write them."""
     from lightning_pd2bw import PipeDream2BWStrategy
-    from lightning_pd2bw.cli.config import CONFIG_KEYS
+    from lightning_pd2bw.cli.checks import CONFIG_KEYS
     from lightning_pd2bw.engine.layout import Layout, check_microbatches
 
     messages = []
@@ -220,7 +243,7 @@ def test_layout_rules_are_one_set_named_in_each_callers_keys():
 def test_schema_defaults_are_the_classes_defaults():
     """Every default lives in the class it configures; the schemas read it there (no second copy to drift)."""
     from lightning_pd2bw import PipeDream2BWStrategy
-    from lightning_pd2bw.cli.config import DataSchema, ModelSchema, StrategySchema, TokensDataSchema, defaults_of
+    from lightning_pd2bw.cli.schemas import DataSchema, ModelSchema, StrategySchema, TokensDataSchema, defaults_of
     from lightning_pd2bw.data import TextDataModule
     from lightning_pd2bw.data.tokens import TokenDataModule
     from lightning_pd2bw.models.base import PipelineLanguageModel

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pd2bw import Layout, PipeDream2BWStrategy, PipelineEngine
-from lightning_pd2bw.cli.config import ConfigError, check_options
+from lightning_pd2bw.cli.checks import ConfigError, check_options
 from lightning_pd2bw.engine.options import PipelineOptions
 
 from ..distributed.launch import free_port
@@ -114,7 +114,7 @@ def test_one_default_correction_everywhere():
 def test_2bw_at_depth_one_over_several_processes_is_refused_with_the_fix():
     """Issue 46, 4: 2BW with one stage and several replicas is data parallelism paying the delay and a second weight
     version for nothing; every reader of the run refuses it by name (the planner never offers it)."""
-    from lightning_pd2bw.cli.config import check_run
+    from lightning_pd2bw.cli.checks import check_run
     from lightning_pd2bw.planner.search import candidates
 
     from .test_config import load

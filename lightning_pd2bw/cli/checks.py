@@ -1,235 +1,21 @@
-"""Structured-config schemas behind the Hydra groups, and the cross-field checks of a whole run.
+"""The cross-field checks of a whole run, before any process or process group exists.
 
-Each group's YAML files start from a schema stored here (``defaults: [<group>_schema, _self_]``), so
-a misspelt key or a value of the wrong type in a recipe or on the command line fails when Hydra
-composes, naming the key. ``check_run`` then validates what no single group can (layers vs stages,
-global vs micro batch, m >= d, world size vs width x depth) before any process or process group
-exists, and derives the batch layout that the run and the dry run print.
+``check_run`` validates what no single group's schema can (layers vs stages, global vs micro batch, m >= d, world
+size vs width x depth, batch and sequence sizes, the learning rate, the steps, the precision, the data files) and
+derives the batch layout that the run and the dry run print. Each error names the key and the fix (``ConfigError``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, replace
+import codecs
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
-
-from omegaconf import MISSING
 
 from ..engine import layout as rules
 from ..engine.options import PipelineOptions
 
 
-def defaults_of(cls: Any) -> dict[str, Any]:
-    """The defaults of ``cls``'s constructor: the schemas below take theirs from the classes they configure, so a
-    default lives in one place (the class) and the YAML presets choose the recipes' values."""
-    import inspect
-
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-
-
-def _classes() -> tuple[dict[str, Any], ...]:
-    from ..data.datamodule import TextDataModule
-    from ..data.tokens import TokenDataModule
-    from ..models.base import PipelineLanguageModel
-
-    return tuple(map(defaults_of, (PipelineLanguageModel, TextDataModule, TokenDataModule)))
-
-
-_MODEL, _DATA, _TOKENS = _classes()
-
-
-@dataclass
-class PresetSchema:
-    _target_: str = MISSING
-    name: str = MISSING
-    n_layer: int | None = None  # overrides of the preset; null keeps the preset's value
-    n_head: int | None = None
-    n_embd: int | None = None
-    block_size: int | None = None
-    vocab_size: int | None = None
-    seed: int | None = None
-
-
-@dataclass
-class ModelSchema:
-    _target_: str = MISSING
-    config: PresetSchema = field(default_factory=PresetSchema)
-    optimizer: str = _MODEL["optimizer"]  # adamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
-    lr: float = _MODEL["lr"]
-    weight_decay: float = _MODEL["weight_decay"]
-    betas: list[float] = field(default_factory=lambda: list(_MODEL["betas"]))
-    momentum: float = _MODEL["momentum"]
-    warmup_steps: int = _MODEL["warmup_steps"]
-    max_steps: int | None = _MODEL["max_steps"]
-    min_lr_ratio: float = _MODEL["min_lr_ratio"]
-
-
-@dataclass
-class DataSchema:
-    _target_: str = "lightning_pd2bw.data.TextDataModule"
-    task: str = _DATA["task"]
-    seq_len: int = _DATA["seq_len"]
-    batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
-    paths: list[str] | None = None
-    val_fraction: float = _DATA["val_fraction"]
-    max_bytes: int | None = _DATA["max_bytes"]
-    shuffle: bool = _DATA["shuffle"]
-    seed: int = _DATA["seed"]
-    num_workers: int = _DATA["num_workers"]
-    hf_dataset: str | None = None  # a local Hugging Face dataset directory (never downloaded)
-    hf_split: str = _DATA["hf_split"]
-    text_column: str = _DATA["text_column"]
-    tokenizer: str | None = None  # a local tokenizer.json (or its directory); null: bytes
-
-
-@dataclass
-class TokensDataSchema:
-    _target_: str = "lightning_pd2bw.data.tokens.TokenDataModule"
-    path: str = "data/tokens"  # a directory written by pd2bw-prepare-data
-    seq_len: int = _TOKENS["seq_len"]
-    batch_size: int | None = None  # per replica; derived from global_batch_size / data-parallel width
-    shuffle: bool = _TOKENS["shuffle"]
-    seed: int = _TOKENS["seed"]
-    num_workers: int = _TOKENS["num_workers"]
-
-
-# how a YAML value spells the options whose Python type OmegaConf cannot hold (a dtype, a tuple, anything)
-STRATEGY_YAML_TYPES: dict[str, Any] = {
-    "boundary_dtype": str | None,  # auto | null | bfloat16 | float16 | float32
-    "layers_per_stage": list[int] | None,  # null: the planner's time-balanced cut (pd2bw-train)
-    "compile": Any,  # true | {backend: ..., mode: ..., fullgraph: ...}
-}
-
-
-def strategy_schema() -> type:
-    """``strategy.*``: generated from ``PipelineOptions``' fields (names, types, defaults; each documented there),
-    so an option is declared once, in the options, and the strategy's signature (a unit test keeps that equal)."""
-    import typing
-
-    hints = typing.get_type_hints(PipelineOptions)
-    fields: list[Any] = [("_target_", str, field(default="lightning_pd2bw.PipeDream2BWStrategy"))]
-    for option in dataclasses.fields(PipelineOptions):
-        if option.name != "keys":
-            kind = STRATEGY_YAML_TYPES.get(option.name, hints[option.name])
-            fields.append((option.name, kind, field(default=option.default)))
-    return dataclasses.make_dataclass("StrategySchema", fields)
-
-
-StrategySchema = strategy_schema()
-
-
-@dataclass
-class TrainerSchema:
-    _target_: str = "lightning.pytorch.Trainer"
-    accelerator: str = "auto"
-    devices: Any = 2
-    num_nodes: int = 1
-    max_steps: int = -1
-    max_epochs: int | None = None
-    precision: str = "32-true"
-    gradient_clip_val: float | None = None
-    val_check_interval: Any = None
-    check_val_every_n_epoch: int | None = 1
-    limit_val_batches: Any = None
-    limit_train_batches: Any = None
-    log_every_n_steps: int = 50
-    enable_checkpointing: bool = True
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = False
-    accumulate_grad_batches: int = 1
-    default_root_dir: str | None = None
-
-
-@dataclass
-class SparsityCommon:
-    _target_: str = MISSING
-    sparsity: float = 0.75
-    allocation: str = "uniform"
-    targets: list[str] | None = None
-    min_layer_density: float = 0.01
-    dense_from_step: int | None = None
-    rewarmup_steps: int = 0
-    seed: int = 0
-    log_per_layer: bool = True
-
-
-@dataclass
-class GradualSchema(SparsityCommon):
-    end_step: int = MISSING
-    start_step: int = 0
-    update_interval: int = 100
-    initial_sparsity: float = 0.0
-    shape: str = "cubic"
-
-
-@dataclass
-class StaticSchema(SparsityCommon):
-    init: str = "random"
-
-
-@dataclass
-class RigLSchema(SparsityCommon):
-    end_step: int = MISSING
-    update_interval: int = 100
-    drop_fraction: float = 0.3
-    init: str = "random"
-
-
-@dataclass
-class CSVLoggerSchema:
-    _target_: str = "lightning.pytorch.loggers.CSVLogger"
-    save_dir: str = MISSING
-    name: str = "csv"
-
-
-@dataclass
-class WandbLoggerSchema:
-    _target_: str = "lightning.pytorch.loggers.WandbLogger"
-    project: str = "lightning_pd2bw"
-    name: str | None = None
-    save_dir: str = MISSING
-    offline: bool = True
-    log_model: bool = False
-
-
-@dataclass
-class ClusterSchema:
-    """A cluster for ``pd2bw-plan`` (conf/cluster/*.yaml): servers of devices and their links."""
-
-    name: str = MISSING
-    device: str = MISSING  # a key of lightning_pd2bw.planner.hardware.DEVICES
-    num_nodes: int = 1
-    devices_per_node: int = 8
-    intra_node_bandwidth: float = MISSING  # bytes/s between two devices of one server
-    inter_node_bandwidth: float = MISSING  # bytes/s out of one server
-    latency: float = 2e-5  # seconds per message
-
-
-SCHEMAS = {
-    ("model", "model_schema"): ModelSchema,
-    ("data", "data_schema"): DataSchema,
-    ("data", "tokens_schema"): TokensDataSchema,
-    ("strategy", "strategy_schema"): StrategySchema,
-    ("trainer", "trainer_schema"): TrainerSchema,
-    ("sparsity", "gradual_schema"): GradualSchema,
-    ("sparsity", "static_schema"): StaticSchema,
-    ("sparsity", "rigl_schema"): RigLSchema,
-    ("logger", "csv_schema"): CSVLoggerSchema,
-    ("logger", "wandb_schema"): WandbLoggerSchema,
-    ("cluster", "cluster_schema"): ClusterSchema,
-}
-
-
-def register_schemas() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    store = ConfigStore.instance()
-    for (group, name), node in SCHEMAS.items():
-        store.store(group=group, name=name, node=node)
-
-
-# ---------------------------------------------------------------------------------------------- checks
 @dataclass(frozen=True)
 class RunLayout:
     world_size: int
@@ -282,6 +68,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
     world = world_size_of(cfg.trainer)
     check_options(cfg.strategy)
+    check_values(cfg)
     if cfg.strategy.get("plan") == "auto":
         return _check_auto(cfg, world)
     depth = cfg.strategy.num_stages or world
@@ -317,6 +104,54 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     _check_data(cfg)
     check_checkpoint(cfg.get("ckpt_path"), num_layers)
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
+
+
+PRECISIONS = ("32-true", "32", "bf16-mixed", "64-true", "64")  # what the strategy runs (lightning/checks.py)
+
+
+def check_values(cfg: Any) -> None:
+    """Single values no schema type can refuse: sizes, the learning rate, the steps, the precision."""
+    positive = {
+        "global_batch_size": cfg.get("global_batch_size"),
+        "micro_batch_size": cfg.get("micro_batch_size"),
+        "data.seq_len": cfg.data.get("seq_len"),
+        "model.lr": cfg.model.get("lr"),
+    }
+    for key, value in positive.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    if (decay := cfg.model.get("weight_decay")) is not None and decay < 0:
+        raise ConfigError(f"model.weight_decay={decay} must be >= 0 (0: no decay)")
+    steps = cfg.trainer.get("max_steps")
+    if steps is not None and steps != -1 and steps < 1:
+        raise ConfigError(f"trainer.max_steps={steps} must be >= 1 (or -1: as many as trainer.max_epochs give)")
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not supported with strategy=pd2bw; supported: "
+            f"{', '.join(PRECISIONS)} (bf16-mixed: bfloat16 compute, float32 weights; 16-mixed needs one loss scale "
+            "over all stages, 16-true/bf16-true would hold both weight versions in half precision)"
+        )
+
+
+def check_text_files(paths: Any) -> None:
+    """``data.paths``: each file is there, not empty and text (UTF-8 without NUL bytes in its first 64 KiB)."""
+    for path in paths or []:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"data.paths: {path!r} is not a file; give existing UTF-8 text files")
+        head = file.open("rb").read(1 << 16)
+        if not head.strip():
+            raise ConfigError(f"data.paths: {path!r} is empty; give a text file with training data")
+        try:
+            if b"\0" in head:
+                raise UnicodeDecodeError("utf-8", head, head.index(b"\0"), head.index(b"\0") + 1, "a NUL byte")
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at 64 KiB is fine
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"data.paths: {path!r} is not UTF-8 text ({error.reason} at byte {error.start}); the byte-level "
+                "GPT reads text files: convert it, or tokenize it with pd2bw-prepare-data and use data=tokens"
+            ) from None
 
 
 def check_options(strategy: Any) -> PipelineOptions:
@@ -397,6 +232,7 @@ def check_tokens(cfg: Any) -> None:
 
 
 def _check_data(cfg: Any) -> None:
+    check_text_files(cfg.data.get("paths"))
     block = context_of(cfg.model)
     if cfg.data.seq_len > block:
         raise ConfigError(
