@@ -39,7 +39,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
     CheckpointException,
-    DefaultLoadPlanner,
     DefaultSavePlanner,
     FileSystemReader,
     FileSystemWriter,
@@ -53,16 +52,12 @@ from .entries import (
     request_for,
     stage_checkpoint,
 )
+from .safe_load import SafeLoadPlanner, UnreadableCheckpoint, load_object, read_metadata, unwrapped
 
 META_FILE = "trainer.pt"
 MANIFEST = "manifest.json"
 FORMAT = 2
 _publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd2bw-publish")
-
-
-class UnreadableCheckpoint(ValueError):
-    """A published checkpoint this version cannot read: a damaged manifest, or another format. Never passed over
-    in silence (``ckpt_path="last"`` refuses it by name rather than resume from an older one or from step 0)."""
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -333,13 +328,7 @@ def _checked(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     folder, manifest = _checked(path)
-    name = META_FILE
-    try:
-        meta = torch.load(folder / name, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise ValueError(
-            f"checkpoint {str(folder)!r}: {name} cannot be read ({error}); use another checkpoint"
-        ) from error
+    meta = load_object(folder / META_FILE, "checkpoint file")  # weights_only: nothing in it runs (safe_load.py)
     meta["pd2bw"] = manifest
     return meta
 
@@ -351,17 +340,21 @@ def _load(folder: Path, request: dict[str, Any]) -> None:
             dcp.load(
                 request,
                 storage_reader=FileSystemReader(folder),
-                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                planner=SafeLoadPlanner(),  # byte entries with weights_only=True
                 no_dist=True,  # each rank reads its own entries; no collective
             )
+    except UnreadableCheckpoint:
+        raise
     except (Exception, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        if (refused := unwrapped(error)) is not None:
+            raise UnreadableCheckpoint(f"checkpoint {str(folder)!r}: {refused}; use another checkpoint") from None
         raise ValueError(f"checkpoint {str(folder)!r} cannot be read ({error}); use another checkpoint") from error
 
 
 def read_entries(path: str | Path, prefix: str = "", device: torch.device | str = "cpu") -> dict[str, Any]:
     """The entries whose names start with ``prefix`` (e.g. ``"model/"``, ``"masks/"``), read into new tensors."""
     folder, _ = _checked(path)
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = read_metadata(folder).state_dict_metadata
     request = {name: empty_for(entry, device) for name, entry in metadata.items() if name.startswith(prefix)}
     _load(folder, request)
     return request
@@ -382,7 +375,7 @@ def load_stage(
     ``fresh[k]`` its ``state_dict()`` (its groups' layout). Returns Lightning's per-stage keys (``state_dict``,
     ``optimizer_states``, ``callbacks``); only this stage's bytes are read."""
     folder, manifest = _checked(path)
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = read_metadata(folder).state_dict_metadata
     same = same_layout(manifest, stage_layers)
     request = request_for(metadata, stage=stage, same_layout=same, model=model, names=names, device=device)
     _load(folder, request)

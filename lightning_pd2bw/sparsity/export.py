@@ -45,7 +45,9 @@ def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, to
     if isinstance(checkpoint, Mapping):
         states = [checkpoint.get("callbacks", {})]
     else:
-        states = [torch.load(checkpoint, map_location="cpu", weights_only=False).get("callbacks", {})]
+        from ..checkpoint.safe_load import load_object  # nothing in a checkpoint runs code
+
+        states = [load_object(Path(checkpoint)).get("callbacks", {})]
     masks: dict[str, torch.Tensor] = {}
     for callbacks in states:
         for state in callbacks.values():

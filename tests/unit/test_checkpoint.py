@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from lightning_pd2bw.checkpoint import store as ckpt
 from lightning_pd2bw.checkpoint.entries import BY_PARAMETER
 from lightning_pd2bw.cli.checks import ConfigError, check_checkpoint
+from lightning_pd2bw.cli.consolidate import main as consolidate_main
 
 LAYOUT = {"num_stages": 2, "data_parallel_size": 1, "num_layers": 4, "stage_layers": [(0, 2), (2, 4)]}
 REPLICAS = {"num_stages": 1, "data_parallel_size": 2, "num_layers": 4, "stage_layers": [(0, 4)]}
@@ -275,3 +277,66 @@ def test_the_per_parameter_protocol_refuses_mixed_entries():
         split_by_parameter({BY_PARAMETER: {"ema": {"a.w": torch.ones(1), "b.w": 1.0}}})
     with pytest.raises(ValueError, match=r"by_parameter\['model'\]: the entry may not be"):
         split_by_parameter({BY_PARAMETER: {"model": {"a.w": torch.ones(1)}}})
+
+
+class Payload:
+    """What an attacker puts in a pickle: unpickling it calls ``Path.touch`` on a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _replace_file(checkpoint: Path, name: str, data: bytes) -> None:
+    """Write ``name`` and its size into the manifest, as an attacker who rewrote the checkpoint would."""
+    (checkpoint / name).write_bytes(data)
+    manifest = json.loads((checkpoint / ckpt.MANIFEST).read_text())
+    manifest["files"][name]["bytes"] = len(data)
+    (checkpoint / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("target", ["trainer.pt", ".metadata"])
+def test_loading_a_checkpoint_never_runs_code_from_it(saved, tmp_path, target):
+    """Issue 48: a crafted pickle in ``trainer.pt`` (Lightning's part) or in DCP's ``.metadata`` is refused, naming
+    the file and what it asked for, by every reader (resume, consolidate, the masks); the payload never runs."""
+    import io
+    import pickle
+
+    from lightning_pd2bw.sparsity.export import checkpoint_masks
+
+    marker = tmp_path / "ran"
+    if target == "trainer.pt":
+        buffer = io.BytesIO()
+        torch.save({"global_step": 5, "hyper_parameters": Payload(marker)}, buffer)
+        data = buffer.getvalue()
+    else:
+        data = pickle.dumps(Payload(marker))
+    _replace_file(saved, target, data)
+    readers = [lambda: consolidate_main([str(saved), str(tmp_path / "out.ckpt")])]
+    if target == "trainer.pt":  # resume and consolidate read Lightning's part
+        readers.append(lambda: ckpt.read_meta(saved))
+    else:  # every reader of the entries reads DCP's index first
+        readers += [lambda: load_whole_model_as_one_stage(saved), lambda: checkpoint_masks(saved)]
+    for read in readers:
+        with pytest.raises(ckpt.UnreadableCheckpoint, match=f"{target}.* refused"):
+            read()
+    assert not marker.exists(), "the payload ran"
+
+
+def test_byte_entries_load_without_running_code(tmp_path):
+    """The entries DCP stores as bytes (optimizer groups, callback states) load with weights_only=True too."""
+    from lightning_pd2bw.checkpoint.store import _load, write_state
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "entries"
+    folder.mkdir()
+    write_state(folder, {"callbacks/stage-0": {"payload": Payload(marker)}, "optim_groups/0/stage-0": [{"lr": 0.1}]})
+    assert not marker.exists()
+    safe = {"optim_groups/0/stage-0": None}
+    _load(folder, safe)
+    assert safe["optim_groups/0/stage-0"] == [{"lr": 0.1}]
+    with pytest.raises(ckpt.UnreadableCheckpoint, match="entry 'callbacks/stage-0' cannot be read: refused"):
+        _load(folder, {"callbacks/stage-0": None})
+    assert not marker.exists(), "the payload ran"
