@@ -24,6 +24,7 @@ entries too.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -152,16 +153,46 @@ def save_sharded(
         tmp.mkdir(parents=True)
     barrier("pd2bw_save_begin")
     check_shared(tmp, is_global_zero, gather)
+    entries = entries_of(checkpoint, stage)
+    try:
+        check_space(tmp, stage, entries, gather)
+    except OSError:
+        if is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     manifest = manifest_for(checkpoint, layout, gather(_mask_summary(checkpoint.get("callbacks", {}))))
     if is_global_zero:
         write_meta(tmp, checkpoint)
-    written = write_state(tmp, entries_of(checkpoint, stage), process_group, asynchronous, stager)
+    written = write_state(tmp, entries, process_group, asynchronous, stager)
     if written is not None:
         return _publisher.submit(lambda: (written.result(), finish(tmp, path, manifest))) if is_global_zero else written
     if is_global_zero:
         finish(tmp, path, manifest)
     barrier("pd2bw_save_published")
     return None
+
+
+SPACE_MARGIN = 1.05  # DCP's per-file headers and trainer.pt, over the tensors' bytes
+
+
+def check_space(tmp: Path, stage: int, entries: dict[str, Any], gather: Callable[[Any], list[Any]]) -> None:
+    """Before writing: the checkpoint's bytes (each stage's tensors once: replicas write one copy) fit the space
+    free where it goes, or every rank raises ``OSError(ENOSPC)`` naming the folder, what the save needs and what
+    is free; nothing is written and the previous checkpoint stays. Collective (one object gather), cheap."""
+    own = sum(v.numel() * v.element_size() for v in entries.values() if isinstance(v, torch.Tensor))
+    per_stage: dict[int, int] = {}
+    for other, size in gather((stage, own)):
+        per_stage[other] = max(per_stage.get(other, 0), size)
+    need = int(sum(per_stage.values()) * SPACE_MARGIN)
+    free = shutil.disk_usage(tmp).free
+    if need > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on the device for checkpoint {str(tmp.with_suffix(''))!r}: the save needs about "
+            f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free in {str(tmp.parent)!r}. Nothing was "
+            "written; the previous checkpoint is intact. Free space there, or save elsewhere "
+            "(ModelCheckpoint(dirpath=...), pd2bw-train paths.output_dir=...)",
+        )
 
 
 SHARED_PROBE = ".pd2bw-shared-probe"

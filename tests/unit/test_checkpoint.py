@@ -340,3 +340,20 @@ def test_byte_entries_load_without_running_code(tmp_path):
     with pytest.raises(ckpt.UnreadableCheckpoint, match="entry 'callbacks/stage-0' cannot be read: refused"):
         _load(folder, {"callbacks/stage-0": None})
     assert not marker.exists(), "the payload ran"
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    """Issue 48, disk full: every rank learns before anything is written that the save does not fit, with the
+    folder, what it needs and what is free (each stage's bytes once: a replica's copy is not written twice)."""
+    import errno
+    from collections import namedtuple
+
+    entries = {"model/w": torch.zeros(1 << 18), "optim_groups/0/stage-0": [{"lr": 0.1}]}  # 1 MiB of tensors
+    gathered = [(0, 1 << 20), (1, 1 << 20), (0, 1 << 20)]  # stages 0, 1 and a replica of stage 0: 2 MiB to write
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 3 << 20))
+    ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: gathered)  # fits: nothing raised
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 2 << 20))
+    with pytest.raises(OSError, match=r"No space left .*step.ckpt'.* needs about 2.1 MiB and 2.0 MiB are free") as e:
+        ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: gathered)
+    assert e.value.errno == errno.ENOSPC and "previous checkpoint is intact" in str(e.value)
