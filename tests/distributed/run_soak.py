@@ -52,7 +52,7 @@ class Counters(Callback):
                 "in_flight": len(executor._microbatches) + len(executor._received) + len(executor._to_send),
                 "sends": executor.link.pending_sends,
                 "losses": strategy.ledger.counters()["loss_sums"] + strategy.ledger.counters()["losses_in_flight"],
-                "hparams": strategy.ledger.counters()["updates_pending"] + strategy.ledger.counters()["deferred_sums"],
+                "hparams": strategy.ledger.counters()["updates_pending"],
                 "step_map": strategy.ledger.counters()["batches"],
             }
         )
