@@ -304,6 +304,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
                 f"checkpoint {str(path)!r} has no {MANIFEST}: its save never finished (it was interrupted); "
                 "resume from the previous checkpoint"
             )
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{str(path)!r} does not exist; pass a checkpoint directory written by strategy='pd2bw'"
+            )
         raise FileNotFoundError(
             f"{str(path)!r} is not a pd2bw checkpoint (no {MANIFEST}); pass a directory written by "
             "strategy='pd2bw' (e.g. by ModelCheckpoint)"

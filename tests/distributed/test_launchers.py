@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.wandb_records import read_run
 
@@ -60,6 +61,13 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     checkpoints = list(out.rglob("*.ckpt"))
     assert checkpoints and {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {f.name for f in checkpoints[0].iterdir()}
     assert not list(tmp_path.rglob("*.tmp")), "no half-written checkpoint is left behind"
+    # the README's command: pd2bw-consolidate outputs/RUN/checkpoints/last.ckpt model.ckpt (issue 49)
+    assert (out / "checkpoints" / "last.ckpt").is_symlink()
+    run(
+        [sys.executable, "-m", "lightning_pd2bw.cli.consolidate", str(out / "checkpoints" / "last.ckpt"), "m.ckpt"],
+        tmp_path,
+    )
+    assert torch.load(tmp_path / "m.ckpt", weights_only=True)["global_step"] == 6
     for line in ("stage 0: layers", "tokens per step = 8 x 32 = 256", "wandb sync"):
         assert line in result.stdout
     runs = list((out / "wandb").glob("offline-run-*"))
