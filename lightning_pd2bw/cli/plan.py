@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from .run_plan import analytic_model_profile, build_model_on_meta
-from .train import CONF, RECIPES, _select_recipe, setup_hydra
+from .train import CONF, RECIPES, _select_recipe, recipe_names, setup_hydra
 
 
 def cluster_names() -> list[str]:
@@ -101,6 +101,11 @@ def train_overrides(cluster, best) -> str:
 def main() -> None:
     import hydra
 
+    from .usage import usage, wants_help
+
+    if wants_help(sys.argv[1:]):
+        print(usage("pd2bw-plan", CONF, recipe_names(), cluster_names()))
+        return
     setup_hydra()
     sys.argv = [sys.argv[0], *_select_cluster(_select_recipe(sys.argv[1:]))]
     hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="tiny")(_main)()

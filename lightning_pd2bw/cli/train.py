@@ -207,6 +207,11 @@ def _finish_wandb(logger) -> None:
 def main() -> None:
     import hydra
 
+    from .usage import usage, wants_help
+
+    if wants_help(sys.argv[1:]):
+        print(usage("pd2bw-train", CONF, recipe_names()))
+        return
     setup_hydra()
     sys.argv = [sys.argv[0], *_select_recipe(sys.argv[1:])]
     hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="tiny")(_main)()

@@ -292,3 +292,21 @@ def test_pd2bw_plan_plans_the_run_that_trains(recipe, extra):
     assert candidate_of(trained, layout) == best.candidate
     again = predict(profile, candidate_of(trained, layout), cluster_of(trained), layout.global_batch_size, stages)
     assert again.batch_time == best.batch_time
+
+
+def test_help_lists_what_users_type(tmp_path, monkeypatch, capsys):
+    """Issue 49: ``--help`` names the recipes, each group's options as typed (``strategy=pd2bw_flush``, not
+    ``strategy_schema``) and, for pd2bw-plan, the clusters it needs; not pd2bw-train's Hydra page."""
+    import sys
+
+    from lightning_pd2bw.cli import plan, train
+
+    train_help = run_cli("--help", cwd=tmp_path)
+    assert train_help.returncode == 0 and train_help.stdout.startswith("usage: pd2bw-train [recipe=NAME]")
+    assert "strategy=pd2bw_2bw|pd2bw_flush" in train_help.stdout and "schema" not in train_help.stdout
+    assert "gpt13b" in train_help.stdout and "logger=csv|wandb" in train_help.stdout
+    monkeypatch.setattr(sys, "argv", ["pd2bw-plan", "--help"])
+    plan.main()
+    text = capsys.readouterr().out
+    assert text.startswith("usage: pd2bw-plan [recipe=NAME] cluster=NAME") and "v100_16g_8x8" in text
+    assert text != train_help.stdout and train.main is not plan.main
