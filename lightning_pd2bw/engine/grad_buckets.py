@@ -5,8 +5,10 @@ is a view into a flat bucket, so autograd accumulates every microbatch's gradien
 runs on the bucket itself, with no second copy of the gradients. Buckets hold the parameters in reverse order
 (the backward produces the last layers' gradients first). During the batch's last backward on this stage
 (``arm``), a bucket's all-reduce starts as soon as its last gradient is accumulated, and buckets start in
-bucket order on every replica (collectives of one group must be issued alike everywhere). ``finish`` (the
-update's REDUCE) starts the buckets not started yet, waits, and divides by the width.
+bucket order on every replica (collectives of one group must be issued alike everywhere). ``finish`` starts the
+buckets not started yet, waits, and divides by the width. Under 2BW the update's REDUCE calls ``launch`` instead:
+the buckets are handed over still in flight and the next batch accumulates into a second set (one more gradient
+buffer, no copy), so the all-reduce finishes behind the next batch's compute; CHECK calls ``complete``.
 
 A parameter that gets no gradient in a batch on any replica keeps ``grad=None``, as in single-device training
 (an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
@@ -49,6 +51,21 @@ class _Bucket:
     work: Any = None  # its all-reduce, once started
 
 
+def _new_bucket(params: list[nn.Parameter]) -> _Bucket:
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+    views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params)]
+    return _Bucket(params, flat, views, flat[sum(sizes) :])
+
+
+@dataclass
+class Launched:
+    """One batch's buckets, their all-reduces in flight (``GradientBuckets.launch``)."""
+
+    buckets: list[_Bucket]
+    arrived: set[int]
+
+
 @dataclass
 class GradientBuckets:
     """Replica averaging of ``params``' gradients over ``group`` (``size`` replicas), overlapped with the
@@ -63,16 +80,13 @@ class GradientBuckets:
     def __post_init__(self) -> None:
         order = [p for p in reversed(list(self.params)) if p.requires_grad]
         groups = group_in_buckets(order, **({"limit": self.limit} if self.limit else {}))
-        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket index, position), in either set
         self._handles: list[tuple[nn.Parameter, Any]] = []
-        for params in groups:
-            sizes = [p.numel() for p in params]
-            flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
-            views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params)]
-            bucket = _Bucket(params, flat, views, flat[sum(sizes) :])
-            self.buckets.append(bucket)
+        self._spare: list[_Bucket] | None = None  # the second set, allocated at the first launch
+        for index, params in enumerate(groups):
+            self.buckets.append(_new_bucket(params))
             for position, param in enumerate(params):
-                self._slot[id(param)] = (bucket, position)
+                self._slot[id(param)] = (index, position)
                 release([param])  # a rebuilt engine over the same parameters takes them over
                 _HOOKS[param] = param.register_post_accumulate_grad_hook(self._accumulated)
                 self._handles.append((param, _HOOKS[param]))
@@ -107,7 +121,8 @@ class GradientBuckets:
             bucket.waiting = len(bucket.params)
 
     def _accumulated(self, param: nn.Parameter) -> None:
-        bucket, position = self._slot[id(param)]
+        index, position = self._slot[id(param)]
+        bucket = self.buckets[index]
         self._adopt(param, bucket.views[position])
         self.arrived.add(id(param))
         if not self.armed or bucket.work is not None:
@@ -145,6 +160,41 @@ class GradientBuckets:
         self._next = 0
         for bucket in self.buckets:
             bucket.work = None
+
+    def launch(self) -> Launched:
+        """2BW's REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits); the
+        next batch's gradients accumulate into the other set, zeroed, its views attached."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        launched = Launched(self.buckets, set(self.arrived))
+        if self._spare is None:
+            self._spare = [_new_bucket(bucket.params) for bucket in self.buckets]
+        self.buckets, self._spare = self._spare, None
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            bucket.work = None
+            for param in bucket.params:
+                param.grad = None  # the launched views stay with the update: attach() must not copy them over
+        self.arrived = set()
+        self.armed = False
+        self._next = 0
+        self.attach()
+        return launched
+
+    def complete(self, launched: Launched) -> dict[int, torch.Tensor | None]:
+        """CHECK: wait for ``launched``'s all-reduces and average; returns each parameter's gradient (a view of
+        its bucket, None where no replica had one). The set is the spare again once the update is done with it."""
+        missed = len(launched.arrived) < len(self._slot)
+        out: dict[int, torch.Tensor | None] = {}
+        for bucket in launched.buckets:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.flat.div_(self.size)
+            flags = bucket.flags.tolist() if missed else [1] * len(bucket.params)  # a host sync only then
+            for param, view, flag in zip(bucket.params, bucket.views, flags):
+                out[id(param)] = view if flag else None
+        self._spare = launched.buckets
+        return out
 
     def zero(self) -> None:
         """After a step: zero the buckets and point every ``.grad`` at its view again."""

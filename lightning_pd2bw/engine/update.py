@@ -4,12 +4,14 @@
 registers each in the executor's ``{Kind: handler}`` table. Under 2BW the update of batch b is first read by batch
 b + 2's first forward, so it runs while batch b + 1 computes (flush and gpipe run the parts back to back):
   REDUCE(b)      right after b's last backward: the next weight version made writable (2BW: the stale buffer is
-                 recycled); gradients averaged over the data-parallel replicas (``grad_buckets.py``: their
-                 all-reduces started during the batch's last backward; REDUCE waits for them: the replicas run in
-                 step) and set aside (one more gradient buffer: the next batch's backwards accumulate afresh); the
-                 sums of the tied parameters' gradients over the stages holding them launched, not waited for;
-  CHECK(b)       (2BW: once every stage has reached REDUCE(b), so the wait is never on a peer) batch b's gradients
-                 in ``.grad`` again (the next batch's aside until NORM), the tied sums waited for; the non-finite
+                 recycled); the gradients set aside (one more gradient buffer: the next batch's backwards
+                 accumulate afresh): with replicas, their buckets handed over with the all-reduces that started
+                 during the batch's last backward still in flight (``grad_buckets.launch``: they finish behind
+                 the next batch's compute); the sums of the tied parameters' gradients over the stages holding
+                 them launched (their replica average, apart from the buckets, waited for here);
+  CHECK(b)       (2BW: once every stage has reached REDUCE(b), so the wait is never on a peer) the replica average
+                 and the tied sums waited for; batch b's gradients in ``.grad`` again (the next batch's aside until
+                 NORM); the non-finite
                  policy: ``stop`` queues its check (raised without a host sync: on a GPU at the first update after
                  the flags reached the host, and at every drain), ``skip`` launches its flag over the pipeline;
   HOOKS(b)       ``skip``: the flag read (the batch dropped on every stage if any found it non-finite); the
@@ -78,6 +80,7 @@ class SetAside:
 
     grads: list[torch.Tensor | None]
     tied: list[Any]  # the tied sums' works
+    launched: Any = None  # width > 1: the buckets' replica all-reduces in flight (grad_buckets.Launched)
     flag: torch.Tensor | None = None  # non-finite gradients anywhere in the pipeline ("skip")
     flag_work: Any = None
     squares: torch.Tensor | None = None  # this stage's squared norm, summed over the pipeline once `norm` is done
@@ -86,7 +89,10 @@ class SetAside:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+        held = sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+        if self.launched is not None:  # the replicated gradients, still in their buckets
+            held += sum(b.views[0].element_size() * sum(v.numel() for v in b.views) for b in self.launched.buckets)
+        return held
 
 
 @dataclass
@@ -137,28 +143,26 @@ class UpdateRule:
         if self.executor is not None:
             self.executor.begin_update()
         tied = {id(s.param) for s in self.shared}
-        replicated = self.params
+        replicated, launched = self.params, None
         if self.buckets is not None:  # started during the last backward; the tied parameters are not in them
-            self.buckets.finish()
             replicated = [s.param for s in self.shared]
+            grads_of = {id(p): p.grad for p in replicated}
+            launched = self.buckets.launch()  # in flight until CHECK; the next batch accumulates into the others
         gradients.average_over_replicas(replicated, self.groups.replica, self.data_parallel_size)
         grads: list[torch.Tensor | None] = []
         for param in self.params:
-            grad = param.grad
-            if grad is not None and self.buckets is not None and id(param) not in tied:
-                grad = grad.clone()  # a view of a bucket, which the next batch's backwards accumulate into
-            elif grad is None and id(param) in tied:
+            grad = param.grad if launched is None else grads_of.get(id(param))  # bucket views come at CHECK
+            if grad is None and id(param) in tied:
                 grad = torch.zeros_like(param)  # every holder joins the sum
             grads.append(grad)
-            param.grad = None
-        if self.buckets is not None:
-            self.buckets.zero()
+            if launched is None or id(param) in tied:
+                param.grad = None
         position = {id(p): i for i, p in enumerate(self.params)}
         works = [
             dist.all_reduce(grads[position[id(s.param)]], group=s.group, async_op=True)  # type: ignore[arg-type]
             for s in self.shared
         ]
-        self.pending[batch] = SetAside(grads, works)
+        self.pending[batch] = SetAside(grads, works, launched)
         if self.mode == "2bw":  # flush and gpipe complete the update at once: nothing accumulates beside it
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
 
@@ -180,6 +184,10 @@ class UpdateRule:
     def check(self, batch: int) -> None:
         """CHECK(b): batch b's gradients in ``.grad``, its tied sums waited for; the non-finite policy."""
         aside = self.pending[batch]
+        if aside.launched is not None:  # the replica average, finished behind the next batch's compute
+            averaged = self.buckets.complete(aside.launched)
+            aside.grads = [averaged.get(id(p), g) for p, g in zip(self.params, aside.grads)]
+            aside.launched = None
         for work in aside.tied:
             work.wait()
         self._swap_in(aside)

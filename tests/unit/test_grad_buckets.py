@@ -79,6 +79,44 @@ def _rank(rank: int, store: str) -> None:
     dist.destroy_process_group()
 
 
+def _rank_launch(rank: int, store: str) -> None:
+    """2BW's REDUCE: batch 0's buckets are launched (in flight), batch 1 accumulates into the other set meanwhile;
+    completing batch 0 gives its average, and batch 1's gradients are its own (nothing carried over)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=16)
+    batches = [torch.full((2, 4), float(1 + rank + 10 * b)) for b in range(2)]
+    expected = []
+    for x in batches:
+        twin = nn.Linear(4, 3)
+        twin.load_state_dict(net.state_dict())
+        twin(x).sum().backward()
+        both = [[torch.zeros_like(p) for _ in range(2)] for p in twin.parameters()]
+        for gathered, p in zip(both, twin.parameters()):
+            dist.all_gather(gathered, p.grad)
+        expected.append([(a + b) / 2 for a, b in both])
+    buckets.arm()
+    net(batches[0]).sum().backward()
+    launched = buckets.launch()
+    assert all(not p.grad.any() for p in net.parameters()), "the next batch starts from zero, in the other set"
+    net(batches[1]).sum().backward()  # accumulates while batch 0's all-reduces are in flight
+    averaged = buckets.complete(launched)
+    for p, want in zip(net.parameters(), expected[0]):
+        torch.testing.assert_close(averaged[id(p)], want)
+    buckets.arm()  # batch 1's buckets: the last backward already ran, so launch starts them all
+    second = buckets.complete(buckets.launch())
+    for p, want in zip(net.parameters(), expected[1]):
+        torch.testing.assert_close(second[id(p)], want)
+    buckets.close()
+    dist.destroy_process_group()
+
+
+def test_launched_buckets_finish_behind_the_next_batch(tmp_path):
+    mp.spawn(_rank_launch, args=(str(tmp_path / "store"),), nprocs=2)
+
+
 def test_buckets_start_in_the_backward_and_average_like_autograd(tmp_path):
     mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=2)
 

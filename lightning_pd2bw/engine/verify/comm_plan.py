@@ -68,6 +68,7 @@ class _Rank(ReplacedTransports):
         self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.bucket_handles: dict[int, list[int]] = {}
+        self.launched: dict[int, list[int]] = {}  # batch -> its buckets' all-reduces handed over by REDUCE
         self.posted: dict[str, list[list[int]]] = {"forward": [], "backward": []}  # legacy: receives posted early
         self.waited: set[int] = set()
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
@@ -194,7 +195,7 @@ class _Rank(ReplacedTransports):
 
     def backward(self, batch: int) -> None:
         """The batch's last backward on this stage starts the replica all-reduce of each gradient bucket
-        (``grad_buckets.py``); REDUCE waits for them."""
+        (``grad_buckets.py``); CHECK waits for them."""
         done = self.backwards.pop(batch, 0) + 1
         if done < self.layout.num_microbatches:
             self.backwards[batch] = done
@@ -207,11 +208,11 @@ class _Rank(ReplacedTransports):
             ]
 
     def reduce(self, batch: int) -> None:
-        """``UpdateRule.reduce``: the replica average waited for; the tied sum launched (waited at CHECK)."""
+        """``UpdateRule.reduce``: the buckets' replica average handed over in flight and the tied sum launched
+        (both waited at CHECK); the tied parameters' replica average, apart from the buckets, waited here."""
         layout, label = self.layout, f"REDUCE(b{batch})"
         if layout.data_parallel_size > 1:
-            for handle in self.bucket_handles.pop(batch):
-                self.wait(handle, label)
+            self.launched[batch] = self.bucket_handles.pop(batch)
             if self._shared():  # the tied parameters are averaged apart from the buckets
                 channel, replicas = self._replicas()
                 self.collective("all_reduce", channel, replicas, f"{label} replica average of tied parameters")
@@ -259,6 +260,8 @@ class _Rank(ReplacedTransports):
         self.backward(action.batch)
 
     def _check(self, action: S.Action) -> None:
+        for handle in self.launched.pop(action.batch, []):
+            self.wait(handle, f"{action} replica average")
         for handle in self.deferred.pop(action.batch, []):
             self.wait(handle, f"{action} tied sum")
         if self.layout.skip_nonfinite:
