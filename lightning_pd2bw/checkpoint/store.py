@@ -271,11 +271,14 @@ def resolve(path: str | Path) -> Path:
 def newest_checkpoint(directory: str | Path) -> Path | None:
     """The complete pd2bw checkpoint in ``directory`` with the highest global step (then the newest), or None.
     Unpublished saves (``*.tmp``, no manifest) are skipped; a crash between the two renames counts as its path.
-    A published checkpoint that cannot be read (``UnreadableCheckpoint``) raises rather than being passed over."""
+    A published checkpoint that cannot be read (``UnreadableCheckpoint``) raises rather than being passed over. A
+    link (``last.ckpt``) counts as, and is named by, the checkpoint it points to."""
     found = []
     for path in Path(directory).glob("*") if Path(directory).is_dir() else []:
         if path.name.endswith((".tmp", ".old")) or not path.is_dir():
             continue
+        if path.is_symlink():
+            path = path.resolve()
         try:
             manifest = read_manifest(path)
         except UnreadableCheckpoint:

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from lightning_pd2bw.engine import schedule
-from lightning_pd2bw.engine.executor import StageExecutor, local_update
+from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
+from tests.stage_update import local_update
 
 LR, STEPS, M = 0.5, 4, 2
 

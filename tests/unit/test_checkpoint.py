@@ -167,8 +167,11 @@ def test_damaged_checkpoints_name_the_cause_and_the_fix(saved, damage, message):
 
 
 def test_foreign_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="is not a pd2bw checkpoint"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt.read_manifest(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a pd2bw checkpoint"):
+        ckpt.read_manifest(tmp_path / "empty")
     single = tmp_path / "plain.ckpt"
     torch.save({"state_dict": {}}, single)
     with pytest.raises(ValueError, match="single-file checkpoint.*strategy='auto'"):
@@ -181,7 +184,7 @@ def test_ckpt_path_is_checked_before_launch(saved, tmp_path):
         ConfigError, match=r"ckpt_path=.*written for a model with 4 pipeline layers; model.\* here builds 6"
     ):
         check_checkpoint(saved, 6)
-    with pytest.raises(ConfigError, match="ckpt_path=.*is not a pd2bw checkpoint"):
+    with pytest.raises(ConfigError, match="ckpt_path=.*does not exist"):
         check_checkpoint(tmp_path / "missing", 4)
 
 

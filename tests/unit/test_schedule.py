@@ -217,7 +217,7 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
     """Microbatch 1's input has the wrong width: the error carries the stage's actions with F(m1,v0) marked."""
     import torch
 
-    from lightning_pd2bw.engine.executor import local_update
+    from tests.stage_update import local_update
 
     from .test_timeline import single_stage_executor
 
