@@ -24,21 +24,13 @@ from lightning_pd2bw.engine import PipelineEngine, PipelineOptions  # noqa: E402
 from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
 from tests.distributed.cases import SEQ_LEN, Case, build_model, dataloader, replica_batch  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 CASE = Case("checkpoint_names", mode="2bw", steps=3)
 
 
-def quiet_trainer(**kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=PipeDream2BWStrategy(num_stages=2, num_microbatches=2, delay_correction=None),
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+def strategy() -> PipeDream2BWStrategy:
+    return PipeDream2BWStrategy(num_stages=2, num_microbatches=2, delay_correction=None)
 
 
 def moments(engine: PipelineEngine) -> dict[str, torch.Tensor]:
@@ -58,7 +50,7 @@ def weights(engine: PipelineEngine) -> dict[str, torch.Tensor]:
 def main() -> None:
     out = Path(sys.argv[1])
     pl.seed_everything(0)
-    trainer = quiet_trainer(max_steps=CASE.steps, limit_val_batches=0)
+    trainer = quiet_trainer(strategy(), max_steps=CASE.steps, limit_val_batches=0)
     trainer.fit(build_model(CASE), dataloader(CASE))
     trainer.save_checkpoint(out / "lightning.ckpt")
     written = {"weights": weights(trainer.strategy.engine), "moments": moments(trainer.strategy.engine)}
@@ -84,7 +76,7 @@ def main() -> None:
     saved = weights(engine)
     engine.close()
 
-    validator = quiet_trainer()
+    validator = quiet_trainer(strategy())
     validator.validate(build_model(CASE), dataloader(CASE), ckpt_path=out / "engine.ckpt")
     validated = weights(validator.strategy.engine)
     rank = validator.global_rank

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 from tests.distributed.run_preempt import SaveFinal  # noqa: E402
 
 
@@ -41,17 +42,11 @@ def main() -> None:
     out, kill_step, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     case = Case("elastic", mode="2bw", num_stages=2, num_microbatches=2, steps=steps)
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(
-            num_stages=2, num_microbatches=2, timeout=timedelta(seconds=300), failure_timeout=3.0
-        ),
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        PipeDream2BWStrategy(num_stages=2, num_microbatches=2, timeout=timedelta(seconds=300), failure_timeout=3.0),
         max_steps=steps,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=0, save_last=True),
             KillOnFirstAttempt(kill_step),

@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_pd2bw import PipeDream2BWStrategy
+from tests.distributed.harness import quiet_trainer
 from tests.distributed.predict_case import NEW_TOKENS, model, prompts
 
 
@@ -22,14 +22,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     gpt = model()
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(num_stages=2, num_microbatches=2),
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(PipeDream2BWStrategy(num_stages=2, num_microbatches=2))
     tokens, logits = prompts(), []
     for _ in range(NEW_TOKENS):
         rows = [{"input_ids": row} for row in tokens]

@@ -26,6 +26,7 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
 from lightning_pd2bw.engine.grad_buckets import _HOOKS  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 
 def live(group: object) -> bool:
@@ -54,16 +55,10 @@ def calls(out: Path, depth: int) -> None:
     data = LMDataset(read_corpus(max_bytes=100_000), 32)
     pl.seed_everything(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32), lr=1e-3)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         # one stage over two processes is data parallelism: flush (2BW there is refused, issue 46)
-        strategy=PipeDream2BWStrategy(num_stages=depth, num_microbatches=2, mode="2bw" if depth > 1 else "flush"),
-        accelerator="cpu",
-        devices=2,
+        PipeDream2BWStrategy(num_stages=depth, num_microbatches=2, mode="2bw" if depth > 1 else "flush"),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=2,
     )
 

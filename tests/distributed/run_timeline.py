@@ -17,6 +17,7 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
 from lightning_pd2bw.lightning.trace import PipelineTrace  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 STEPS, MICROBATCHES = 4, 4
 
@@ -25,16 +26,11 @@ def fit(out: Path, mode: str) -> None:
     pl.seed_everything(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16), lr=1e-3)
     data = LMDataset(read_corpus(max_bytes=50_000), 16)
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(num_stages=2, num_microbatches=MICROBATCHES, mode=mode),
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        PipeDream2BWStrategy(num_stages=2, num_microbatches=MICROBATCHES, mode=mode),
         max_steps=STEPS,
         logger=pl.loggers.CSVLogger(out, name="logs", version=0),
         log_every_n_steps=2,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[PipelineTrace(dirpath=str(out / "timeline"), first_step=0, num_steps=STEPS)],
         limit_val_batches=0,
     )
