@@ -1,0 +1,69 @@
+"""Before a save writes anything, on every rank: every rank sees the folder rank 0 publishes in, and the save fits
+the space free there. Each failure is raised on every rank alike (the checks are collective), naming the fix."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import socket
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPACE_MARGIN = 1.05  # DCP's per-file headers and trainer.pt, over the tensors' bytes
+
+
+def check_space(tmp: Path, stage: int, entries: dict[str, Any], gather: Callable[[Any], list[Any]]) -> None:
+    """Before writing: the checkpoint's bytes (each stage's tensors once: replicas write one copy) fit the space
+    free where it goes, or every rank raises ``OSError(ENOSPC)`` naming the folder, what the save needs and what
+    is free; nothing is written and the previous checkpoint stays. Collective (one object gather), cheap."""
+    own = sum(v.numel() * v.element_size() for v in entries.values() if isinstance(v, torch.Tensor))
+    per_stage: dict[int, int] = {}
+    for other, size in gather((stage, own)):
+        per_stage[other] = max(per_stage.get(other, 0), size)
+    need = int(sum(per_stage.values()) * SPACE_MARGIN)
+    free = shutil.disk_usage(tmp).free
+    if need > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on the device for checkpoint {str(tmp.with_suffix(''))!r}: the save needs about "
+            f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free in {str(tmp.parent)!r}. Nothing was "
+            "written; the previous checkpoint is intact. Free space there, or save elsewhere "
+            "(ModelCheckpoint(dirpath=...), pd2bw-train paths.output_dir=...)",
+        )
+
+
+SHARED_PROBE = ".pd2bw-shared-probe"
+_shared_checked: set[Path] = set()  # checkpoint folders' parents every rank was shown to see
+
+
+def check_shared(tmp: Path, is_global_zero: bool, gather: Callable[[Any], list[Any]]) -> None:
+    """At the first save into a folder: every rank must see the files rank 0 writes there (rank 0 alone lists,
+    writes the manifest and publishes, so a folder local to each host silently loses the other hosts' shards).
+    Rank 0 writes a random token; every rank reads it back; a clear error on every rank names those that cannot.
+    Collective (two object gathers), once per folder."""
+    parent = tmp.parent.resolve()
+    if parent in _shared_checked:
+        return
+    probe = tmp / SHARED_PROBE
+    token = None
+    if is_global_zero:
+        token = uuid.uuid4().hex
+        probe.write_text(token)
+    token = next(t for t in gather(token) if t is not None)
+    sees = probe.is_file() and probe.read_text() == token
+    seen = gather((sees, socket.gethostname()))
+    if is_global_zero:
+        probe.unlink()
+    blind = [f"rank {rank} on {host}" for rank, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(
+            f"pd2bw: checkpoints need one folder every rank sees, but {', '.join(blind)} cannot see {str(tmp)!r}, "
+            f"which rank {0} (on {seen[0][1]}) created: the checkpoint directory is local to each host. Point the "
+            "checkpoint callback's dirpath (Hydra: paths.output_dir) at storage every node mounts (NFS, Lustre, a "
+            "shared bucket mount)"
+        )
+    _shared_checked.add(parent)
