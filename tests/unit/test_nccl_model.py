@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import pytest
 
@@ -19,6 +18,7 @@ from lightning_pd2bw.engine.verify.nccl_model import (
     Op,
     simulate,
 )
+from tests.replaced_transports import replaced_programs
 
 
 def send(h, peer, channel="c"):
@@ -89,10 +89,10 @@ def test_mismatched_collectives_are_named():
 def test_the_old_transport_deadlocks(mode, num_stages):
     """Every message of a stage pair on the default group (one communicator per pair), one header per
     microbatch: what ``StageLink`` did before. It hangs under NCCL in both modes."""
-    layout = CommLayout(mode, num_stages, num_stages, transport="shared")
+    layout = CommLayout(mode, num_stages, num_stages)
     with pytest.raises(Deadlock):
-        simulate(programs(layout))
-    simulate(programs(replace(layout, transport="batched")), serialized=True)
+        simulate(replaced_programs(layout, "shared"))
+    simulate(programs(layout), serialized=True)
 
 
 UPDATES = {
@@ -225,10 +225,10 @@ def test_a_collective_behind_an_unmatched_send_deadlocks_when_serialized():
 def test_the_directional_transport_deadlocks_under_serialized_kernels(mode, num_stages):
     """The transport this project had before (a group per direction, receives posted early): free of deadlock while
     communicators progress independently, a hang in both modes once kernels run one at a time."""
-    layout = CommLayout(mode, num_stages, num_stages + 2, steps=3, transport="directional")
-    simulate(programs(layout))
+    layout = CommLayout(mode, num_stages, num_stages + 2, steps=3)
+    simulate(replaced_programs(layout, "directional"))
     with pytest.raises(Deadlock, match="serialized kernels"):
-        simulate(programs(layout), serialized=True)
+        simulate(replaced_programs(layout, "directional"), serialized=True)
 
 
 @pytest.mark.slow
@@ -256,7 +256,8 @@ def test_sends_held_do_not_grow_with_microbatches(mode, num_stages):
     it completes. The directional transport held every send for two segments (2BW: about 2m)."""
 
     def peak(m, transport):
-        program = programs(CommLayout(mode, num_stages, m, steps=4, transport=transport))
+        layout = CommLayout(mode, num_stages, m, steps=4)
+        program = programs(layout) if transport == "batched" else replaced_programs(layout, transport)
         return max(held_sends(ops) for ops in program.values())
 
     assert peak(4, "batched") == peak(48, "batched") <= num_stages + 2
@@ -292,7 +293,7 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
 
     from lightning_pd2bw import PipelineEngine
     from lightning_pd2bw.engine import PipelineOptions
-    from lightning_pd2bw.engine.verify.comm_plan import _Rank
+    from lightning_pd2bw.engine.verify.comm_plan import RankProgram
 
     from ..distributed.launch import free_port
 
@@ -305,5 +306,5 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
         engine.close()
     finally:
         dist.destroy_process_group()
-    lowering = _Rank(CommLayout("2bw", 2, 2), replica=0, stage=0)
+    lowering = RankProgram(CommLayout("2bw", 2, 2), replica=0, stage=0)
     assert set(lowering.table) == engine_kinds == set(S.Kind)

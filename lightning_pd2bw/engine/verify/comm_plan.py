@@ -7,12 +7,10 @@ broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the 
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
 the same ones on the pipeline's own process groups, so the model cannot drift from the code.
 
-``transport="batched"`` (the default) is ``transport.StageLink``: one group per stage pair, each send in one batch with
-the receive fused to it. The transports this project had before stay here as lowerings, so the model can show
-why they were replaced: ``"directional"`` (one group per direction, receives posted early, sends retired two
-segments later) deadlocks once kernels of different communicators run one at a time, and keeps O(m) messages;
-``"shared"`` (every message of a stage pair on the default group, one header per microbatch) deadlocks even
-when communicators progress independently.
+The transport lowered is ``transport.StageLink``: one group per stage pair, each send in one batch with the receive
+fused to it. ``RankProgram``'s transport methods (``send_forward`` ... ``wait_sends``, ``before_segment``,
+``after_receive``) are where another transport's lowering plugs in: ``programs(layout, rank_type=...)``. The tests
+keep the transports this project replaced that way (``tests/replaced_transports.py``) to show why they were replaced.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from dataclasses import dataclass
 from .. import schedule as S
 from ..layout import Layout
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
-from .replaced_transports import ReplacedTransports
 
 
 @dataclass(frozen=True)
@@ -40,11 +37,10 @@ class CommLayout:
     eval_batches: int = 0  # validation batches run after each of those drains
     boundary_tensors: int = 1  # tensors crossing each stage boundary
     gradient_buckets: int = 1  # replica all-reduce buckets per update
-    transport: str = "batched"  # transport.StageLink; "directional" and "shared": the transports it replaced
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
 
 
-class _Rank(ReplacedTransports):
+class RankProgram:
     """One rank's program and the transport/strategy state that decides which calls it makes."""
 
     def __init__(self, layout: CommLayout, replica: int, stage: int) -> None:
@@ -55,8 +51,6 @@ class _Rank(ReplacedTransports):
         self.pipeline = tuple(replica * d + s for s in range(d))
         self.ops: list[Op] = []
         self.handles = 0
-        self.pending_sends: list[tuple[int, int]] = []  # legacy transports: (handle, segment)
-        self.segment = 0
         self.batches = 0
         self.unsettled: dict[int, list[list[int]]] = {}  # peer -> batches (their handles) not known complete
         self.fused: dict[str, list[tuple[list[int], list[int]]]] = {"forward": [], "backward": []}
@@ -69,7 +63,6 @@ class _Rank(ReplacedTransports):
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.bucket_handles: dict[int, list[int]] = {}
         self.launched: dict[int, list[int]] = {}  # batch -> its buckets' all-reduces handed over by REDUCE
-        self.posted: dict[str, list[list[int]]] = {"forward": [], "backward": []}  # legacy: receives posted early
         self.waited: set[int] = set()
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
@@ -97,10 +90,6 @@ class _Rank(ReplacedTransports):
         return handle
 
     # -------------------------------------------------------------- transport (transport.StageLink)
-    @property
-    def legacy(self) -> bool:
-        return self.layout.transport != "batched"
-
     def _pair_channel(self, peer: int) -> str:
         low = min(self.rank, peer) - self.replica * self.layout.num_stages
         return f"pd2bw/p2p/replica{self.replica}/stage{low}-{low + 1}"
@@ -139,8 +128,6 @@ class _Rank(ReplacedTransports):
         self.settle(peer)
 
     def send_forward(self, phase: str, label: str, fused: S.Action | None = None) -> None:
-        if self.legacy:
-            return self.legacy_send_forward(phase, label)
         sends = [label] * self.layout.boundary_tensors
         if ("out", phase) not in self.headers:
             self.headers.add(("out", phase))
@@ -151,8 +138,6 @@ class _Rank(ReplacedTransports):
             self.fused["backward"].append(handles)
 
     def recv_forward(self, phase: str, label: str) -> None:
-        if self.legacy:
-            return self.legacy_recv_forward(phase, label)
         if self.fused["forward"]:
             return self.use("forward", self.rank - 1, label)
         if ("in", phase) not in self.headers:
@@ -163,8 +148,6 @@ class _Rank(ReplacedTransports):
         self.receive(self.rank - 1, label)
 
     def send_backward(self, label: str, fused: S.Action | None = None) -> None:
-        if self.legacy:
-            return self.legacy_send_backward(label)
         fuse = fused is not None and ("in", "train") in self.headers
         receives = self.layout.boundary_tensors if fuse else 0
         handles = self.batch(self.rank - 1, [label] * self.layout.boundary_tensors, receives, f"{fused} fused")
@@ -172,15 +155,11 @@ class _Rank(ReplacedTransports):
             self.fused["forward"].append(handles)
 
     def recv_backward(self, label: str) -> None:
-        if self.legacy:
-            return self.legacy_recv_backward(label)
         if self.fused["backward"]:
             return self.use("backward", self.rank + 1, label)
         self.receive(self.rank + 1, label)
 
     def wait_sends(self) -> None:
-        if self.legacy:
-            return self.legacy_wait_sends()
         for peer in list(self.unsettled):
             self.settle(peer, label="wait_sends")
 
@@ -246,14 +225,22 @@ class _Rank(ReplacedTransports):
         return {**transport, **update, S.LOSS: self._loss}
 
     def run(self, actions: list[S.Action]) -> None:
-        if self.legacy:
-            self.legacy_begin_segment()
-            self.legacy_post_receives(actions, None)
+        self.before_segment(actions)
         for index, action in enumerate(actions):
             self._fused = S.fused_receive(actions, index) if action.kind in _SENDS else None
             self.table[action.kind](action)
-            if action.kind in S.RECEIVES and self.legacy:
-                self.legacy_post_receives(actions, index)
+            if action.kind in S.RECEIVES:
+                self.after_receive(actions, index)
+
+    def before_segment(self, actions: list[S.Action]) -> None:
+        """A transport's work at the head of a segment (StageLink has none)."""
+
+    def after_receive(self, actions: list[S.Action], index: int) -> None:
+        """A transport's work once a receive completes (StageLink has none)."""
+
+    def after_eval_send(self) -> None:
+        """StageLink settles an evaluation send once the next one is in flight."""
+        self.settle(self.rank + 1, keep=1, label="eval send")
 
     def _backward(self, action: S.Action) -> None:
         self.stashed.discard(action.microbatch)
@@ -330,8 +317,7 @@ class _Rank(ReplacedTransports):
                     self.recv_forward("eval", label)
                 if self.stage < layout.num_stages - 1:
                     self.send_forward("eval", label)
-                    if not self.legacy:
-                        self.settle(self.rank + 1, keep=1, label="eval send")
+                    self.after_eval_send()
             self.wait_sends()
             pipeline = f"pd2bw/pipeline/replica{self.replica}"
             for part in ("size", "data"):  # broadcast_object_list of the last stage's metrics
@@ -347,10 +333,10 @@ def _no_calls(action: S.Action) -> None:
     """An action that issues no communication."""
 
 
-def programs(layout: CommLayout) -> Programs:
+def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:
     """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
     S.validate(layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead)
-    ranks = [_Rank(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
+    ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights
             replicas = tuple(r * layout.num_stages + rank.stage for r in range(layout.data_parallel_size))
