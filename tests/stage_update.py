@@ -8,26 +8,26 @@ from collections.abc import Callable
 import torch
 
 from lightning_pd2bw.engine import schedule as S
-from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.versions import WeightVersions
 
 
-def local_update(executor: StageExecutor, step_fn: Callable[[int], None]) -> dict[S.Kind, Callable[[S.Action], None]]:
+def local_update(versions: WeightVersions, step_fn: Callable[[int], None]) -> dict[S.Kind, Callable[[S.Action], None]]:
     """The update's handlers for a stage driven alone (one process, no collectives: unit tests, measurements): an
     update begins at REDUCE (the next weight version made writable, the batch's gradients set aside), and at STEP
     ``step_fn(batch)`` runs on the newest weights with that batch's gradients in ``.grad`` (the next batch's,
     accumulated meanwhile, back afterwards); the other parts and LOSS do nothing.
-    ``executor.register(local_update(executor, step_fn))``."""
-    params = executor.versions.parameters
+    ``StageExecutor(..., versions, ..., handlers=local_update(versions, step_fn))``."""
+    params = versions.parameters
     aside: dict[int, list[torch.Tensor | None]] = {}
 
     def begin(action: S.Action) -> None:
-        executor.begin_update()
+        versions.begin_update()
         aside[action.batch] = [p.grad for p in params]
         for p in params:
             p.grad = None
 
     def step(action: S.Action) -> None:
-        executor.versions.use_latest()
+        versions.use_latest()
         current = [p.grad for p in params]
         for p, grad in zip(params, aside.pop(action.batch)):
             p.grad = grad

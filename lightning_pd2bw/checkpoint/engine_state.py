@@ -3,12 +3,14 @@ the same sharded format as the Lightning strategy (DCP entries, a manifest, atom
 load at any depth x width (resharding), and ``state_dict``/``load_state_dict`` give one rank's state for the same
 layout. Model entries and optimizer state are named by the engine's ``root`` (``engine.stage_state_dict``,
 ``engine.parameter_names``), as the strategy names them, so a stage of another cut finds its own and either side
-loads the other's checkpoint. Nothing here imports the engine: it is handed one."""
+loads the other's checkpoint. Nothing here imports the engine: it is handed one, through the narrow interface
+``Checkpointable`` names."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,24 +18,51 @@ import torch.distributed as dist
 from .store import load_stage, read_meta, same_layout, save_sharded
 
 
-def state_dict(engine: Any) -> dict[str, Any]:
+class Checkpointable(Protocol):
+    """What a checkpoint reads of an engine (``PipelineEngine`` is one)."""
+
+    optimizers: list[torch.optim.Optimizer]
+    stage_layers: Sequence[range]
+    device: torch.device
+    info: Callable[[str], None]
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def skipped_updates(self) -> list[int]: ...
+
+    def drain(self) -> Any: ...
+
+    def barrier(self) -> None: ...
+
+    def manifest_layout(self) -> dict[str, Any]: ...
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_parameter_names(self) -> list[list[list[str]]]: ...
+
+    def restore(self, skipped_updates: list[int]) -> None: ...
+
+
+def state_dict(engine: Checkpointable) -> dict[str, Any]:
     engine.drain()
     return {
-        "layout": {"stage": engine.grid.stage, "stage_layers": [(r.start, r.stop) for r in engine.stage_layers]},
+        "layout": {"stage": engine.stage, "stage_layers": [(r.start, r.stop) for r in engine.stage_layers]},
         "layers": engine.stage_state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
         "skipped_updates": list(engine.skipped_updates),
     }
 
 
-def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
+def load_state_dict(engine: Checkpointable, state: dict[str, Any]) -> None:
     engine.drain()
     cut = [(r.start, r.stop) for r in engine.stage_layers]
     saved = state["layout"]
-    if saved["stage"] != engine.grid.stage or [tuple(r) for r in saved["stage_layers"]] != cut:
+    if saved["stage"] != engine.stage or [tuple(r) for r in saved["stage_layers"]] != cut:
         raise ValueError(
             f"this state is stage {saved['stage']} of the cut {saved['stage_layers']}; this engine is stage "
-            f"{engine.grid.stage} of {cut}: load each rank's own state into the same layout, or use "
+            f"{engine.stage} of {cut}: load each rank's own state into the same layout, or use "
             "engine.save(path) / engine.load(path), which reshard"
         )
     own = engine.stage_state_dict()
@@ -43,10 +72,10 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> None:
         for name, tensor in own.items():
             tensor.copy_(state["layers"][name])
     _load_optimizers(engine, state["optimizers"])
-    _restore(engine, state.get("skipped_updates", []))
+    engine.restore(state.get("skipped_updates", []))
 
 
-def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save(engine: Checkpointable, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Collective (every rank): drain, then write this stage's layers and optimizer state into ``path``; ``extra``
     (e.g. ``{"step": 100}``) is kept with rank 0's metadata and returned by ``load``."""
     engine.drain()
@@ -58,15 +87,7 @@ def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> 
         "optimizer_states": [optimizer.state_dict() for optimizer in engine.optimizers],
         "optimizer_param_names": engine.optimizer_parameter_names(),
     }
-    layout = {
-        "num_stages": engine.num_stages,
-        "data_parallel_size": engine.grid.data_parallel_size,
-        "num_microbatches": engine.num_microbatches,
-        "mode": engine.mode,
-        "num_layers": len(engine.all_layers),
-        "stage_layers": [(r.start, r.stop) for r in engine.stage_layers],
-        "weight_versions": {"drained": True, "versions_held": 1, "updates_applied": engine.executor.versions.latest},
-    }
+    layout = engine.manifest_layout()
 
     def gather(value: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size()
@@ -77,7 +98,7 @@ def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> 
         path,
         checkpoint,
         layout,
-        stage=engine.grid.stage,
+        stage=engine.stage,
         is_global_zero=dist.get_rank() == 0,
         barrier=lambda name: engine.barrier(),
         gather=gather,
@@ -85,21 +106,22 @@ def save(engine: Any, path: str | Path, extra: dict[str, Any] | None = None) -> 
     return path
 
 
-def load(engine: Any, path: str | Path) -> dict[str, Any]:
+def load(engine: Checkpointable, path: str | Path) -> dict[str, Any]:
     """Read this stage's part of a checkpoint ``save`` wrote at any depth x width (only this stage's bytes); returns
     the ``extra`` given to ``save``. Each rank reads on its own (no collective)."""
     engine.drain()
     meta = read_meta(path)
     manifest = meta.pop("pd2bw")
-    if manifest["num_layers"] != len(engine.all_layers):
+    num_layers = engine.stage_layers[-1].stop
+    if manifest["num_layers"] != num_layers:
         raise ValueError(
             f"checkpoint {str(path)!r} was written for a model with {manifest['num_layers']} pipeline layers; this "
-            f"engine has {len(engine.all_layers)}. Build the same model as the checkpoint's run"
+            f"engine has {num_layers}. Build the same model as the checkpoint's run"
         )
     model = engine.stage_state_dict()
     shard = load_stage(
         path,
-        stage=engine.grid.stage,
+        stage=engine.stage,
         stage_layers=engine.stage_layers,
         model=model,  # read in place
         names=engine.optimizer_parameter_names(),
@@ -108,7 +130,7 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     )
     if "optimizer_states" in shard:
         _load_optimizers(engine, shard["optimizer_states"])
-    _restore(engine, meta.pop("skipped_updates", []))
+    engine.restore(meta.pop("skipped_updates", []))
     engine.info(
         f"pd2bw: loaded {path}"
         + ("" if same_layout(manifest, engine.stage_layers) else f" (resharded from {manifest['stage_layers']})")
@@ -116,16 +138,10 @@ def load(engine: Any, path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _load_optimizers(engine: Any, states: list[dict[str, Any]]) -> None:
+def _load_optimizers(engine: Checkpointable, states: list[dict[str, Any]]) -> None:
     if len(states) != len(engine.optimizers):
         raise ValueError(
             f"this state has {len(states)} optimizer(s); the engine was started with {len(engine.optimizers)}"
         )
     for optimizer, saved in zip(engine.optimizers, states):
         optimizer.load_state_dict(saved)
-
-
-def _restore(engine: Any, skipped_updates: list[int]) -> None:
-    if engine.update is not None:
-        engine.update.skipped_updates[:] = skipped_updates
-    engine.executor.versions.reset_after_drain()

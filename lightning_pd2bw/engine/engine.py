@@ -33,11 +33,12 @@ from ..checkpoint import engine_state
 from . import schedule
 from .build import build_stage
 from .compiled import CompileMeter, compile_layers
+from .counters import stage_counters
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .grad_buckets import GradientBuckets, release
 from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
-from .ledger import BatchLedger
+from .ledger import BatchLedger, LossBroadcast
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
 from .options import PipelineOptions
@@ -171,6 +172,11 @@ class PipelineEngine:
         return self.layout.mode
 
     @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.grid.stage
+
+    @property
     def num_stages(self) -> int:
         return self.layout.num_stages
 
@@ -200,27 +206,12 @@ class PipelineEngine:
             correction = ErrorFeedback.for_method(method, self.params, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
-        self.executor = StageExecutor(
-            self.layers,
-            self.grid.stage,
-            self.num_stages,
-            self.num_microbatches,
-            link,
-            versions,
-            self.input_fn,
-            self.loss_fn,
-            recompute=self.options.recompute,
-            boundary_dtype=self.options.boundary_dtype,
-            ledger=self.ledger,
-        )
-        self.executor.progress = self.progress
         buckets = None
         release(self.params)  # a previous engine's buckets over these parameters
         if self.grid.data_parallel_size > 1 and self.optimizers:
             tied = {id(s.param) for s in self.shared}
             replicated = [p for p in self.params if id(p) not in tied]
             buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size)
-        self.executor.gradient_buckets = buckets
         self.update = UpdateRule(
             self.mode,
             self.optimizers,
@@ -236,11 +227,33 @@ class PipelineEngine:
             describe=lambda: describe_rank(self.grid.rank, self.num_stages),
             names=self.parameter_names,
             info=self.info,
-            executor=self.executor,
+            versions=versions,
             buckets=buckets,
         )
-        self.executor.register(self.update.handlers())
-        self.executor.register({schedule.LOSS: lambda action: self._publish_loss(action.batch)})
+        loss = LossBroadcast(
+            self.ledger,
+            self.num_microbatches,
+            self.is_last,
+            source=self.grid.rank_of(self.num_stages - 1),
+            group=self.groups.loss,
+            device=self.device,
+        )
+        self.executor = StageExecutor(
+            self.layers,
+            self.grid.stage,
+            self.num_stages,
+            self.num_microbatches,
+            link,
+            versions,
+            self.input_fn,
+            self.loss_fn,
+            recompute=self.options.recompute,
+            boundary_dtype=self.options.boundary_dtype,
+            ledger=self.ledger,
+            handlers={**self.update.handlers(), schedule.LOSS: loss},
+            gradient_buckets=buckets,
+            progress=self.progress,
+        )
 
     def _started(self) -> StageExecutor:
         if self._closed:
@@ -251,36 +264,9 @@ class PipelineEngine:
 
     def counters(self) -> dict[str, int]:
         """What this stage holds now, by owner, in bytes (and the peaks since start): the terms the planner's stage
-        memory predicts (``planner.cost.stage_memory``), read from the engine itself. None of them grows with the
-        number of microbatches; the stash grows with depth (``d - r + lookahead`` microbatches)."""
-        executor = self._started()
-        link, versions = executor.link, executor.versions
-
-        def nbytes(tensors: Any) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-        state = [v for o in self.optimizers for s in o.state.values() for v in s.values()]
-        correction = self.update.correction if self.update is not None else None
-        return {
-            "weight_bytes": nbytes(p.data for p in self.params),
-            "weight_versions": versions.num_versions,
-            "max_weight_versions": versions.max_versions_held,
-            "versions_bytes": versions.held_bytes,
-            "gradient_bytes": nbytes(p.grad for p in self.params if p.grad is not None),
-            # 2BW: batch b's gradients set aside from its REDUCE to its STEP, while batch b + 1 accumulates its own
-            "pending_gradient_bytes": self.update.pending_bytes if self.update is not None else 0,
-            "peak_pending_gradient_bytes": self.update.peak_pending_bytes if self.update is not None else 0,
-            "optimizer_state_bytes": nbytes(state),
-            "correction_bytes": correction.held_bytes if correction is not None else 0,
-            "stashed_microbatches": len(executor._stash),
-            "max_stashed_microbatches": executor.max_stashed,
-            "stash_bytes": executor.stash_bytes,
-            "peak_stash_bytes": executor.peak_stash_bytes,
-            "transport_bytes": link.held_bytes,
-            "peak_transport_bytes": link.peak_held_bytes,
-            "pending_sends": link.pending_sends,
-            "peak_pending_sends": link.peak_pending_sends,
-        } | (self.compile_meter.counters() if self.compile_meter is not None else {})
+        memory predicts (``planner.cost.stage_memory``), read from the engine itself (``counters.stage_counters``)."""
+        assert self.update is not None
+        return stage_counters(self._started(), self.update, self.params, self.optimizers, self.compile_meter)
 
     def _phase(self, name: str) -> AbstractContextManager:
         """Counts the graphs ``torch.compile`` builds during one train batch, drain, evaluation or prediction."""
@@ -321,17 +307,6 @@ class PipelineEngine:
         included; ``print(schedule.listing(engine.actions(3)))`` shows them."""
         make = schedule.drain if drain else schedule.segment
         return make(self.layout, self.grid.stage, batch)
-
-    def _publish_loss(self, step: int) -> None:
-        """LOSS(step): the last stage broadcasts batch ``step``'s mean loss to its pipeline, asynchronously."""
-        if self.is_last:
-            value = (self.ledger.take_loss_sum(step) / self.num_microbatches).float()
-        else:
-            value = torch.zeros((), dtype=torch.float32, device=self.device)  # what the last stage sends, whatever
-            # the default dtype (under precision="64-true" it is float64: a float32 broadcast read as garbage)
-        last = self.grid.rank_of(self.num_stages - 1)
-        work = dist.broadcast(value, src=last, group=self.groups.loss, async_op=True)
-        self.ledger.put_loss(step, value, work)
 
     def drain(self) -> torch.Tensor | None:
         """Finish every microbatch and update in flight (2BW); the version rule restarts. Call before saving,
@@ -420,6 +395,31 @@ class PipelineEngine:
         return split_microbatches(batch, count)
 
     # ------------------------------------------------------------------ state (checkpoint/engine_state.py)
+    def manifest_layout(self) -> dict[str, Any]:
+        """The run's layout as a checkpoint's manifest records it (``checkpoint/store.py``); taken at a drain: one
+        weight version per stage, nothing in flight."""
+        versions = self.executor.versions if self.executor is not None else None
+        return {
+            "num_stages": self.num_stages,
+            "data_parallel_size": self.grid.data_parallel_size,
+            "num_microbatches": self.num_microbatches,
+            "mode": self.mode,
+            "num_layers": len(self.all_layers),
+            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
+            "weight_versions": {
+                "drained": True,
+                "versions_held": versions.num_versions if versions else 1,
+                "updates_applied": versions.latest if versions else 0,
+            },
+        }
+
+    def restore(self, skipped_updates: list[int]) -> None:
+        """After a load: the skipped updates the checkpoint recorded; the version rule restarts."""
+        if self.update is not None:
+            self.update.skipped_updates[:] = skipped_updates
+        if self.executor is not None:
+            self.executor.versions.reset_after_drain()
+
     def state_dict(self) -> dict[str, Any]:
         """This stage's state after a drain: its tensors (``stage_state_dict``) and its optimizers' states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
         return engine_state.state_dict(self)

@@ -2,8 +2,9 @@
 
 The executor interprets any schedule from ``schedule.py`` through one ``{Kind: handler}`` table (as DeepSpeed's
 instruction map and ``torch.distributed.pipelining``'s schedules do): its own compute and transport handlers, plus
-the update's parts, which ``update.UpdateRule`` registers (``register``). It knows nothing of Lightning. The
-caller feeds microbatches and hands it the actions of a step.
+the update's parts and the loss, handed to it at construction (``handlers``: ``update.UpdateRule.handlers()`` and
+``ledger.LossBroadcast``). It knows nothing of Lightning. The caller feeds microbatches and hands it the actions
+of a step.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class StageExecutor:
         recompute: bool = False,
         boundary_dtype: torch.dtype | None = None,
         ledger: BatchLedger | None = None,
+        *,
+        handlers: Mapping[S.Kind, Callable[[S.Action], None]] | None = None,
+        gradient_buckets: Any = None,
+        progress: Any = None,
     ) -> None:
         self.layers = list(layers)
         self.ledger = ledger if ledger is not None else BatchLedger()  # per-batch state (the engine's)
@@ -103,8 +108,8 @@ class StageExecutor:
         self.peak_stash_bytes = 0
         self.recorder: ActionRecorder | None = None  # set one to record every action (observe/timeline.py)
         self.meter: SavedTensorMeter | None = None  # set one to count stashed activation bytes
-        self.progress: Any = None  # an observer.Progress, to publish every action (hang detection)
-        self.gradient_buckets: Any = None  # a grad_buckets.GradientBuckets: armed for each batch's last backward
+        self.progress = progress  # an observer.Progress, to publish every action (hang detection)
+        self.gradient_buckets = gradient_buckets  # a grad_buckets.GradientBuckets: armed at a batch's last backward
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
         self._fused: S.Action | None = None
         self.handlers: dict[S.Kind, Callable[[S.Action], None]] = {  # {Kind: handler}: the interpreter's table
@@ -115,6 +120,7 @@ class StageExecutor:
             S.BACKWARD: self._backward,
             S.SEND_BACKWARD: self._send_backward,
             S.WAIT_SENDS: lambda action: self.link.wait_sends(),
+            **(handlers or {}),  # the update's parts and the loss
         }
 
     # ----------------------------------------------------------------- data in
@@ -128,6 +134,11 @@ class StageExecutor:
                 self._microbatches[k] = microbatch
             if self.num_stages > 1:
                 self._keys[k] = ("train", input_signature(microbatch))
+
+    @property
+    def stashed_microbatches(self) -> int:
+        """Microbatches forwarded here whose backward has not run yet."""
+        return len(self._stash)
 
     @property
     def in_flight(self) -> bool:
@@ -222,6 +233,7 @@ class StageExecutor:
         if meter is None:
             double = self.versions.double_buffer
             return torch.autograd.graph.saved_tensors_hooks(_pack_alias, _unpack_alias) if double else nullcontext()
+        meter.exclude(self.versions.parameters)  # the weights, whichever version they point at now
         if self.versions.double_buffer:
             return torch.autograd.graph.saved_tensors_hooks(lambda t: meter.pack(_pack_alias(t)), meter.unpack)
         return meter.hooks()
@@ -249,13 +261,9 @@ class StageExecutor:
             ]
 
     # ----------------------------------------------------------------- driver
-    def register(self, handlers: Mapping[S.Kind, Callable[[S.Action], None]]) -> None:
-        """Add handlers to the interpreter's table (the update registers its parts: ``UpdateRule.handlers``)."""
-        self.handlers.update(handlers)
-
     def run(self, actions: Sequence[S.Action]) -> None:
         """Execute ``actions`` in order, each through its kind's handler (``self.handlers``: the stage's own
-        compute and transport, plus the update's parts its ``UpdateRule`` registered); a failure is marked in the
+        compute and transport, plus the update's parts and the loss it was built with); a failure is marked in the
         listing of the actions."""
         recorder, progress, handlers = self.recorder, self.progress, self.handlers
         for index, action in enumerate(actions):
@@ -297,13 +305,6 @@ class StageExecutor:
     def _send_backward(self, action: S.Action) -> None:
         fused = self._fused
         self.link.send_backward(self._to_send.pop(action.microbatch), self._keys[fused.microbatch] if fused else None)
-
-    def begin_update(self) -> None:
-        """An update begins (REDUCE): the next weight version is made writable, so that the update's hooks,
-        clipping and step all see the newest weights."""
-        self.versions.begin_update()
-        if self.meter is not None:
-            self.meter.exclude(self.versions.parameters)  # the new version's storages are weights too
 
     def finish_drain(self) -> None:
         """After a drain's actions (they end in WAIT_SENDS): nothing may be in flight; the version rule restarts."""

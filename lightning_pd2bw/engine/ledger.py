@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 LIMIT = 4
 
@@ -144,3 +145,24 @@ class BatchLedger:
     def _close_if_done(self, batch: int) -> None:
         if self.batches[batch].consumed():
             del self.batches[batch]
+
+
+@dataclass
+class LossBroadcast:
+    """LOSS(b), the executor's handler: the last stage broadcasts batch b's mean loss to its pipeline, asynchronously;
+    every stage keeps it in the ledger, where the training step takes it (2BW: one step later)."""
+
+    ledger: BatchLedger
+    num_microbatches: int
+    is_last: bool
+    source: int  # the last stage's global rank
+    group: Any  # the pipeline's loss group
+    device: torch.device
+
+    def __call__(self, action: Any) -> None:
+        if self.is_last:
+            value = (self.ledger.take_loss_sum(action.batch) / self.num_microbatches).float()
+        else:  # what the last stage sends, whatever the default dtype (float64 under precision="64-true")
+            value = torch.zeros((), dtype=torch.float32, device=self.device)
+        work = dist.broadcast(value, src=self.source, group=self.group, async_op=True)
+        self.ledger.put_loss(action.batch, value, work)

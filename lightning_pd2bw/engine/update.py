@@ -44,6 +44,7 @@ from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets
 from .ledger import BatchLedger
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
+from .versions import WeightVersions
 
 CLIP_MODES = ("global", "stage")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -113,7 +114,7 @@ class UpdateRule:
     describe: Callable[[], str] = lambda: "this rank"
     names: Callable[[], dict[int, list[str]]] = dict  # id(parameter) -> its names, for messages
     info: Callable[[str], None] = print
-    executor: Any = None  # the StageExecutor (its weight versions)
+    versions: WeightVersions | None = None  # this stage's weight versions (None: the parameters are the only one)
     buckets: GradientBuckets | None = None  # width > 1: the replicated gradients, all-reduced during the backward
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
@@ -121,7 +122,7 @@ class UpdateRule:
     peak_pending_bytes: int = 0
 
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
-        """The update's parts, as the schedule places them, for the executor's table (``executor.register``)."""
+        """The update's parts, as the schedule places them, for the executor's table (``StageExecutor(handlers=)``)."""
         return {
             S.REDUCE: lambda action: self.reduce(action.batch),
             S.CHECK: lambda action: self.check(action.batch),
@@ -140,8 +141,8 @@ class UpdateRule:
     def reduce(self, batch: int) -> None:
         """REDUCE(b): the update begins (the next weight version made writable); average over the replicas, set
         the gradients aside, launch the tied sums."""
-        if self.executor is not None:
-            self.executor.begin_update()
+        if self.versions is not None:
+            self.versions.begin_update()  # the update's hooks, clipping and step all see the newest weights
         tied = {id(s.param) for s in self.shared}
         replicated, launched = self.params, None
         if self.buckets is not None:  # started during the last backward; the tied parameters are not in them
@@ -168,8 +169,8 @@ class UpdateRule:
 
     def _swap_in(self, aside: SetAside) -> None:
         """Batch b's gradients into ``.grad`` (on the newest weights), the next batch's aside."""
-        if self.executor is not None:
-            self.executor.versions.use_latest()  # the version REDUCE(b) made writable
+        if self.versions is not None:
+            self.versions.use_latest()  # the version REDUCE(b) made writable
         aside.current = [param.grad for param in self.params]
         for param, grad in zip(self.params, aside.grads):
             param.grad = grad
@@ -246,7 +247,8 @@ class UpdateRule:
             correction = self.correction if self.mode == "2bw" else None
             self.step_optimizers(hparams, post_hooks=correction is None)
             if correction is not None:
-                versions = self.executor.versions
+                versions = self.versions
+                assert versions is not None, "2BW's delay correction reads the previous weight version"
                 correction.apply(versions.weights_of(versions.latest - 1), stale=batch >= 1)
                 for optimizer in self.optimizers:
                     run_post_hooks(optimizer)

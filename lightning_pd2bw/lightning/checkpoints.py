@@ -95,21 +95,8 @@ class StageCheckpoints:
         return out
 
     def manifest_layout(self) -> dict[str, Any]:
-        engine = self.engine
-        versions = engine.executor.versions if engine.executor is not None else None
         return {
-            "num_stages": engine.num_stages,
-            "data_parallel_size": engine.grid.data_parallel_size,
-            "num_microbatches": engine.num_microbatches,
-            "mode": engine.mode,
-            "num_layers": engine.stage_layers[-1].stop,
-            "stage_layers": [(r.start, r.stop) for r in engine.stage_layers],
-            # a checkpoint is taken at a drain: one version per stage, nothing in flight
-            "weight_versions": {
-                "drained": True,
-                "versions_held": versions.num_versions if versions else 1,
-                "updates_applied": versions.latest if versions else 0,
-            },
+            **self.engine.manifest_layout(),
             "data": self._data_position(),
             "horizon": self._horizon(),
         }

@@ -39,19 +39,20 @@ def main() -> None:
     loss_fn = nn.functional.mse_loss
 
     ours: list[torch.Tensor] = []
+    versions = WeightVersions(module.parameters(), False)
     executor = StageExecutor(
         list(module),
         grid.stage,
         grid.num_stages,
         NUM_MICROBATCHES,
         StageLink(grid.prev_rank, grid.next_rank, torch.device("cpu"), build_groups(grid, []).link),
-        WeightVersions(module.parameters(), False),
+        versions,
         input_fn=lambda mb: mb["x"],
         loss_fn=lambda out, mb: loss_fn(out, mb["y"]),
+        handlers=local_update(versions, lambda batch: ours.extend(p.grad.clone() for p in module.parameters())),
     )
     executor.feed(0, [{"x": a, "y": b} for a, b in zip(x.chunk(NUM_MICROBATCHES), y.chunk(NUM_MICROBATCHES))])
     actions = schedule.segment(Layout(grid.num_stages, NUM_MICROBATCHES, "flush"), grid.stage, 0)
-    executor.register(local_update(executor, lambda batch: ours.extend(p.grad.clone() for p in module.parameters())))
     executor.run(actions)
     executor.finish_drain()
     module.zero_grad(set_to_none=True)

@@ -34,17 +34,16 @@ def loss_fn(out, mb):
 def pipeline_weights(recompute: bool) -> list[torch.Tensor]:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    executor = StageExecutor(
-        list(model), 0, 1, M, StageLink(None, None, torch.device("cpu")),
-        WeightVersions(model.parameters(), double_buffer=True),
-        input_fn=lambda mb: mb["x"], loss_fn=loss_fn, recompute=recompute,
-    )  # fmt: skip
 
     def step(batch: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    executor.register(local_update(executor, step))
+    versions = WeightVersions(model.parameters(), double_buffer=True)
+    executor = StageExecutor(
+        list(model), 0, 1, M, StageLink(None, None, torch.device("cpu")), versions,
+        input_fn=lambda mb: mb["x"], loss_fn=loss_fn, recompute=recompute, handlers=local_update(versions, step),
+    )  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16):  # one region, cast cache on (the default)
         for t, batch in enumerate(batches()):
             executor.feed(t, [{k: v.chunk(M)[j] for k, v in batch.items()} for j in range(M)])

@@ -217,8 +217,6 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
     """Microbatch 1's input has the wrong width: the error carries the stage's actions with F(m1,v0) marked."""
     import torch
 
-    from tests.stage_update import local_update
-
     from .test_timeline import single_stage_executor
 
     executor, _ = single_stage_executor("flush", 2)
@@ -226,7 +224,6 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
         0, [{"x": torch.randn(2, 4), "y": torch.randn(2, 1)}, {"x": torch.randn(2, 5), "y": torch.randn(2, 1)}]
     )
     actions = segment("flush", 0, 1, 2, 0)
-    executor.register(local_update(executor, lambda batch: None))
     with pytest.raises(RuntimeError) as error:
         executor.run(actions)
     (note,) = error.value.__notes__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,18 +44,23 @@ def test_bubble_of_a_synthetic_timeline_by_hand():
         bubble_fraction(events, 1.0, 1.0)
 
 
-def single_stage_executor(mode: str, m: int) -> tuple[StageExecutor, nn.Module]:
+def single_stage_executor(
+    mode: str, m: int, make_step: Callable[[nn.Module], Callable[[int], None]] = lambda model: lambda batch: None
+) -> tuple[StageExecutor, nn.Module]:
+    """One stage alone; at each STEP ``make_step(model)(batch)`` runs (see ``tests/stage_update.py``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    versions = WeightVersions(model.parameters(), double_buffer=mode == "2bw")
     executor = StageExecutor(
         list(model),
         0,
         1,
         m,
         StageLink(None, None, torch.device("cpu")),
-        WeightVersions(model.parameters(), double_buffer=mode == "2bw"),
+        versions,
         input_fn=lambda mb: mb["x"],
         loss_fn=lambda out, mb: nn.functional.mse_loss(out, mb["y"]),
+        handlers=local_update(versions, make_step(model)),
     )
     return executor, model
 
@@ -62,11 +68,14 @@ def single_stage_executor(mode: str, m: int) -> tuple[StageExecutor, nn.Module]:
 @pytest.mark.parametrize("mode", ["2bw", "flush"])
 def test_executor_records_every_action_once_in_order(mode):
     m, steps = 2, 3
-    executor, model = single_stage_executor(mode, m)
+
+    def make_step(model: nn.Module) -> Callable[[int], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return lambda batch: (optimizer.step(), optimizer.zero_grad())
+
+    executor, model = single_stage_executor(mode, m, make_step)
     executor.recorder = Recorder()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     expected: list[S.Action] = []
-    executor.register(local_update(executor, lambda batch: (optimizer.step(), optimizer.zero_grad())))
     for step in range(steps):
         batch = step if mode == "2bw" else 0  # flush drains every step: the version rule restarts
         executor.feed(batch, [{"x": torch.randn(2, 4), "y": torch.randn(2, 1)} for _ in range(m)])
@@ -124,7 +133,6 @@ def test_executor_meter_sees_the_stash_of_1f1b():
     executor, model = single_stage_executor("flush", 4)
     executor.meter = ActivationMeter(model.parameters())
     executor.feed(0, [{"x": torch.randn(8, 4), "y": torch.randn(8, 1)} for _ in range(4)])
-    executor.register(local_update(executor, lambda batch: None))
     executor.run(S.segment(Layout(1, 4, "flush"), 0, 0))
     assert executor.meter.current == 0
     one_microbatch = executor.meter.peak
