@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.compiled import compile_layers
 from lightning_pd2bw.engine.materialize import parameters_on_meta
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.models import GPT, GPTConfig
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
@@ -92,7 +93,13 @@ def predicted_stage_bytes(config: GPTConfig, batch: dict[str, torch.Tensor], mic
         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
     )
     profile = ModelProfile(profiles, weight_bytes=4, optimizer_states=2, shared=shared_layers(layers))
-    parts = stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, mode), m)
+    parts = stage_memory(
+        profile,
+        range(len(layers)),
+        0,
+        Candidate(1, 1, micro, False, PipelineOptions(mode=mode, delay_correction=None)),
+        m,
+    )
     return float(sum(parts.values()))
 
 

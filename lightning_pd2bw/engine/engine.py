@@ -38,12 +38,13 @@ from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .grad_buckets import GradientBuckets, release
 from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
+from .layout import Mode
 from .ledger import BatchLedger, LossBroadcast
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
 from .options import PipelineOptions
 from .transport import StageLink
-from .update import UpdatePolicy, UpdateRule, hyperparameters, local_optimizers
+from .update import UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
 
 
@@ -115,7 +116,7 @@ class PipelineEngine:
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
-        self.policy = UpdatePolicy(clip_val, clip_algorithm, options.clip_mode, options.on_nonfinite)
+        self.clip_val, self.clip_algorithm = clip_val, clip_algorithm
         self.before_step = before_step
         self.transport = transport
         self.progress = progress or Progress()
@@ -168,7 +169,7 @@ class PipelineEngine:
             tensor.copy_(on_device)
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         return self.layout.mode
 
     @property
@@ -202,10 +203,10 @@ class PipelineEngine:
         local_optimizers(self.optimizers, self.params, self.parameter_names())
         correction = None
         method = self.options.delay_correction
-        if method is not None and self.mode == "2bw" and self.optimizers:  # flush has no delay to correct
+        if method is not None and self.mode.double_buffered and self.optimizers:  # flush has no delay to correct
             correction = ErrorFeedback.for_method(method, self.params, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
-        versions = WeightVersions(self.params, double_buffer=self.mode == "2bw")
+        versions = WeightVersions(self.params, double_buffer=self.mode.double_buffered)
         buckets = None
         release(self.params)  # a previous engine's buckets over these parameters
         if self.grid.data_parallel_size > 1 and self.optimizers:
@@ -213,7 +214,7 @@ class PipelineEngine:
             replicated = [p for p in self.params if id(p) not in tied]
             buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size)
         self.update = UpdateRule(
-            self.mode,
+            self.options,
             self.optimizers,
             self.params,
             self.shared,
@@ -221,7 +222,8 @@ class PipelineEngine:
             self.grid.data_parallel_size,
             self.device,
             self.ledger,
-            self.policy,
+            clip_val=self.clip_val,
+            clip_algorithm=self.clip_algorithm,
             correction=correction,
             before_step=self.before_step,
             describe=lambda: describe_rank(self.grid.rank, self.num_stages),
@@ -295,7 +297,7 @@ class PipelineEngine:
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
         executor.versions.use_latest()  # between batches the stage holds the newest weights
-        if self.mode == "2bw":
+        if self.mode.double_buffered:  # the previous batch's loss (its broadcast overlapped this batch)
             return self.ledger.take_loss(step - 1)
         executor.finish_drain()
         loss = self.ledger.take_loss(step)
@@ -313,13 +315,13 @@ class PipelineEngine:
         evaluating or ending. Returns the loss ``train_batch`` has not returned yet (2BW: the last batch's)."""
         if self.executor is None:
             return None
-        if self.mode == "2bw" and self.ledger.next_batch > 0:
+        if self.mode.double_buffered and self.ledger.next_batch > 0:
             last = self.ledger.next_batch - 1
             actions = self.actions(last, drain=True)
             with self._phase("drain"):
                 self.executor.run(actions)
             self.executor.finish_drain()
-        if self.policy.on_nonfinite == "stop":
+        if self.options.on_nonfinite == "stop":
             self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
         loss = None
         for step in self.ledger.pending_losses():
@@ -403,7 +405,7 @@ class PipelineEngine:
             "num_stages": self.num_stages,
             "data_parallel_size": self.grid.data_parallel_size,
             "num_microbatches": self.num_microbatches,
-            "mode": self.mode,
+            "mode": self.mode.value,
             "num_layers": len(self.all_layers),
             "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
             "weight_versions": {

@@ -11,13 +11,49 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from torch import nn
 
 from .partition import balanced_partition, layer_parameter_counts
 
-MODES: tuple[str, ...] = ("2bw", "flush", "gpipe")
-DEFAULT_MODE = "2bw"  # the strategy's, the engine's and the Hydra schema's default
+
+class Mode(str, Enum):
+    """How the pipeline updates its weights, and the facts every part reads from that (the schedules, the engine, the
+    update, the planner), in one place. A ``str``: ``Mode("2bw") == "2bw"``, and it prints as its value."""
+
+    PD2BW = "2bw"  # PipeDream-2BW: no flush; two weight versions; batch b's update first read by batch b+2
+    FLUSH = "flush"  # 1F1B with a flush per batch (PipeDream-Flush): one version, exact
+    GPIPE = "gpipe"  # all forwards, then all backwards, a flush per batch: one version, exact
+
+    @property
+    def double_buffered(self) -> bool:
+        """Two weight versions: a batch runs on the version before the newest, so its update may run beside the
+        next batch (its delay is what the delay correction corrects)."""
+        return self is Mode.PD2BW
+
+    @property
+    def flushes(self) -> bool:
+        """Every batch drains the pipeline and completes its update before the next batch starts."""
+        return not self.double_buffered
+
+    @property
+    def forwards_first(self) -> bool:
+        """Every forward of a batch before its first backward (no 1F1B, no lookahead)."""
+        return self is Mode.GPIPE
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)
+DEFAULT_MODE = Mode.PD2BW.value  # the strategy's, the engine's and the Hydra schema's default
 
 
 @dataclass(frozen=True)
@@ -91,7 +127,7 @@ def check_lookahead(mode: str, lookahead: int, keys: Keys = Keys()) -> None:
             f"{keys.where}{keys.lookahead}={lookahead!r} is invalid; valid: an int >= 0 (0: plain 1F1B; 1: one more "
             "forward in flight per stage before the last, one more stashed microbatch each)"
         )
-    if lookahead and mode == "gpipe":
+    if lookahead and mode == Mode.GPIPE:
         raise ValueError(
             f"{keys.where}{keys.lookahead}={lookahead} has no meaning under {keys.mode}='gpipe' (all forwards run "
             f"first already); use {keys.mode}='2bw' or 'flush', or {keys.lookahead}=0"
@@ -108,7 +144,7 @@ def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys
 def check_pipeline(mode: str, num_stages: int, world_size: int, keys: Keys = Keys()) -> None:
     """2BW at depth 1 over several processes is data parallelism that pays the weight delay, a second weight
     version and the delay correction's buffers for nothing: refused, with the two runs that make sense."""
-    if mode == "2bw" and num_stages == 1 and world_size > 1:
+    if mode == Mode.PD2BW and num_stages == 1 and world_size > 1:
         raise ValueError(
             f"{keys.where}{keys.mode}='2bw' with {keys.num_stages}=1 on {world_size} processes is plain data "
             f"parallelism with 2BW's one-step-stale update and its second weight version, for nothing: use "
@@ -137,7 +173,7 @@ class Layout:
 
     num_stages: int
     num_microbatches: int | None = None
-    mode: str = DEFAULT_MODE
+    mode: Mode = Mode.PD2BW  # or its value, e.g. "flush"
     layers_per_stage: tuple[int, ...] | None = None
     lookahead: int = 0
 
@@ -145,6 +181,7 @@ class Layout:
         if self.num_microbatches is None:
             object.__setattr__(self, "num_microbatches", self.num_stages)
         check_schedule(self.mode, self.num_stages, self.num_microbatches, lookahead=self.lookahead)
+        object.__setattr__(self, "mode", Mode(self.mode))
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
             if len(self.layers_per_stage) != self.num_stages:

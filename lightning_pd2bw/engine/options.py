@@ -18,9 +18,10 @@ import torch
 from . import layout as rules
 from .compiled import compile_options
 from .delay_correction import METHODS as DELAY_CORRECTIONS
-from .update import CLIP_MODES, NONFINITE_POLICIES
 
 PLANS = (None, "auto")
+CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
+NONFINITE_POLICIES = ("stop", "skip")
 DEFAULT_CORRECTION = (
     "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
 )

@@ -27,11 +27,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
 
-from .layout import MODES, Layout, check_schedule
+from .layout import MODES, Layout, Mode, check_schedule
 
-Mode = Literal["flush", "gpipe", "2bw"]
 __all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update", "validate"]
 
 
@@ -153,7 +151,7 @@ def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, lookahea
 
 def weight_version(mode: Mode, batch: int) -> int:
     """The version (updates since the last drain) that ``batch`` runs forward and backward on."""
-    return max(batch - 1, 0) if mode == "2bw" else batch
+    return max(batch - 1, 0) if mode.double_buffered else batch
 
 
 def _forward(stage: int, num_stages: int, microbatch: int, num_microbatches: int, mode: Mode) -> list[Action]:
@@ -186,7 +184,7 @@ def _flush_order(
     """(kind, microbatch) order of one drained batch."""
     first = batch * num_microbatches
     ids = range(first, first + num_microbatches)
-    if mode == "gpipe":
+    if mode.forwards_first:
         return [(FORWARD, k) for k in ids] + [(BACKWARD, k) for k in ids]
     warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     order = [(FORWARD, k) for k in ids[:warmup]]
@@ -266,7 +264,7 @@ def _pending_before(
     mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
 ) -> int | None:
     """The batch whose REDUCE is pending when step ``batch`` begins (2BW's last stage carries one over)."""
-    if mode != "2bw" or batch == 0:
+    if mode.flushes or batch == 0:
         return None
     return batch - 1 if warmup_forwards(stage, num_stages, num_microbatches, lookahead) == 0 else None
 
@@ -276,7 +274,7 @@ def _segment(
 ) -> list[Action]:
     """Actions of training step ``batch`` (0-based since the last drain) on ``stage``; the raw list: ``segment``
     moves a trailing SEND_B to the next segment."""
-    if mode != "2bw":
+    if mode.flushes:
         order = _flush_order(stage, num_stages, num_microbatches, mode, batch, lookahead)
         return _expand(order, stage, num_stages, num_microbatches, mode) + update(batch) + [Action(WAIT_SENDS, batch)]
     order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
@@ -306,7 +304,7 @@ def segment(layout: Layout, stage: int, batch: int) -> list[Action]:
     loss to its pipeline, on a group of its own."""
     mode, num_stages, num_microbatches, lookahead = _of(layout)
     raw = _segment(mode, stage, num_stages, num_microbatches, batch, lookahead)
-    if mode != "2bw":
+    if mode.flushes:
         return [*raw, Action(LOSS, batch)]
     actions, _ = _carried(raw)
     if batch == 0:
@@ -319,7 +317,7 @@ def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
     """What remains in flight on ``stage`` after step ``last_batch``: the completion of the update before it, its
     last backwards and its whole update (nothing may stay pending after a drain), then the wait for its sends."""
     mode, num_stages, num_microbatches, lookahead = _of(layout)
-    if mode != "2bw" or last_batch < 0:
+    if mode.flushes or last_batch < 0:
         return []
     warmup = warmup_forwards(stage, num_stages, num_microbatches, lookahead)
     end = (last_batch + 1) * num_microbatches

@@ -42,12 +42,11 @@ from . import gradients
 from . import schedule as S
 from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets
+from .layout import Mode
 from .ledger import BatchLedger
+from .options import PipelineOptions
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
 from .versions import WeightVersions
-
-CLIP_MODES = ("global", "stage")
-NONFINITE_POLICIES = ("stop", "skip")
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -64,14 +63,6 @@ class TiedParameter:
     group: Any
     source: int
     counts_for_norm: bool
-
-
-@dataclass
-class UpdatePolicy:
-    clip_val: float | None = None
-    clip_algorithm: str = "norm"  # "norm" | "value"
-    clip_mode: str = "global"
-    on_nonfinite: str = "stop"  # clip_mode and on_nonfinite are checked with the other options (options.py)
 
 
 @dataclass
@@ -100,7 +91,7 @@ class SetAside:
 class UpdateRule:
     """Replica averaging, tied sums, the non-finite policy, clipping and the optimizer step of one stage."""
 
-    mode: str
+    options: PipelineOptions  # the mode, clip_mode and on_nonfinite
     optimizers: list[torch.optim.Optimizer]
     params: list[nn.Parameter]  # this stage's own parameters
     shared: list[TiedParameter]
@@ -108,7 +99,8 @@ class UpdateRule:
     data_parallel_size: int
     device: torch.device
     ledger: BatchLedger
-    policy: UpdatePolicy
+    clip_val: float | None = None  # Lightning's gradient_clip_val (None: no clipping)
+    clip_algorithm: str = "norm"  # "norm" | "value"
     correction: ErrorFeedback | None = None
     before_step: Callable[[torch.optim.Optimizer], None] | None = None
     describe: Callable[[], str] = lambda: "this rank"
@@ -120,6 +112,10 @@ class UpdateRule:
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
     pending: dict[int, SetAside] = field(default_factory=dict)  # batch -> its update between REDUCE and STEP
     peak_pending_bytes: int = 0
+
+    @property
+    def mode(self) -> Mode:
+        return Mode(self.options.mode)
 
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
         """The update's parts, as the schedule places them, for the executor's table (``StageExecutor(handlers=)``)."""
@@ -136,7 +132,7 @@ class UpdateRule:
     def pending_bytes(self) -> int:
         """The set-aside gradients held now (2BW: one batch's, from its REDUCE to its STEP, beside the next batch's
         accumulating ones; flush and gpipe hold them only within their update)."""
-        return sum(aside.nbytes for aside in self.pending.values()) if self.mode == "2bw" else 0
+        return sum(aside.nbytes for aside in self.pending.values()) if self.mode.double_buffered else 0
 
     def reduce(self, batch: int) -> None:
         """REDUCE(b): the update begins (the next weight version made writable); average over the replicas, set
@@ -164,7 +160,7 @@ class UpdateRule:
             for s in self.shared
         ]
         self.pending[batch] = SetAside(grads, works, launched)
-        if self.mode == "2bw":  # flush and gpipe complete the update at once: nothing accumulates beside it
+        if self.mode.double_buffered:  # flush and gpipe complete the update at once: nothing accumulates beside it
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
 
     def _swap_in(self, aside: SetAside) -> None:
@@ -192,7 +188,7 @@ class UpdateRule:
         for work in aside.tied:
             work.wait()
         self._swap_in(aside)
-        if self.policy.on_nonfinite == "stop":
+        if self.options.on_nonfinite == "stop":
             self.finite_watch.push(self.ledger.global_step(batch), self.params)
             self.raise_if_nonfinite()
             return
@@ -215,8 +211,7 @@ class UpdateRule:
         """NORM(b): global clipping: this stage's squared norm launched as a sum over the pipeline; then the next
         batch's gradients back."""
         aside = self.pending[batch]
-        policy = self.policy
-        if policy.clip_val and policy.clip_algorithm == "norm" and policy.clip_mode == "global":
+        if self.clip_val and self.clip_algorithm == "norm" and self.options.clip_mode == "global":
             if not self.ledger.is_skipped(batch):  # every stage skips alike: the collective is issued by all or none
                 aside.squares = self._squared_norm()
                 aside.norm = dist.all_reduce(aside.squares, group=self.groups.pipeline, async_op=True)
@@ -226,17 +221,17 @@ class UpdateRule:
         """CLIP(b): batch b's gradients in ``.grad`` again; clipped by the global norm (NORM's) or the stage's."""
         aside = self.pending[batch]
         self._swap_in(aside)
-        if self.ledger.is_skipped(batch) or not self.policy.clip_val:
+        if self.ledger.is_skipped(batch) or not self.clip_val:
             return
-        if self.policy.clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(self.params, self.policy.clip_val)
+        if self.clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.params, self.clip_val)
             return
         squares = aside.squares
         if aside.norm is not None:
             aside.norm.wait()
         else:  # clip_mode="stage": this stage's norm alone
             squares = self._squared_norm()
-        gradients.scale_to_norm([p.grad for p in self.params if p.grad is not None], squares, self.policy.clip_val)
+        gradients.scale_to_norm([p.grad for p in self.params if p.grad is not None], squares, self.clip_val)
 
     def step(self, batch: int) -> None:
         """STEP(b), on the weight version REDUCE(b) made writable: every optimizer's step with batch b's
@@ -244,7 +239,7 @@ class UpdateRule:
         hparams = self.ledger.take_hparams(batch)
         aside = self.pending.pop(batch)
         if not self.ledger.take_skip(batch):
-            correction = self.correction if self.mode == "2bw" else None
+            correction = self.correction if self.mode.double_buffered else None
             self.step_optimizers(hparams, post_hooks=correction is None)
             if correction is not None:
                 versions = self.versions

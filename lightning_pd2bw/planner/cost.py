@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..engine.delay_correction import buffers as correction_buffers
+from ..engine.layout import Mode
 from ..engine.options import PipelineOptions
 from ..engine.schedule import warmup_forwards
 from .hardware import ClusterSpec
@@ -69,23 +70,40 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration the planner weighs: width, depth, microbatch size and recomputation (the dimensions it
+    searches) for the run ``options`` describes (its mode, lookahead and delay correction; ``Candidate.of``)."""
+
     width: int
     depth: int
     micro_batch_size: int
     recompute: bool
-    mode: str = "2bw"
-    lookahead: int = 0  # more forwards in flight on every stage (the strategy's ``lookahead``)
-    delay_correction: str | None = None  # 2BW's correction (engine/delay_correction.py): its buffers of weights
+    options: PipelineOptions = PipelineOptions(delay_correction=None)
 
     @classmethod
     def of(
         cls, options: PipelineOptions, width: int, depth: int, micro_batch_size: int, recompute: bool | None = None
     ) -> Candidate:
-        """The candidate that runs with ``options`` (mode, lookahead, delay correction and, unless searched,
-        recomputation as the run has them): every reader of one run (``pd2bw-plan``, the dry run, ``plan="auto"``)
-        plans it through here."""
+        """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
+        of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
         recompute = options.recompute if recompute is None else recompute
-        return cls(width, depth, micro_batch_size, recompute, options.mode, options.lookahead, options.delay_correction)
+        planned = PipelineOptions(
+            mode=options.mode, lookahead=options.lookahead, delay_correction=options.delay_correction
+        )
+        return cls(width, depth, micro_batch_size, recompute, planned)  # what the plan depends on, nothing else
+
+    @property
+    def mode(self) -> Mode:
+        return Mode(self.options.mode)
+
+    @property
+    def lookahead(self) -> int:
+        """More forwards in flight on every stage (the strategy's ``lookahead``)."""
+        return self.options.lookahead
+
+    @property
+    def delay_correction(self) -> str | None:
+        """2BW's correction (``engine/delay_correction.py``): its buffers of weights."""
+        return self.options.delay_correction if self.mode.double_buffered else None
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)
@@ -112,9 +130,9 @@ class Prediction:
         return max(sum(m.values()) for m in self.stage_memory)
 
 
-def stash_count(mode: str, stage: int, depth: int, num_microbatches: int, lookahead: int = 0) -> int:
+def stash_count(mode: Mode | str, stage: int, depth: int, num_microbatches: int, lookahead: int = 0) -> int:
     """Microbatches a stage stashes at its peak: its warm-up forwards and the one whose backward comes next."""
-    if mode == "gpipe":
+    if Mode(mode).forwards_first:
         return num_microbatches
     return min(warmup_forwards(stage, depth, num_microbatches, lookahead) + 1, num_microbatches)
 
@@ -167,7 +185,7 @@ def memory_of(
     microbatches are stashed. Flush and GPipe clear the gradients at each batch, so when the whole
     stash is taken before the first backward (m <= 1F1B's stash) the gradients meet one microbatch fewer.
     """
-    versions = 2 if candidate.mode == "2bw" else 1
+    versions = 2 if candidate.mode.double_buffered else 1
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     weights = params * profile.weight_bytes
     per_micro = activations
@@ -177,10 +195,10 @@ def memory_of(
     else:
         stashed = stash * activations
     warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
-    if candidate.mode != "2bw" and num_microbatches <= warmed:
+    if candidate.mode.flushes and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
-    temporaries = weights if candidate.mode == "2bw" and profile.optimizer_states == 2 else 0.0
-    held = correction_buffers(candidate.delay_correction) if candidate.mode == "2bw" else 0
+    temporaries = weights if candidate.mode.double_buffered and profile.optimizer_states == 2 else 0.0
+    held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0
     return {
         "weights": versions * weights,
         "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
@@ -259,7 +277,7 @@ def predict(
         times.append(compute + messages)
         mem = stage_memory(profile, span, s, candidate, m)
         memory.append(mem)
-        grad_bytes = mem["weights"] / (2 if candidate.mode == "2bw" else 1)  # one gradient buffer's bytes
+        grad_bytes = mem["weights"] / (2 if candidate.mode.double_buffered else 1)  # one gradient buffer's bytes
         shared_sum = sum(
             2 * n * profile.weight_bytes / cluster.intra_node_bandwidth
             for a, b, n in profile.shared
@@ -267,13 +285,13 @@ def predict(
         )
         optimizer = sum(p.optimizer_s for p in layers)
         replicas = allreduce_time(grad_bytes, candidate, cluster)
-        if candidate.mode == "2bw":  # beside the next batch: the replica average overlaps the last backward and
+        if candidate.mode.double_buffered:  # beside the next batch: the replica average overlaps the last backward and
             # the next forward, the tied sum a whole partial step; the optimizer's work stays on the device
             updates.append(optimizer + max(0.0, replicas - compute - messages))
         else:
             updates.append(replicas + shared_sum + optimizer)
     slowest = max(times)
-    if candidate.mode == "2bw":
+    if candidate.mode.double_buffered:
         pipeline = m * slowest + norm_wait(d, m, slowest)
     else:
         pipeline = (m - 1) * slowest + sum(times)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..engine.layout import Mode
 from ..engine.options import PipelineOptions
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict
 from .hardware import ClusterSpec, GiB
@@ -94,7 +95,7 @@ def candidates(
         width = num_devices // depth
         if depth > num_layers or global_batch % width:
             continue
-        if depth == 1 and options.mode == "2bw" and num_devices > 1 and num_layers > 1:
+        if depth == 1 and Mode(options.mode).double_buffered and num_devices > 1 and num_layers > 1:
             continue
         per_replica = global_batch // width
         for micro in micro_batch_sizes or divisors(per_replica):

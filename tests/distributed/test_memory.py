@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.profile import LayerProfile
 
@@ -71,7 +72,7 @@ def planned(num_microbatches: int, mode: str, correction: str | None) -> list[di
     layers = [LayerProfile(0.0, 0.0, 0.0, message, 1), LayerProfile(0.0, 0.0, message, 4.0, 1)]
     states = 2 if correction else 0  # AdamW with a correction, else SGD
     profile = ModelProfile(layers, weight_bytes=4, optimizer_states=states, communicator_bytes=0.0)
-    candidate = Candidate(1, 2, SAMPLES, False, mode, delay_correction=correction)
+    candidate = Candidate(1, 2, SAMPLES, False, PipelineOptions(mode=mode, delay_correction=correction))
     return [stage_memory(profile, range(s, s + 1), s, candidate, num_microbatches) for s in range(2)]
 
 

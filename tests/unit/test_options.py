@@ -128,3 +128,16 @@ def test_2bw_at_depth_one_over_several_processes_is_refused_with_the_fix():
     depths = {c.depth for c in candidates(8, 10, 64, PipelineOptions())}
     assert 1 not in depths and depths == {2, 4, 8}
     assert 1 in {c.depth for c in candidates(8, 10, 64, PipelineOptions(mode="flush"))}
+
+
+def test_the_mode_is_a_value_with_its_facts():
+    """``Layout.mode`` is a ``Mode``: equal to its string, printed as it, and the one place each part reads what the
+    mode implies (two versions, a flush per batch, all forwards first)."""
+    from lightning_pd2bw.engine.layout import Layout, Mode
+
+    assert Layout(2, 2, "flush").mode is Mode.FLUSH and Layout(2, 2).mode == "2bw"
+    assert f"{Mode.PD2BW}" == str(Mode.PD2BW) == "2bw" and repr(Mode.GPIPE) == "'gpipe'"
+    facts = {mode.value: (mode.double_buffered, mode.flushes, mode.forwards_first) for mode in Mode}
+    assert facts == {"2bw": (True, False, False), "flush": (False, True, False), "gpipe": (False, True, True)}
+    with pytest.raises(ValueError, match="is not a mode"):
+        Layout(2, 2, "1f1b")

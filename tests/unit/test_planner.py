@@ -34,20 +34,30 @@ def uniform(n: int = 4, forward: float = 1.0, params: int = 1000, act: float = 1
 
 def test_pipeline_time_2bw_and_flush_by_hand():
     # 4 equal layers of F=1, B=2 on d=2: t = 2 * (1 + 2) = 6 s per microbatch and stage; m = 8
-    profile, candidate = uniform(), Candidate(1, 2, 1, False, "2bw")
+    profile, candidate = uniform(), Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
     stages = [range(0, 2), range(2, 4)]
     two = predict(profile, candidate, cluster(), 8, stages)
     assert two.stage_times == (6.0, 6.0) and two.batch_time == pytest.approx(8 * 6.0)
-    flush = predict(profile, Candidate(1, 2, 1, False, "flush"), cluster(), 8, stages)
+    flush = predict(
+        profile, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), cluster(), 8, stages
+    )
     assert flush.batch_time == pytest.approx((8 + 2 - 1) * 6.0)  # (m + d - 1) t: the flush bubble
     assert two.throughput / flush.throughput == pytest.approx(9 / 8)
-    recompute = predict(profile, Candidate(1, 2, 1, True, "2bw"), cluster(), 8, stages)
+    recompute = predict(
+        profile, Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", delay_correction=None)), cluster(), 8, stages
+    )
     assert recompute.stage_times == (8.0, 8.0), "recomputation repeats the forward: 4/3 of the compute"
 
 
 def test_unequal_stages_flush_sums_the_stages():
     profile = ModelProfile([LayerProfile(1.0, 2.0, 0, 0, 1)] * 3)
-    p = predict(profile, Candidate(1, 2, 1, False, "flush"), cluster(), 4, [range(0, 2), range(2, 3)])
+    p = predict(
+        profile,
+        Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)),
+        cluster(),
+        4,
+        [range(0, 2), range(2, 3)],
+    )
     assert p.stage_times == (6.0, 3.0) and p.batch_time == pytest.approx(3 * 6.0 + 6.0 + 3.0)
 
 
@@ -79,22 +89,28 @@ def test_the_delay_correction_is_in_the_plan():
     """2BW's error feedback keeps D(t-1), one copy of the stage's weights, and makes D(t) while it updates; the plan
     left it out (the gpt13b dry run printed the same memory with and without it)."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
-    plain = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw"), 4)
-    corrected = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "2bw", delay_correction=EF), 4)
+    plain = stage_memory(
+        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None)), 4
+    )
+    corrected = stage_memory(
+        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=EF)), 4
+    )
     assert corrected["correction"] == 2000 * 4 and plain["correction"] == 0.0
     assert corrected["workspace"] - plain["workspace"] == 2000 * 4
-    predictive = Candidate(1, 2, 1, False, "2bw", delay_correction="predictive_error_feedback")
+    predictive = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="predictive_error_feedback"))
     held = stage_memory(profile, range(0, 2), 0, predictive, 4)
     assert held["correction"] == 2 * 2000 * 4, "the predictive form holds D(t-1) and D(t-2)"
     assert held["workspace"] == corrected["workspace"]
-    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush", delay_correction=EF), 4)
+    flush = stage_memory(
+        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=EF)), 4
+    )
     assert flush["correction"] == 0.0, "flush has no delay to correct"
 
 
 def test_memory_per_stage_matches_the_paper_formula():
     # 2BW, no recompute: 2|W|/d weights + stash (d - s) x activations of the stage
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
-    candidate = Candidate(1, 2, 1, False, "2bw")
+    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
     first = stage_memory(profile, range(0, 2), 0, candidate, 4)
     assert first == {
         "weights": 2 * 2000 * 4,
@@ -111,27 +127,44 @@ def test_memory_per_stage_matches_the_paper_formula():
     assert last["activations"] == 1 * 200.0
     assert last["outputs"] == 0.0 and last["transport"] == 2 * 10.0  # one gradient send, one activation receive
     # recompute: stash only the stage input (d - s of them), rebuild one microbatch's activations
-    rec = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw"), 4)
+    rec = stage_memory(
+        profile, range(2, 4), 0, Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", delay_correction=None)), 4
+    )
     assert rec["activations"] == 2 * 10.0 + 200.0
     # flush keeps one weight version; GPipe stashes all m microbatches
-    flush = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 4)
+    flush = stage_memory(
+        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 4
+    )
     assert flush["weights"] == 2000 * 4 and flush["workspace"] == 100.0, "flush steps with nothing stashed"
     assert flush["gradients"] == 2000 * 4, "flush completes its update at once: one gradient buffer"
     # m <= d - s: the whole stash is taken before the first backward; gradients then meet one microbatch fewer
-    drained = stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "flush"), 2)
+    drained = stage_memory(
+        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 2
+    )
     assert drained["activations"] + drained["gradients"] == max(2 * 200.0, 200.0 + 2000 * 4)
-    assert stage_memory(profile, range(0, 2), 0, Candidate(1, 2, 1, False, "gpipe"), 4)["activations"] == 4 * 200.0
+    assert (
+        stage_memory(
+            profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="gpipe", delay_correction=None)), 4
+        )["activations"]
+        == 4 * 200.0
+    )
 
 
 def test_lookahead_stashes_one_more_microbatch_on_every_stage():
     """lookahead=1 at d = 2, m = 4: stage 0 stashes d - s + 1 = 3 microbatches, the last stage 2 (it receives ahead); at m = 2 the
     cap (m - d = 0) leaves stage 0 at its 2, as the schedule runs it."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
-    ahead = Candidate(1, 2, 1, False, "2bw", lookahead=1)
+    ahead = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", lookahead=1, delay_correction=None))
     assert stage_memory(profile, range(0, 2), 0, ahead, 4)["activations"] == 3 * 200.0
     assert stage_memory(profile, range(2, 4), 1, ahead, 4)["activations"] == 2 * 200.0
     assert stage_memory(profile, range(0, 2), 0, ahead, 2)["activations"] == 2 * 200.0
-    recompute = stage_memory(profile, range(2, 4), 0, Candidate(1, 2, 1, True, "2bw", lookahead=1), 4)
+    recompute = stage_memory(
+        profile,
+        range(2, 4),
+        0,
+        Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", lookahead=1, delay_correction=None)),
+        4,
+    )
     assert recompute["activations"] == 3 * 10.0 + 200.0
 
 
@@ -140,7 +173,9 @@ def test_tied_parameter_counted_once_on_one_stage():
         [LayerProfile(1, 2, 0, 0, 500), LayerProfile(1, 2, 0, 0, 100), LayerProfile(1, 2, 0, 0, 500)],
         shared=((0, 2, 500),),
     )
-    one = stage_memory(profile, range(0, 3), 0, Candidate(1, 1, 1, False, "flush"), 1)
+    one = stage_memory(
+        profile, range(0, 3), 0, Candidate(1, 1, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 1
+    )
     assert one["weights"] == (500 + 100 + 500 - 500) * 4
 
 

@@ -284,13 +284,12 @@ class RankProgram:
             self.wait(self.losses.pop(batch), f"loss of b{batch}")
 
     def training_step(self) -> None:
-        layout = self.layout
         if self.sigterm is not None:  # the SIGTERM agreement, asynchronous (lightning/preemption.py)
             self.wait(self.sigterm, "sigterm flag")
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
         self.run(S.segment(self.schedule_layout, self.stage, step))
-        if layout.mode == "2bw":
+        if self.schedule_layout.mode.double_buffered:
             self.step_in_run += 1
             self.take_loss(step - 1)
         else:
@@ -298,8 +297,7 @@ class RankProgram:
             self.take_loss(step)
 
     def drain(self) -> None:
-        layout = self.layout
-        if layout.mode == "2bw" and self.step_in_run > 0:
+        if self.schedule_layout.mode.double_buffered and self.step_in_run > 0:
             last = self.step_in_run - 1
             self.run(S.drain(self.schedule_layout, self.stage, last))
             self.wait_sends()
