@@ -43,6 +43,7 @@ from .ledger import BatchLedger, LossBroadcast
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import Progress
 from .options import PipelineOptions
+from .sharding import OptimizerShards
 from .transport import StageLink
 from .update import UpdateRule, hyperparameters, local_optimizers
 from .versions import WeightVersions
@@ -200,11 +201,14 @@ class PipelineEngine:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers or [])
-        local_optimizers(self.optimizers, self.params, self.parameter_names())
+        local_optimizers(self.optimizers, self.params, self.parameter_names())  # this stage's
+        shards = OptimizerShards.over(self.optimizers, self.grid, self.groups.shard, self.options.shard_optimizer)
+        stepped = shards.owned() if shards is not None else self.params
+        local_optimizers(self.optimizers, stepped, self.parameter_names())  # with shards: this replica's share
         correction = None
         method = self.options.delay_correction
         if method is not None and self.mode.double_buffered and self.optimizers:  # flush has no delay to correct
-            correction = ErrorFeedback.for_method(method, self.params, self.options.delay_correction_strength)
+            correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         versions = WeightVersions(self.params, double_buffer=self.mode.double_buffered)
         buckets = None
@@ -231,6 +235,7 @@ class PipelineEngine:
             info=self.info,
             versions=versions,
             buckets=buckets,
+            shards=shards,
         )
         loss = LossBroadcast(
             self.ledger,

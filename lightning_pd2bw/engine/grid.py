@@ -63,7 +63,9 @@ class Groups:
     ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
     behind an update's collective); ``replica``: one stage's data-parallel replicas (gradient averaging);
     ``shared``: the stages holding a tied parameter; ``link``: one group per neighbour, both directions, used in
-    batches (``transport.py`` says why).
+    batches (``transport.py`` says why); ``shard``: the same ranks as ``replica``, for the sharded optimizer's
+    weight broadcasts (``sharding.py``; its own communicator, so they never queue behind the next batch's gradient
+    all-reduce, which is in flight on ``replica`` when they are issued). None at width 1.
     """
 
     pipeline: object
@@ -71,11 +73,12 @@ class Groups:
     replica: object
     shared: dict[tuple[int, ...], object]
     link: LinkChannels = field(default_factory=LinkChannels)
+    shard: object = None
 
     def members(self) -> list[object]:
         """Every group this rank belongs to, once each, ordered by the group's name (the same order on every rank
         of a group: how ``destroy`` releases them)."""
-        held = [self.pipeline, self.loss, self.replica, *self.shared.values(), *vars(self.link).values()]
+        held = [self.pipeline, self.loss, self.replica, self.shard, *self.shared.values(), *vars(self.link).values()]
         outside = (None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD)
         unique = {id(g): g for g in held if not any(g is o for o in outside)}
         return sorted(unique.values(), key=lambda g: g.group_name)
@@ -107,6 +110,10 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
         group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/replica/stage{stage}")
         if stage == grid.stage:
             mine["replica"] = group
+        if grid.data_parallel_size > 1:
+            group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/shard/stage{stage}")
+            if stage == grid.stage:
+                mine["shard"] = group
     shared: dict[tuple[int, ...], object] = {}
     for stages in dict.fromkeys(shared_stage_sets):
         for replica in range(grid.data_parallel_size):
@@ -114,7 +121,7 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
             group = dist.new_group([replica * grid.num_stages + s for s in stages], group_desc=name)
             if replica == grid.replica and grid.stage in stages:
                 shared[stages] = group
-    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links))
+    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links), mine.get("shard"))
 
 
 def describe_rank(rank: int, num_stages: int) -> str:

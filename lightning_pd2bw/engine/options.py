@@ -72,6 +72,13 @@ class PipelineOptions:
             ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
+        shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/sharding.py``): each
+            parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
+            optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
+            to the other replicas. Optimizer and correction memory drop to about 1/w, and each replica runs 1/w
+            of the optimizer's work (Muon's Newton-Schulz included). Exact for any optimizer whose step treats
+            each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
+            across tensors. No effect at width 1.
 
     Failures and checkpoints (the Lightning strategy's):
         failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
@@ -101,6 +108,7 @@ class PipelineOptions:
     on_nonfinite: str = "stop"
     delay_correction: str | None = DEFAULT_CORRECTION
     delay_correction_strength: float = 1.0
+    shard_optimizer: bool = True
     failure_timeout: float | None = 180.0
     hang_timeout: float | None = 600.0
     async_checkpoint: bool = False

@@ -45,6 +45,7 @@ from .grad_buckets import GradientBuckets
 from .layout import Mode
 from .ledger import BatchLedger
 from .options import PipelineOptions
+from .sharding import OptimizerShards
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
 from .versions import WeightVersions
 
@@ -108,6 +109,7 @@ class UpdateRule:
     info: Callable[[str], None] = print
     versions: WeightVersions | None = None  # this stage's weight versions (None: the parameters are the only one)
     buckets: GradientBuckets | None = None  # width > 1: the replicated gradients, all-reduced during the backward
+    shards: OptimizerShards | None = None  # width > 1 and shard_optimizer: who steps what, and the broadcasts after
     skipped_updates: list[int] = field(default_factory=list)
     finite_watch: gradients.FiniteWatch = field(default_factory=gradients.FiniteWatch)
     pending: dict[int, SetAside] = field(default_factory=dict)  # batch -> its update between REDUCE and STEP
@@ -244,9 +246,12 @@ class UpdateRule:
             if correction is not None:
                 versions = self.versions
                 assert versions is not None, "2BW's delay correction reads the previous weight version"
-                correction.apply(versions.weights_of(versions.latest - 1), stale=batch >= 1)
+                before = dict(zip(map(id, versions.parameters), versions.weights_of(versions.latest - 1)))
+                correction.apply([before[id(p)] for p in correction.parameters], stale=batch >= 1)
                 for optimizer in self.optimizers:
                     run_post_hooks(optimizer)
+        if self.shards is not None:  # every replica, skipped or not: the same broadcasts in the same order
+            self.shards.broadcast_weights()
         self._swap_out(aside)
 
     def _squared_norm(self) -> torch.Tensor:

@@ -52,7 +52,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
     Args:
         num_stages, num_microbatches, mode, lookahead, layers_per_stage, plan, global_batch_size, recompute,
             boundary_dtype, compile, clip_mode, on_nonfinite, delay_correction, delay_correction_strength,
-            failure_timeout, hang_timeout, async_checkpoint: the pipeline's options, each documented (and checked)
+            shard_optimizer, failure_timeout, hang_timeout, async_checkpoint: the pipeline's options, each documented (and checked)
             in ``lightning_pd2bw.engine.options.PipelineOptions``; ``strategy.options`` holds them.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout: Lightning's, as for ``DDPStrategy``.
@@ -88,6 +88,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         async_checkpoint: bool = False,
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
+        shard_optimizer: bool = True,
     ) -> None:
         given = dict(locals())
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)

@@ -15,10 +15,12 @@ A batch takes, in the steady state,
 plus the update. Flush: the all-reduce of the stage's gradients over its w replicas (ring, on the level of the
 topology the replicas span), the sum of shared (tied) parameters' gradients between the stages holding them, and
 the optimizer step. 2BW runs its update beside the next batch (``engine/update.py``): only the optimizer's work and
-the part of the replica all-reduce longer than a microbatch slot remain. Memory per stage s:
+the part of the replica all-reduce longer than a microbatch slot remain. With ``shard_optimizer`` (ZeRO-1) each
+replica steps 1/w of the stage's parameters and the owners then broadcast the new weights (an all-gather's bytes,
+before the next forward). Memory per stage s:
 
     weights x versions (2 for 2BW) + gradients x versions (2BW: batch b's set aside until its STEP)
-    + optimizer states
+    + optimizer states (of the weights this replica steps: about 1/w of the stage's with ``shard_optimizer``)
     + stash x activations(b)                         (no recomputation)
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
@@ -87,7 +89,10 @@ class Candidate:
         of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
         recompute = options.recompute if recompute is None else recompute
         planned = PipelineOptions(
-            mode=options.mode, lookahead=options.lookahead, delay_correction=options.delay_correction
+            mode=options.mode,
+            lookahead=options.lookahead,
+            delay_correction=options.delay_correction,
+            shard_optimizer=options.shard_optimizer,
         )
         return cls(width, depth, micro_batch_size, recompute, planned)  # what the plan depends on, nothing else
 
@@ -99,6 +104,12 @@ class Candidate:
     def lookahead(self) -> int:
         """More forwards in flight on every stage (the strategy's ``lookahead``)."""
         return self.options.lookahead
+
+    @property
+    def optimizer_share(self) -> float:
+        """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
+        ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
+        return 1 / self.width if self.options.shard_optimizer and self.width > 1 else 1.0
 
     @property
     def delay_correction(self) -> str | None:
@@ -159,7 +170,8 @@ def boundary_memory(
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     warmup = stash - 1
     depth, width = candidate.depth, candidate.width
-    communicators = (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + bool(profile.shared)
+    sharded = candidate.optimizer_share < 1  # the weight broadcasts' group beside the replicas'
+    communicators = (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + sharded + bool(profile.shared)
     return {
         "outputs": stash * output * profile.output_factor,
         "transport": (warmup + 2) * output + 2 * given if depth > 1 else 0.0,
@@ -197,15 +209,16 @@ def memory_of(
     warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
     if candidate.mode.flushes and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
-    temporaries = weights if candidate.mode.double_buffered and profile.optimizer_states == 2 else 0.0
+    share = candidate.optimizer_share * weights  # the weights this replica steps (sharded: about 1/w)
+    temporaries = share if candidate.mode.double_buffered and profile.optimizer_states == 2 else 0.0
     held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0
     return {
         "weights": versions * weights,
         "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
-        "optimizer": profile.optimizer_states * weights,
-        "correction": held * weights,  # D(t-1) (and D(t-2)), held between updates
+        "optimizer": profile.optimizer_states * share,
+        "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here
         "activations": stashed,
-        "workspace": largest_layer + temporaries + (weights if held else 0.0),  # + D(t) while updating
+        "workspace": largest_layer + temporaries + (share if held else 0.0),  # + D(t) while updating
     }
 
 
@@ -283,13 +296,16 @@ def predict(
             for a, b, n in profile.shared
             if (a in span) != (b in span) and (a in span or b in span)
         )
-        optimizer = sum(p.optimizer_s for p in layers)
+        optimizer = sum(p.optimizer_s for p in layers) * candidate.optimizer_share
         replicas = allreduce_time(grad_bytes, candidate, cluster)
+        # sharded: the owners' new weights to every replica after the step (an all-gather: half an all-reduce's
+        # bytes), before the next forward reads them
+        gather = replicas / 2 if candidate.optimizer_share < 1 else 0.0
         if candidate.mode.double_buffered:  # beside the next batch: the replica average overlaps the last backward and
             # the next forward, the tied sum a whole partial step; the optimizer's work stays on the device
-            updates.append(optimizer + max(0.0, replicas - compute - messages))
+            updates.append(optimizer + gather + max(0.0, replicas - compute - messages))
         else:
-            updates.append(replicas + shared_sum + optimizer)
+            updates.append(replicas + shared_sum + optimizer + gather)
     slowest = max(times)
     if candidate.mode.double_buffered:
         pipeline = m * slowest + norm_wait(d, m, slowest)

@@ -240,6 +240,18 @@ CASES = {
         Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
         Case("gpt_2bw_d2w2_lookahead", width=2, mode="2bw", num_microbatches=4, steps=5, lookahead=1, val_every=3),
         Case("gpt_flush_lookahead", num_microbatches=4, lookahead=1, schedule=True),
+        # the optimizer sharded over 4 replicas (engine/sharding.py; on by default): Muon's whole matrices and AdamW
+        # assigned to owners, global clipping; 2BW with the predictive correction's buffers sharded and masks
+        Case("gpt_flush_d1w4_muon", num_stages=1, width=4, optimizer="muon", clip=0.5, schedule=True),
+        Case(
+            "gpt_2bw_d2w4_pef_sparse",
+            width=4,
+            mode="2bw",
+            steps=5,
+            correction=PREDICTIVE,
+            clip=0.5,
+            sparsity="static_random",
+        ),
         # compiled layers under the Trainer: 2BW's version swaps with bf16-mixed, recomputation and validation;
         # width 2 with the delay correction and sparsity masks (foreach AdamW; the reference steps per tensor)
         Case(

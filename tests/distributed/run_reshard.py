@@ -1,11 +1,11 @@
 """Write a checkpoint at one layout, load it at another: ``torchrun ... run_reshard.py save|load OUT:STAGES ...``
 (one ``Trainer`` per OUT:STAGES, one after another in the same processes).
 
-save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank of replica 0 writes its stage's
-      optimizer state by parameter name (``saved-optim-stage-S.pt``).
+save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank writes the optimizer state it holds by
+      parameter name (``saved-optim-rank-R.pt``: with replicas, each holds its shard: ``engine/sharding.py``).
 load: resume from that checkpoint with ``STAGES`` stages (and the world's width); at the start of
-      training (after the restore, before any step) replica 0 writes what it loaded
-      (``loaded-stage-S.pt``: weights, optimizer state by name, sparsity masks), then trains to
+      training (after the restore, before any step) every rank writes what it loaded
+      (``loaded-rank-R.pt``: weights, optimizer state by name, sparsity masks), then trains to
       ``case.steps`` and writes its final weights (``final-stage-S.pt``).
 """
 
@@ -49,17 +49,15 @@ class DumpLoaded(Callback):
         self.out, self.sparsity = out, sparsity
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        if strategy.grid.replica == 0:
-            torch.save(
-                {
-                    "weights": {k: v.clone() for k, v in module.state_dict().items() if not v.is_meta},
-                    "optimizer": optimizer_by_name(trainer),
-                    "masks": dict(self.sparsity.sparsifier.masks),
-                    "lr": [[g["lr"] for g in optimizer.param_groups] for optimizer in trainer.optimizers],
-                },
-                self.out / f"loaded-stage-{strategy.grid.stage}.pt",
-            )
+        torch.save(
+            {
+                "weights": {k: v.clone() for k, v in module.state_dict().items() if not v.is_meta},
+                "optimizer": optimizer_by_name(trainer),
+                "masks": dict(self.sparsity.sparsifier.masks),
+                "lr": [[g["lr"] for g in optimizer.param_groups] for optimizer in trainer.optimizers],
+            },
+            self.out / f"loaded-rank-{trainer.global_rank}.pt",
+        )
 
 
 def run(phase: str, out: Path, stages: int) -> None:
@@ -71,8 +69,7 @@ def run(phase: str, out: Path, stages: int) -> None:
         callbacks, _ = with_sparsity(case, [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=SAVE_STEPS)])
         trainer = trainer_for(case, SAVE_STEPS, callbacks, world)
         trainer.fit(build_model(case), train_dataloaders=dataloader(case))
-        if trainer.strategy.grid.replica == 0:
-            torch.save(optimizer_by_name(trainer), out / f"saved-optim-stage-{trainer.strategy.grid.stage}.pt")
+        torch.save(optimizer_by_name(trainer), out / f"saved-optim-rank-{trainer.global_rank}.pt")
         return
     path = next((out / "ckpt").glob(f"*step={SAVE_STEPS}.ckpt"))
     callbacks, sparsity = with_sparsity(case, [])

@@ -161,9 +161,9 @@ def test_consolidated_checkpoint_loads_into_plain_module(trained):
 
 
 def test_cases_cover_depth_and_width():
-    """Layouts are declared by each case (not parsed from its name): depth 2 and 4, width 1 and 2."""
-    assert WORLDS == [2, 4]
-    assert {(c.num_stages, c.width) for c in CASES.values() if not c.plan} == {(2, 1), (4, 1), (2, 2)}
+    """Layouts are declared by each case (not parsed from its name): depth 1, 2 and 4, width 1, 2 and 4."""
+    assert WORLDS == [2, 4, 8]
+    assert {(c.num_stages, c.width) for c in CASES.values() if not c.plan} == {(2, 1), (4, 1), (2, 2), (1, 4), (2, 4)}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].poison_step is not None])

@@ -33,7 +33,7 @@ def resharded(tmp_path_factory) -> dict:
 
 
 def loaded(folder) -> dict:
-    parts = [torch.load(f, weights_only=False) for f in sorted(folder.glob("loaded-stage-*.pt"))]
+    parts = [torch.load(f, weights_only=False) for f in sorted(folder.glob("loaded-rank-*.pt"))]
     return {k: {n: v for p in parts for n, v in p[k].items()} for k in ("weights", "optimizer", "masks")} | {
         "lr": parts[0]["lr"]
     }
@@ -56,7 +56,7 @@ def test_resharded_state_is_identical(resharded, name):
     for key, value in weights.items():
         torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=0)
     saved_optim = {}
-    for file in folder.glob("saved-optim-stage-*.pt"):
+    for file in folder.glob("saved-optim-rank-*.pt"):  # with replicas, each rank holds its shard
         saved_optim.update(torch.load(file, weights_only=False))
     assert set(got["optimizer"]) == set(saved_optim) and saved_optim
     assert {key.split(":")[0] for key in saved_optim} == {"0", "1"}  # both optimizers hold state

@@ -192,14 +192,20 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
     corrected = run_cli(*base, cwd=tmp_path)
     first_order = run_cli(*base, "strategy.delay_correction=error_feedback", cwd=tmp_path)
     plain = run_cli(*base, "strategy.delay_correction=null", cwd=tmp_path)
-    for done in (corrected, first_order, plain):
+    whole = run_cli(*base, "strategy.shard_optimizer=false", cwd=tmp_path)
+    for done in (corrected, first_order, plain, whole):
         assert done.returncode == 0, done.stderr[-3000:]
     with_correction, without = memory_terms(corrected.stdout), memory_terms(plain.stdout)
-    for stage, (a, b, c) in enumerate(zip(with_correction, without, memory_terms(first_order.stdout))):
+    stages = zip(with_correction, without, memory_terms(first_order.stdout), memory_terms(whole.stdout))
+    for stage, (a, b, c, unsharded) in enumerate(stages):
         assert {"correction", "outputs", "transport", "communication"} <= set(a)
         weights = a["weights"] / 2  # two weight versions
-        assert a["correction"] == pytest.approx(2 * weights, abs=0.01) and b["correction"] == 0.0
-        assert c["correction"] == pytest.approx(weights, abs=0.01)
+        share = weights / 8  # the optimizer sharded over the 8 replicas of each stage (shard_optimizer, the default)
+        assert a["correction"] == pytest.approx(2 * share, abs=0.01) and b["correction"] == 0.0
+        assert c["correction"] == pytest.approx(share, abs=0.01)
+        assert unsharded["correction"] == pytest.approx(2 * weights, abs=0.01)
+        assert unsharded["optimizer"] == pytest.approx(8 * a["optimizer"], abs=0.05)
+        assert unsharded["weights"] == a["weights"] and unsharded["gradients"] == a["gradients"]
         assert a["transport"] > 0 and a["communication"] > 0
         assert (a["outputs"] > 0) == (stage < len(with_correction) - 1)
     small = run_cli(*base, "+cluster=v100_16g_8x8", cwd=tmp_path)

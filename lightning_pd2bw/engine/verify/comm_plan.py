@@ -38,6 +38,7 @@ class CommLayout:
     boundary_tensors: int = 1  # tensors crossing each stage boundary
     gradient_buckets: int = 1  # replica all-reduce buckets per update
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
+    shard_optimizer: bool = True  # width > 1: each owner broadcasts its new weights after STEP (sharding.py)
 
 
 class RankProgram:
@@ -220,7 +221,7 @@ class RankProgram:
             S.HOOKS: self._hooks,  # and the before-step hooks: the sparsity callback's collectives are its own steps'
             S.NORM: self._norm,
             S.CLIP: self._clip,
-            S.STEP: _no_calls,  # each optimizer's step, the correction: local
+            S.STEP: self._step,  # each optimizer's step, the correction: local; then the shards' broadcasts
         }
         return {**transport, **update, S.LOSS: self._loss}
 
@@ -271,6 +272,14 @@ class RankProgram:
     def _clip(self, action: S.Action) -> None:
         if action.batch in self.norms:
             self.wait(self.norms.pop(action.batch), f"{action} clip norm")
+
+    def _step(self, action: S.Action) -> None:
+        """``OptimizerShards.broadcast_weights``: one broadcast per owner (one dtype), replica 0's first."""
+        layout = self.layout
+        if layout.shard_optimizer and layout.data_parallel_size > 1:
+            _, replicas = self._replicas()
+            for owner in range(layout.data_parallel_size):
+                self.collective("broadcast", f"pd2bw/shard/stage{self.stage}", replicas, f"{action} weights of {owner}")
 
     def _loss(self, action: S.Action) -> None:
         loss_group = f"pd2bw/loss/replica{self.replica}"
@@ -325,10 +334,6 @@ class RankProgram:
 
 
 _SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
-
-
-def _no_calls(action: S.Action) -> None:
-    """An action that issues no communication."""
 
 
 def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:

@@ -1,0 +1,73 @@
+"""The optimizer sharded over replicas against the same run unsharded: ``torchrun --nproc-per-node=4 ... OUT``.
+
+A plain ``PipelineEngine`` over the tiny ``GPTCore`` at depth 2 x width 2 (2BW, AdamW, the predictive delay
+correction, clipping) trains ``STEPS`` batches twice from the same weights and data: with ``shard_optimizer=True``
+(the default) and ``False``. Each rank writes ``OUT/rank{r}.pt``: both runs' final weights, the names of the
+parameters its optimizer kept and its counters, and the planner's stage memory for both runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import torch.distributed as dist  # noqa: E402
+
+from lightning_pd2bw.engine import PipelineEngine, PipelineOptions  # noqa: E402
+from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
+from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
+from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory  # noqa: E402
+from lightning_pd2bw.planner.profile import LayerProfile  # noqa: E402
+from tests.distributed.cases import SEQ_LEN, Case, replica_batch  # noqa: E402
+
+STEPS = 4
+CASE = Case("sharding", mode="2bw", steps=STEPS, width=2)
+
+
+def train(shard: bool) -> dict:
+    torch.manual_seed(0)
+    with parameters_on_meta():
+        core = GPTCore(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN))
+    options = PipelineOptions(num_stages=2, num_microbatches=2, shard_optimizer=shard)
+    engine = PipelineEngine(
+        core.pipeline_layers(),
+        options,
+        core.pipeline_inputs,
+        core.pipeline_loss,
+        device="cpu",
+        init_layer=core.init_pipeline_layer,
+        root=core,
+        clip_val=0.5,
+    )
+    engine.start(torch.optim.AdamW(engine.parameters(), lr=3e-3, weight_decay=0.01))
+    replica = engine.grid.replica
+    for step in range(STEPS):
+        engine.train_batch(replica_batch(CASE, step, replica, 2))
+    engine.drain()
+    counters = engine.counters()
+    names = engine.parameter_names()
+    stepped = sorted(names[id(p)][0] for o in engine.optimizers for g in o.param_groups for p in g["params"])
+    weights = {k: v.detach().clone() for k, v in engine.stage_state_dict().items()}
+    params = [(names[id(p)][0], p.numel()) for p in engine.params]
+    engine.close()
+    # the planner's terms for this stage: its parameters as one layer, AdamW (2 states)
+    profile = ModelProfile([LayerProfile(0.0, 0.0, 0.0, 0.0, sum(n for _, n in params))], 4, 2, communicator_bytes=0.0)
+    candidate = Candidate.of(options, 2, 2, 1)
+    plan = stage_memory(profile, range(0, 1), engine.stage, candidate, 2)
+    return {"weights": weights, "stepped": stepped, "counters": counters, "params": params, "plan": plan}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    result = {"sharded": train(True), "whole": train(False)}
+    torch.save(result, out / f"rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

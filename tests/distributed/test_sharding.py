@@ -1,0 +1,80 @@
+"""The optimizer sharded over a stage's replicas (ZeRO-1, ``engine/sharding.py``) is exactly the unsharded run, and
+holds about 1/w of the optimizer's state and the correction's buffers (``run_sharding.py``: depth 2 x width 2,
+2BW, AdamW, the predictive correction, global clipping). The unsharded run is itself held to single-device
+training by ``test_equivalence.py``, whose width-2 and width-4 cases run sharded (the default)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pd2bw.engine.sharding import assign_owners
+
+from .launch import ROOT, torchrun_script
+
+pytestmark = pytest.mark.smoke
+WIDTH, DEPTH = 2, 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("sharding")
+    torchrun_script(ROOT / "tests" / "distributed" / "run_sharding.py", [str(out)], WIDTH * DEPTH, timeout=300)
+    return {rank: torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WIDTH * DEPTH)}
+
+
+def test_sharded_training_is_the_unsharded_rule_exactly(results):
+    for rank, result in results.items():
+        sharded, whole = result["sharded"]["weights"], result["whole"]["weights"]
+        assert set(sharded) == set(whole) and sharded
+        for name, value in whole.items():
+            torch.testing.assert_close(sharded[name], value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+
+
+def test_every_replica_holds_the_same_weights(results):
+    for stage in range(DEPTH):
+        first = results[stage]["sharded"]["weights"]
+        for replica in range(1, WIDTH):
+            other = results[replica * DEPTH + stage]["sharded"]["weights"]
+            for name, value in first.items():
+                assert torch.equal(other[name], value), f"stage {stage}, replica {replica}: {name}"
+
+
+def test_each_parameter_is_stepped_by_one_replica(results):
+    for stage in range(DEPTH):
+        ranks = [replica * DEPTH + stage for replica in range(WIDTH)]
+        owned = [set(results[r]["sharded"]["stepped"]) for r in ranks]
+        every = set(results[ranks[0]]["whole"]["stepped"])
+        assert set().union(*owned) == every and sum(map(len, owned)) == len(every), f"stage {stage}"
+        assert all(owned), f"stage {stage}: every replica owns a share"
+
+
+def test_optimizer_and_correction_memory_are_sharded(results):
+    """Each replica holds its share's AdamW moments and correction buffers: together what one unsharded replica
+    held, each at most half of it plus the largest tensor (ownership is by whole tensors); the planner's terms are
+    the share's."""
+    for stage in range(DEPTH):
+        ranks = [replica * DEPTH + stage for replica in range(WIDTH)]
+        whole = results[ranks[0]]["whole"]["counters"]
+        largest = max(n for _, n in results[ranks[0]]["whole"]["params"]) * 4
+        for key in ("optimizer_state_bytes", "correction_bytes"):
+            shares = [results[r]["sharded"]["counters"][key] for r in ranks]
+            assert whole[key] > 0
+            steps = 4 * len(results[ranks[0]]["whole"]["stepped"])  # AdamW's per-tensor step counters
+            assert abs(sum(shares) - whole[key]) <= (steps if key == "optimizer_state_bytes" else 0), key
+            buffers = 2 if key == "optimizer_state_bytes" else 2  # AdamW's moments; D(t-1) and D(t-2)
+            assert all(share <= whole[key] / WIDTH + buffers * largest + steps for share in shares), (key, shares)
+        plan, unsharded = results[ranks[0]]["sharded"]["plan"], results[ranks[0]]["whole"]["plan"]
+        assert plan["optimizer"] == unsharded["optimizer"] / WIDTH
+        assert plan["correction"] == unsharded["correction"] / WIDTH
+        assert plan["weights"] == unsharded["weights"] and plan["gradients"] == unsharded["gradients"]
+
+
+def test_owners_are_whole_tensors_balanced_by_size():
+    sizes = [torch.empty(n) for n in (100, 10, 60, 50, 5, 5)]
+    owners = assign_owners(sizes, 2)
+    load = [sum(t.numel() for t, o in zip(sizes, owners) if o == r) for r in range(2)]
+    assert owners == assign_owners(sizes, 2), "the same on every replica"
+    assert sorted(load) == [115, 115] and max(load) - min(load) <= max(t.numel() for t in sizes)
+    assert assign_owners(sizes, 1) == [0] * len(sizes)
+    assert set(assign_owners(sizes, 8)) == set(range(6)), "more replicas than tensors: some own nothing"
