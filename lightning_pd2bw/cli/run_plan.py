@@ -182,9 +182,17 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         embedding_parameters=counts[0],
         head_parameters=counts[-1],
     )
-    states = 1 if cfg.model.optimizer == "sgd" else 2
+    optimizer = cfg.model.optimizer
+    states = 1 if optimizer == "sgd" else 2
     mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
     on_cpu = cfg.trainer.get("accelerator") == "cpu" and not cfg.get("cluster")
+    layer_states: tuple[float, ...] = ()
+    if optimizer == "muon":  # Muon (one state) for the blocks' matrices, AdamW (two) for the rest (models/optim.py)
+        layer_states = tuple(
+            _muon_states(layer) if 0 < index < len(layers) - 1 else 2.0 for index, layer in enumerate(layers)
+        )
+    # models/optim.py: fused AdamW on CUDA (no temporaries), foreach on the CPU (one weight-sized set)
+    temporaries = 1.0 if optimizer == "adamw" and on_cpu else 0.0
     return ModelProfile(
         profiles,
         weight_bytes,
@@ -192,4 +200,15 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         shared_layers(layers),
         output_factor=2.0 if mixed else 1.0,
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
+        layer_states=layer_states,
+        optimizer_temporaries=temporaries,
     )
+
+
+def _muon_states(block) -> float:
+    """Optimizer states per parameter of a transformer block under ``model.optimizer=muon``: its matrices' one
+    momentum buffer, AdamW's two for its norms and biases."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    matrices = sum(p.numel() for p in params if p.dim() == 2)
+    return (matrices + 2 * (total - matrices)) / total if total else 0.0

@@ -123,7 +123,10 @@ def plan_on_world(
                 layers, input_fn(batch), device, loss_fn=lambda out: loss_fn(out, batch), autocast=autocast
             )
             nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
-            return ModelProfile(profiles, weight_bytes, optimizer_states, shared, communicator_bytes=nccl)
+            fused = 0.0 if device.type == "cuda" else None  # models/optim.py: fused AdamW on CUDA, no temporaries
+            return ModelProfile(
+                profiles, weight_bytes, optimizer_states, shared, communicator_bytes=nccl, optimizer_temporaries=fused
+            )
 
         try:
             message = [search(profile_for, cluster, global_batch, options, micro_batch_sizes=micros)[0]]

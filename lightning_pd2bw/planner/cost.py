@@ -64,10 +64,28 @@ class ModelProfile:
 
     layers: Sequence[LayerProfile]
     weight_bytes: int = 4
-    optimizer_states: int = 2
+    optimizer_states: float = 2  # weight-sized state tensors per parameter (AdamW 2, SGD with momentum 1)
     shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
     output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
     communicator_bytes: float = NCCL_BYTES_PER_COMMUNICATOR  # per communicator (0: gloo, on a CPU)
+    # per layer, where optimizers differ by layer (Muon: 1 state for the blocks' matrices, AdamW's 2 for the rest)
+    layer_states: tuple[float, ...] = ()
+    # weight-sized temporaries of one optimizer step: 1 for foreach AdamW (the CPU), 0 for fused AdamW (CUDA),
+    # Muon (one matrix at a time) and SGD; None: 1 for a two-state optimizer
+    optimizer_temporaries: float | None = None
+
+    def states_of(self, span: range) -> float | None:
+        """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
+        if not self.layer_states:
+            return None
+        params = sum(self.layers[i].parameters for i in span)
+        return sum(self.layers[i].parameters * self.layer_states[i] for i in span) / params if params else 0.0
+
+    @property
+    def temporaries(self) -> float:
+        if self.optimizer_temporaries is not None:
+            return self.optimizer_temporaries
+        return 1.0 if self.optimizer_states == 2 else 0.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +174,9 @@ def stage_memory(
     params -= sum(n for a, b, n in profile.shared if a in span and b in span)  # one tensor on this stage
     activations = sum(p.activation_bytes for p in layers)
     largest = max(p.activation_bytes for p in layers)
-    memory = memory_of(profile, params, activations, span.start, stage, candidate, num_microbatches, largest)
+    memory = memory_of(
+        profile, params, activations, span.start, stage, candidate, num_microbatches, largest, profile.states_of(span)
+    )
     output = layers[-1].output_bytes if stage < candidate.depth - 1 else 0.0
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
     return memory | boundary_memory(profile, stage, candidate, num_microbatches, output, given)
@@ -188,6 +208,7 @@ def memory_of(
     candidate: Candidate,
     num_microbatches: int,
     largest_layer: float = 0.0,
+    states: float | None = None,
 ) -> dict[str, float]:
     """Peak bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch.
 
@@ -210,12 +231,13 @@ def memory_of(
     if candidate.mode.flushes and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
     share = candidate.optimizer_share * weights  # the weights this replica steps (sharded: about 1/w)
-    temporaries = share if candidate.mode.double_buffered and profile.optimizer_states == 2 else 0.0
+    states = profile.optimizer_states if states is None else states  # per parameter (``ModelProfile.states_of``)
+    temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0
     return {
         "weights": versions * weights,
         "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
-        "optimizer": profile.optimizer_states * share,
+        "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here
         "activations": stashed,
         "workspace": largest_layer + temporaries + (share if held else 0.0),  # + D(t) while updating

@@ -44,7 +44,8 @@ def pack(
             shared = sum(k for a, b, k in profile.shared if b == end and start <= a < end)
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
             widest = max(largest, layer.activation_bytes)
-            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest)
+            states = profile.states_of(range(start, end + 1))
+            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states)
             output = layer.output_bytes if s < d - 1 else 0.0
             given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
             memory |= boundary_memory(profile, s, candidate, num_microbatches, output, given)

@@ -308,3 +308,27 @@ def test_profiling_microbatch_has_inputs_and_targets_on_the_device():
     micro = sample_microbatch(batch, 2, torch.device("meta"))
     assert micro["input_ids"].is_meta and micro["labels"].is_meta and micro["n"] == 3
     assert micro["labels"].shape == (2, 8)
+
+
+def test_the_optimizer_is_counted_per_layer_and_per_implementation():
+    """Muon's one momentum buffer for the blocks' matrices against AdamW's two for the ends (``layer_states``), no
+    step temporaries for fused AdamW (``optimizer_temporaries=0``), and the shares of a sharded optimizer."""
+    layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100)] * 4
+    adam = ModelProfile(layers, weight_bytes=4, optimizer_states=2, communicator_bytes=0.0)
+    muon = ModelProfile(
+        layers, 4, 2, communicator_bytes=0.0, layer_states=(2.0, 1.0, 1.0, 2.0), optimizer_temporaries=0
+    )
+    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
+    middle, end = range(1, 3), range(0, 2)
+    assert stage_memory(adam, middle, 1, candidate, 2)["optimizer"] == 2 * 200 * 4
+    assert stage_memory(muon, middle, 1, candidate, 2)["optimizer"] == 1 * 200 * 4
+    assert stage_memory(muon, end, 0, candidate, 2)["optimizer"] == 1.5 * 200 * 4
+    foreach, fused = stage_memory(adam, middle, 1, candidate, 2), stage_memory(muon, middle, 1, candidate, 2)
+    assert foreach["workspace"] - fused["workspace"] == 200 * 4  # foreach AdamW's weight-sized temporaries
+    sharded = Candidate(4, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="error_feedback"))
+    whole = Candidate(
+        4, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="error_feedback", shard_optimizer=False)
+    )
+    a, b = stage_memory(adam, middle, 1, sharded, 2), stage_memory(adam, middle, 1, whole, 2)
+    assert (a["optimizer"], a["correction"]) == (b["optimizer"] / 4, b["correction"] / 4)
+    assert a["weights"] == b["weights"] and a["gradients"] == b["gradients"]
