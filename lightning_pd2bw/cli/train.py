@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -96,16 +97,17 @@ def run(cfg) -> dict:
     import lightning.pytorch as pl
     import torch
     from hydra.utils import instantiate
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from omegaconf import OmegaConf
 
     import lightning_pd2bw  # noqa: F401  (registers the strategy)
 
-    from ..lightning.callbacks import RunMetrics
+    from ..lightning.callbacks import ProgressLog, RunMetrics
     from .checks import check_run, check_tokens
     from .run_plan import build_model_on_meta, plan_text, planned_stages, sparsity_config
 
     _pin_output_dir(cfg)
+    _log_lightning_to_file()
     _resolve_last_checkpoint(cfg)
     layout = check_run(cfg)  # before any process or process group exists
     auto = cfg.strategy.get("plan") == "auto"
@@ -119,7 +121,7 @@ def run(cfg) -> dict:
         model = build_model_on_meta(cfg)
         check_run(cfg, num_layers=len(model.pipeline_layers()))
         text = plan_text(cfg, layout, model)
-        print(f"dry run (nothing allocated, no process started)\n{text}")
+        say(f"dry run (nothing allocated, no process started)\n{text}")
         return {"dry_run": True}
     check_tokens(cfg)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size // cfg.trainer.num_nodes)))
@@ -143,7 +145,14 @@ def run(cfg) -> dict:
             callbacks.append(callback)
     if (sparsity := sparsity_config(cfg)) is not None:
         callbacks.append(instantiate(sparsity))
-    trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    settings = {}
+    if cfg.trainer.enable_progress_bar:  # a bar on a terminal; progress lines in a log (issue 49)
+        if sys.stdout.isatty():
+            callbacks.append(TQDMProgressBar())  # "Epoch 0: 40%| 60/150": not Rich's "Epoch 0/-2" under max_steps
+        else:
+            callbacks.append(ProgressLog(cfg.trainer.log_every_n_steps, say))
+            settings["enable_progress_bar"] = False
+    trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks, **settings)
     out = Path(cfg.paths.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if sparsity is None:  # sparsity=none: a recipe's leftover keys (tiny's sparsity.sparsity) would read as sparse
@@ -152,17 +161,69 @@ def run(cfg) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
         if not auto:
-            print(plan_text(cfg, layout, meta))
+            say(plan_text(cfg, layout, meta))
     if logger:
         logger.log_hyperparams(resolved)  # the resolved config, no ${...} strings
     trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
-    summary = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    summary["global_step"] = trainer.global_step
+    summary = run_summary(trainer)
     if trainer.is_global_zero:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"summary: {json.dumps(summary)}\nrun directory: {out}")
+        say(f"{end_table(summary)}\nsummary: {out / 'summary.json'}\nrun directory: {out}")
         _finish_wandb(logger)
     return summary
+
+
+def say(text: str) -> None:
+    """What the run tells its user: on stdout, and in the run's log (``train.log``: Hydra's job logging)."""
+    print(text, flush=True)
+    logging.getLogger("lightning_pd2bw.run").info(text)
+
+
+def _log_lightning_to_file() -> None:
+    """Lightning's own messages into the run's log too: its loggers keep a console handler of their own and do not
+    propagate to the root logger, where Hydra put the log file."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+
+def run_summary(trainer) -> dict:
+    """The run's last metrics for ``summary.json``: losses, rates, memory and the overall sparsity at the top;
+    the per-layer densities grouped under ``sparsity_per_layer`` (``{"density": {layer: ...}, "target": ...}``)."""
+    summary: dict = {"global_step": trainer.global_step}
+    per_layer: dict = {}
+    for key, value in sorted(trainer.callback_metrics.items()):
+        parts = key.split("/", 2)
+        if len(parts) == 3 and parts[0] == "sparsity":
+            per_layer.setdefault(parts[1], {})[parts[2]] = float(value)
+        else:
+            summary[key] = float(value)
+    if per_layer:
+        summary["sparsity_per_layer"] = per_layer
+    return summary
+
+
+def end_table(summary: dict) -> str:
+    """The end of a run, for a person: losses, rates, memory per stage, sparsity."""
+    rows = [
+        ("train_loss", "train loss", "{:.4f}"),
+        ("val_loss", "val loss", "{:.4f}"),
+        ("val_ppl", "val perplexity", "{:.2f}"),
+        ("tokens_per_sec", "tokens/s", "{:,.0f}"),
+        ("samples_per_sec", "samples/s", "{:,.1f}"),
+        ("mfu", "MFU", "{:.1%}"),
+        ("sparsity/density", "density", "{:.3f}"),
+        ("sparsity/flops_ratio", "FLOPs vs dense", "{:.2f}"),
+    ]
+    lines = [f"run finished at step {summary['global_step']}"]
+    lines += [f"  {label:<16}{text.format(summary[key])}" for key, label, text in rows if key in summary]
+    memory = [f"{summary[k]:.2f}" for k in sorted(summary) if k.startswith("memory/")]
+    if memory:
+        lines.append(f"  {'memory GiB':<16}{' '.join(memory)} (per stage, peak)")
+    return "\n".join(lines)
 
 
 def _resolve_last_checkpoint(cfg) -> None:
@@ -178,7 +239,7 @@ def _resolve_last_checkpoint(cfg) -> None:
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     directory = Path(node.dirpath) if node and node.get("dirpath") else Path(cfg.paths.output_dir) / "checkpoints"
     found = newest_checkpoint(directory)
-    print(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
+    say(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
     with open_dict(cfg):
         cfg.ckpt_path = str(found) if found else None
 
@@ -201,7 +262,7 @@ def _finish_wandb(logger) -> None:
     run_dir = Path(logger.experiment.dir).parent
     logger.experiment.finish()
     if logger._offline:
-        print(f"wandb offline run: upload with `wandb sync {run_dir}`")
+        say(f"wandb offline run: upload with `wandb sync {run_dir}`")
 
 
 def main() -> None:

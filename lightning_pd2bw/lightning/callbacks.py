@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -135,3 +136,32 @@ def _compile_metrics(per_rank: torch.Tensor) -> dict[str, float]:
     """``[graphs, recompiles]`` per rank -> the job's totals."""
     graphs, recompiles = per_rank.sum(dim=0).tolist()
     return {"compile/graphs": graphs, "compile/recompiles_after_warmup": recompiles}
+
+
+class ProgressLog(pl.Callback):
+    """Progress for logs, where no terminal shows a progress bar: every ``every`` steps rank 0 says one line (step
+    of max, train loss, tokens/s, learning rate), and after each validation its loss. ``say`` prints it (and
+    ``pd2bw-train`` also writes it to the run's ``train.log``)."""
+
+    KEYS = (("train_loss", "train_loss {:.4f}"), ("tokens_per_sec", "tokens/s {:,.0f}"), ("lr", "lr {:.2e}"))
+
+    def __init__(self, every: int = 10, say: Callable[[str], None] = print) -> None:
+        self.every, self.say = max(1, every), say
+        self.started = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.monotonic()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if trainer.is_global_zero and step % self.every == 0:
+            metrics = trainer.callback_metrics
+            shown = [text.format(float(metrics[key])) for key, text in self.KEYS if key in metrics]
+            total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
+            elapsed = time.monotonic() - self.started
+            self.say(f"step {step}{total}  " + "  ".join(shown) + f"  ({elapsed:.0f} s)")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        metrics = trainer.callback_metrics
+        if trainer.is_global_zero and not trainer.sanity_checking and "val_loss" in metrics:
+            self.say(f"step {trainer.global_step}  val_loss {float(metrics['val_loss']):.4f}")

@@ -45,7 +45,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
             sys.executable,
             "-m",
             "lightning_pd2bw.cli.train",
-            *SMALL_RUN,
+            *[arg for arg in SMALL_RUN if "progress_bar" not in arg],  # the default bar: stdout is not a terminal
             "model.warmup_steps=1",  # the recipe's 30-step warm-up would keep 6 steps' LR at a fifth of its peak
             "model.lr=3e-3",
             "logger=wandb",
@@ -54,6 +54,17 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
         tmp_path,
     )
     summary = json.loads((out / "summary.json").read_text())
+    # run output a person reads (issue 49): progress lines where no terminal shows a bar, the log in train.log, a
+    # short table at the end naming summary.json, per-layer sparsity grouped apart from the top level
+    log = (out / "train.log").read_text()
+    for text in ("step 2/6  train_loss", "step 6/6  train_loss", "step 3  val_loss", "run finished at step 6"):
+        assert text in result.stdout and text in log, text
+    assert "Trainer.fit` stopped" in log, "Lightning's own messages reach the log"
+    assert f"summary: {out / 'summary.json'}" in result.stdout and "Epoch 0/-2" not in result.stdout + result.stderr
+    assert (
+        not [k for k in summary if k.count("/") > 1]
+        and "layers.1.fc.weight" in summary["sparsity_per_layer"]["density"]
+    )
     # uniform over bytes is ln 256 = 5.55; 6 steps reach 4.78 (measured); with the recipe's warm-up they reach 5.38
     assert summary["global_step"] == 6 and summary["val_loss"] < 5.0, summary
     assert summary["sparsity/density"] == 0.5, "the default recipe prunes to 50%"
