@@ -239,7 +239,7 @@ class PipelineEngine:
         )
         loss = LossBroadcast(
             self.ledger,
-            self.num_microbatches,
+            self.layout,
             self.is_last,
             source=self.grid.rank_of(self.num_stages - 1),
             group=self.groups.loss,
@@ -248,14 +248,12 @@ class PipelineEngine:
         self.executor = StageExecutor(
             self.layers,
             self.grid.stage,
-            self.num_stages,
-            self.num_microbatches,
+            self.layout,
             link,
             versions,
             self.input_fn,
             self.loss_fn,
-            recompute=self.options.recompute,
-            boundary_dtype=self.options.boundary_dtype,
+            options=self.options,
             ledger=self.ledger,
             handlers={**self.update.handlers(), schedule.LOSS: loss},
             gradient_buckets=buckets,

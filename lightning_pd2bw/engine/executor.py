@@ -19,8 +19,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import schedule as S
+from .layout import Layout
 from .ledger import BatchLedger
 from .observer import ActionRecorder, SavedTensorMeter
+from .options import PipelineOptions
 from .transport import StageLink, carries_gradient, input_signature
 from .versions import WeightVersions
 
@@ -70,14 +72,12 @@ class StageExecutor:
         self,
         layers: Sequence[nn.Module],
         stage: int,
-        num_stages: int,
-        num_microbatches: int,
+        layout: Layout,
         link: StageLink,
         versions: WeightVersions,
         input_fn: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        recompute: bool = False,
-        boundary_dtype: torch.dtype | None = None,
+        options: PipelineOptions | None = None,
         ledger: BatchLedger | None = None,
         *,
         handlers: Mapping[S.Kind, Callable[[S.Action], None]] | None = None,
@@ -86,17 +86,21 @@ class StageExecutor:
     ) -> None:
         self.layers = list(layers)
         self.ledger = ledger if ledger is not None else BatchLedger()  # per-batch state (the engine's)
-        self.boundary_dtype = boundary_dtype  # floating-point boundary tensors travel in it (None: their own)
+        options = options or PipelineOptions(boundary_dtype=None)
+        dtype = options.boundary_dtype
+        assert dtype != "auto", (
+            "the caller resolves boundary_dtype='auto' (the engine: None; the strategy: its precision)"
+        )
+        self.boundary_dtype = dtype  # floating-point boundary tensors travel in it (None: their own)
         self.stage = stage
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
+        self.layout = layout  # the run's (its depth and microbatches)
         self.link = link
         self.versions = versions
         self.input_fn = input_fn
         self.loss_fn = loss_fn
-        self.recompute = recompute
+        self.recompute = options.recompute
         self.is_first = stage == 0
-        self.is_last = stage == num_stages - 1
+        self.is_last = stage == layout.num_stages - 1
         self._microbatches: dict[int, Any] = {}
         self._keys: dict[int, tuple] = {}  # microbatch -> ("train", input signature): the link's shape cache key
         self._received: dict[int, list[torch.Tensor]] = {}
@@ -134,6 +138,14 @@ class StageExecutor:
                 self._microbatches[k] = microbatch
             if self.num_stages > 1:
                 self._keys[k] = ("train", input_signature(microbatch))
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches  # type: ignore[return-value]  (resolved: m defaults to d)
 
     @property
     def stashed_microbatches(self) -> int:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .layout import Layout
+
 LIMIT = 4
 
 
@@ -153,7 +155,7 @@ class LossBroadcast:
     every stage keeps it in the ledger, where the training step takes it (2BW: one step later)."""
 
     ledger: BatchLedger
-    num_microbatches: int
+    layout: Layout  # the run's: the loss is the mean over its microbatches
     is_last: bool
     source: int  # the last stage's global rank
     group: Any  # the pipeline's loss group
@@ -161,7 +163,7 @@ class LossBroadcast:
 
     def __call__(self, action: Any) -> None:
         if self.is_last:
-            value = (self.ledger.take_loss_sum(action.batch) / self.num_microbatches).float()
+            value = (self.ledger.take_loss_sum(action.batch) / self.layout.num_microbatches).float()  # type: ignore[operator]
         else:  # what the last stage sends, whatever the default dtype (float64 under precision="64-true")
             value = torch.zeros((), dtype=torch.float32, device=self.device)
         work = dist.broadcast(value, src=self.source, group=self.group, async_op=True)

@@ -43,8 +43,7 @@ def main() -> None:
     executor = StageExecutor(
         list(module),
         grid.stage,
-        grid.num_stages,
-        NUM_MICROBATCHES,
+        Layout(grid.num_stages, NUM_MICROBATCHES, "flush"),
         StageLink(grid.prev_rank, grid.next_rank, torch.device("cpu"), build_groups(grid, []).link),
         versions,
         input_fn=lambda mb: mb["x"],

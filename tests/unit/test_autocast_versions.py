@@ -10,6 +10,7 @@ from torch import nn
 from lightning_pd2bw.engine import schedule
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.engine.transport import StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
 from tests.stage_update import local_update
@@ -41,8 +42,9 @@ def pipeline_weights(recompute: bool) -> list[torch.Tensor]:
 
     versions = WeightVersions(model.parameters(), double_buffer=True)
     executor = StageExecutor(
-        list(model), 0, 1, M, StageLink(None, None, torch.device("cpu")), versions,
-        input_fn=lambda mb: mb["x"], loss_fn=loss_fn, recompute=recompute, handlers=local_update(versions, step),
+        list(model), 0, Layout(1, M, "2bw"), StageLink(None, None, torch.device("cpu")), versions,
+        input_fn=lambda mb: mb["x"], loss_fn=loss_fn, handlers=local_update(versions, step),
+        options=PipelineOptions(recompute=recompute, boundary_dtype=None),
     )  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16):  # one region, cast cache on (the default)
         for t, batch in enumerate(batches()):

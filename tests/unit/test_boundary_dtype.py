@@ -11,6 +11,8 @@ from torch import nn
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.engine.transport import LinkChannels, StageLink
 from lightning_pd2bw.engine.versions import WeightVersions
 
@@ -20,10 +22,10 @@ def first_stage(boundary_dtype):
     layer = nn.Linear(8, 8)
     link = StageLink(None, 1, torch.device("cpu"), LinkChannels(next="with stage 1"))
     executor = StageExecutor(
-        [layer], 0, 2, 1, link, WeightVersions(layer.parameters(), double_buffer=False),
-        input_fn=lambda mb: mb["x"], loss_fn=None, boundary_dtype=boundary_dtype,
+        [layer], 0, Layout(2, 2, "flush"), link, WeightVersions(layer.parameters(), double_buffer=False),
+        input_fn=lambda mb: mb["x"], loss_fn=None, options=PipelineOptions(boundary_dtype=boundary_dtype),
     )  # fmt: skip
-    executor.feed(0, [{"x": torch.randn(4, 8)}])
+    executor.feed(0, [{"x": torch.randn(4, 8)}, {"x": torch.randn(4, 8)}])
     return layer, executor
 
 

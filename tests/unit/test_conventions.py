@@ -17,6 +17,7 @@ from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.checkpoint import store as ckpt
 from lightning_pd2bw.cli.consolidate import main as consolidate_main
 from lightning_pd2bw.engine.executor import StageExecutor
+from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.versions import WeightVersions
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 
@@ -137,7 +138,9 @@ class TakesOne(nn.Module):
 
 
 def _stage(*layers: nn.Module) -> StageExecutor:
-    return StageExecutor(list(layers), 0, 1, 1, None, WeightVersions([], False), lambda b: b, lambda o, b: o.sum())
+    return StageExecutor(
+        list(layers), 0, Layout(1, 1), None, WeightVersions([], False), lambda b: b, lambda o, b: o.sum()
+    )
 
 
 def test_a_tuple_reaches_the_next_layer_as_positional_arguments():

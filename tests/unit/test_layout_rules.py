@@ -180,3 +180,57 @@ def test_trainer_finds_the_strategy_whichever_is_imported_first(first):
         "print(type(trainer.strategy).__name__)"
     )
     assert python(code).splitlines()[-1] == "PipeDream2BWStrategy"
+
+
+HOME = {"options.py:PipelineOptions", "strategy.py:PipeDream2BWStrategy.__init__"}  # the option and its keyword
+VIEWS = {  # where an option's name is also declared, and why: each a resolved or derived view, never a copy of it
+    "layout.py:Layout": "the resolved layout (options.layout(world)): depth, microbatches, mode, cut, lookahead",
+    "layout.py:Keys": "how messages name the layout's options, not the options",
+    "comm_plan.py:CommLayout": "the NCCL model's hypothetical run (layout sweeps without options)",
+    "checks.py:RunLayout": "pd2bw-train's batch layout derived from the config (global, micro and per-replica batches)",
+    "cost.py:Prediction": "the planner's output: the microbatches it chose",
+    "cost.py:Candidate": "the dimension the planner searches (recompute); the rest come from its options",
+    "grid.py:ProcessGrid": "the process grid's geometry (world = depth x width)",
+    "processes.py:PipelineProcesses": "Lightning's launcher needs the depth before the options resolve",
+    "callbacks.py:RunMetrics.__init__": "the throughput callback's samples per step, given by pd2bw-train",
+    "resilience.py:Resilience.__init__": "the strategy's failure and hang listeners, given the resolved timeouts",
+    "watchdog.py:Watchdog.__init__": "the hang watchdog (observe/), given the resolved timeout",
+}
+
+
+def option_declarations() -> dict[str, set[str]]:
+    """Every dataclass field and ``__init__`` parameter in the package named like a ``PipelineOptions`` field."""
+    import dataclasses
+
+    from lightning_pd2bw.engine.options import PipelineOptions
+
+    names = {f.name for f in dataclasses.fields(PipelineOptions)} - {"keys"}
+    found: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.target.id in names:
+                    found.setdefault(item.target.id, set()).add(f"{path.name}:{node.name}")
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    for arg in (*item.args.args, *item.args.kwonlyargs):
+                        if arg.arg in names:
+                            found.setdefault(arg.arg, set()).add(f"{path.name}:{node.name}.__init__")
+    return found
+
+
+def test_each_option_is_declared_in_its_home_and_named_views_only():
+    """Issue 45: an option is declared where it is defined (``PipelineOptions``) and where users type it (the
+    strategy's keyword); anything else that declares its name is one of the resolved or derived views named above,
+    with the reason. The engine, the executor, the update and the schedules take the options or the ``Layout``."""
+    declared = option_declarations()
+    assert all(HOME <= places for places in declared.values()), {k: v for k, v in declared.items() if not HOME <= v}
+    strays = {option: sorted(places - HOME - set(VIEWS)) for option, places in declared.items()}
+    assert not any(strays.values()), {k: v for k, v in strays.items() if v}
+    engine_views = {"layout.py:Layout", "layout.py:Keys", "grid.py:ProcessGrid", "comm_plan.py:CommLayout"}
+    in_engine = {place for places in declared.values() for place in places if place in VIEWS}
+    in_engine = {p for p in in_engine if (PACKAGE / ENGINE).joinpath(p.split(":")[0]).exists() or "comm_plan" in p}
+    assert in_engine <= engine_views, f"the engine's parts take the options or the Layout: {in_engine - engine_views}"
+    executor = {p for places in declared.values() for p in places if p.startswith(("executor.py", "update.py"))}
+    assert not executor, executor

@@ -54,8 +54,7 @@ def single_stage_executor(
     executor = StageExecutor(
         list(model),
         0,
-        1,
-        m,
+        Layout(1, m, mode),
         StageLink(None, None, torch.device("cpu")),
         versions,
         input_fn=lambda mb: mb["x"],
