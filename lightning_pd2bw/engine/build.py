@@ -14,7 +14,7 @@ from torch import nn
 from . import gradients
 from .grid import Groups, ProcessGrid, build_groups
 from .layout import Layout
-from .materialize import check_initialized, initialize_layers, materialize, release
+from .materialize import check_initialized, initialize_layers, materialize, release, unwritten
 from .partition import shared_parameters
 from .update import TiedParameter
 
@@ -55,12 +55,31 @@ def build_stage(
             tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
             gradients.broadcast_flat(tensors, grid.replica_ranks()[0], groups.replica)
         tied = _tied_on_stage(layers, shared, grid, groups)
-        for item in tied:  # tied parameters start equal everywhere: the first stage holding one broadcasts it
-            dist.broadcast(item.param.data, src=item.source, group=item.group)
+        for item, stages in zip(tied, [s.stages for s in shared if grid.stage in s.stages]):
+            # tied parameters start equal everywhere: the first stage whose copy was initialised broadcasts it
+            source = _initialised_copy(item, stages, grid) if materialized else item.source
+            dist.broadcast(item.param.data, src=source, group=item.group)
     if materialized:
         check_initialized(layers, mine, by_init_layer=init_layer is not None)
     params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))
     return Stage(stage_layers, local, params, groups, tied)
+
+
+def _initialised_copy(item: TiedParameter, stages: tuple[int, ...], grid: ProcessGrid) -> int:
+    """The global rank of the first stage holding ``item`` whose copy its initialisation wrote (a model may
+    initialise a tied weight from the layer on the last stage and skip it on the first: torchtitan's tied output);
+    an error naming it when no stage's copy was written."""
+    written = torch.zeros(len(stages), device=item.param.device)
+    written[stages.index(grid.stage)] = float(not unwritten({"tied": item.param.data}))
+    dist.all_reduce(written, group=item.group)
+    holders = [stage for stage, flag in zip(stages, written.tolist()) if flag > 0]
+    if not holders:
+        raise RuntimeError(
+            f"pd2bw: a parameter tied across stages {list(stages)} (shape {tuple(item.param.shape)}) was initialised "
+            "by none of them after the model was built on the meta device. Give the module that owns it a "
+            "reset_parameters(), or define init_pipeline_layer(self, index) to initialise it (docs/models.md)"
+        )
+    return grid.rank_of(holders[0])
 
 
 def _tied_on_stage(

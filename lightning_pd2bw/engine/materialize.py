@@ -10,7 +10,8 @@ initialisation left poisoned, so a missing ``reset_parameters`` is an error at s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,21 +79,60 @@ def post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
+def is_hugging_face(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel``, by type (no module is one unless ``transformers`` was imported)."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    return pretrained is not None and isinstance(module, pretrained)
+
+
 def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """id(module) -> the innermost Hugging Face ``PreTrainedModel`` holding it (one with ``_init_weights``)."""
+    """id(module) -> the innermost Hugging Face ``PreTrainedModel`` holding it (its ``_init_weights`` initialises
+    it)."""
     owners: dict[int, nn.Module] = {}
     for candidate in root.modules():  # outer models first: inner ones overwrite their own modules
-        if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config"):
+        if is_hugging_face(candidate):
             owners.update((id(sub), candidate) for sub in candidate.modules())
     return owners
 
 
+def init_weights_owners(root: nn.Module) -> list[nn.Module]:
+    """The outermost modules (not Hugging Face's) with torchtitan's initialisation protocol, ``init_weights()``:
+    what torchtitan calls once a model built on the meta device is materialised; it initialises every module
+    under it (depth-scaled standard deviations, the output layer's own)."""
+    found: list[nn.Module] = []
+    covered: set[int] = set()
+    for module in root.modules():  # pre-order: an owner before the modules it covers
+        if id(module) in covered or is_hugging_face(module) or not callable(getattr(module, "init_weights", None)):
+            continue
+        found.append(module)
+        covered |= {id(sub) for sub in module.modules()}
+    return found
+
+
 @torch.no_grad()
-def initialize(layer: nn.Module, owners: dict[int, nn.Module]) -> None:
+def run_init_weights(owner: nn.Module) -> None:
+    """``owner.init_weights()``, with other stages' parameters as meta placeholders (initialising them is a no-op);
+    refused by name when it cannot run on a partly materialised model."""
+    try:
+        owner.init_weights()
+    except Exception as error:
+        raise RuntimeError(
+            f"pd2bw: {type(owner).__name__}.init_weights() (torchtitan's initialisation protocol) failed on this stage, "
+            f"which holds only its own layers ({type(error).__name__}: {error}). Define init_pipeline_layer(self, "
+            "index) on the LightningModule to initialise layer `index` the way init_weights() does (docs/models.md, "
+            "'Meta initialisation and the rules')"
+        ) from error
+
+
+@torch.no_grad()
+def initialize(layer: nn.Module, owners: dict[int, nn.Module], skip: Set[int] = frozenset()) -> None:
     """The layer's modules, children first: a Hugging Face model's ``_init_weights`` for its own modules,
     ``reset_parameters`` (or torch's ``_reset_parameters``, e.g. ``nn.MultiheadAttention``) for the rest,
-    the layer itself included."""
+    the layer itself included; none of those in ``skip`` (an ``init_weights()`` owner initialises them)."""
     for module in post_order(layer):
+        if id(module) in skip:
+            continue
         owner = owners.get(id(module))
         if owner is not None:
             owner._init_weights(module)
@@ -180,12 +220,17 @@ def initialize_layers(
 ) -> None:
     """Initialise layers ``indices`` (materialised with a poison): the model's ``init_pipeline_layer(index)`` when
     it has one, else each module's own initialisation (``initialize``)."""
-    owners = hf_owners(root) if init_layer is None else {}
-    for index in indices:
-        if init_layer is not None:
+    if init_layer is not None:
+        for index in indices:
             init_layer(index)
-        else:
-            initialize(layers[index], owners)
+        return
+    owners = hf_owners(root)
+    protocol = [o for o in init_weights_owners(root) if any(not p.is_meta for p in o.parameters())]
+    covered = {id(sub) for owner in protocol for sub in owner.modules()}
+    for index in indices:  # every module no init_weights() covers: Hugging Face's _init_weights or its own reset
+        initialize(layers[index], owners, skip=covered)
+    for owner in protocol:
+        run_init_weights(owner)
 
 
 def check_initialized(layers: Sequence[nn.Module], indices: Sequence[int], by_init_layer: bool) -> None:
@@ -204,7 +249,10 @@ def check_initialized(layers: Sequence[nn.Module], indices: Sequence[int], by_in
         how = (
             "init_pipeline_layer(index) left it unwritten"
             if by_init_layer
-            else (f"{owner} has no reset_parameters() and no Hugging Face _init_weights covers it")
+            else (
+                f"{owner} has no reset_parameters(), and neither a Hugging Face _init_weights nor an init_weights() "
+                "covers it"
+            )
         )
         raise RuntimeError(
             f"pd2bw: {name!r} of pipeline layer {index} ({type(layer).__name__}) was not initialised after the model "

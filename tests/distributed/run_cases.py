@@ -32,6 +32,7 @@ from tests.distributed.cases import (  # noqa: E402
     mask_for,
     sparsity_callback,
 )
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 
 class FixedMask(Callback):
@@ -126,9 +127,8 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         compile={"backend": "aot_eager"} if case.compile else False,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    return quiet_trainer(
+        strategy,
         devices=world,
         max_steps=steps,
         precision=case.precision,
@@ -137,9 +137,6 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         val_check_interval=case.val_every,
         num_sanity_val_steps=0,
         limit_train_batches=case.steps_per_epoch,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         callbacks=callbacks,
     )

@@ -14,6 +14,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from lightning_pd2bw.sparsity import RigL  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 
 def main() -> None:
@@ -21,15 +22,9 @@ def main() -> None:
     pl.seed_everything(0)
     case = Case("ddp_rigl", optimizer="adamw", num_microbatches=2)
     sparsity = RigL(0.5, end_step=6, update_interval=2, drop_fraction=0.5, allocation="erk")
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
+    trainer = quiet_trainer(
+        "ddp",
         max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[sparsity],
     )
     model = build_model(case)

@@ -34,6 +34,7 @@ import lightning_pd2bw.checkpoint.store as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 from tests.distributed.run_cases import PoisonLoss  # noqa: E402
 
 FAILURE_TIMEOUT = 3.0
@@ -105,15 +106,11 @@ def main() -> None:
         failure_timeout=FAILURE_TIMEOUT,
         hang_timeout=HANG_TIMEOUT,
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=world,
         max_steps=case.steps,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=kind == "kill_in_save",
         callbacks=callbacks,
     )

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_pd2bw import PipeDream2BWStrategy
+from tests.distributed.harness import quiet_trainer
 from tests.distributed.hf_models import MICRO, MICROBATCHES, STAGES, STEPS, build, samples
 
 
@@ -45,21 +46,16 @@ def fit(out: Path, family: str, mode: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(100 + rank)  # no common seed: equal replicas come from the strategy
     loader = torch.utils.data.DataLoader(samples(family), batch_size=MICRO * MICROBATCHES, shuffle=False)
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(
+    trainer = quiet_trainer(
+        PipeDream2BWStrategy(
             num_stages=STAGES,
             num_microbatches=MICROBATCHES,
             mode=mode,
             delay_correction=None,  # the reference is the plain 2BW rule
             timeout=timedelta(seconds=60),
         ),
-        accelerator="cpu",
         devices=world,
         max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[SaveStage(out, rank)],
     )
     trainer.fit(build(family), loader)

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 
 class Preempt(Callback):
@@ -79,21 +80,18 @@ def main() -> None:
         callbacks.append(Preempt(who, step))
     elif resume.startswith("reference:"):
         callbacks.append(SaveAt(int(resume.split(":")[1])))
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(
+    trainer = quiet_trainer(
+        PipeDream2BWStrategy(
             num_stages=stages,
             num_microbatches=case.num_microbatches,
             timeout=timedelta(seconds=300),
             failure_timeout=5.0,
             hang_timeout=20.0,
         ),
-        accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=max_steps,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,  # its ModelCheckpoint saves at the SIGTERM and for the reference
         callbacks=callbacks,
     )
     trainer.fit(build_model(case), train_dataloaders=dataloader(case), ckpt_path="last" if resume == "last" else None)

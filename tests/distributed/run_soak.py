@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader, dataset  # noqa: E402
+from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 EVERY = 40  # with drains: validation and a checkpoint every EVERY steps
 
@@ -68,19 +69,14 @@ def main() -> None:
         callbacks.append(
             ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=EVERY, save_top_k=2, monitor="step", mode="max")
         )
-    trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(
+    trainer = quiet_trainer(
+        PipeDream2BWStrategy(
             num_stages=2, num_microbatches=4, mode=mode, timeout=timedelta(seconds=120), failure_timeout=30
         ),
-        accelerator="cpu",
-        devices=2,
         max_steps=steps,
         val_check_interval=EVERY if drains else None,
         limit_val_batches=2 if drains else 0,
         check_val_every_n_epoch=None,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=drains,
         callbacks=callbacks,
     )

@@ -247,3 +247,98 @@ def test_plain_cores_are_the_lightning_models_layers(family):
     assert torch.equal(core.pipeline_loss(core(batch["input_ids"]), batch), module.training_step(batch, 0))
     with pytest.raises(ValueError, match="valid names: bert_base, bert_large, small, tiny"):
         BERTConfig.from_name("gpt2")
+
+
+class TitanBlock(nn.Module):
+    """torchtitan's shape: modules without reset_parameters semantics of their own; ``init_weights()`` sets a
+    depth-scaled standard deviation (what torchtitan calls after materialising a meta model)."""
+
+    def __init__(self, width: int, depth_index: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(width, width, bias=False)
+        self.std = 0.02 / (2 * (depth_index + 1)) ** 0.5
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=self.std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w1(x)
+
+
+class TitanModel(nn.Module):
+    """torchtitan's Transformer shape: ``init_weights()`` at the top, the output at dim**-0.5, blocks scaled."""
+
+    def __init__(self, width: int = 16, vocab: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(TitanBlock(width, i) for i in range(depth))
+        self.output = nn.Linear(width, vocab, bias=False)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers:
+            layer.init_weights()
+        nn.init.trunc_normal_(self.output.weight, std=self.output.in_features**-0.5)
+
+
+def test_torchtitans_init_weights_protocol_is_honoured():
+    """Issue 48: a model with ``init_weights()`` built on the meta device gets its own initialisation, as torchtitan
+    gives it (before: nn.Linear's default, std 0.14 here instead of 0.01 and 0.25, silently)."""
+    plain = TitanModel()
+    torch.manual_seed(0)
+    plain.init_weights()  # what torchtitan does on one device (the constructor's draws do not count)
+    with parameters_on_meta():
+        meta = TitanModel()
+    layers = [meta.tok_embeddings, *meta.layers, meta.output]
+    assert materialize(layers, torch.device("cpu"))
+    torch.manual_seed(0)
+    initialize_layers(layers, range(len(layers)), meta, None)
+    check_initialized(layers, range(len(layers)), by_init_layer=False)
+    for (name, expected), (_, got) in zip(plain.named_parameters(), meta.named_parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    assert meta.output.weight.std() < 0.3 and meta.layers[1].w1.weight.std() < 0.015  # nn.Linear: 0.14
+
+
+def test_init_weights_on_one_stage_of_the_pipeline():
+    """A stage holding only the output layer: the top-level ``init_weights()`` runs with the other layers as meta
+    placeholders and writes exactly the output's initialisation."""
+    from lightning_pd2bw.engine.materialize import release
+
+    with parameters_on_meta():
+        meta = TitanModel()
+    layers = [meta.tok_embeddings, *meta.layers, meta.output]
+    for layer in layers[:-1]:
+        release(layer)
+    assert materialize(layers[-1:], torch.device("cpu"))
+    initialize_layers(layers, [len(layers) - 1], meta, None)
+    check_initialized(layers, [len(layers) - 1], by_init_layer=False)
+    assert abs(meta.output.weight.std().item() - 16**-0.5) < 0.05
+
+
+class DuckTypedGPT(nn.Module):
+    """litgpt's shape: a ``config`` and an ``_init_weights`` that its constructor never calls. Not a Hugging Face
+    model: each module's own ``reset_parameters`` initialises it, as on one device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"n_embd": 8}
+        self.wte = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 10)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        raise AssertionError("not a transformers model: its _init_weights is not the initialisation on one device")
+
+
+def test_a_model_is_taken_for_hugging_face_by_type_only():
+    torch.manual_seed(0)
+    plain = DuckTypedGPT()
+    with parameters_on_meta():
+        meta = DuckTypedGPT()
+    layers = [meta.wte, meta.norm, meta.lm_head]
+    assert materialize(layers, torch.device("cpu"))
+    torch.manual_seed(0)
+    initialize_layers(layers, range(3), meta, None)
+    check_initialized(layers, range(3), by_init_layer=False)
+    for (name, expected), (_, got) in zip(plain.named_parameters(), meta.named_parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)

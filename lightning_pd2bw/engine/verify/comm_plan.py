@@ -39,6 +39,7 @@ class CommLayout:
     gradient_buckets: int = 1  # replica all-reduce buckets per update
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
     shard_optimizer: bool = True  # width > 1: each owner broadcasts its new weights after STEP (sharding.py)
+    meta_init: bool = True  # built on the meta device: the tied weight's holders agree whose copy was initialised
 
 
 class RankProgram:
@@ -347,6 +348,8 @@ def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> 
         if rank._shared():  # setup: the first stage holding a tied parameter broadcasts it
             members = (rank.pipeline[0], rank.pipeline[-1])
             channel = f"pd2bw/shared/replica{rank.replica}/stages0-{layout.num_stages - 1}"
+            if layout.meta_init:  # build._initialised_copy: which holder's copy was written
+                rank.collective("all_reduce", channel, members, "tied parameter's initialised copies at setup")
             rank.collective("broadcast", channel, members, "tied parameter at setup")
         for step in range(1, layout.steps + 1):
             rank.training_step()
