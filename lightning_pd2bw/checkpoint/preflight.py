@@ -41,14 +41,29 @@ _shared_checked: set[Path] = set()  # checkpoint folders' parents every rank was
 
 
 def check_shared(tmp: Path, is_global_zero: bool, gather: Callable[[Any], list[Any]]) -> None:
-    """At the first save into a folder: every rank must see the files rank 0 writes there (rank 0 alone lists,
-    writes the manifest and publishes, so a folder local to each host silently loses the other hosts' shards).
-    Rank 0 writes a random token; every rank reads it back; a clear error on every rank names those that cannot.
-    Collective (two object gathers), once per folder."""
-    parent = tmp.parent.resolve()
-    if parent in _shared_checked:
-        return
-    probe = tmp / SHARED_PROBE
+    """At the first save into a folder (unless ``check_shared_folder`` checked it at start-up): every rank must see
+    the files rank 0 writes there (rank 0 alone lists, writes the manifest and publishes, so a folder local to each
+    host silently loses the other hosts' shards). Collective (two object gathers), once per folder."""
+    if tmp.parent.resolve() not in _shared_checked:
+        _probe(tmp, tmp.parent.resolve(), is_global_zero, gather)
+
+
+def check_shared_folder(folder: Path, is_global_zero: bool, gather: Callable[[Any], list[Any]]) -> None:
+    """The same check at start-up, before the first step, in the folder checkpoints will be written to (rank 0
+    creates it): a cluster whose checkpoint folder is local to each node learns it in seconds, not at the first save
+    hours in. Collective."""
+    folder = Path(folder)
+    if is_global_zero:
+        folder.mkdir(parents=True, exist_ok=True)
+    gather(None)  # the folder exists before any rank looks
+    if folder.resolve() not in _shared_checked:
+        _probe(folder, folder.resolve(), is_global_zero, gather)
+
+
+def _probe(where: Path, key: Path, is_global_zero: bool, gather: Callable[[Any], list[Any]]) -> None:
+    """Rank 0 writes a random token into ``where``; every rank reads it back; a clear error on every rank names
+    those that cannot."""
+    probe = where / SHARED_PROBE
     token = None
     if is_global_zero:
         token = uuid.uuid4().hex
@@ -61,9 +76,9 @@ def check_shared(tmp: Path, is_global_zero: bool, gather: Callable[[Any], list[A
     blind = [f"rank {rank} on {host}" for rank, (ok, host) in enumerate(seen) if not ok]
     if blind:
         raise RuntimeError(
-            f"pd2bw: checkpoints need one folder every rank sees, but {', '.join(blind)} cannot see {str(tmp)!r}, "
+            f"pd2bw: checkpoints need one folder every rank sees, but {', '.join(blind)} cannot see {str(where)!r}, "
             f"which rank {0} (on {seen[0][1]}) created: the checkpoint directory is local to each host. Point the "
             "checkpoint callback's dirpath (Hydra: paths.output_dir) at storage every node mounts (NFS, Lustre, a "
             "shared bucket mount)"
         )
-    _shared_checked.add(parent)
+    _shared_checked.add(key)

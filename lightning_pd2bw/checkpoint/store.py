@@ -50,7 +50,7 @@ from .entries import (
     request_for,
     stage_checkpoint,
 )
-from .preflight import SHARED_PROBE, check_shared, check_space  # noqa: F401  (re-exported)
+from .preflight import SHARED_PROBE, check_shared, check_shared_folder, check_space  # noqa: F401  (re-exported)
 from .safe_load import SafeLoadPlanner, UnreadableCheckpoint, load_object, read_metadata, unwrapped
 
 META_FILE = "trainer.pt"

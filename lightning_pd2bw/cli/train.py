@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def run(cfg) -> dict:
         say(f"dry run (nothing allocated, no process started)\n{text}")
         return {"dry_run": True}
     check_tokens(cfg)
+    claim_output_dir(Path(cfg.paths.output_dir))
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, layout.world_size // cfg.trainer.num_nodes)))
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)
@@ -242,6 +244,60 @@ def _resolve_last_checkpoint(cfg) -> None:
     say(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
     with open_dict(cfg):
         cfg.ckpt_path = str(found) if found else None
+
+
+RUN_LOCK = ".pd2bw-run.json"
+
+
+def claim_output_dir(out: Path) -> None:
+    """One run per output folder: the job's first process writes ``RUN_LOCK`` (host, pid) and removes it at exit. A
+    second run started into a folder whose owner is alive on this host is refused before any process starts (two
+    runs would share ``summary.json``, ``config.yaml``, ``train.log`` and the checkpoints, and a save replaces the
+    other's half-written one). A restarted job (its old owner gone) or the ranks of the same job proceed."""
+    import atexit
+
+    from .checks import ConfigError
+
+    if int(os.environ.get("RANK", "0")) != 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # the job's other processes (Lightning's launcher starts them with LOCAL_RANK set)
+    lock = out / RUN_LOCK
+    host, pid = socket.gethostname(), os.getpid()
+    if lock.is_file():
+        try:
+            owner = json.loads(lock.read_text())
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("host") == host and owner.get("pid") != pid and _alive(int(owner.get("pid", 0))):
+            raise ConfigError(
+                f"{out} is the output folder of a run still going (pid {owner['pid']} on {host}): two runs in one "
+                "folder overwrite each other's summary, log and checkpoints. Give this run its own "
+                "paths.output_dir (the default names a fresh one per job), or stop the other"
+            )
+        if owner.get("host") not in (None, host):
+            say(f"pd2bw-train: {out} was claimed by a run on {owner['host']} (pid {owner.get('pid')}); taking it over")
+    out.mkdir(parents=True, exist_ok=True)
+    lock.write_text(json.dumps({"host": host, "pid": pid}))
+
+    def release() -> None:
+        try:
+            if json.loads(lock.read_text()).get("pid") == pid:
+                lock.unlink()
+        except (OSError, ValueError):
+            pass
+
+    atexit.register(release)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _pin_output_dir(cfg) -> None:

@@ -31,7 +31,13 @@ class StageCheckpoints:
         self.resume_data: dict[str, Any] | None = None  # the data position of the checkpoint being resumed
 
     def bind(self, engine: Any, trainer: Any) -> None:
+        """The run's engine; when fitting, every folder a checkpoint callback will save in is checked to be one
+        every rank sees, before the first step (``checkpoint.check_shared_folder``)."""
         self.engine, self.trainer = engine, trainer
+        if trainer.state.fn == "fit":
+            for callback in trainer.checkpoint_callbacks:
+                if getattr(callback, "dirpath", None):
+                    ckpt.check_shared_folder(Path(callback.dirpath), trainer.is_global_zero, self._gather_objects)
 
     @property
     def module(self) -> Any:

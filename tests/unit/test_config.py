@@ -316,3 +316,29 @@ def test_help_lists_what_users_type(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert text.startswith("usage: pd2bw-plan [recipe=NAME] cluster=NAME") and "v100_16g_8x8" in text
     assert text != train_help.stdout and train.main is not plan.main
+
+
+def test_a_second_run_into_a_running_runs_folder_is_refused(tmp_path):
+    """Issue 48: two runs sharing one output folder would overwrite each other's summary, log and checkpoints; the
+    second is refused before any process starts while the first is alive, and proceeds once it is gone (a restart)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_pd2bw.cli.train import RUN_LOCK, claim_output_dir
+
+    out = tmp_path / "shared"
+    out.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / RUN_LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": sleeper.pid}))
+        done = run_cli("trainer.max_steps=1", f"paths.output_dir={out}", cwd=tmp_path)
+        assert done.returncode != 0 and "output folder of a run still going" in done.stderr, done.stderr[-2000:]
+        assert "paths.output_dir" in done.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    claim_output_dir(out)  # the owner is gone: a restarted job takes the folder over
+    assert json.loads((out / RUN_LOCK).read_text())["pid"] == os.getpid()

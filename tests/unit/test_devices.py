@@ -88,6 +88,37 @@ def test_a_checkpoint_folder_that_some_rank_cannot_see_is_an_error(tmp_path):
     check_shared(other, True, lambda obj: pytest.fail("checked once per folder"))
 
 
+def test_the_checkpoint_folder_is_checked_at_start_up_before_the_first_step(tmp_path):
+    """Issue 48: the probe runs when the strategy binds its checkpoints at setup (fitting), in every checkpoint
+    callback's folder (rank 0 creates it), not at the first save hours in; that save then checks nothing again."""
+    from types import SimpleNamespace
+
+    from lightning_pd2bw.lightning.checkpoints import StageCheckpoints
+
+    folder = tmp_path / "run" / "checkpoints"
+    calls = []
+
+    def blind(obj):  # rank 1, on another host, reads nothing
+        calls.append(obj)
+        return [obj, obj] if len(calls) < 3 else [obj, (False, "node-b")]
+
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(fn="fit"),
+        checkpoint_callbacks=[SimpleNamespace(dirpath=str(folder))],
+        is_global_zero=True,
+    )
+    checkpoints = StageCheckpoints()
+    checkpoints._gather_objects = blind
+    with pytest.raises(RuntimeError, match="rank 1 on node-b cannot see .*checkpoints"):
+        checkpoints.bind(engine=None, trainer=trainer)
+    assert folder.is_dir() and not (folder / SHARED_PROBE).exists()
+    checkpoints._gather_objects = lambda obj: [obj, obj]
+    checkpoints.bind(engine=None, trainer=trainer)
+    tmp = folder / "epoch=0-step=3.ckpt.tmp"
+    tmp.mkdir()
+    check_shared(tmp, True, lambda obj: pytest.fail("the folder was checked at start-up"))
+
+
 def test_the_flight_recorder_is_on_and_the_users_settings_win(monkeypatch, tmp_path):
     for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"):
         monkeypatch.delenv(key, raising=False)
