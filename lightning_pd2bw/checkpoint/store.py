@@ -24,12 +24,14 @@ entries too.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -159,15 +161,43 @@ def save_sharded(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     manifest = manifest_for(checkpoint, layout, gather(_mask_summary(checkpoint.get("callbacks", {}))))
-    if is_global_zero:
-        write_meta(tmp, checkpoint)
-    written = write_state(tmp, entries, process_group, asynchronous, stager)
+    with out_of_space_named(tmp):
+        if is_global_zero:
+            write_meta(tmp, checkpoint)
+        written = write_state(tmp, entries, process_group, asynchronous, stager)
     if written is not None:
         return _publisher.submit(lambda: (written.result(), finish(tmp, path, manifest))) if is_global_zero else written
     if is_global_zero:
         finish(tmp, path, manifest)
     barrier("pd2bw_save_published")
     return None
+
+
+@contextmanager
+def out_of_space_named(tmp: Path) -> Iterator[None]:
+    """A write that fails because the device filled up (torch.save's ``unexpected pos``, DCP's or the OS's
+    ENOSPC) raised as ``OSError(ENOSPC)`` naming the folder and what is free; the previous checkpoint is intact
+    (this one is never published)."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as error:
+        causes = [error, *_failures_of(error)]  # DCP wraps each rank's failure
+        full = any(getattr(c, "errno", None) == errno.ENOSPC or "unexpected pos" in str(c) for c in causes)
+        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+        if not full and not (any(isinstance(c, OSError) for c in causes) and free < 2**20):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on the device while writing checkpoint {str(tmp.with_suffix(''))!r}: "
+            f"{free / 2**20:.1f} MiB free in {str(tmp.parent)!r} ({type(error).__name__}: {error}). The previous "
+            "checkpoint is intact; this one was not published. Free space there, or save elsewhere "
+            "(ModelCheckpoint(dirpath=...), pd2bw-train paths.output_dir=...)",
+        ) from error
+
+
+def _failures_of(error: BaseException) -> list[BaseException]:
+    failures = getattr(error, "failures", {}) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, BaseException | tuple)]
 
 
 def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:

@@ -360,3 +360,26 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
     with pytest.raises(OSError, match=r"No space left .*step.ckpt'.* needs about 2.1 MiB and 2.0 MiB are free") as e:
         ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: gathered)
     assert e.value.errno == errno.ENOSPC and "previous checkpoint is intact" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),  # torch.save, disk full
+        OSError(28, "No space left on device"),
+    ],
+)
+def test_a_disk_that_fills_during_a_save_is_named(tmp_path, failure):
+    """Issue 48, disk full mid-write (the space check passed, then the device filled): the error says no space is
+    left, where and how much is free, instead of torch.save's ``unexpected pos``; other failures pass unchanged."""
+    import errno
+
+    tmp = tmp_path / "epoch=0-step=3.ckpt.tmp"
+    tmp.mkdir()
+    with pytest.raises(OSError, match=r"No space left on the device while writing checkpoint .*MiB free") as e:
+        with ckpt.out_of_space_named(tmp):
+            raise failure
+    assert e.value.errno == errno.ENOSPC and e.value.__cause__ is failure
+    with pytest.raises(ValueError, match="another failure"):
+        with ckpt.out_of_space_named(tmp):
+            raise ValueError("another failure")
