@@ -162,6 +162,7 @@ def run(cfg) -> dict:
     if trainer.is_global_zero:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+        say(recipe_line(cfg))
         if not auto:
             say(plan_text(cfg, layout, meta))
     if logger:
@@ -173,6 +174,19 @@ def run(cfg) -> dict:
         say(f"{end_table(summary)}\nsummary: {out / 'summary.json'}\nrun directory: {out}")
         _finish_wandb(logger)
     return summary
+
+
+def recipe_line(cfg) -> str:
+    """``recipe NAME: what it trains`` and the mode and model this run has (overrides included)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from .usage import recipe_description
+
+    name = HydraConfig.get().job.config_name if HydraConfig.initialized() else "?"
+    family = str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
+    model = f"{family} {cfg.model.config.get('name', '')}".strip() if cfg.model.get("config") else family
+    described = recipe_description(RECIPES / f"{name}.yaml")
+    return f"recipe {name}: {described}\nthis run: mode={cfg.strategy.mode}, model={model}"
 
 
 def say(text: str) -> None:

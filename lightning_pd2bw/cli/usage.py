@@ -32,7 +32,8 @@ def usage(program: str, conf: Path, recipes: list[str], clusters: list[str] | No
         if not planning
         else "The planner: the fastest width x depth x microbatch x recomputation that fits the cluster (no GPU).",
         "",
-        f"recipes (recipe=NAME; default tiny): {', '.join(recipes)}",
+        "recipes (recipe=NAME; default tiny):",
+        *[f"  {name:<14} {recipe_description(conf.parent / 'recipes' / f'{name}.yaml')}" for name in recipes],
     ]
     if planning:
         lines.append(f"clusters (cluster=NAME, required): {', '.join(clusters)}")
@@ -42,6 +43,19 @@ def usage(program: str, conf: Path, recipes: list[str], clusters: list[str] | No
     lines += [f"  {keys:<56} {why}" for keys, why in KEYS]
     lines += ["", "docs: docs/getting-started.md, docs/configuration.md"]
     return "\n".join(lines)
+
+
+def recipe_description(file: Path) -> str:
+    """A recipe's first sentence (its leading comment): what it trains, with which mode (``--help``, a run's
+    start)."""
+    if not file.is_file():
+        return ""
+    block = []
+    for line in file.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        block.append(line.lstrip("# ").strip())
+    return " ".join(block).split(". ")[0].rstrip(".")
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -311,6 +311,8 @@ def test_help_lists_what_users_type(tmp_path, monkeypatch, capsys):
     assert train_help.returncode == 0 and train_help.stdout.startswith("usage: pd2bw-train [recipe=NAME]")
     assert "strategy=pd2bw_2bw|pd2bw_flush" in train_help.stdout and "schema" not in train_help.stdout
     assert "gpt13b" in train_help.stdout and "logger=csv|wandb" in train_help.stdout
+    # each recipe with what it trains and its mode (recipe=bert_tiny runs Flush: said before it is chosen)
+    assert "  bert_tiny      A tiny BERT (masked LM) on the embedded corpus, PipeDream-Flush" in train_help.stdout
     monkeypatch.setattr(sys, "argv", ["pd2bw-plan", "--help"])
     plan.main()
     text = capsys.readouterr().out
