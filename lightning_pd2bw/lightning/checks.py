@@ -94,3 +94,28 @@ def expect_scheduler_before_first_update() -> None:
     Lightning's steps, and each update uses its own batch's learning rate (engine/update.py): torch's warning about
     a scheduler stepped before its optimizer does not apply."""
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+
+
+GLOO_CHECK_SECONDS = 120
+
+
+def check_host_groups(groups: list[Any], timeout_s: float = GLOO_CHECK_SECONDS) -> None:
+    """At start-up, every gloo group the strategy uses beside training's own (the preemption flag's, the asynchronous
+    checkpoints'): a barrier that every rank reaches within ``timeout_s`` or an error naming the ranks that did not
+    and the setting that usually explains it (a node whose default interface the others cannot reach)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    for group in dict.fromkeys(groups):  # one barrier per distinct group
+        if group is None or dist.get_backend(group) != "gloo":
+            continue
+        try:
+            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"pd2bw: a gloo group over every rank (the preemption flag's or the asynchronous checkpoints') did "
+                f"not connect within {timeout_s:.0f} s: {error}. On nodes with several network interfaces set "
+                "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for NCCL) to the one the nodes reach each other on, e.g. "
+                "GLOO_SOCKET_IFNAME=ib0 (docs/gpus.md, 'Clusters')"
+            ) from error

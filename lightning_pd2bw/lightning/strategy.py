@@ -40,6 +40,7 @@ from .compat import (
 )
 from .contract import pipeline_layers_of
 from .drains import Drains
+from .preemption import host_group
 from .processes import PipelineProcesses
 from .resilience import Resilience
 
@@ -147,6 +148,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         super().setup_environment()
         self.init_process_group()
         self.checkpoints.create_group()
+        checks.check_host_groups([host_group(), self.checkpoints.group])  # bounded: names GLOO_SOCKET_IFNAME
         if options.plan is None:  # under plan="auto" the grid waits for the plan (setup)
             self._build_grid()
 

@@ -145,3 +145,24 @@ def test_half_precision_weights_are_refused_by_name(precision):
 
     with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by strategy='pd2bw'.*bf16-mixed"):
         L.Trainer(strategy="pd2bw", precision=precision, devices=2, accelerator="cpu", logger=False)
+
+
+def test_a_gloo_group_that_does_not_connect_names_the_interface_setting(monkeypatch):
+    """Issue 48: the strategy checks its gloo groups at start-up with a bounded barrier (``checks.check_host_groups``
+    from ``setup_environment``); one that cannot connect ends with GLOO_SOCKET_IFNAME named, not a 30-minute wait."""
+    import torch.distributed as dist
+
+    from lightning_pd2bw.lightning import checks
+
+    calls = []
+
+    def unreachable(group=None, timeout=None, wait_all_ranks=False):
+        calls.append(timeout.total_seconds())
+        raise RuntimeError("[Rank 0]: Ranks 5, 6 failed to pass monitoredBarrier in 120000 ms")
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "monitored_barrier", unreachable)
+    group = object()
+    with pytest.raises(RuntimeError, match="Ranks 5, 6 failed.*GLOO_SOCKET_IFNAME.*NCCL_SOCKET_IFNAME"):
+        checks.check_host_groups([group, group, None])
+    assert calls == [checks.GLOO_CHECK_SECONDS], "one bounded barrier per distinct group"
