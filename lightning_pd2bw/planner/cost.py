@@ -179,24 +179,46 @@ def stage_memory(
     )
     output = layers[-1].output_bytes if stage < candidate.depth - 1 else 0.0
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
-    return memory | boundary_memory(profile, stage, candidate, num_microbatches, output, given)
+    return memory | boundary_memory(profile, stage, candidate, num_microbatches, output, given, span)
 
 
 def boundary_memory(
-    profile: ModelProfile, stage: int, candidate: Candidate, num_microbatches: int, output: float, given: float
+    profile: ModelProfile,
+    stage: int,
+    candidate: Candidate,
+    num_microbatches: int,
+    output: float,
+    given: float,
+    span: range | None = None,
 ) -> dict[str, float]:
     """The stage's outputs kept for the backward, its messages in flight and NCCL's buffers (see the module's
-    docstring). ``output``: bytes the stage sends per microbatch (0 on the last), ``given``: bytes it receives."""
+    docstring). ``output``: bytes the stage sends per microbatch (0 on the last), ``given``: bytes it receives;
+    ``span``: the stage's layers (which tied parameters it shares with another stage)."""
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     warmup = stash - 1
     depth, width = candidate.depth, candidate.width
-    sharded = candidate.optimizer_share < 1  # the weight broadcasts' group beside the replicas'
-    communicators = (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + sharded + bool(profile.shared)
     return {
         "outputs": stash * output * profile.output_factor,
         "transport": (warmup + 2) * output + 2 * given if depth > 1 else 0.0,
-        "communication": communicators * profile.communicator_bytes if depth * width > 1 else 0.0,
+        "communication": communicators(profile, stage, candidate, span) * profile.communicator_bytes
+        if depth * width > 1
+        else 0.0,
     }
+
+
+def communicators(profile: ModelProfile, stage: int, candidate: Candidate, span: range | None = None) -> int:
+    """The NCCL communicators a stage joins (``engine/grid.py`` creates them; NCCL allocates each one's buffers at
+    its first use): one per neighbouring stage (``p2p``), the pipeline's and the loss broadcast's (depth > 1), the
+    replicas' and the sharded optimizer's weight broadcasts (width > 1), the tied parameters' (only on a stage that
+    holds one another stage holds too), and the world's (Lightning's barriers and metric gathers)."""
+    depth, width = candidate.depth, candidate.width
+    tied = (
+        any((a in span) != (b in span) and (a in span or b in span) for a, b, _ in profile.shared)
+        if span is not None
+        else bool(profile.shared)
+    )
+    sharded = candidate.optimizer_share < 1
+    return (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + sharded + tied + 1
 
 
 def memory_of(

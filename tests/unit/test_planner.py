@@ -121,7 +121,7 @@ def test_memory_per_stage_matches_the_paper_formula():
         "correction": 0.0,
         "outputs": 2 * 10.0,  # the stage's output of each stashed microbatch, kept for the backward
         "transport": (1 + 2) * 10.0,  # its warm-up send, one batched send and the gradient receive posted with it
-        "communication": 3 * NCCL_BYTES_PER_COMMUNICATOR,  # the next stage, the pipeline's and the loss's groups
+        "communication": 4 * NCCL_BYTES_PER_COMMUNICATOR,  # the next stage, the pipeline's, the loss's, the world's
     }
     last = stage_memory(profile, range(2, 4), 1, candidate, 4)
     assert last["activations"] == 1 * 200.0
@@ -332,3 +332,22 @@ def test_the_optimizer_is_counted_per_layer_and_per_implementation():
     a, b = stage_memory(adam, middle, 1, sharded, 2), stage_memory(adam, middle, 1, whole, 2)
     assert (a["optimizer"], a["correction"]) == (b["optimizer"] / 4, b["correction"] / 4)
     assert a["weights"] == b["weights"] and a["gradients"] == b["gradients"]
+
+
+def test_nccl_communicators_are_those_the_stage_joins():
+    """Issue 47: the world group counts on every stage; the tied parameters' group only on the stages holding a
+    parameter another stage holds (GPT's embedding and head), not on the middle ones; the sharded optimizer's own."""
+    from lightning_pd2bw.planner.cost import communicators
+
+    layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 10)] * 6
+    profile = ModelProfile(layers, shared=((0, 5, 10),))
+    sharded = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw"))
+    whole = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw", shard_optimizer=False))
+    # first: next, pipeline, loss, replica, shard, tied, world; middle: both neighbours, no tied; last: like the first
+    assert [communicators(profile, s, sharded, span) for s, span in enumerate(S3)] == [7, 7, 7]
+    assert [communicators(profile, s, whole, span) for s, span in enumerate(S3)] == [6, 6, 6]
+    alone = Candidate(1, 3, 1, False, PipelineOptions(mode="2bw"))
+    assert [communicators(profile, s, alone, span) for s, span in enumerate(S3)] == [5, 5, 5]
+
+
+S3 = (range(0, 2), range(2, 4), range(4, 6))
