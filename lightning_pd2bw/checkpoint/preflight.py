@@ -1,5 +1,6 @@
 """Before a save writes anything, on every rank: every rank sees the folder rank 0 publishes in, and the save fits
-the space free there. Each failure is raised on every rank alike (the checks are collective), naming the fix."""
+the space free there. Each failure is raised on every rank alike (the checks are collective), naming the fix. And
+while it writes: a device that fills up anyway is named as such (``out_of_space_named``)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import errno
 import shutil
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
+
+from .safe_load import failures_of
 
 SPACE_MARGIN = 1.05  # DCP's per-file headers and trainer.pt, over the tensors' bytes
 
@@ -82,3 +87,25 @@ def _probe(where: Path, key: Path, is_global_zero: bool, gather: Callable[[Any],
             "shared bucket mount)"
         )
     _shared_checked.add(key)
+
+
+@contextmanager
+def out_of_space_named(tmp: Path) -> Iterator[None]:
+    """A write that fails because the device filled up (torch.save's ``unexpected pos``, DCP's or the OS's
+    ENOSPC) raised as ``OSError(ENOSPC)`` naming the folder and what is free; the previous checkpoint is intact
+    (this one is never published)."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as error:
+        causes = [error, *failures_of(error)]  # DCP wraps each rank's failure
+        full = any(getattr(c, "errno", None) == errno.ENOSPC or "unexpected pos" in str(c) for c in causes)
+        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
+        if not full and not (any(isinstance(c, OSError) for c in causes) and free < 2**20):
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on the device while writing checkpoint {str(tmp.with_suffix(''))!r}: "
+            f"{free / 2**20:.1f} MiB free in {str(tmp.parent)!r} ({type(error).__name__}: {error}). The previous "
+            "checkpoint is intact; this one was not published. Free space there, or save elsewhere "
+            "(ModelCheckpoint(dirpath=...), pd2bw-train paths.output_dir=...)",
+        ) from error

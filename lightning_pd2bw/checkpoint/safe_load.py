@@ -79,13 +79,16 @@ def refusal(error: BaseException) -> str:
     return found.strip()[:300]
 
 
+def failures_of(error: BaseException) -> list[BaseException]:
+    """What DCP's ``CheckpointException`` wraps (what each rank's planner or writer raised); none for others."""
+    failures = getattr(error, "failures", None) or {}
+    inner = (failure[0] if isinstance(failure, tuple) else failure for failure in failures.values())
+    return [e for e in inner if isinstance(e, BaseException)]
+
+
 def unwrapped(error: BaseException) -> UnreadableCheckpoint | None:
-    """The refusal inside DCP's ``CheckpointException`` (which wraps what a planner raised, per rank), if any."""
-    for failure in getattr(error, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, UnreadableCheckpoint):
-            return inner
-    return None
+    """The refusal inside DCP's ``CheckpointException``, if any."""
+    return next((e for e in failures_of(error) if isinstance(e, UnreadableCheckpoint)), None)
 
 
 def load_object(file: Path, what: str = "checkpoint") -> Any:

@@ -24,14 +24,12 @@ entries too.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +50,13 @@ from .entries import (
     request_for,
     stage_checkpoint,
 )
-from .preflight import SHARED_PROBE, check_shared, check_shared_folder, check_space  # noqa: F401  (re-exported)
+from .preflight import (  # noqa: F401  (re-exported)
+    SHARED_PROBE,
+    check_shared,
+    check_shared_folder,
+    check_space,
+    out_of_space_named,
+)
 from .safe_load import SafeLoadPlanner, UnreadableCheckpoint, load_object, read_metadata, unwrapped
 
 META_FILE = "trainer.pt"
@@ -171,33 +175,6 @@ def save_sharded(
         finish(tmp, path, manifest)
     barrier("pd2bw_save_published")
     return None
-
-
-@contextmanager
-def out_of_space_named(tmp: Path) -> Iterator[None]:
-    """A write that fails because the device filled up (torch.save's ``unexpected pos``, DCP's or the OS's
-    ENOSPC) raised as ``OSError(ENOSPC)`` naming the folder and what is free; the previous checkpoint is intact
-    (this one is never published)."""
-    try:
-        yield
-    except (OSError, RuntimeError, CheckpointException) as error:
-        causes = [error, *_failures_of(error)]  # DCP wraps each rank's failure
-        full = any(getattr(c, "errno", None) == errno.ENOSPC or "unexpected pos" in str(c) for c in causes)
-        free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
-        if not full and not (any(isinstance(c, OSError) for c in causes) and free < 2**20):
-            raise
-        raise OSError(
-            errno.ENOSPC,
-            f"No space left on the device while writing checkpoint {str(tmp.with_suffix(''))!r}: "
-            f"{free / 2**20:.1f} MiB free in {str(tmp.parent)!r} ({type(error).__name__}: {error}). The previous "
-            "checkpoint is intact; this one was not published. Free space there, or save elsewhere "
-            "(ModelCheckpoint(dirpath=...), pd2bw-train paths.output_dir=...)",
-        ) from error
-
-
-def _failures_of(error: BaseException) -> list[BaseException]:
-    failures = getattr(error, "failures", {}) or {}
-    return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, BaseException | tuple)]
 
 
 def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:

@@ -10,20 +10,20 @@ replica holds the averaged gradient of every parameter: the global clip norm and
 unchanged); what the sharding saves is the optimizer's state, the correction's buffers and 1/w of the step's
 work, and the rule is exactly the unsharded one (one replica computes what all of them computed before).
 
-The broadcasts run on a group of their own (``grid.Groups.shard``), one per replica and dtype, each over the
-owner's parameters flattened into one buffer; every replica issues them in the same order (replica 0 first).
+The broadcasts run on a group of their own (``grid.Groups.shard``), one per owning replica, each the bytes of the
+owner's parameters in one message (``gradients.broadcast_flat``, any dtypes); every replica issues them in the same
+order (replica 0 first).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import gradients
 from .grid import ProcessGrid
 
 
@@ -47,6 +47,10 @@ class OptimizerShards:
     replica: int  # this rank's replica
     ranks: list[int]  # each replica's global rank on this stage (the broadcasts' sources)
     group: object  # grid.Groups.shard
+    by_owner: list[list[nn.Parameter]] = field(init=False)  # each replica's parameters, in order
+
+    def __post_init__(self) -> None:
+        self.by_owner = [[p for p, o in zip(self.params, self.owners) if o == r] for r in range(len(self.ranks))]
 
     @classmethod
     def build(
@@ -72,36 +76,12 @@ class OptimizerShards:
 
     def owned(self) -> list[nn.Parameter]:
         """This replica's parameters: the only ones its optimizers keep (``update.local_optimizers``)."""
-        return [p for p, owner in zip(self.params, self.owners) if owner == self.replica]
-
-    def buckets(self) -> list[tuple[int, list[nn.Parameter]]]:
-        """(owner, its parameters of one dtype and device), in the order every replica broadcasts them."""
-        kinds = sorted({(str(p.dtype), str(p.device)) for p in self.params})
-        out = []
-        for owner in range(self.width):
-            for kind in kinds:
-                mine = [
-                    p for p, o in zip(self.params, self.owners) if o == owner and (str(p.dtype), str(p.device)) == kind
-                ]
-                if mine:
-                    out.append((owner, mine))
-        return out
+        return self.by_owner[self.replica]
 
     @torch.no_grad()
     def broadcast_weights(self) -> None:
-        """After the step: each owner's new weights to every other replica (into the weight version the step
-        wrote: the parameters' current storage)."""
-        for owner, params in self.buckets():
-            if owner == self.replica:
-                flat = _flatten_dense_tensors([p.data for p in params])
-            else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-            dist.broadcast(flat, src=self.ranks[owner], group=self.group)  # type: ignore[arg-type]
-            if owner != self.replica:
-                for param, value in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
-                    param.data.copy_(value)
-
-    def held_fraction(self) -> float:
-        """This replica's share of the optimized elements."""
-        total = sum(p.numel() for p in self.params)
-        return sum(p.numel() for p in self.owned()) / total if total else 1.0
+        """After the step: each owner's new weights to every other replica, one message of their bytes per owner
+        (``gradients.broadcast_flat``), into the weight version the step wrote (the parameters' current storage).
+        Every replica holds the same owner lists, so an owner with nothing skips its broadcast everywhere."""
+        for owner, params in enumerate(self.by_owner):
+            gradients.broadcast_flat([p.data for p in params], self.ranks[owner], self.group)

@@ -254,10 +254,7 @@ class RankProgram:
         for handle in self.deferred.pop(action.batch, []):
             self.wait(handle, f"{action} tied sum")
         if self.layout.skip_nonfinite:
-            pipeline = f"pd2bw/pipeline/replica{self.replica}"
-            self.flags[action.batch] = self.collective(
-                "all_reduce", pipeline, self.pipeline, f"{action} non-finite flag", block=False
-            )
+            self.flags[action.batch] = self._over_pipeline(f"{action} non-finite flag")
 
     def _hooks(self, action: S.Action) -> None:
         if action.batch in self.flags:
@@ -265,17 +262,19 @@ class RankProgram:
 
     def _norm(self, action: S.Action) -> None:
         if self.layout.clip == "global":
-            pipeline = f"pd2bw/pipeline/replica{self.replica}"
-            self.norms[action.batch] = self.collective(
-                "all_reduce", pipeline, self.pipeline, f"{action} clip norm", block=False
-            )
+            self.norms[action.batch] = self._over_pipeline(f"{action} clip norm")
+
+    def _over_pipeline(self, label: str) -> int:
+        """An all-reduce over this replica's pipeline, launched now and waited for by a later part."""
+        return self.collective("all_reduce", f"pd2bw/pipeline/replica{self.replica}", self.pipeline, label, block=False)
 
     def _clip(self, action: S.Action) -> None:
         if action.batch in self.norms:
             self.wait(self.norms.pop(action.batch), f"{action} clip norm")
 
     def _step(self, action: S.Action) -> None:
-        """``OptimizerShards.broadcast_weights``: one broadcast per owner (one dtype), replica 0's first."""
+        """``OptimizerShards.broadcast_weights``: one broadcast per owner, replica 0's first (every replica owns a
+        tensor: the lowering's stages have more tensors than replicas)."""
         layout = self.layout
         if layout.shard_optimizer and layout.data_parallel_size > 1:
             _, replicas = self._replicas()
