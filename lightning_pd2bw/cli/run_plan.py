@@ -163,7 +163,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     from ..planner.auto import shared_layers
     from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
     from ..planner.hardware import DEVICES
-    from ..planner.profile import analytic_profile, bytes_per_element
+    from ..planner.profile import analytic_profile, bytes_per_element, version_bytes
 
     config = instantiate(cfg.model.config)
     layers = pipeline_layers_of(model)
@@ -198,6 +198,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         weight_bytes,
         states,
         shared_layers(layers),
+        version_bytes=version_bytes(cfg.trainer.precision, cfg.strategy.get("weight_dtype", "auto")),
         output_factor=2.0 if mixed else 1.0,
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
         layer_states=layer_states,

@@ -95,6 +95,7 @@ class TokensDataSchema:
 # how a YAML value spells the options whose Python type OmegaConf cannot hold (a dtype, a tuple, anything)
 STRATEGY_YAML_TYPES: dict[str, Any] = {
     "boundary_dtype": str | None,  # auto | null | bfloat16 | float16 | float32
+    "weight_dtype": str | None,  # auto | null | bfloat16
     "layers_per_stage": list[int] | None,  # null: the planner's time-balanced cut (pd2bw-train)
     "compile": Any,  # true | {backend: ..., mode: ..., fullgraph: ...}
 }

@@ -107,8 +107,9 @@ class PipelineEngine:
                 f"PipelineEngine takes PipelineOptions(num_stages=..., num_microbatches=..., mode=...) as its second "
                 f"argument, not {type(options).__name__}"
             )
-        if options.boundary_dtype == "auto":  # no Lightning precision to read it from: each tensor's own dtype
-            options = options.replace(boundary_dtype=None)
+        for name in ("boundary_dtype", "weight_dtype"):  # no Lightning precision to read "auto" from: their own
+            if getattr(options, name) == "auto":
+                options = options.replace(**{name: None})
         world_size = grid.world_size if grid is not None else dist.get_world_size()
         self.options = options
         self.layout = layout = options.layout(world_size)  # resolved once; checked when it was built
@@ -210,10 +211,10 @@ class PipelineEngine:
         if method is not None and self.mode.double_buffered and self.optimizers:  # flush has no delay to correct
             correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
-        versions = WeightVersions(self.params, double_buffer=self.mode.double_buffered)
+        versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)
         buckets = None
         release(self.params)  # a previous engine's buckets over these parameters
-        if self.grid.data_parallel_size > 1 and self.optimizers:
+        if (self.grid.data_parallel_size > 1 or versions.mixed) and self.optimizers:  # mixed: float32 .grad kept
             tied = {id(s.param) for s in self.shared}
             replicated = [p for p in self.params if id(p) not in tied]
             buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size)
@@ -294,12 +295,11 @@ class PipelineEngine:
         step = self.ledger.open(global_step, [hyperparameters(optimizer) for optimizer in self.optimizers])
         self.progress.tick(f"training step {step} (global step {global_step})")
         executor.feed(step, split_microbatches(batch, self.num_microbatches))
-        if self.update.buckets is not None:  # e.g. Lightning's module.zero_grad() before validation set them to None
-            self.update.buckets.attach()
+        self.update.attach_gradients()  # e.g. Lightning's module.zero_grad() before validation set them to None
         actions = self.actions(step)
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
-        executor.versions.use_latest()  # between batches the stage holds the newest weights
+        executor.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
         if self.mode.double_buffered:  # the previous batch's loss (its broadcast overlapped this batch)
             return self.ledger.take_loss(step - 1)
         executor.finish_drain()

@@ -39,6 +39,14 @@ def add_note(error: BaseException, note: str) -> None:
         print(note, file=sys.stderr, flush=True)
 
 
+_MIXED_WEIGHTS_HINT = (
+    "pd2bw: the layers run on {dtype} weight versions (weight_dtype='auto' under bf16-mixed: no cast per "
+    "microbatch); a layer that mixes them with float32 tensors (e.g. a float32 input to a norm on the CPU) fails "
+    "so. Cast that input, or keep float32 weights cast by autocast: PipeDream2BWStrategy(weight_dtype=None) "
+    "(pd2bw-train: strategy.weight_dtype=null)"
+)
+
+
 def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
 
@@ -291,6 +299,8 @@ class StageExecutor:
             except Exception as error:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
+                if self.versions.mixed and "dtype" in str(error) and action.kind in (S.FORWARD, S.BACKWARD):
+                    add_note(error, _MIXED_WEIGHTS_HINT.format(dtype=self.versions.compute_dtype))
                 raise
             if recorder is not None:
                 recorder.action(action, start)
@@ -344,4 +354,5 @@ class StageExecutor:
                 self.link.send_forward(self._wire(as_tuple(outputs)), key)
                 self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
         self.link.wait_sends()
+        self.versions.rest()
         return results

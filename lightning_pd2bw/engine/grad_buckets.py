@@ -13,7 +13,8 @@ buffer, no copy), so the all-reduce finishes behind the next batch's compute; CH
 A parameter that gets no gradient in a batch on any replica keeps ``grad=None``, as in single-device training
 (an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
 with the gradients; ``finish`` reads the flags only on a replica that missed a gradient (a host sync in that
-case alone). Parameters held by several stages (a tied embedding) are not in the buckets: 2BW moves their
+case alone). At width 1 the buckets serve mixed-precision weights (``versions.py``) alone: float32 gradients
+kept attached to bfloat16 versions, with no collective. Parameters held by several stages (a tied embedding) are not in the buckets: 2BW moves their
 gradients aside for their sums over the stages (``update.py``, REDUCE).
 """
 
@@ -41,6 +42,17 @@ def release(params: Sequence[nn.Parameter]) -> None:
             handle.remove()
 
 
+class _Done:
+    """A bucket's all-reduce at width 1: nothing to wait for."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
+
+
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
@@ -51,9 +63,9 @@ class _Bucket:
     work: Any = None  # its all-reduce, once started
 
 
-def _new_bucket(params: list[nn.Parameter]) -> _Bucket:
+def _new_bucket(params: list[nn.Parameter], dtype: torch.dtype) -> _Bucket:
     sizes = [p.numel() for p in params]
-    flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype, device=params[0].device)
+    flat = torch.zeros(sum(sizes) + len(params), dtype=dtype, device=params[0].device)
     views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params)]
     return _Bucket(params, flat, views, flat[sum(sizes) :])
 
@@ -84,7 +96,7 @@ class GradientBuckets:
         self._handles: list[tuple[nn.Parameter, Any]] = []
         self._spare: list[_Bucket] | None = None  # the second set, allocated at the first launch
         for index, params in enumerate(groups):
-            self.buckets.append(_new_bucket(params))
+            self.buckets.append(_new_bucket(params, params[0].dtype))  # built on the master (mixed weights)
             for position, param in enumerate(params):
                 self._slot[id(param)] = (index, position)
                 release([param])  # a rebuilt engine over the same parameters takes them over
@@ -139,7 +151,7 @@ class GradientBuckets:
             for position, flag in enumerate(arrived):
                 if flag:
                     bucket.flags[position] = 1
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if self.size > 1 else _DONE
         self._next += 1
 
     def finish(self) -> None:
@@ -150,7 +162,8 @@ class GradientBuckets:
         missed = len(self.arrived) < len(self._slot)
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.flat.div_(self.size)
+            if self.size > 1:
+                bucket.flat.div_(self.size)
             if missed:
                 flags = bucket.flags.tolist()  # only where this replica missed a gradient: one host sync
                 for param, flag in zip(bucket.params, flags):
@@ -168,7 +181,7 @@ class GradientBuckets:
             self._start(self.buckets[self._next])
         launched = Launched(self.buckets, set(self.arrived))
         if self._spare is None:
-            self._spare = [_new_bucket(bucket.params) for bucket in self.buckets]
+            self._spare = [_new_bucket(bucket.params, bucket.flat.dtype) for bucket in self.buckets]
         self.buckets, self._spare = self._spare, None
         for bucket in self.buckets:
             bucket.flat.zero_()
@@ -189,7 +202,8 @@ class GradientBuckets:
         for bucket in launched.buckets:
             bucket.work.wait()
             bucket.work = None
-            bucket.flat.div_(self.size)
+            if self.size > 1:
+                bucket.flat.div_(self.size)
             flags = bucket.flags.tolist() if missed else [1] * len(bucket.params)  # a host sync only then
             for param, view, flag in zip(bucket.params, bucket.views, flags):
                 out[id(param)] = view if flag else None

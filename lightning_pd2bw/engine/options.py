@@ -55,6 +55,12 @@ class PipelineOptions:
             receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
             ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype
             (``torch.bfloat16`` or its name, ``"bfloat16"``).
+        weight_dtype: the dtype each weight version is held in for compute, over one float32 master copy that the
+            optimizer steps (Megatron's bf16 parameters over fp32 main parameters; ``engine/versions.py``): no cast
+            of the weights per microbatch, nothing cast stashed, and each microbatch's weight gradient added into
+            float32 gradients. ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"``, else the parameters' own
+            dtype; ``None``: the parameters' own dtype (autocast casts them at every forward and recomputation);
+            or a dtype. Checkpoints hold the float32 master.
         compile: ``True`` compiles each stage's layers with ``torch.compile`` (per layer, in place: names, hooks and
             checkpoints unchanged); a mapping passes its keys to ``torch.compile`` (``backend``, ``mode``,
             ``fullgraph``, ``dynamic``, ``options``). CUDA-graph modes are refused under 2BW. Held as ``None``
@@ -103,6 +109,7 @@ class PipelineOptions:
     global_batch_size: int | None = None
     recompute: bool = False
     boundary_dtype: str | torch.dtype | None = "auto"
+    weight_dtype: str | torch.dtype | None = "auto"
     compile: Any = False
     clip_mode: str = "global"
     on_nonfinite: str = "stop"
@@ -139,7 +146,8 @@ class PipelineOptions:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{keys.named(name, value)} must be > 0 seconds, or None to turn {what} off")
-        self._set("boundary_dtype", boundary_dtype(self.boundary_dtype, keys))
+        for name in ("boundary_dtype", "weight_dtype"):
+            self._set(name, dtype_option(name, getattr(self, name), keys))
         self._set("compile", compile_options(self.compile, self.mode, keys.option("compile")))
 
     def _set(self, name: str, value: Any) -> None:
@@ -195,14 +203,16 @@ class PipelineOptions:
         return cls(**{name: values[name] for name in cls.names() if name in values}, keys=keys)
 
 
-def boundary_dtype(value: str | torch.dtype | None, keys: rules.Keys = DEFAULT_KEYS) -> str | torch.dtype | None:
+def dtype_option(
+    name: str, value: str | torch.dtype | None, keys: rules.Keys = DEFAULT_KEYS
+) -> str | torch.dtype | None:
     """``"auto"``, None, or a floating-point dtype given as a ``torch.dtype`` or its name (``"bfloat16"``)."""
     if value in (None, "auto"):
         return value
     dtype = getattr(torch, value, None) if isinstance(value, str) else value
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
-            f"{keys.named('boundary_dtype', value)} is invalid; valid: 'auto', None or a floating-point "
+            f"{keys.named(name, value)} is invalid; valid: 'auto', None or a floating-point "
             "dtype (torch.bfloat16 or 'bfloat16', 'float16', 'float32')"
         )
     return dtype

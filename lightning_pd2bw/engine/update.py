@@ -156,6 +156,7 @@ class UpdateRule:
             grads.append(grad)
             if launched is None or id(param) in tied:
                 param.grad = None
+        self.attach_gradients(buckets=False)  # mixed weights: the next batch's float32 tied gradients
         position = {id(p): i for i, p in enumerate(self.params)}
         works = [
             dist.all_reduce(grads[position[id(s.param)]], group=s.group, async_op=True)  # type: ignore[arg-type]
@@ -165,10 +166,20 @@ class UpdateRule:
         if self.mode.double_buffered:  # flush and gpipe complete the update at once: nothing accumulates beside it
             self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
 
+    def attach_gradients(self, buckets: bool = True) -> None:
+        """Before a batch's compute: every gradient the batch accumulates into is in place (the buckets' views;
+        mixed-precision weights: float32 gradients of the tied parameters, which autograd then adds into)."""
+        if buckets and self.buckets is not None:
+            self.buckets.attach()
+        if self.versions is not None and self.versions.mixed:  # the parameters are on the master here
+            for shared in self.shared:
+                if shared.param.grad is None:
+                    shared.param.grad = torch.zeros_like(shared.param)
+
     def _swap_in(self, aside: SetAside) -> None:
         """Batch b's gradients into ``.grad`` (on the newest weights), the next batch's aside."""
         if self.versions is not None:
-            self.versions.use_latest()  # the version REDUCE(b) made writable
+            self.versions.use_writable()  # the version REDUCE(b) made writable (mixed: the master)
         aside.current = [param.grad for param in self.params]
         for param, grad in zip(self.params, aside.grads):
             param.grad = grad
@@ -242,12 +253,13 @@ class UpdateRule:
         aside = self.pending.pop(batch)
         if not self.ledger.take_skip(batch):
             correction = self.correction if self.mode.double_buffered else None
+            before = None
+            if correction is not None:
+                assert self.versions is not None, "2BW's delay correction reads the previous weight version"
+                before = self.versions.weights_before_step(correction.parameters)
             self.step_optimizers(hparams, post_hooks=correction is None)
             if correction is not None:
-                versions = self.versions
-                assert versions is not None, "2BW's delay correction reads the previous weight version"
-                before = dict(zip(map(id, versions.parameters), versions.weights_of(versions.latest - 1)))
-                correction.apply([before[id(p)] for p in correction.parameters], stale=batch >= 1)
+                correction.apply(before, stale=batch >= 1)
                 for optimizer in self.optimizers:
                     run_post_hooks(optimizer)
         if self.shards is not None:  # every replica, skipped or not: the same broadcasts in the same order

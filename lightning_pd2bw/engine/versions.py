@@ -7,6 +7,16 @@ newest version into it (one copy of the stage's weights per optimizer step) and 
 parameters there, so an in-place ``optimizer.step()`` turns it into the next version while the
 in-flight microbatches keep reading the previous one.
 
+Mixed-precision weights (``compute_dtype``, e.g. bfloat16 under ``bf16-mixed``; Megatron's bf16 parameters over
+fp32 main parameters): the versions are held in ``compute_dtype`` and one float32 *master* copy holds the newest
+version's values. Forwards and backwards run on a version (nothing cast per microbatch, nothing stashed but
+what the layers save); everything else sees the master: the update (``use_writable``: hooks, clipping, the
+step, the delay correction, the sharded broadcasts) and whatever runs between the engine's calls (``rest``:
+checkpoint saves and loads, callbacks), so a write there is never lost. The newest version is cast from the
+master when compute next asks for it (``use``: one cast per update, not one per microbatch). Gradients are the
+master's dtype: autograd adds each microbatch's ``compute_dtype`` gradient into the float32 ``.grad`` the
+engine keeps attached (one fused read-add-write; ``grad_buckets.py``).
+
 Autocast note: a caching autocast region (``torch.autocast``'s default; Lightning's plugins turn the cache
 off) keeps the low-precision cast of each parameter, keyed by the parameter, whose ``.data`` a swap
 changes underneath it. Every swap therefore clears that cache, or a forward or a recomputation after a
@@ -19,25 +29,47 @@ both its forward and its backward, so both kinds of saved tensors see the same v
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
+MASTER = -1  # ``_active`` while the parameters point at the master copy
+
 
 class WeightVersions:
-    """Keeps ``latest`` and, once an update has happened, ``latest - 1``."""
+    """Keeps ``latest`` and, once an update has happened, ``latest - 1`` (and, with ``compute_dtype``, the master
+    copy of ``latest``)."""
 
     MAX_VERSIONS = 2
 
-    def __init__(self, parameters: Iterable[nn.Parameter], double_buffer: bool) -> None:
+    def __init__(
+        self, parameters: Iterable[nn.Parameter], double_buffer: bool, compute_dtype: torch.dtype | None = None
+    ) -> None:
         self.parameters = list(parameters)
         self.double_buffer = double_buffer
         self.latest = 0  # absolute number of updates applied on this stage
         self.drain_base = 0  # value of `latest` at the last drain: relative version 0
-        self._storages: dict[int, list[torch.Tensor]] = {0: [p.data for p in self.parameters]}
-        self._active = 0
+        self.master: list[torch.Tensor] | None = None
+        self.compute_dtype = compute_dtype if _casts(self.parameters, compute_dtype) else None
+        if self.compute_dtype is None:
+            self._storages: dict[int, list[torch.Tensor]] = {0: [p.data for p in self.parameters]}
+            self._active = 0
+        else:
+            self.master = [p.data for p in self.parameters]
+            self._storages = {0: [torch.empty_like(t, dtype=self.compute_dtype) for t in self.master]}
+            for param in self.parameters:  # a float32 .grad may be set on a bfloat16 version (torch >= 2.10;
+                if hasattr(param, "grad_dtype"):  # before: the engine attaches .grad only on the master)
+                    param.grad_dtype = None
+            self._active = MASTER
+        # versions whose compute copy the master may have moved past (at rest anything may write it: a load)
+        self._stale: set[int] = {0} if self.master is not None else set()
         self.max_versions_held = 1
+
+    @property
+    def mixed(self) -> bool:
+        """Versions in ``compute_dtype`` over a float32 master copy."""
+        return self.master is not None
 
     @property
     def num_versions(self) -> int:
@@ -45,18 +77,23 @@ class WeightVersions:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of every weight version held (the live parameters' storages included)."""
-        return sum(t.numel() * t.element_size() for storages in self._storages.values() for t in storages)
+        """Bytes of every weight version held (the live parameters' storages included) and of the master copy."""
+        held = [t for storages in self._storages.values() for t in storages] + (self.master or [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.master or [])
 
     def reset_after_drain(self) -> None:
         """After a drain the version rule restarts: relative version 0 is the newest weights."""
-        self.use_latest()
+        self.use_writable()
         for version in [v for v in self._storages if v != self.latest]:
             del self._storages[version]
         self.drain_base = self.latest
 
     def use(self, relative_version: int) -> None:
-        """Point the parameters at ``drain_base + relative_version``."""
+        """Point the parameters at ``drain_base + relative_version`` (for compute: a forward, a backward)."""
         version = self.drain_base + relative_version
         if version == self._active:
             return
@@ -65,10 +102,33 @@ class WeightVersions:
                 f"weight version {version} is not held on this stage (held: {sorted(self._storages)}); "
                 "the schedule asked for a version the double buffer has already recycled"
             )
-        for param, storage in zip(self.parameters, self._storages[version]):
-            param.data = storage
-        self._active = version
-        torch.clear_autocast_cache()
+        if version in self._stale:
+            self._refresh(version)
+        self._point(self._storages[version], version)
+
+    def use_latest(self) -> None:
+        self.use(self.latest - self.drain_base)
+
+    def use_writable(self) -> None:
+        """Point the parameters at what the optimizer steps and the world outside the engine reads and writes:
+        the master copy (mixed), else the newest version's storage."""
+        if self.master is None:
+            self.use_latest()
+            return
+        self._stale.add(self.latest)  # anything may write the master now
+        if self._active != MASTER:
+            self._point(self.master, MASTER)
+
+    rest = use_writable  # between the engine's calls
+
+    def weights_before_step(self, parameters: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """The values of ``parameters`` before the update about to be stepped (the delay correction's W(t)): the
+        previous version's storages, or, mixed, a copy of the master (its compute copy is rounded)."""
+        if self.master is not None:
+            position = {id(p): i for i, p in enumerate(self.parameters)}
+            return [self.master[position[id(p)]].clone() for p in parameters]
+        before = dict(zip(map(id, self.parameters), self.weights_of(self.latest - 1)))
+        return [before[id(p)] for p in parameters]
 
     def weights_of(self, version: int) -> list[torch.Tensor]:
         """The storages of absolute version ``version`` (read-only use: e.g. the weights before an update)."""
@@ -76,12 +136,12 @@ class WeightVersions:
             raise RuntimeError(f"weight version {version} is not held on this stage (held: {sorted(self._storages)})")
         return self._storages[version]
 
-    def use_latest(self) -> None:
-        self.use(self.latest - self.drain_base)
-
     def begin_update(self) -> None:
         """Make the parameters writable as version ``latest + 1`` without touching in-flight versions."""
-        self.use_latest()
+        if self.master is None:
+            self.use_latest()
+        elif self.latest in self._stale and self.double_buffer:  # in-flight microbatches may still ask for it
+            self._refresh(self.latest)
         if not self.double_buffer:
             self._storages[self.latest + 1] = self._storages.pop(self.latest)
         else:
@@ -89,14 +149,41 @@ class WeightVersions:
             if stale in self._storages:
                 target = self._storages.pop(stale)
             else:
-                target = [torch.empty_like(p.data) for p in self.parameters]
-            if target:  # one fused copy of the stage's weights
+                target = [torch.empty_like(t) for t in self._storages[self.latest]]
+            if target and self.master is None:  # one fused copy of the stage's weights (mixed: cast when used)
                 torch._foreach_copy_(target, [param.data for param in self.parameters])
             self._storages[self.latest + 1] = target
-        for param, storage in zip(self.parameters, self._storages[self.latest + 1]):
-            param.data = storage
-        torch.clear_autocast_cache()  # the optimizer is about to change these weights in place
+        self._stale &= set(self._storages)  # the recycled version's mark goes with it
         self.latest += 1
-        self._active = self.latest
         self.max_versions_held = max(self.max_versions_held, len(self._storages))
         assert len(self._storages) <= self.MAX_VERSIONS, "more than two weight versions held"
+        if self.master is not None:
+            self.use_writable()  # the optimizer steps the master; the new version's copy is cast when used
+        else:
+            self._point(self._storages[self.latest], self.latest)  # the optimizer changes these in place
+
+    def _refresh(self, version: int) -> None:
+        """The compute copy of ``version`` cast from the master (the master may have changed since it was made)."""
+        torch._foreach_copy_(self._storages[version], self.master)
+        self._stale.discard(version)
+
+    def _point(self, storages: list[torch.Tensor], version: int) -> None:
+        for param, storage in zip(self.parameters, storages):
+            param.data = storage
+        self._active = version
+        torch.clear_autocast_cache()
+
+
+def _casts(parameters: Sequence[nn.Parameter], compute_dtype: torch.dtype | None) -> bool:
+    """Do ``parameters`` get versions in ``compute_dtype`` over a float32 master? (None, or all in it already: no)"""
+    if compute_dtype is None or all(p.dtype == compute_dtype for p in parameters):
+        return False
+    wrong = [(i, p.dtype) for i, p in enumerate(parameters) if p.dtype != torch.float32]
+    if wrong:
+        index, dtype = wrong[0]
+        raise ValueError(
+            f"weight_dtype={compute_dtype} holds the weights' versions in {compute_dtype} over a float32 master copy, "
+            f"but this stage's parameter {index} is {dtype}: keep the model in float32 (bf16-mixed converts nothing) "
+            "or set weight_dtype=None"
+        )
+    return True

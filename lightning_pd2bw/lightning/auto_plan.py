@@ -20,7 +20,7 @@ def choose(
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
     planner's best prediction and the global batch size it was planned for. Logged to rank 0 and the logger."""
     from ..planner.auto import plan_on_world
-    from ..planner.profile import bytes_per_element
+    from ..planner.profile import bytes_per_element, version_bytes
     from ..planner.search import format_table
 
     loader = train_dataloader(trainer)
@@ -41,6 +41,7 @@ def choose(
         global_batch=global_batch,
         options=options,
         weight_bytes=bytes_per_element(str(precision.precision))[0],
+        version_bytes=version_bytes(str(precision.precision), options.weight_dtype),
         autocast=precision.train_step_context,
     )
     chosen = best.candidate

@@ -34,8 +34,8 @@ def check_precision(plugin: Precision | None) -> None:
         )
 
 
-def autocast_boundary_dtype(plugin: Precision | None) -> torch.dtype | None:
-    """``boundary_dtype="auto"``: bfloat16 under ``bf16-mixed``, else each tensor's own dtype."""
+def autocast_dtype(plugin: Precision | None) -> torch.dtype | None:
+    """``boundary_dtype="auto"``, ``weight_dtype="auto"``: bfloat16 under ``bf16-mixed``, else None (their own)."""
     precision = str(getattr(plugin, "precision", ""))
     return torch.bfloat16 if isinstance(plugin, MixedPrecision) and precision == "bf16-mixed" else None
 

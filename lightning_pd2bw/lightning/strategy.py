@@ -52,7 +52,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     Args:
         num_stages, num_microbatches, mode, lookahead, layers_per_stage, plan, global_batch_size, recompute,
-            boundary_dtype, compile, clip_mode, on_nonfinite, delay_correction, delay_correction_strength,
+            boundary_dtype, weight_dtype, compile, clip_mode, on_nonfinite, delay_correction, delay_correction_strength,
             shard_optimizer, failure_timeout, hang_timeout, async_checkpoint: the pipeline's options, each documented (and checked)
             in ``lightning_pd2bw.engine.options.PipelineOptions``; ``strategy.options`` holds them.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
@@ -86,6 +86,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         delay_correction: str | None = DEFAULT_CORRECTION,
         delay_correction_strength: float = 1.0,
         boundary_dtype: str | torch.dtype | None = "auto",
+        weight_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
@@ -186,7 +187,9 @@ class PipeDream2BWStrategy(PipelineProcesses):
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
             layers,
-            options.replace(boundary_dtype=self._resolved_boundary_dtype()),
+            options.replace(
+                boundary_dtype=self._resolved("boundary_dtype"), weight_dtype=self._resolved("weight_dtype")
+            ),
             module.pipeline_inputs,
             module.pipeline_loss,
             device=self.root_device,
@@ -225,9 +228,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
         )
         self._build_grid()
 
-    def _resolved_boundary_dtype(self) -> torch.dtype | None:
-        dtype = self.options.boundary_dtype
-        return checks.autocast_boundary_dtype(self.precision_plugin) if dtype == "auto" else dtype
+    def _resolved(self, name: str) -> torch.dtype | None:
+        """``boundary_dtype`` or ``weight_dtype``: ``"auto"`` is bfloat16 under ``bf16-mixed``."""
+        dtype = getattr(self.options, name)
+        return checks.autocast_dtype(self.precision_plugin) if dtype == "auto" else dtype
 
     # ------------------------------------------------------------------ checkpoints (checkpoints.py)
     @property

@@ -91,6 +91,7 @@ def plan_on_world(
     global_batch: int,
     options: PipelineOptions,
     weight_bytes: int = 4,
+    version_bytes: int | None = None,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
     max_micro_sizes: int = 6,
@@ -125,7 +126,13 @@ def plan_on_world(
             nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
             fused = 0.0 if device.type == "cuda" else None  # models/optim.py: fused AdamW on CUDA, no temporaries
             return ModelProfile(
-                profiles, weight_bytes, optimizer_states, shared, communicator_bytes=nccl, optimizer_temporaries=fused
+                profiles,
+                weight_bytes,
+                optimizer_states,
+                shared,
+                version_bytes=version_bytes,
+                communicator_bytes=nccl,
+                optimizer_temporaries=fused,
             )
 
         try:

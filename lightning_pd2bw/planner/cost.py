@@ -63,7 +63,7 @@ class ModelProfile:
     """The layers' profiles at one microbatch size, and what the layers share."""
 
     layers: Sequence[LayerProfile]
-    weight_bytes: int = 4
+    weight_bytes: int = 4  # per parameter of the weights the optimizer steps (and of the gradients)
     optimizer_states: float = 2  # weight-sized state tensors per parameter (AdamW 2, SGD with momentum 1)
     shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
     output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
@@ -73,6 +73,9 @@ class ModelProfile:
     # weight-sized temporaries of one optimizer step: 1 for foreach AdamW (the CPU), 0 for fused AdamW (CUDA),
     # Muon (one matrix at a time) and SGD; None: 1 for a two-state optimizer
     optimizer_temporaries: float | None = None
+    # mixed-precision weights (PipelineOptions.weight_dtype): bytes per parameter of each weight version, held apart
+    # from the weights the optimizer steps (one float32 master); None: the versions are those weights
+    version_bytes: int | None = None
 
     def states_of(self, span: range) -> float | None:
         """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
@@ -256,8 +259,12 @@ def memory_of(
     states = profile.optimizer_states if states is None else states  # per parameter (``ModelProfile.states_of``)
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0
+    in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
     return {
-        "weights": versions * weights,
+        "weights": in_versions
+        + (
+            weights if profile.version_bytes is not None else 0.0
+        ),  # the versions (mixed: in their compute dtype, and the master)
         "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
         "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .hardware import DeviceSpec
 
 
@@ -29,6 +31,17 @@ class LayerProfile:
 def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activation_bytes: int) -> float:
     """Korthikanti et al. 2022: ``s*b*h*(34 + 5*a*s/h)`` bytes per block with 16-bit activations."""
     return seq * micro * hidden * (34 + 5 * heads * seq / hidden) * activation_bytes / 2
+
+
+def version_bytes(precision: str, weight_dtype: str | torch.dtype | None) -> int | None:
+    """Bytes per parameter of each weight version held apart from a float32 master (``PipelineOptions.weight_dtype``:
+    ``"auto"`` is bfloat16 under ``bf16-mixed``), or None where the versions are the weights themselves."""
+    if weight_dtype == "auto":
+        return 2 if precision == "bf16-mixed" else None
+    if weight_dtype is None or precision.startswith(("bf16-true", "16-true")):
+        return None
+    dtype = getattr(torch, weight_dtype) if isinstance(weight_dtype, str) else weight_dtype
+    return dtype.itemsize if dtype != torch.float32 else None
 
 
 def bytes_per_element(precision: str) -> tuple[int, int]:

@@ -43,6 +43,8 @@ class Case:
     plan: str | None = None  # "auto": the planner picks depth, width, microbatches (global batch = the loader's)
     poison_step: int | None = None  # this batch's loss is NaN; on_nonfinite="skip" drops its update everywhere
     precision: str = "32-true"  # "bf16-mixed": CPU autocast; the reference autocasts each microbatch alike
+    # under bf16-mixed, "auto": the weights' versions in bfloat16 over a float32 master (None: autocast casts them)
+    weight_dtype: str | None = "auto"
     val_every: int | None = None  # validate (2 batches) every N steps: the pipeline drains, then evaluates
     correction: str | None = (
         None  # the delay_correction (2BW), e.g. "error_feedback": W(t+1) = W(t) + D(t) + (D(t) - D(t-1))
@@ -167,6 +169,21 @@ CASES = {
         Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),
         # the weight swaps of 2BW inside one autocast region, with recomputation (autocast's cast cache)
         Case("gpt_2bw_bf16_recompute", mode="2bw", recompute=True, steps=5, precision="bf16-mixed"),
+        # bf16 weight versions over a float32 master: width 2 (sharded steps broadcasting the master), the predictive
+        # correction (from the master, not the rounded version), clipping, a drain and a checkpoint's resume;
+        # and the per-microbatch casts of weight_dtype=None under flush
+        Case(
+            "gpt_2bw_d2w2_bf16_pef",
+            width=2,
+            mode="2bw",
+            steps=6,
+            precision="bf16-mixed",
+            correction=PREDICTIVE,
+            clip=0.5,
+            checkpoint_every=3,
+            steps_per_epoch=3,
+        ),
+        Case("gpt_flush_bf16_casts", steps=5, precision="bf16-mixed", weight_dtype=None, sparsity="gmp_uniform"),
         Case("gpt_2bw_validate", mode="2bw", num_microbatches=4, steps=5, val_every=2, clip=0.5),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
         # several optimizers (Muon for the blocks' matrices + AdamW for the rest, each with its schedule)

@@ -39,9 +39,14 @@ def round_at_stage_boundaries(model: torch.nn.Module, num_stages: int) -> None:
 
 
 def reference_weights(
-    case: Case, width: int, device: str = "cpu", bf16_boundaries: bool = True, dtype: torch.dtype = torch.float32
+    case: Case,
+    width: int,
+    device: str = "cpu",
+    bf16_boundaries: bool = True,
+    dtype: torch.dtype = torch.float32,
+    reverse: bool = False,
 ) -> dict[str, torch.Tensor]:
-    return reference_run(case, width, device, bf16_boundaries, dtype)[0]
+    return reference_run(case, width, device, bf16_boundaries, dtype, reverse)[0]
 
 
 ROUNDING_FACTOR = 4.0  # how much further from float64 a float32 run may be than the float32 reference is
@@ -86,8 +91,11 @@ def reference_run(
     device: str = "cpu",
     bf16_boundaries: bool = True,
     dtype: torch.dtype = torch.float32,
+    reverse: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``.
+    ``reverse``: each batch's gradients summed over its replicas and microbatches in the reverse order (the same
+    rule rounded another way: how far rounding alone moves each tensor).
     ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does. One CPU thread, as
     each pipeline rank runs: bfloat16 matmuls round by their summation order, which the thread count changes (a
     reference computed with the test process's threads was 2.7e-3 off in one bias of gpt_2bw_compile_bf16 when
@@ -95,13 +103,13 @@ def reference_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_run(case, width, device, bf16_boundaries, dtype)
+        return _reference_run(case, width, device, bf16_boundaries, dtype, reverse)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_run(
-    case: Case, width: int, device: str, bf16_boundaries: bool, dtype: torch.dtype
+    case: Case, width: int, device: str, bf16_boundaries: bool, dtype: torch.dtype, reverse: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_model(case)
     model.configure_model()  # initialised in float32 (as the pipeline is), then computed in ``dtype``
@@ -129,6 +137,11 @@ def _reference_run(
         sparsity.sparsifier = sparsity.build(model)
         if (change := sparsity.change_at(0)) is not None:
             sparsity.sparsifier.update(0, change, optimizers)
+    # bf16-mixed with weight_dtype "auto": each version computed in bfloat16 (cast once from the float32 weights the
+    # optimizer steps), its gradients added into float32; weight_dtype=None: autocast casts the float32 weights
+    mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None
+    first_name = {id(p): n for n, p in names.items()}
+    canonical = {n: first_name[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
     drain_base = 0
     previous_update: dict[str, torch.Tensor] | None = None  # D(t-1) of the delay correction
@@ -138,21 +151,27 @@ def _reference_run(
             drain_base = step
         relative = step - drain_base
         version = drain_base + (max(relative - 1, 0) if case.mode == "2bw" else relative)
-        weights = {n: t.clone().requires_grad_() for n, t in history[version].items()}
-        grads = {n: torch.zeros_like(t) for n, t in weights.items()}
+        weights = {n: t.to(torch.bfloat16 if mixed else t.dtype, copy=True) for n, t in history[version].items()}
+        weights = {n: t.requires_grad_() for n, t in weights.items()}
+        if (
+            mixed
+        ):  # a tied weight's uses are leaves of their own (stages apart), their bfloat16 gradients added in float32
+            weights = {n: weights[canonical[n]].detach().clone().requires_grad_() for n in canonical}
+        grads = {n: torch.zeros_like(t) for n, t in history[version].items()}
         count = width * case.num_microbatches
-        for replica in range(width):
+        for replica in reversed(range(width)) if reverse else range(width):
             batch = replica_batch(case, step, replica, width)
             batch = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
-            for micro in _split(batch, case.num_microbatches):
+            micros = _split(batch, case.num_microbatches)
+            for micro in reversed(micros) if reverse else micros:
                 with torch.autocast(
                     torch.device(device).type, dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"
                 ):
-                    logits = functional_call(model, weights, (micro["input_ids"],))
+                    logits = functional_call(model, weights, (micro["input_ids"],), tie_weights=not mixed)
                     loss = model.pipeline_loss(logits, micro) / count
                 for n, g in zip(weights, torch.autograd.grad(loss, list(weights.values()), allow_unused=True)):
                     if g is not None:
-                        grads[n] += g
+                        grads[canonical.get(n, n)] += g
         if step == case.poison_step:  # a NaN loss: the update is skipped, the weights stay, the schedule moves on
             for scheduler in schedulers:
                 scheduler.step()

@@ -124,6 +124,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         delay_correction=case.correction,
         async_checkpoint=case.async_checkpoint,
         lookahead=case.lookahead,
+        weight_dtype=case.weight_dtype,
         compile={"backend": "aot_eager"} if case.compile else False,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )

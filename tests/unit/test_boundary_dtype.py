@@ -61,12 +61,14 @@ def test_no_boundary_dtype_sends_the_tensor_as_computed():
         (Precision(), "float16", torch.float16),
     ],
 )
-def test_auto_is_bf16_under_bf16_mixed_only(plugin, option, expected):
-    strategy = PipeDream2BWStrategy(num_stages=1, boundary_dtype=option, precision_plugin=plugin)
-    assert strategy._resolved_boundary_dtype() == expected
+@pytest.mark.parametrize("name", ["boundary_dtype", "weight_dtype"])
+def test_auto_is_bf16_under_bf16_mixed_only(plugin, option, expected, name):
+    strategy = PipeDream2BWStrategy(num_stages=1, precision_plugin=plugin, **{name: option})
+    assert strategy._resolved(name) == expected
 
 
-def test_bad_boundary_dtype_is_named():
+@pytest.mark.parametrize("name", ["boundary_dtype", "weight_dtype"])
+def test_bad_dtype_option_is_named(name):
     for bad in ("bf16", torch.int64):
-        with pytest.raises(ValueError, match="boundary_dtype=.*torch.bfloat16 or 'bfloat16'"):
-            PipeDream2BWStrategy(boundary_dtype=bad)
+        with pytest.raises(ValueError, match=f"{name}=.*torch.bfloat16 or 'bfloat16'"):
+            PipeDream2BWStrategy(**{name: bad})

@@ -351,3 +351,21 @@ def test_nccl_communicators_are_those_the_stage_joins():
 
 
 S3 = (range(0, 2), range(2, 4), range(4, 6))
+
+
+@pytest.mark.parametrize("mode,versions", [("2bw", 2), ("flush", 1)])
+def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(mode, versions):
+    """``weight_dtype`` (bfloat16 under bf16-mixed): each version in 2 bytes per parameter and one float32 master;
+    gradients, optimizer state and the correction stay float32. Equal to two float32 versions under 2BW, one master
+    more (2 bytes per parameter) under flush."""
+    from lightning_pd2bw.planner.profile import version_bytes
+
+    layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100)] * 4
+    plain = ModelProfile(layers, weight_bytes=4, communicator_bytes=0.0)
+    mixed = ModelProfile(layers, weight_bytes=4, version_bytes=2, communicator_bytes=0.0)
+    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode=mode))
+    a, b = stage_memory(mixed, range(1, 3), 1, candidate, 2), stage_memory(plain, range(1, 3), 1, candidate, 2)
+    assert a["weights"] == versions * 200 * 2 + 200 * 4 and b["weights"] == versions * 200 * 4
+    assert {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"}
+    assert version_bytes("bf16-mixed", "auto") == 2 and version_bytes("32-true", "auto") is None
+    assert version_bytes("bf16-mixed", None) is None and version_bytes("32-true", "bfloat16") == 2
