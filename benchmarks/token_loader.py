@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_pd2bw.data.tokens import TokenDataset, prepare
+from lightning_pd2bw.data.prepare import prepare
+from lightning_pd2bw.data.tokens import TokenDataset
 from lightning_pd2bw.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

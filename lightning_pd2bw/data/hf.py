@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,6 +22,11 @@ def _require(module: str, key: str):
 
 def read_hf_texts(path: str, split: str = "train", text_column: str = "text") -> list[str]:
     """Texts of a local dataset: a ``save_to_disk`` directory, or local files/dirs ``load_dataset`` reads."""
+    return list(hf_texts(path, split, text_column))
+
+
+def hf_texts(path: str, split: str = "train", text_column: str = "text") -> Iterator[str]:
+    """``read_hf_texts``, one text at a time (the dataset stays memory-mapped by Arrow)."""
     datasets = _require("datasets", "data.hf_dataset")
     if not Path(path).exists():
         raise FileNotFoundError(
@@ -41,7 +46,8 @@ def read_hf_texts(path: str, split: str = "train", text_column: str = "text") ->
         raise KeyError(
             f"data.text_column={text_column!r} is not a column of {path!r}; columns: {', '.join(dataset.column_names)}"
         )
-    return list(dataset[text_column])
+    for batch in dataset.select_columns([text_column]).iter(batch_size=1024):
+        yield from batch[text_column]
 
 
 def load_tokenizer(path: str):

@@ -49,7 +49,7 @@ def test_custom_batch_sampler_and_pinning_survive_make_resumable():
     assert resumable.collate_fn is collate
     assert [b.tolist() for b in resumable] == [b.tolist() for b in loader], "the same batches in the same order"
     inner.resume(0, 8)  # two batches of 4 over two replicas were consumed: this rank's next samples follow
-    order = inner.global_order()[8:][1::2]
+    order = inner.global_order()[8:][1::2].tolist()
     first = next(iter(resumable))
     assert first.tolist() == [10 * i for i in order[:4]]
 

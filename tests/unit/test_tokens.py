@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_pd2bw.data.hf import load_tokenizer
-from lightning_pd2bw.data.tokens import EOT, TokenDataset, main, prepare, read_index
+from lightning_pd2bw.data.prepare import EOT, main, prepare
+from lightning_pd2bw.data.tokens import TokenDataset, read_index
 
 pytest.importorskip("tokenizers")
 
@@ -111,10 +112,71 @@ def test_resume_at_another_width_reads_each_window_once(texts, tmp_path):
     resumed = loader(0, 1)
     resumed.sampler.resume(0, 3 * batch * 2)
     after = [w for b in resumed for w in windows(b)]
-    order = resumed.sampler.global_order()
+    order = resumed.sampler.global_order().tolist()
     every = [tuple(data[i]["input_ids"].tolist()) for i in order]
     consumed = 3 * batch * 2
     assert len(set(order)) == len(order) == len(data), "one replica now: the whole permutation, no padding"
     assert sorted(before) == sorted(every[:consumed]), "the two replicas read the epoch's first windows"
     assert after == every[consumed : consumed + len(after)], "the resumed replica continues the same order"
     assert len(every) - consumed - len(after) < batch, "only a last partial batch is dropped (drop_last)"
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory):
+    """Documents of many lines, each larger than the chunks below (so each is tokenized in pieces)."""
+    root = tmp_path_factory.mktemp("lines")
+    words = "pipeline stage weight version microbatch gradient update flush double buffer".split()
+    rng = np.random.default_rng(1)
+    for i in range(5):
+        body = "\n".join(" ".join(rng.choice(words, size=12)) for _ in range(60)) + "\n  indented tail\n"
+        (root / f"doc{i}.txt").write_text(f"Document {i}.\n{body}")
+    return root
+
+
+def test_streamed_in_pieces_over_two_workers_the_shards_are_the_document_stream(lines, tmp_path):
+    """Chunks of 700 characters (each document in pieces, cut where a line starts with a character other than a
+    space), tokenized by two processes and written in order: the train split is exactly the stream of whole
+    documents tokenized one by one (``val_fraction=0``); with a validation fraction each chunk's last tokens go to
+    validation and nothing is lost."""
+    prepare(tmp_path / "tok", [lines], vocab_size=300)
+    tokenizer = str(tmp_path / "tok" / "tokenizer.json")
+    ids = stream(lines, load_tokenizer(tokenizer))
+    index = prepare(tmp_path / "a", [lines], tokenizer=tokenizer, val_fraction=0.0, chunk_bytes=700, workers=2)
+    train = np.concatenate([np.fromfile(tmp_path / "a" / n, dtype=np.uint16) for n, _ in index["splits"]["train"]])
+    assert train.tolist() == ids and index["documents"] == 5 and index["tokens"] == len(ids)
+    index = prepare(tmp_path / "b", [lines], tokenizer=tokenizer, val_fraction=0.1, chunk_bytes=700, workers=2)
+    split = {
+        s: np.concatenate([np.fromfile(tmp_path / "b" / n, dtype=np.uint16) for n, _ in index["splits"][s]]).tolist()
+        for s in ("train", "val")
+    }
+    assert len(split["val"]) > 10 * len(ids) // 1000, "validation tokens from every chunk"
+    assert sorted(split["train"] + split["val"]) == sorted(ids)
+    rest = iter(ids)
+    assert all(token in rest for token in split["train"]), "the train split keeps the stream's order"
+
+
+def test_an_interrupted_run_continues_to_the_same_shards(lines, tmp_path):
+    """Interrupted after 3 chunks (as Ctrl-C would), with a shard written past the record and a shard begun after
+    it (what a kill between a write and its record leaves): the same command continues after the recorded chunks
+    and writes byte for byte what an uninterrupted run writes."""
+    settings = dict(vocab_size=300, val_fraction=0.05, chunk_bytes=500, shard_tokens=700, workers=2)
+    whole = prepare(tmp_path / "whole", [lines], **settings)
+
+    def interrupt(progress):
+        if progress["chunks"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(tmp_path / "cut", [lines], **settings, on_chunk=interrupt)
+    assert not (tmp_path / "cut" / "index.json").exists() and (tmp_path / "cut" / "progress.json").exists()
+    last = sorted((tmp_path / "cut").glob("train-*.bin"))[-1]
+    with open(last, "ab") as handle:
+        handle.write(b"\x01\x02" * 50)
+    (tmp_path / "cut" / "train-00099.bin").write_bytes(b"\x03\x04" * 10)
+    resumed = prepare(tmp_path / "cut", [lines], **settings)
+    assert resumed == whole and not (tmp_path / "cut" / "progress.json").exists()
+    assert sorted(p.name for p in (tmp_path / "cut").glob("*.bin")) == sorted(
+        p.name for p in (tmp_path / "whole").glob("*.bin")
+    )
+    for file in (tmp_path / "whole").glob("*.bin"):
+        assert (tmp_path / "cut" / file.name).read_bytes() == file.read_bytes(), file.name
