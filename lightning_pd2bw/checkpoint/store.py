@@ -374,5 +374,9 @@ def same_layout(manifest: dict[str, Any], stage_layers: list[range]) -> bool:
 
 
 def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full model's state dict from a sharded checkpoint; loads into the plain module."""
+    """The full model's state dict from a sharded checkpoint; loads into the plain module.
+
+    Args:
+        path: a checkpoint directory written by the strategy or ``PipelineEngine.save`` (any depth x width).
+    """
     return {name[len("model/") :]: value for name, value in read_entries(path, "model/").items()}

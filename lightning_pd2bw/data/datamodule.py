@@ -13,7 +13,24 @@ from .datasets import LMDataset, MLMDataset
 
 
 class TextDataModule(pl.LightningDataModule):
-    """``batch_size`` is per data-parallel replica: micro_batch_size x num_microbatches under pd2bw."""
+    """Text as bytes (or a local tokenizer's ids) in fixed windows: the embedded corpus, local files or a local
+    Hugging Face dataset.
+
+    Args:
+        task: ``"lm"`` (next-token labels) or ``"mlm"`` (BERT's masking).
+        seq_len: tokens per sample.
+        batch_size: samples per data-parallel replica and step (micro_batch_size x num_microbatches under pd2bw).
+        paths: local text files or folders (default: the embedded corpus, the Python standard library's source).
+        val_fraction: the corpus's last fraction, held out for validation.
+        max_bytes: read at most this many bytes of the corpus (None: all).
+        shuffle: shuffle the training windows each epoch.
+        seed: of the shuffle (and of MLM's masking).
+        num_workers: DataLoader workers.
+        hf_dataset: a local Hugging Face dataset directory instead of ``paths`` (never downloaded).
+        hf_split: its split.
+        text_column: its text column.
+        tokenizer: a local ``tokenizer.json`` (or its directory); default: bytes.
+    """
 
     def __init__(
         self,

@@ -167,9 +167,15 @@ def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Key
 
 @dataclass(frozen=True)
 class Layout:
-    """``num_stages`` (d), ``num_microbatches`` (m, default d; m >= d), ``mode`` (``"2bw"``, ``"flush"``,
-    ``"gpipe"``), optionally ``layers_per_stage`` (the cut; default: balanced by parameter count) and
-    ``lookahead`` (more forwards in flight before the last stage, ``schedule.warmup_forwards``; default 0)."""
+    """A pipeline's layout, checked when built (``PipelineOptions.layout(world_size)`` resolves one from the options).
+
+    Args:
+        num_stages: the depth d.
+        num_microbatches: microbatches m per batch and replica (default d; m >= d).
+        mode: ``"2bw"``, ``"flush"`` or ``"gpipe"`` (a ``Mode`` or its value).
+        layers_per_stage: the cut, layers per stage (default: balanced by parameter count).
+        lookahead: more forwards in flight before the last stage (``schedule.warmup_forwards``; default 0).
+    """
 
     num_stages: int
     num_microbatches: int | None = None

@@ -31,9 +31,12 @@ DEFAULT_KEYS = rules.Keys(where="PipelineOptions: ", call="PipelineOptions")  # 
 @dataclass(frozen=True)
 class PipelineOptions:
     """How the pipeline runs. Every field is checked when the object is built; a bad one raises ``ValueError``
-    naming it, what is wrong and what is valid.
+    naming it, what is wrong and what is valid. The fields come in four groups: the layout (``num_stages`` to
+    ``global_batch_size``; the depth and the cut may instead come from the planner, ``plan="auto"``), the compute
+    (``recompute`` to ``compile``), the update (``clip_mode`` to ``shard_optimizer``), and failures and
+    checkpoints (the Lightning strategy's: ``failure_timeout`` to ``async_checkpoint``).
 
-    Layout (the depth and the cut may instead come from the planner, ``plan="auto"``):
+    Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
@@ -48,7 +51,6 @@ class PipelineOptions:
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use).
 
-    Compute:
         recompute: recompute each stage's activations in the backward (stash only stage inputs).
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
             ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
@@ -66,7 +68,6 @@ class PipelineOptions:
             ``fullgraph``, ``dynamic``, ``options``). CUDA-graph modes are refused under 2BW. Held as ``None``
             (off) or the keyword arguments.
 
-    The update:
         clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
@@ -86,7 +87,6 @@ class PipelineOptions:
             each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
             across tensors. No effect at width 1.
 
-    Failures and checkpoints (the Lightning strategy's):
         failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
             then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
         hang_timeout: seconds without progress (no action executed by a rank and the ranks it watches) during
@@ -96,8 +96,8 @@ class PipelineOptions:
         async_checkpoint: save checkpoints asynchronously (``torch.distributed.checkpoint.async_save``): training
             waits only while each rank copies its state to host memory; the files are written, and the checkpoint
             published, in the background over a gloo group of its own.
-
-    ``keys`` says how messages name the options (not an option itself).
+        keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
+            ``pd2bw-train``'s ``strategy.*``).
     """
 
     num_stages: int | None = None

@@ -48,7 +48,14 @@ class RunMetrics(Callback):
     *pipeline*: every stage of a pipeline works on the same samples, so Throughput's world size is the
     data-parallel width and a "device" is one pipeline of ``num_stages`` devices (its peak FLOP/s is the
     stages' sum). MFU is logged when the model counts its FLOPs (``flops_per_token()``) and the device's
-    peak is known (``get_available_flops``, or ``peak_flops`` given here for one device, e.g. a CPU)."""
+    peak is known (``get_available_flops``, or ``peak_flops`` given here for one device, e.g. a CPU).
+
+    Args:
+        global_batch_size: samples per optimizer step over all replicas.
+        seq_len: tokens per sample.
+        peak_flops: one device's peak FLOP/s in the run's compute dtype (default: Lightning's table for the GPU;
+            none on a CPU, so no MFU there unless given).
+    """
 
     def __init__(self, global_batch_size: int, seq_len: int, peak_flops: float | None = None) -> None:
         self.global_batch_size, self.seq_len = global_batch_size, seq_len

@@ -50,14 +50,10 @@ STRATEGY_KEYS = rules.Keys(where="PipeDream2BWStrategy: ", call="PipeDream2BWStr
 class PipeDream2BWStrategy(PipelineProcesses):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
-    Args:
-        num_stages, num_microbatches, mode, lookahead, layers_per_stage, plan, global_batch_size, recompute,
-            boundary_dtype, weight_dtype, compile, clip_mode, on_nonfinite, delay_correction, delay_correction_strength,
-            shard_optimizer, failure_timeout, hang_timeout, async_checkpoint: the pipeline's options, each documented (and checked)
-            in ``lightning_pd2bw.engine.options.PipelineOptions``; ``strategy.options`` holds them.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-            timeout: Lightning's, as for ``DDPStrategy``.
-
+    Its keywords are the pipeline's options, each documented and checked once, in
+    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options`` holds them; the API reference lists
+    them here from there), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend`` and ``timeout``, as for ``DDPStrategy``.
     Clipping comes from the Trainer (``gradient_clip_val``, ``gradient_clip_algorithm``).
     """
 

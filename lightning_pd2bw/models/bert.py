@@ -15,7 +15,15 @@ __all__ = ["BERT", "BERT_PRESETS", "BERTConfig", "MLMHead"]
 
 
 class BERT(PipelineLanguageModel):
-    """Masked language model: ``labels`` hold the original token at masked positions, -100 elsewhere."""
+    """Masked language model: ``labels`` hold the original token at masked positions, -100 elsewhere.
+
+    Args:
+        config: a ``BERTConfig``, its fields as a mapping (Hydra's), or None for ``BERTConfig()``.
+        **optim: the optimizer and its schedule, ``PipelineLanguageModel``'s: ``optimizer`` (``"adamw"``, ``"sgd"``
+            or ``"muon"``: Muon for the blocks' matrices, AdamW for the rest), ``lr``, ``weight_decay``, ``betas``,
+            ``momentum`` (SGD), ``warmup_steps`` and ``max_steps`` (linear warm-up, cosine decay to
+            ``min_lr_ratio`` x ``lr``).
+    """
 
     def __init__(self, config: BERTConfig | Mapping[str, Any] | None = None, **optim: Any) -> None:
         super().__init__(config_from(config, BERTConfig) or BERTConfig(), **optim)

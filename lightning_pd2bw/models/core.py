@@ -47,7 +47,8 @@ GPT_PRESETS, BERT_PRESETS = PRESETS["gpt"], PRESETS["bert"]
 
 @dataclass
 class TransformerConfig:
-    """The configuration of our transformers (GPT and BERT differ in the family's presets and default vocab)."""
+    """The configuration of our transformers (GPT and BERT differ in the family's presets and default vocab); the
+    fields are documented on ``GPTConfig``."""
 
     family: ClassVar[str] = "gpt"
     n_layer: int = 4
@@ -64,6 +65,19 @@ class TransformerConfig:
 
 @dataclass
 class GPTConfig(TransformerConfig):
+    """GPT's configuration (presets: ``GPTConfig.from_name("small")``, ``"gpt2"``, ``"gpt13b"``; ``BERTConfig`` has the same fields).
+
+    Args:
+        n_layer: transformer blocks.
+        n_head: attention heads per block (``n_embd`` divisible by it).
+        n_embd: the width of the residual stream.
+        block_size: the context length (positions embedded).
+        vocab_size: token ids the embedding holds (bytes: 256, padded to a multiple of 64).
+        seed: the initialisation seed; each layer's generator derives from it, so a layer initialises alike
+            whichever stage builds it.
+    """
+
+
     def num_parameters(self) -> int:
         """Analytic count, tied embedding once (checkable against the meta-device model)."""
         c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer

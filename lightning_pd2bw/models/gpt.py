@@ -19,7 +19,15 @@ __all__ = ["BYTE_VOCAB", "GPT", "GPT_PRESETS", "GPTConfig", "LMHead"]
 
 
 class GPT(PipelineLanguageModel):
-    """Causal language model on bytes (or any vocabulary)."""
+    """Causal language model on bytes (or any vocabulary).
+
+    Args:
+        config: a ``GPTConfig``, its fields as a mapping (Hydra's), or None for ``GPTConfig()``.
+        **optim: the optimizer and its schedule, ``PipelineLanguageModel``'s: ``optimizer`` (``"adamw"``, ``"sgd"``
+            or ``"muon"``: Muon for the blocks' matrices, AdamW for the rest), ``lr``, ``weight_decay``, ``betas``,
+            ``momentum`` (SGD), ``warmup_steps`` and ``max_steps`` (linear warm-up, cosine decay to
+            ``min_lr_ratio`` x ``lr``).
+    """
 
     def __init__(self, config: GPTConfig | Mapping[str, Any] | None = None, **optim: Any) -> None:
         super().__init__(config_from(config, GPTConfig) or GPTConfig(), **optim)

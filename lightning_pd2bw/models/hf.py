@@ -140,8 +140,15 @@ def _config_of(config: Any) -> Any:
 class HFCausalLM(PipelineLanguageModel):
     """A ``transformers`` causal LM (from a config, a config dict with ``model_type``, or a factory) as a pipeline.
 
-    The optimizer options are ``PipelineLanguageModel``'s (AdamW, SGD, Muon for the blocks' matrices; warm-up and
-    cosine decay).
+    Args:
+        config: a ``transformers`` config, a dict with ``model_type`` (built with ``AutoConfig.for_model``), or a
+            factory returning the model.
+        shift_labels: the labels are the inputs shifted by one inside the loss (a causal LM's convention); False:
+            ``labels`` are already aligned with the outputs.
+        **optim: the optimizer and its schedule, ``PipelineLanguageModel``'s: ``optimizer`` (``"adamw"``, ``"sgd"``
+            or ``"muon"``: Muon for the blocks' matrices, AdamW for the rest), ``lr``, ``weight_decay``, ``betas``,
+            ``momentum`` (SGD), ``warmup_steps`` and ``max_steps`` (linear warm-up, cosine decay to
+            ``min_lr_ratio`` x ``lr``).
     """
 
     auto_model = "AutoModelForCausalLM"  # the transformers class that builds the model from its config
@@ -252,6 +259,13 @@ class HFMaskedLM(HFCausalLM):
     """A ``transformers`` masked LM (BERT) as a pipeline: embeddings, encoder blocks (bidirectional attention;
     a padding ``attention_mask`` travels along), the MLM head; the loss is cross-entropy against ``labels``
     (-100 where nothing is predicted), unshifted. Batches: ``{"input_ids", "labels", optional "attention_mask"}``.
+
+    Args:
+        config: a ``transformers`` config, a dict with ``model_type``, or a factory returning the model.
+        **optim: the optimizer and its schedule, ``PipelineLanguageModel``'s: ``optimizer`` (``"adamw"``, ``"sgd"``
+            or ``"muon"``: Muon for the blocks' matrices, AdamW for the rest), ``lr``, ``weight_decay``, ``betas``,
+            ``momentum`` (SGD), ``warmup_steps`` and ``max_steps`` (linear warm-up, cosine decay to
+            ``min_lr_ratio`` x ``lr``).
     """
 
     auto_model = "AutoModelForMaskedLM"

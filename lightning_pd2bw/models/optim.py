@@ -51,7 +51,17 @@ def build_optimizers(
 
     Under ``strategy="pd2bw"`` the parameters of other stages are placeholders on the meta device: each optimizer
     leaves them out when it has real ones (the engine would drop them), so that the fused CUDA kernels, which
-    refuse meta tensors, can be used; an optimizer with no parameter on this stage keeps its placeholders."""
+    refuse meta tensors, can be used; an optimizer with no parameter on this stage keeps its placeholders.
+
+    Args:
+        params: every parameter to optimize.
+        matrices: those of ``params`` Muon takes (the blocks' weight matrices); unused by ``adamw`` and ``sgd``.
+        optimizer: ``"adamw"``, ``"sgd"`` or ``"muon"``.
+        lr: the learning rate (Muon's scaled to match AdamW's update size).
+        weight_decay: decoupled weight decay (AdamW, Muon) or L2 (SGD).
+        betas: AdamW's.
+        momentum: SGD's.
+    """
     params = _real_or_all(params)
     if optimizer == "sgd":
         return [torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **implementation(params))]

@@ -36,7 +36,19 @@ INITS = ("random", "magnitude")
 
 
 class SparsityCallback(Callback):
-    """Base class: subclasses say what happens at each optimizer step (``plan``)."""
+    """Base class: subclasses say what happens at each optimizer step (``plan``).
+
+    Args:
+        allocation: how the target sparsity is spread over the layers: ``"uniform"`` (each layer alike),
+            ``"erk"`` (Erdos-Renyi-Kernel: denser small layers) or ``"global"`` (one magnitude threshold).
+        targets: regular expressions of the parameter names to sparsify (default: every weight matrix).
+        exclude: regular expressions of names never sparsified (default: embeddings, norms, biases, the head).
+        min_layer_density: no layer is pruned below this density.
+        dense_from_step: from this step on the masks are dropped and training continues dense (SPDF).
+        rewarmup_steps: after each mask change the learning rate re-warms linearly over this many steps.
+        seed: of random masks (the same on every rank).
+        log_per_layer: log each layer's density (grouped under ``sparsity_per_layer``).
+    """
 
     def __init__(
         self,
@@ -183,6 +195,11 @@ def flops_ratio(module: nn.Module, densities: dict[str, float], numels: dict[str
     Dense FLOPs come from ``module.flops_per_token()`` when the module defines it (our GPT/BERT count
     attention scores and the LM head, which stay dense), else ``6 x`` the ``nn.Linear`` weights. A
     masked weight saves its ``6`` FLOPs per token (forward, input gradient, weight gradient).
+
+    Args:
+        module: the model (its ``flops_per_token()`` if it has one).
+        densities: each targeted weight's density, by parameter name.
+        numels: each targeted weight's element count, by parameter name.
     """
     counter = getattr(module, "flops_per_token", None)
     if callable(counter):
@@ -195,7 +212,18 @@ def flops_ratio(module: nn.Module, densities: dict[str, float], numels: dict[str
 
 class GradualMagnitudeSparsity(SparsityCallback):
     """Gradual magnitude pruning: sparsity from ``initial_sparsity`` to ``sparsity`` between
-    ``start_step`` and ``end_step``, updated every ``update_interval`` steps (cubic or linear)."""
+    ``start_step`` and ``end_step``, updated every ``update_interval`` steps (cubic or linear).
+
+    Args:
+        sparsity: the final fraction of zeros in the targeted weights, in [0, 1).
+        end_step: the step the final sparsity is reached.
+        start_step: the step pruning begins.
+        update_interval: steps between mask updates.
+        initial_sparsity: the sparsity at ``start_step``.
+        shape: ``"cubic"`` (Zhu and Gupta's) or ``"linear"``.
+        **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
+            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+    """
 
     def __init__(
         self,
@@ -238,7 +266,14 @@ class GradualMagnitudeSparsity(SparsityCallback):
 
 
 class StaticSparsity(SparsityCallback):
-    """A mask fixed before the first step (random, as SambaNova/Cerebras, or by magnitude at init)."""
+    """A mask fixed before the first step (random, as SambaNova/Cerebras, or by magnitude at init).
+
+    Args:
+        sparsity: the fraction of zeros in the targeted weights, in [0, 1).
+        init: ``"random"`` or ``"magnitude"`` (of the initial weights).
+        **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
+            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+    """
 
     def __init__(self, sparsity: float, init: str = "random", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -253,7 +288,18 @@ class StaticSparsity(SparsityCallback):
 
 class RigL(SparsityCallback):
     """RigL: a sparse mask from step 0; every ``update_interval`` steps until ``end_step`` drop the
-    smallest active weights and grow as many by gradient magnitude (cosine-decayed fraction)."""
+    smallest active weights and grow as many by gradient magnitude (cosine-decayed fraction).
+
+    Args:
+        sparsity: the fraction of zeros in the targeted weights, in [0, 1), from step 0.
+        end_step: the last step the connections change.
+        update_interval: steps between drop-and-grow updates.
+        drop_fraction: the fraction of active weights replaced at the first update (decayed by a cosine).
+        init: ``"random"`` or ``"magnitude"``: the mask at step 0.
+        allocation: ``"erk"`` by default (RigL's), else as ``SparsityCallback``.
+        **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``min_layer_density``,
+            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+    """
 
     def __init__(
         self,

@@ -17,7 +17,13 @@ from ..checkpoint.entries import by_parameter
 def fold_masks(module: nn.Module, masks: Mapping[str, torch.Tensor] | None = None) -> int:
     """Multiply ``masks`` (parameter name -> bool keep-mask) into the weights, remove any pruning
     re-parametrisation (``torch.nn.utils.prune``'s ``weight_orig``/``weight_mask`` hooks, or
-    ``parametrize``), and return the number of zero entries among the masked weights."""
+    ``parametrize``), and return the number of zero entries among the masked weights.
+
+    Args:
+        module: the model whose weights receive the masks, in place.
+        masks: keep-masks by parameter name (e.g. ``checkpoint_masks(path)``); None: only the re-parametrisations
+            are removed.
+    """
     for submodule in module.modules():
         if parametrize.is_parametrized(submodule):
             for tensor_name in list(submodule.parametrizations):
@@ -37,7 +43,12 @@ def fold_masks(module: nn.Module, masks: Mapping[str, torch.Tensor] | None = Non
 
 def checkpoint_masks(checkpoint: str | Path | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """All sparsity masks stored by sparsity callbacks in a Lightning checkpoint (a ``.ckpt`` file, a
-    loaded checkpoint dict, or a pd2bw checkpoint directory: every stage's masks)."""
+    loaded checkpoint dict, or a pd2bw checkpoint directory: every stage's masks).
+
+    Args:
+        checkpoint: a ``.ckpt`` file, a loaded checkpoint dict or a pd2bw checkpoint directory; nothing in it
+            runs code (``weights_only`` loading).
+    """
     if not isinstance(checkpoint, Mapping) and Path(checkpoint).is_dir():
         from ..checkpoint.store import read_entries
 

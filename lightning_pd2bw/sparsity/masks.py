@@ -32,7 +32,13 @@ AllReduce = Callable[[torch.Tensor], None]
 
 @dataclass(frozen=True)
 class MaskUpdate:
-    """What a schedule asks for at one step."""
+    """What a schedule asks for at one step.
+
+    Args:
+        kind: ``"magnitude"``, ``"random"``, ``"rigl"`` or ``"dense"``.
+        density: the overall target density (magnitude, random).
+        drop_fraction: RigL's fraction of each layer's active weights replaced.
+    """
 
     kind: str  # magnitude | random | rigl | dense
     density: float = 1.0  # overall target density (magnitude, random)
@@ -46,8 +52,12 @@ def select_targets(
 
     Default: the module's ``default_sparsity_targets()`` if it has one (our GPT/BERT: the attention
     Q/K/V and output and the MLP matrices of every block), else the weight of every ``nn.Linear``;
-    minus names matching ``exclude`` (embeddings, output head). ``targets`` are regular expressions
-    searched in parameter names.
+    minus names matching ``exclude`` (embeddings, output head).
+
+    Args:
+        module: the model.
+        targets: regular expressions searched in parameter names (default: as above).
+        exclude: regular expressions of names left dense.
     """
     declared = getattr(module, "default_sparsity_targets", None)
     names = list(declared()) if targets is None and callable(declared) else []
@@ -67,7 +77,19 @@ def select_targets(
 
 
 class Sparsifier:
-    """Boolean masks for this process's targeted weights, updated by ``MaskUpdate`` s."""
+    """Boolean masks for this process's targeted weights, updated by ``MaskUpdate`` s.
+
+    Args:
+        targets: the targeted weights by name (``select_targets``), other stages' on the meta device.
+        allocation: ``"uniform"``, ``"erk"`` or ``"global"`` (as ``SparsityCallback``).
+        min_layer_density: no layer is pruned below this density.
+        seed: of random masks.
+        all_reduce: sums a tensor over the pipeline's stages (global thresholds and counts need every stage's
+            weights); None on one process.
+        device: where those sums' tensors live (NCCL reads only its device's tensors; default: the targets'
+            device, else the CPU). A stage may hold no target at all (an embedding alone) and still take part in
+            every sum.
+    """
 
     def __init__(
         self,
@@ -78,9 +100,6 @@ class Sparsifier:
         all_reduce: AllReduce | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        """``device``: where the counts that ``all_reduce`` sums over the stages live (NCCL reads only its device's
-        tensors; default: the targets' device, else the CPU). A stage may hold no target at all (an embedding alone)
-        and still take part in every sum."""
         if allocation not in ALLOCATIONS:
             raise ValueError(f"sparsity allocation={allocation!r} is not valid; valid: {', '.join(ALLOCATIONS)}")
         self.shapes = {n: tuple(p.shape) for n, p in targets.items()}
