@@ -36,13 +36,15 @@ test-slow: venv  ## the slow tests alone (longer runs kept out of both tiers)
 	$(PYTEST) -m slow
 
 docs: venv  ## the documentation site from docs/ into build/site (strict: a broken link or reference fails)
+	$(BIN)/python docs/_ext/lint.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine counters stay bounded
 	OMP_NUM_THREADS=1 PD2BW_SOAK_STEPS=$${PD2BW_SOAK_STEPS:-3000} $(BIN)/python -m pytest -q tests/distributed/test_soak.py
 
-schedules: venv  ## regenerate the schedule pictures quoted in the README
+schedules: venv  ## regenerate the schedule pictures quoted in the docs (the text ones and the concept picture)
 	$(BIN)/python -m lightning_pd2bw.observe.draw
+	$(BIN)/python -m lightning_pd2bw.observe.concept docs/concept-2bw-vs-flush.png
 
 GPU_PY ?= python3
 gpu-check:  ## on a lent GPU machine, with a Python that already has CUDA torch (no install; GPU_PY=...): the GPU tests; fails without CUDA

@@ -50,7 +50,8 @@ def _indent(line: str) -> int:
 
 
 def main(paths: list[str]) -> int:
-    pages = [Path(p) for p in paths] or sorted(Path(__file__).resolve().parents[1].glob("*.md"))
+    root = Path(__file__).resolve().parents[2]
+    pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
     print("\n".join(found))
     return 1 if found else 0

@@ -156,6 +156,7 @@ def planned_stages(cfg, layout, model, profile=None) -> list[range]:
 
 def analytic_model_profile(cfg, model, micro_batch_size: int):
     """The planner's analytic profile of the configured model at ``micro_batch_size`` (FLOPs and bytes)."""
+    import torch
     from hydra.utils import instantiate
 
     from ..engine.partition import layer_parameter_counts
@@ -185,7 +186,11 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     optimizer = cfg.model.optimizer
     states = 1 if optimizer == "sgd" else 2
     mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
-    on_cpu = cfg.trainer.get("accelerator") == "cpu" and not cfg.get("cluster")
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    # the run's own devices: CPUs (gloo, foreach AdamW) unless a cluster is planned or a GPU will be used
+    on_cpu = not cfg.get("cluster") and (
+        accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    )
     layer_states: tuple[float, ...] = ()
     if optimizer == "muon":  # Muon (one state) for the blocks' matrices, AdamW (two) for the rest (models/optim.py)
         layer_states = tuple(

@@ -77,7 +77,6 @@ class GPTConfig(TransformerConfig):
             whichever stage builds it.
     """
 
-
     def num_parameters(self) -> int:
         """Analytic count, tied embedding once (checkable against the meta-device model)."""
         c, v, t, n = self.n_embd, self.vocab_size, self.block_size, self.n_layer

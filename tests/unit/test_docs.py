@@ -83,3 +83,31 @@ def test_the_api_reference_has_a_parameter_table_for_every_public_class_and_func
         if missing := [n for n in names if n not in documented]:
             gaps[obj.path] = missing
     assert checked >= 20 and not gaps, f"parameters without a description in the API reference: {gaps}"
+
+
+def _lint():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_lint", ROOT / "docs" / "_ext" / "lint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_markdown_lint_finds_what_the_strict_build_does_not(tmp_path):
+    """Issue 49, item 4: a list right after a paragraph line (rendered as run-on text), a code line wider than the
+    content column (clipped), a long page without sections; a list after a blank line, a nested list and a list
+    item's continuation pass."""
+    lint = _lint()
+    page = tmp_path / "page.md"
+    code = "x" * (lint.CODE_WIDTH + 1)
+    page.write_text(f"# T\n\nText:\n- item\n\nText.\n\n- fine\n  continued\n- next\n\n```\n{code}\n```\n" + "w " * 500)
+    found = lint.faults(page)
+    assert len(found) == 3, found
+    assert ":4: a list right after a paragraph line" in found[0] and ":13: code line of 121" in found[1]
+    assert "no ## subheading" in found[2]
+
+
+def test_every_docs_page_passes_the_markdown_lint():
+    lint = _lint()
+    assert [f for page in sorted((ROOT / "docs").glob("*.md")) for f in lint.faults(page)] == []
