@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from typing import Any
 
 import griffe
@@ -23,8 +24,8 @@ LIGHTNING = {
 
 def _first_sentence(text: str) -> str:
     flat = " ".join(text.split())
-    end = flat.find(". ")
-    return flat if end < 0 else flat[: end + 1]
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.\s", flat)  # not at "e.g." or "i.e."
+    return flat if end is None else flat[: end.start() + 1]
 
 
 def _parameters(obj: griffe.Object) -> list[griffe.DocstringParameter]:

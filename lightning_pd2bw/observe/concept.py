@@ -28,15 +28,14 @@ def draw(path: str, num_stages: int = 4, num_microbatches: int = 4, num_batches:
     from matplotlib.patches import Patch, Rectangle
 
     panels = [
-        ("flush", "PipeDream-Flush: the pipeline drains before every update (white: the bubble)"),
-        ("2bw", "PipeDream-2BW: no drain; each batch computes on the previous weight version (two held per stage)"),
+        ("flush", "Flush: the pipeline drains before every update (white: the bubble)"),
+        ("2bw", "2BW: no drain; each batch computes on the previous weight version"),
     ]
-    figure, axes = plt.subplots(2, 1, figsize=(16, 7.5))
+    figure, axes = plt.subplots(2, 1, figsize=(12, 6.8))
     drawn = {mode: timeline(S.Mode(mode), num_stages, num_microbatches, num_batches) for mode, _ in panels}
     width = max(len(row) for rows in drawn.values() for row in rows)  # one time axis: 2BW ends sooner
     for axis, (mode, title) in zip(axes, panels):
-        rows = drawn[mode]
-        for stage, row in enumerate(rows):
+        for stage, row in enumerate(drawn[mode]):
             y = num_stages - 1 - stage
             for slot, cell in enumerate(row):
                 if cell == "|":
@@ -50,37 +49,25 @@ def draw(path: str, num_stages: int = 4, num_microbatches: int = 4, num_batches:
                 axis.add_patch(
                     Rectangle((slot + 0.03, y + 0.05), 0.94, 0.9, color=colour, alpha=0.45 if forward else 1)
                 )
-                label = ("F" if forward else "B") + f"{cell[0].upper()}{cell[1:]}"
-                axis.text(
-                    slot + 0.5,
-                    y + 0.5,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=9,
-                    color="black" if forward else "white",
-                )
+                ink = "black" if forward else "white"
+                axis.text(slot + 0.5, y + 0.5, cell, ha="center", va="center", fontsize=11, color=ink)
         axis.set_xlim(0, width)
         axis.set_ylim(0, num_stages)
-        axis.set_yticks([num_stages - 0.5 - s for s in range(num_stages)], [f"stage {s}" for s in range(num_stages)])
+        ticks = [num_stages - 0.5 - s for s in range(num_stages)]
+        axis.set_yticks(ticks, [f"stage {s}" for s in range(num_stages)], fontsize=11)
         axis.set_xticks([])
-        axis.set_xlabel("time (one slot = one microbatch's forward or backward on one stage)", fontsize=10)
+        axis.set_xlabel("time: one slot = one microbatch's forward or backward on one stage", fontsize=11)
         axis.set_title(title, fontsize=13, loc="left")
         for side in ("top", "right"):
             axis.spines[side].set_visible(False)
     legend = [Patch(color=c, label=f"weight version {v}") for v, c in enumerate(VERSION_COLOURS[:num_batches])]
-    legend += [Patch(color="#D62728", label="an update"), Patch(color="grey", alpha=0.45, label="F = forward (light)")]
-    legend += [Patch(color="grey", label="B = backward (dark)")]
-    figure.legend(handles=legend, loc="lower center", ncol=6, fontsize=10, frameon=False)
-    figure.text(
-        0.01,
-        0.955,
-        f"d = {num_stages} stages, m = {num_microbatches} microbatches per batch (A, B, C), {num_batches} batches; "
-        "FA0 = the forward of batch A's microbatch 0",
-        fontsize=10,
-    )
-    figure.tight_layout(rect=(0, 0.05, 1, 0.95))
-    figure.savefig(path, dpi=110)
+    legend += [Patch(color="#D62728", label="update"), Patch(color="grey", alpha=0.45, label="A0: forward")]
+    legend += [Patch(color="grey", label="a0: backward")]
+    figure.legend(handles=legend, loc="lower center", ncol=6, fontsize=11, frameon=False)
+    caption = f"d = {num_stages} stages, m = {num_microbatches} microbatches per batch, batches A, B, C"
+    figure.text(0.01, 0.955, caption + "; A0 = batch A's microbatch 0", fontsize=11)
+    figure.tight_layout(rect=(0, 0.06, 1, 0.95))
+    figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
