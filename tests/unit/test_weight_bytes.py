@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_pd2bw import PipelineEngine
 from lightning_pd2bw.engine import PipelineOptions
+from lightning_pd2bw.planner import Candidate, LayerProfile
+from lightning_pd2bw.planner.cost import ModelProfile, stage_memory
 
 from ..distributed.launch import free_port
 
@@ -137,6 +139,10 @@ def test_the_master_stays_float32_and_the_versions_bfloat16(one_process):
     counters = engine.counters()
     weights = sum(p.numel() for p in engine.parameters())
     assert counters["versions_bytes"] == weights * (4 + 2 * counters["weight_versions"])
+    # the planner's weights term is what the engine holds: two bfloat16 versions and the float32 master
+    profile = ModelProfile([LayerProfile(1.0, 2.0, 0.0, 0.0, weights)], weight_bytes=4, version_bytes=2)
+    planned = stage_memory(profile, range(1), 0, Candidate(1, 1, 1, False, PipelineOptions(mode="2bw")), 2)
+    assert counters["weight_versions"] == 2 and planned["weights"] == counters["versions_bytes"]
     engine.close()
 
 
