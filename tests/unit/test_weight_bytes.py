@@ -132,11 +132,11 @@ def test_the_master_stays_float32_and_the_versions_bfloat16(one_process):
     for _ in range(3):
         engine.train_batch(torch.randn(4, TOKENS, IN), context=torch.autocast("cpu", dtype=torch.bfloat16))
         assert all(p.dtype == torch.float32 for p in engine.parameters())
+    counters = engine.counters()  # in the steady state: two versions held
     engine.drain()
     assert set(seen) == {torch.bfloat16}
     state = [v for s in engine.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
     assert state and all(v.dtype == torch.float32 for v in state)
-    counters = engine.counters()
     weights = sum(p.numel() for p in engine.parameters())
     assert counters["versions_bytes"] == weights * (4 + 2 * counters["weight_versions"])
     # the planner's weights term is what the engine holds: two bfloat16 versions and the float32 master
