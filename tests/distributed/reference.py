@@ -44,9 +44,8 @@ def reference_weights(
     device: str = "cpu",
     bf16_boundaries: bool = True,
     dtype: torch.dtype = torch.float32,
-    reverse: bool = False,
 ) -> dict[str, torch.Tensor]:
-    return reference_run(case, width, device, bf16_boundaries, dtype, reverse)[0]
+    return reference_run(case, width, device, bf16_boundaries, dtype)[0]
 
 
 ROUNDING_FACTOR = 4.0  # how much further from float64 a float32 run may be than the float32 reference is
@@ -91,11 +90,8 @@ def reference_run(
     device: str = "cpu",
     bf16_boundaries: bool = True,
     dtype: torch.dtype = torch.float32,
-    reverse: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Final state dict (on the CPU) and sparsity masks (empty without sparsity); computed on ``device``.
-    ``reverse``: each batch's gradients summed over its replicas and microbatches in the reverse order (the same
-    rule rounded another way: how far rounding alone moves each tensor).
     ``bf16_boundaries``: under bf16-mixed, round at the stage cuts as the pipeline's wire does. One CPU thread, as
     each pipeline rank runs: bfloat16 matmuls round by their summation order, which the thread count changes (a
     reference computed with the test process's threads was 2.7e-3 off in one bias of gpt_2bw_compile_bf16 when
@@ -103,13 +99,13 @@ def reference_run(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_run(case, width, device, bf16_boundaries, dtype, reverse)
+        return _reference_run(case, width, device, bf16_boundaries, dtype)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_run(
-    case: Case, width: int, device: str, bf16_boundaries: bool, dtype: torch.dtype, reverse: bool = False
+    case: Case, width: int, device: str, bf16_boundaries: bool, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = build_model(case)
     model.configure_model()  # initialised in float32 (as the pipeline is), then computed in ``dtype``
@@ -159,11 +155,10 @@ def _reference_run(
             weights = {n: weights[canonical[n]].detach().clone().requires_grad_() for n in canonical}
         grads = {n: torch.zeros_like(t) for n, t in history[version].items()}
         count = width * case.num_microbatches
-        for replica in reversed(range(width)) if reverse else range(width):
+        for replica in range(width):
             batch = replica_batch(case, step, replica, width)
             batch = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in batch.items()}
-            micros = _split(batch, case.num_microbatches)
-            for micro in reversed(micros) if reverse else micros:
+            for micro in _split(batch, case.num_microbatches):
                 with torch.autocast(
                     torch.device(device).type, dtype=torch.bfloat16, enabled=case.precision == "bf16-mixed"
                 ):
