@@ -103,7 +103,9 @@ def chunks(documents: Iterable[Piece], chunk_bytes: int = CHUNK_BYTES) -> Iterat
 _WORKER: dict[str, Any] = {}
 
 
-def _start_worker(tokenizer_json: str, eot: int, dtype: str) -> None:
+def _start_worker(tokenizer_json: str, eot: int, dtype: str, pooled: bool = False) -> None:
+    if pooled:  # a forked worker: the processes are the parallelism (and the tokenizer's threads did not survive)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     import tokenizers
 
     _WORKER.update(tokenizer=tokenizers.Tokenizer.from_str(tokenizer_json), eot=eot, dtype=np.dtype(dtype))
@@ -130,8 +132,7 @@ def _encoded(chunk_list: Iterator[list[Piece]], setup: tuple[str, int, str], wor
     # fork: the workers share the parent's pages (spawn would import torch again in each); the tokenizer's own
     # threads do not survive a fork, so each worker tokenizes on one thread (the processes are the parallelism)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker, setup)
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _start_worker, (*setup, True))
     with pool:
         pending: deque = deque()
         for chunk in chunk_list:
