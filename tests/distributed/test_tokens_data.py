@@ -28,7 +28,7 @@ def test_prepare_then_train_a_pipeline_on_tokens(tmp_path):
             break
     corpus = tmp_path / "tokens"
     prepared = run(
-        [sys.executable, "-m", "lightning_pd2bw.data.tokens", str(corpus), str(texts),
+        [sys.executable, "-m", "lightning_pd2bw.data.prepare", str(corpus), str(texts),
          "--vocab-size", "512", "--val-fraction", "0.05"],
         tmp_path,
     )  # fmt: skip
