@@ -67,6 +67,8 @@ def _split_document(handle: Any, piece_chars: int) -> Iterator[Piece]:
             return
         text = carry + block
         cut = _cut(text)
+        if cut <= 0 and len(text) > 4 * piece_chars:  # a line longer than four pieces: cut before a word
+            cut = _cut_at_word(text)
         if cut <= 0:  # no place to cut yet: keep reading
             carry = text
             continue
@@ -83,6 +85,16 @@ def _cut(text: str) -> int:
             return 0
         if at + 1 < len(text) and not text[at + 1].isspace():
             return at + 1
+
+
+def _cut_at_word(text: str) -> int:
+    """The last position before a single space between two words (the space starts the next word's token), else
+    the end: memory stays bounded even for text without spaces."""
+    at = len(text) - 1
+    while (at := text.rfind(" ", 0, at)) > 0:
+        if not text[at - 1].isspace() and at + 1 < len(text) and not text[at + 1].isspace():
+            return at
+    return len(text)
 
 
 def chunks(documents: Iterable[Piece], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[Piece]]:

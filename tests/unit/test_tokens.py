@@ -180,3 +180,22 @@ def test_an_interrupted_run_continues_to_the_same_shards(lines, tmp_path):
     )
     for file in (tmp_path / "whole").glob("*.bin"):
         assert (tmp_path / "cut" / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+def test_a_document_of_one_long_line_is_read_in_bounded_pieces(tmp_path):
+    """A file without newlines (minified text) is cut before a word once it is four pieces long: memory stays
+    bounded, and the pieces tokenize as the whole line does."""
+    from lightning_pd2bw.data.prepare import pieces
+
+    words = " ".join(["pipeline", "stage", "weight"] * 400)
+    (tmp_path / "line.txt").write_text(words)
+    got = list(pieces([tmp_path / "line.txt"], piece_chars=500))
+    assert len(got) > 3 and max(len(text) for text, _ in got) <= 5 * 500 + 1
+    assert "".join(text for text, _ in got) == words and [ends for _, ends in got][-1] is True
+    assert all(not text.endswith(" ") for text, _ in got[:-1]), "cut before the space that starts a word"
+    prepare(tmp_path / "tok", [tmp_path / "line.txt"], vocab_size=300)
+    tokenizer = str(tmp_path / "tok" / "tokenizer.json")
+    whole = load_tokenizer(tokenizer).encode(words).ids
+    index = prepare(tmp_path / "cut", [tmp_path / "line.txt"], tokenizer=tokenizer, val_fraction=0.0, chunk_bytes=500)
+    shards = [np.fromfile(tmp_path / "cut" / n, dtype=np.uint16) for n, _ in index["splits"]["train"]]
+    assert np.concatenate(shards).tolist()[:-1] == whole, "the same tokens as the whole line (then end-of-text)"
