@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..engine.options import PipelineOptions
+from .checks import autocast_dtype
 from .compat import train_dataloader
 
 
@@ -31,6 +32,7 @@ def choose(
     if not global_batch:
         raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
     module, precision = trainer.lightning_module, trainer.precision_plugin
+    weight_dtype = autocast_dtype(precision) if options.weight_dtype == "auto" else options.weight_dtype
     best, cluster, ranked = plan_on_world(
         layers,
         sample,
@@ -42,6 +44,7 @@ def choose(
         options=options,
         weight_bytes=bytes_per_element(str(precision.precision))[0],
         version_bytes=version_bytes(str(precision.precision), options.weight_dtype),
+        weight_dtype=weight_dtype,  # the layers profiled on weight versions in it, as they will run
         autocast=precision.train_step_context,
     )
     chosen = best.candidate

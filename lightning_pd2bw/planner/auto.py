@@ -92,6 +92,7 @@ def plan_on_world(
     options: PipelineOptions,
     weight_bytes: int = 4,
     version_bytes: int | None = None,
+    weight_dtype: torch.dtype | None = None,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
     max_micro_sizes: int = 6,
@@ -121,7 +122,12 @@ def plan_on_world(
         def profile_for(micro: int) -> ModelProfile:
             batch = sample_microbatch(sample_batch, micro, device)
             profiles = measure_layers(
-                layers, input_fn(batch), device, loss_fn=lambda out: loss_fn(out, batch), autocast=autocast
+                layers,
+                input_fn(batch),
+                device,
+                loss_fn=lambda out: loss_fn(out, batch),
+                autocast=autocast,
+                weight_dtype=weight_dtype,
             )
             nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
             fused = 0.0 if device.type == "cuda" else None  # models/optim.py: fused AdamW on CUDA, no temporaries

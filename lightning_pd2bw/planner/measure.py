@@ -62,6 +62,17 @@ def _initialise(layer: nn.Module) -> None:
                 param.normal_(0.0, 0.02)
 
 
+def _in_dtype(layer: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """``layer`` itself, or a copy whose floating-point parameters are in ``dtype`` (buffers unchanged)."""
+    if dtype is None:
+        return layer
+    copied = copy.deepcopy(layer)
+    for param in copied.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return copied
+
+
 def measure_layers(
     layers: Sequence[nn.Module],
     first_input: Any,
@@ -71,12 +82,15 @@ def measure_layers(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     repeats: int = 3,
     autocast: Callable[[], Any] | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> list[LayerProfile]:
     """Profile ``layers`` on ``device`` for one microbatch whose first-layer input is ``first_input``.
 
     ``loss_fn(output)`` (the last layer's output to a scalar) is timed as part of the last layer,
     as in the pipeline. ``optimizer(params)`` builds the optimizer whose step is timed per layer
-    (default AdamW).
+    (default AdamW). ``weight_dtype`` (``PipelineOptions.weight_dtype``, resolved): the forward and backward run
+    on a copy of the weights in that dtype, as the pipeline's versions are (no cast per microbatch, none kept for
+    the backward); the optimizer steps the float32 weights.
     """
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
     autocast = autocast or (lambda: torch.autocast(device.type, enabled=False))
@@ -91,9 +105,10 @@ def measure_layers(
             materialize([layer], device)
             _initialise(layer)
         key = (*_signature(layer, inputs), is_last)
-        params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
+        params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))  # what the optimizer steps
+        compute = _in_dtype(layer, weight_dtype)  # what the forward and backward run on
 
-        def forward(layer=layer, is_last=is_last, inputs=inputs) -> tuple[Any, Any]:
+        def forward(layer=compute, is_last=is_last, inputs=inputs) -> tuple[Any, Any]:
             leaf = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
             with autocast():
                 out = layer(*leaf)
@@ -103,10 +118,10 @@ def measure_layers(
         if key in cache:
             profile = cache[key]
             with torch.no_grad(), autocast():
-                output = layer(*inputs)
+                output = compute(*inputs)
         else:
             forward_s, (output, _) = _timed(forward, device, repeats)
-            meter = ActivationMeter(params)
+            meter = ActivationMeter([*params, *compute.parameters()])
             with meter.hooks():
                 out, loss = forward()
             saved = meter.current

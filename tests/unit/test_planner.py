@@ -369,3 +369,25 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     assert {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"}
     assert version_bytes("bf16-mixed", "auto") == 2 and version_bytes("32-true", "auto") is None
     assert version_bytes("bf16-mixed", None) is None and version_bytes("32-true", "bfloat16") == 2
+
+
+def test_the_profile_of_bfloat16_weight_versions_keeps_no_cast_of_the_weights():
+    """``plan="auto"`` under bf16-mixed with ``weight_dtype``: the layers are profiled on bfloat16 weights, as the
+    pipeline runs them, so the activations a microbatch keeps for its backward hold no bfloat16 cast of the weights
+    (autocast keeps one per float32 weight: 2 bytes per parameter of each matmul); the optimizer steps float32."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)]
+    x = torch.randn(4, 64)
+
+    def profile(weight_dtype):
+        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)  # noqa: E731
+        return measure_layers(
+            layers, x, torch.device("cpu"), repeats=1, autocast=autocast, weight_dtype=weight_dtype,
+            loss_fn=lambda out: out.float().square().mean(),
+        )  # fmt: skip
+
+    casts, versions = profile(None), profile(torch.bfloat16)
+    for layer, cast, version in zip(layers, casts, versions):
+        assert cast.activation_bytes - version.activation_bytes == layer.weight.numel() * 2
+        assert cast.parameters == version.parameters == sum(p.numel() for p in layer.parameters())
+    assert all(p.dtype == torch.float32 for layer in layers for p in layer.parameters()), "the model is untouched"
