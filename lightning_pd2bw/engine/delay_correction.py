@@ -74,12 +74,19 @@ class ErrorFeedback:
         before: Sequence[torch.Tensor],
         stale: bool,
         parameters: Sequence[torch.nn.Parameter] | None = None,
+        scratch: bool = False,
     ) -> None:
         """After an update moved ``parameters`` from ``before`` (W(t)) to W(t) + D(t): add the correction
-        when the update's gradient was ``stale``; remember D(t) either way (a fresh update restarts the history)."""
+        when the update's gradient was ``stale``; remember D(t) either way (a fresh update restarts the history).
+        ``scratch``: ``before`` is a copy of the caller's that becomes D(t) in place (no second buffer)."""
         parameters = self.parameters if parameters is None else list(parameters)
         weights = [p.data for p in parameters]
-        delta = torch._foreach_sub(weights, list(before))
+        if scratch:
+            delta = list(before)
+            torch._foreach_sub_(delta, weights)
+            torch._foreach_neg_(delta)  # W(t) - (W(t) + D(t)), negated: D(t), where the copy was
+        else:
+            delta = torch._foreach_sub(weights, list(before))
         if stale:
             if self.order == 1:
                 self._first_order(parameters, weights, delta)

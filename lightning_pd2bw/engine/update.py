@@ -259,7 +259,7 @@ class UpdateRule:
                 before = self.versions.weights_before_step(correction.parameters)
             self.step_optimizers(hparams, post_hooks=correction is None)
             if correction is not None:
-                correction.apply(before, stale=batch >= 1)
+                correction.apply(before, stale=batch >= 1, scratch=self.versions.mixed)  # mixed: a master copy
                 for optimizer in self.optimizers:
                     run_post_hooks(optimizer)
         if self.shards is not None:  # every replica, skipped or not: the same broadcasts in the same order

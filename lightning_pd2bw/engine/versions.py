@@ -81,10 +81,6 @@ class WeightVersions:
         held = [t for storages in self._storages.values() for t in storages] + (self.master or [])
         return sum(t.numel() * t.element_size() for t in held)
 
-    @property
-    def master_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.master or [])
-
     def reset_after_drain(self) -> None:
         """After a drain the version rule restarts: relative version 0 is the newest weights."""
         self.use_writable()
