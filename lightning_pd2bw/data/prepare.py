@@ -4,8 +4,8 @@
     pd2bw-prepare-data OUT_DIR texts/ --tokenizer tokenizer.json       # a local tokenizer (never fetched)
     pd2bw-prepare-data OUT_DIR --hf-dataset ./my_dataset --text-column text
 
-The corpus never sits in memory: documents are read as they come (a file larger than a chunk in pieces, cut where
-a line ends before a character that is not a space, where a byte-level tokenizer splits anyway), grouped into chunks
+The corpus never sits in memory: documents are read as they come (a file larger than a chunk in pieces, cut at a
+lone newline between two characters that are not whitespace, where a byte-level tokenizer splits anyway), grouped into chunks
 of about ``chunk_bytes``, tokenized by ``workers`` processes (a bounded number of chunks in flight, their results
 written in order), and appended to shards of ``shard_tokens`` tokens as they finish. Each chunk's last
 ``val_fraction`` of tokens goes to the validation split, so validation text is drawn from across the corpus (for a
@@ -77,13 +77,15 @@ def _split_document(handle: Any, piece_chars: int) -> Iterator[Piece]:
 
 
 def _cut(text: str) -> int:
-    """The last position after a newline that a character other than whitespace follows (0: none)."""
+    """The last position after a lone newline, one with a character other than whitespace on both sides (0: none).
+    A byte-level tokenizer splits there anyway; after a run of whitespace it would not (at the end of a piece the
+    run is one pre-token, inside the text its last character joins the next word)."""
     at = len(text) - 1
     while True:
         at = text.rfind("\n", 0, at)
-        if at < 0:
+        if at <= 0:
             return 0
-        if at + 1 < len(text) and not text[at + 1].isspace():
+        if at + 1 < len(text) and not text[at + 1].isspace() and not text[at - 1].isspace():
             return at + 1
 
 

@@ -128,7 +128,9 @@ def lines(tmp_path_factory):
     words = "pipeline stage weight version microbatch gradient update flush double buffer".split()
     rng = np.random.default_rng(1)
     for i in range(5):
-        body = "\n".join(" ".join(rng.choice(words, size=12)) for _ in range(60)) + "\n  indented tail\n"
+        # paragraphs (blank lines), lines ending in a space, an indented line: cuts only where tokens split anyway
+        lines = [" ".join(rng.choice(words, size=12)) + (" " if j % 7 == 3 else "") for j in range(60)]
+        body = "".join(line + ("\n\n" if j % 5 == 4 else "\n") for j, line in enumerate(lines)) + "  indented tail\n"
         (root / f"doc{i}.txt").write_text(f"Document {i}.\n{body}")
     return root
 
@@ -138,7 +140,7 @@ def test_streamed_in_pieces_over_two_workers_the_shards_are_the_document_stream(
     space), tokenized by two processes and written in order: the train split is exactly the stream of whole
     documents tokenized one by one (``val_fraction=0``); with a validation fraction each chunk's last tokens go to
     validation and nothing is lost."""
-    prepare(tmp_path / "tok", [lines], vocab_size=300)
+    prepare(tmp_path / "tok", [lines], vocab_size=1000)  # large enough to merge runs of whitespace
     tokenizer = str(tmp_path / "tok" / "tokenizer.json")
     ids = stream(lines, load_tokenizer(tokenizer))
     index = prepare(tmp_path / "a", [lines], tokenizer=tokenizer, val_fraction=0.0, chunk_bytes=700, workers=2)
