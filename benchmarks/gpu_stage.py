@@ -9,7 +9,10 @@ batch (``m`` microbatches of ``--micro`` sequences) is trained by
 
 - ``lightning``: plain Lightning on one device, ``accumulate_grad_batches=m`` (the reference step);
 - ``flush`` / ``2bw``: ``PipeDream2BWStrategy(num_stages=1, num_microbatches=m)``, the pipeline engine's
-  step (executor, weight versions, update path) on one stage;
+  step (executor, weight versions, update path) on one stage, with bfloat16 weight versions over a float32 master
+  (``weight_dtype="auto"``, the default);
+- ``2bw-casts`` / ``flush-casts``: the same with ``weight_dtype=None`` (float32 weights that autocast casts at every
+  microbatch's forward and recompute: the path before 0.4.0);
 - ``lightning+compile`` / ``2bw+compile`` / ``flush+compile``: the same with each layer under ``torch.compile``
   (``compile=True``; plain Lightning's layers compiled the same way, per layer, in place). The models' AdamW is
   fused on CUDA in every run.
@@ -46,6 +49,7 @@ from lightning_pd2bw.models import GPT, GPTConfig
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers
+from lightning_pd2bw.planner.profile import version_bytes
 
 GiB = 2**30
 
@@ -69,21 +73,30 @@ class StepClock(pl.Callback):
     def __init__(self, accumulate: int) -> None:
         self.accumulate = accumulate
         self.marks: list[float] = []
+        self.peaks: list[int] = []  # max_memory_allocated at the start of training, then at each step's end
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.peaks.append(torch.cuda.max_memory_allocated())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % self.accumulate == 0:
             torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
+            self.peaks.append(torch.cuda.max_memory_allocated())
 
 
-def predicted_stage_bytes(config: GPTConfig, batch: dict[str, torch.Tensor], micro: int, m: int, mode: str) -> float:
+def predicted_stage_bytes(
+    config: GPTConfig, batch: dict[str, torch.Tensor], micro: int, m: int, options: PipelineOptions
+) -> float:
     """The planner's peak for this one-stage pipeline, from layers profiled on the device as ``plan="auto"`` does
-    (the layers built on the meta device, each materialised and timed alone)."""
+    (the layers built on the meta device, each materialised and timed alone, on bfloat16 weights where the run's
+    versions are bfloat16)."""
     model = GPT(config)
     with parameters_on_meta():
         model.configure_model()
     layers = list(model.pipeline_layers())
     device = torch.device("cuda")
+    versions = version_bytes("bf16-mixed", options.weight_dtype)
     sample = sample_microbatch(batch, micro, device)
     profiles = measure_layers(
         layers,
@@ -91,16 +104,27 @@ def predicted_stage_bytes(config: GPTConfig, batch: dict[str, torch.Tensor], mic
         device,
         loss_fn=lambda out: model.pipeline_loss(out, sample),
         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
+        weight_dtype=torch.bfloat16 if versions else None,
     )
-    profile = ModelProfile(profiles, weight_bytes=4, optimizer_states=2, shared=shared_layers(layers))
-    parts = stage_memory(
-        profile,
-        range(len(layers)),
-        0,
-        Candidate(1, 1, micro, False, PipelineOptions(mode=mode, delay_correction=None)),
-        m,
+    profile = ModelProfile(
+        profiles,
+        weight_bytes=4,
+        optimizer_states=2,
+        shared=shared_layers(layers),
+        version_bytes=versions,
+        optimizer_temporaries=0.0,  # fused AdamW on CUDA (models/optim.py)
     )
+    parts = stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, options), m)
     return float(sum(parts.values()))
+
+
+def dense_bf16_peak() -> float | None:
+    """The device's dense bfloat16 peak: Lightning's table (``get_available_flops``), except for the H200, which it
+    does not know by the name ``NVIDIA H200`` and lists with sparsity (2.0e15) under its SXM name: the H200 has the
+    H100 SXM's tensor cores and clocks, 989.4 TFLOP/s dense."""
+    if "h200" in torch.cuda.get_device_name().lower():
+        return 989.4e12
+    return get_available_flops(torch.device("cuda"), torch.bfloat16)
 
 
 class CompileLayers(pl.Callback):
@@ -115,6 +139,8 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     model = GPT(config, lr=1e-4)
     m, micro = args.m, args.micro
     base, compiled = kind.removesuffix("+compile"), kind.endswith("+compile")
+    base, casts = base.removesuffix("-casts"), base.endswith("-casts")
+    options = PipelineOptions(mode="2bw" if base == "lightning" else base, weight_dtype=None if casts else "auto")
     callbacks: list[pl.Callback] = []
     if base == "lightning":
         strategy: Any = "auto"
@@ -122,7 +148,12 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         callbacks = [CompileLayers()] if compiled else []
     else:
         strategy = PipeDream2BWStrategy(
-            num_stages=1, num_microbatches=m, mode=base, failure_timeout=None, compile=compiled
+            num_stages=1,
+            num_microbatches=m,
+            mode=base,
+            weight_dtype=options.weight_dtype,
+            failure_timeout=None,
+            compile=compiled,
         )
         batch, accumulate = m * micro, 1
     clock = StepClock(accumulate)
@@ -147,7 +178,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     marks = clock.marks[args.warmup - 1 :]
     step_s = sorted(b - a for a, b in zip(marks, marks[1:]))[len(marks) // 2 - 1]  # median steady-state step
     samples = m * micro
-    peak_flops = get_available_flops(torch.device("cuda"), torch.bfloat16)
+    peak_flops = dense_bf16_peak()
     throughput = Throughput(available_flops=peak_flops, world_size=1, window_size=2)
     flops = model.flops_per_token() * samples * config.block_size  # one step's training FLOPs
     for i in range(2):  # the window of one median step: its rates
@@ -161,10 +192,11 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         "tokens_per_sec": rates["device/items_per_sec"],
         "mfu": rates.get("device/mfu"),
         "max_memory_allocated": peak,
+        "peak_by_step": [p - before for p in clock.peaks],  # when the peak was reached: setup, step 1, 2, ...
     }
     if base != "lightning":
         sample = next(iter(DataLoader(data, batch_size=micro)))
-        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, base)
+        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, options)
     print(f"[gpu_stage] {record}", file=sys.stderr, flush=True)
     del trainer, model
     gc.collect()
@@ -187,7 +219,11 @@ def main() -> None:
         raise SystemExit("benchmarks/gpu_stage.py needs a CUDA device")
     config = GPTConfig.from_name("gpt1.3b", n_layer=args.layers, block_size=args.seq)
     data = RandomTokens((args.warmup + args.steps + 1) * args.m * args.micro, args.seq, config.vocab_size)
-    records = [run(kind, config, args, data) for kind in args.runs.split(",")]
+    records = []
+    for kind in args.runs.split(","):
+        records.append(run(kind, config, args, data))
+        if args.json:  # after every run: what finished is kept if a later run fails
+            args.json.write_text(json.dumps(records, indent=1))
     print(
         f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; GPT {args.layers} x {config.n_embd} (heads "
         f"{config.n_head}, vocab {config.vocab_size}), seq {args.seq}, microbatch {args.micro}, m = {args.m}, bf16-mixed"
@@ -210,8 +246,6 @@ def main() -> None:
             print(
                 f"  {r['kind']}: planner / measured peak {r['predicted_bytes'] / r['max_memory_allocated']:.3f} (target within 10%)"
             )
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

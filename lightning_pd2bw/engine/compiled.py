@@ -15,6 +15,7 @@ dynamo then marks the batch dimension dynamic and compiles once more).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 
@@ -63,10 +65,49 @@ def _plain(value: Any) -> Any:
 
 def compile_layers(layers: Sequence[nn.Module], options: Mapping[str, Any]) -> None:
     """Compile each layer's ``__call__`` in place (hooks included; names and ``state_dict`` keys unchanged)."""
+    hide = not fake_tensors_take_mixed_grads()
     for layer in layers:
         # nn.Module.compile() sets this attribute to torch.compile(self._call_impl); compiling a function of ours
         # instead makes dynamo trace modules defined in torch.nn as well (it skips library frames it is handed)
-        layer._compiled_call_impl = torch.compile(_caller_of(layer), **options)
+        compiled = torch.compile(_caller_of(layer), **options)
+        layer._compiled_call_impl = _hiding_mixed_grads(layer, compiled) if hide else compiled
+
+
+@functools.cache
+def fake_tensors_take_mixed_grads() -> bool:
+    """Whether dynamo can trace a parameter whose ``.grad`` has another dtype (a float32 gradient on a bfloat16
+    weight version, ``grad_dtype=None``). torch 2.11 (an H200) and 2.13 cannot: their fake-tensor converter assigns the gradient before
+    it copies ``grad_dtype`` and raises "attempting to assign a gradient with dtype 'float'"."""
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        return True  # torch < 2.10: a gradient of another dtype cannot be attached at all
+    param = nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    param.grad_dtype = None
+    param.grad = torch.zeros(1)
+    try:
+        with FakeTensorMode() as mode:
+            mode.from_tensor(param)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _hiding_mixed_grads(layer: nn.Module, compiled: Any) -> Any:
+    """``compiled`` called with the float32 gradients of ``layer``'s bfloat16 parameters detached, and attached
+    again after it (the same tensors: the accumulation into them runs later, in autograd's own nodes, outside
+    the graph). Dynamo then traces what it can: parameters with no gradient."""
+    params = list(layer.parameters())
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        hidden = [(p, p.grad) for p in params if p.grad is not None and p.grad.dtype != p.dtype]
+        for param, _ in hidden:
+            param.grad = None
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            for param, grad in hidden:
+                param.grad = grad
+
+    return call
 
 
 def _call_layer(*args: Any, _call: Any = None, **kwargs: Any) -> Any:
