@@ -34,6 +34,8 @@ def stage_counters(
         "max_weight_versions": versions.max_versions_held,
         "versions_bytes": versions.held_bytes,
         "gradient_bytes": nbytes(p.grad for p in params if p.grad is not None),
+        # the replica buckets that the gradients accumulate in (width > 1, or mixed-precision weights): every set
+        "gradient_buffer_bytes": update.buckets.held_bytes if update.buckets is not None else 0,
         # 2BW: batch b's gradients set aside from its REDUCE to its STEP, while batch b + 1 accumulates its own
         "pending_gradient_bytes": update.pending_bytes,
         "peak_pending_gradient_bytes": update.peak_pending_bytes,

@@ -94,7 +94,8 @@ class GradientBuckets:
         groups = group_in_buckets(order, **({"limit": self.limit} if self.limit else {}))
         self._slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket index, position), in either set
         self._handles: list[tuple[nn.Parameter, Any]] = []
-        self._spare: list[_Bucket] | None = None  # the second set, allocated at the first launch
+        self._spare: list[_Bucket] | None = None  # the second set, allocated at 2BW's first launch
+        self._sets = 1
         for index, params in enumerate(groups):
             self.buckets.append(_new_bucket(params, params[0].dtype))  # built on the master (mixed weights)
             for position, param in enumerate(params):
@@ -110,6 +111,12 @@ class GradientBuckets:
     @property
     def num_buckets(self) -> int:
         return len(self.buckets)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every bucket set allocated: one, and 2BW's second from its first launch."""
+        one_set = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        return one_set * self._sets
 
     def attach(self) -> None:
         """Point every ``.grad`` at its view (after anything that set them to None or replaced them)."""
@@ -174,24 +181,31 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.work = None
 
-    def launch(self) -> Launched:
-        """2BW's REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits); the
-        next batch's gradients accumulate into the other set, zeroed, its views attached."""
+    def launch(self, double_buffered: bool = True) -> Launched:
+        """REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits).
+
+        2BW (``double_buffered``): the next batch's gradients accumulate meanwhile into the other set, zeroed, its
+        views attached. Flush and gpipe finish the update before the next batch computes: the one set is handed
+        over, the ``.grad`` detached, and ``zero()`` after the step makes it the next batch's (no second set)."""
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
         launched = Launched(self.buckets, set(self.arrived))
-        if self._spare is None:
-            self._spare = [_new_bucket(bucket.params, bucket.flat.dtype) for bucket in self.buckets]
-        self.buckets, self._spare = self._spare, None
+        if double_buffered:
+            if self._spare is None:
+                self._spare = [_new_bucket(bucket.params, bucket.flat.dtype) for bucket in self.buckets]
+                self._sets = 2
+            self.buckets, self._spare = self._spare, None
+            for bucket in self.buckets:
+                bucket.flat.zero_()
+                bucket.work = None
         for bucket in self.buckets:
-            bucket.flat.zero_()
-            bucket.work = None
             for param in bucket.params:
                 param.grad = None  # the launched views stay with the update: attach() must not copy them over
         self.arrived = set()
         self.armed = False
         self._next = 0
-        self.attach()
+        if double_buffered:
+            self.attach()
         return launched
 
     def complete(self, launched: Launched) -> dict[int, torch.Tensor | None]:
@@ -207,7 +221,8 @@ class GradientBuckets:
             flags = bucket.flags.tolist() if missed else [1] * len(bucket.params)  # a host sync only then
             for param, view, flag in zip(bucket.params, bucket.views, flags):
                 out[id(param)] = view if flag else None
-        self._spare = launched.buckets
+        if launched.buckets is not self.buckets:  # 2BW: the spare set again once the update is done with it
+            self._spare = launched.buckets
         return out
 
     def zero(self) -> None:

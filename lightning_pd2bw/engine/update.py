@@ -146,7 +146,7 @@ class UpdateRule:
         if self.buckets is not None:  # started during the last backward; the tied parameters are not in them
             replicated = [s.param for s in self.shared]
             grads_of = {id(p): p.grad for p in replicated}
-            launched = self.buckets.launch()  # in flight until CHECK; the next batch accumulates into the others
+            launched = self.buckets.launch(self.mode.double_buffered)  # in flight until CHECK
         gradients.average_over_replicas(replicated, self.groups.replica, self.data_parallel_size)
         grads: list[torch.Tensor | None] = []
         for param in self.params:
@@ -265,6 +265,8 @@ class UpdateRule:
         if self.shards is not None:  # every replica, skipped or not: the same broadcasts in the same order
             self.shards.broadcast_weights()
         self._swap_out(aside)
+        if self.buckets is not None and not self.mode.double_buffered:
+            self.buckets.zero()  # flush and gpipe: the one bucket set becomes the next batch's
 
     def _squared_norm(self) -> torch.Tensor:
         """This stage's squared gradient norm (a tied parameter counted on the first stage holding it only)."""
