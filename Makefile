@@ -55,8 +55,8 @@ gpu-check:  ## on a lent GPU machine, with a Python that already has CUDA torch 
 BENCH_PY ?= $(BIN)/python
 gpu-bench: export PYTHONPATH := $(CURDIR)
 gpu-bench: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU machine (1 GPU, 16 cores), ~10 min: the engine's step vs Lightning on the GPU, then CPU pipelines at d = 2, 4, 8 (BENCH_PY=python3 where python3 already has torch with CUDA)
-	$(BENCH_PY) benchmarks/gpu_stage.py
-	$(BENCH_PY) benchmarks/gpu_stage.py --runs lightning+compile,2bw+compile,flush+compile
+	$(BENCH_PY) benchmarks/gpu_stage.py --runs lightning,2bw,2bw-casts,flush,flush-casts
+	$(BENCH_PY) benchmarks/gpu_stage.py --micro 4 --runs lightning+compile,2bw+compile,flush+compile
 	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 2 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
 	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 4 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
 	$(BENCH_PY) benchmarks/pipelines.py --m 8 --procs 8 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
