@@ -22,8 +22,10 @@ a run that stops there, schedules included, not a point in the middle of a longe
 the run's own log: each logged ``tokens_per_sec`` is the rate over the steps since the previous log. ``--stages`` sets the depth (one CPU process
 per stage; more stages than cores share them).
 
-Corpora: ``stdlib`` (the embedded corpus: Python source) and ``packages`` (the English descriptions of the
-Python packages installed next to this one: each ``*.dist-info/METADATA``; text no setting was tuned on).
+Corpora: ``stdlib`` (the embedded corpus: Python source), ``packages`` (the English descriptions of the
+Python packages installed next to this one: each ``*.dist-info/METADATA``; text no setting was tuned on) and
+``copyrights`` (a Debian machine's ``/usr/share/doc/*/copyright`` files, each distinct text once: legal English held
+out from the sparsity sweep's tuning).
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+FRACTION = re.compile(r"=@([0-9.]+)$")  # "key=@0.25": a step given as a fraction of the run's steps
+SPARSE_VARIANTS = {  # gradual magnitude pruning to 75%: what each variant changes of conf/sparsity/gradual.yaml
+    "": [],  # cubic from step 0 to 60% of training, uniform allocation (Zhu & Gupta)
+    "+win": ["sparsity.start_step=@0.25", "sparsity.end_step=@0.75"],
+    "+erk": ["sparsity.allocation=erk"],
+    "+global": ["sparsity.allocation=global"],
+    "+win+global": [
+        "sparsity.start_step=@0.25",
+        "sparsity.end_step=@0.75",
+        "sparsity.allocation=global",
+    ],
+    "+linear": ["sparsity.shape=linear"],
+}
 SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
     "2bw": ["strategy.mode=2bw", "strategy.delay_correction=null"],  # the plain rule (the default corrects)
@@ -67,6 +82,17 @@ SETTINGS = {  # name -> Hydra overrides
     # issue 33 item 5: 75% gradual sparsity under the default 2BW against dense (--settings 2bw+ef+dense,2bw+ef+s75)
     "2bw+ef+dense": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity=none"],
     "2bw+ef+s75": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity.sparsity=0.75"],
+    # issue 50: 75% sparsity under the product's defaults (2BW, its default correction) against dense
+    # (--baseline dense --settings dense,s75,s75+win,s75+erk,s75+global,rigl75,spdf75)
+    "dense": ["sparsity=none"],
+    "flush+dense": ["strategy.mode=flush", "sparsity=none"],
+    **{
+        f"{mode}s75{name}": [*mode_keys, "sparsity=gradual", "sparsity.sparsity=0.75", *extra]
+        for mode, mode_keys in (("", []), ("flush+", ["strategy.mode=flush"]))
+        for name, extra in SPARSE_VARIANTS.items()
+    },
+    "rigl75": ["sparsity=rigl", "sparsity.sparsity=0.75"],
+    "spdf75": ["sparsity=spdf", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")
 MODELS = {"gpt_tiny": 64, "gpt_small": 128}  # model preset -> sequence length (the small one's context)
@@ -75,22 +101,29 @@ SPIKE_WINDOW = (
 )
 
 
-SUFFIXES = {"lr": "model.lr", "wu": "model.warmup_steps", "strength": "strategy.delay_correction_strength"}
-SUFFIX = re.compile(r"(lr|wu|strength)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, its value
+SUFFIXES = {
+    "lr": "model.lr",
+    "wu": "model.warmup_steps",
+    "strength": "strategy.delay_correction_strength",
+    "from": "sparsity.start_step",  # a fraction of the run's steps
+    "to": "sparsity.end_step",  # a fraction of the run's steps
+}
+SUFFIX = re.compile(r"(lr|wu|strength|from|to)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, its value
 
 
 def overrides(setting: str) -> list[str]:
     """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``), ``+wuN``
-    (``model.warmup_steps``) and ``+strengthX`` (``strategy.delay_correction_strength``), e.g.
-    ``2bw+ef+lr1e-3+wu60``."""
+    (``model.warmup_steps``), ``+strengthX`` (``strategy.delay_correction_strength``), ``+fromF`` / ``+toF`` (the
+    pruning window, as fractions of the run), e.g. ``2bw+ef+lr1e-3+wu60``, ``s75+global+from0.5+to0.9``."""
     parts, extra = setting.split("+"), []
     while parts and (suffix := SUFFIX.fullmatch(parts[-1])):
         parts.pop()
-        extra.insert(0, f"{SUFFIXES[suffix[1]]}={suffix[2]}")
+        fraction = "@" if suffix[1] in ("from", "to") else ""
+        extra.insert(0, f"{SUFFIXES[suffix[1]]}={fraction}{suffix[2]}")
     name = "+".join(parts)
     if name not in SETTINGS:
         raise SystemExit(
-            f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN and +strengthX"
+            f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN, +strengthX, +fromF, +toF"
         )
     return [*SETTINGS[name], *extra]
 
@@ -99,7 +132,7 @@ def flush_of(setting: str) -> str:
     """The Flush setting a setting is compared with: Flush at the same rate and warm-up (its ``+lrX``/``+wuN``
     suffixes; ``2bw+pef+lr6e-4@330`` -> ``flush+lr6e-4``)."""
     parts = setting.split("@")[0].split("+")
-    schedule = [p for p in parts[1:] if (suffix := SUFFIX.fullmatch(p)) and suffix[1] != "strength"]
+    schedule = [p for p in parts[1:] if (suffix := SUFFIX.fullmatch(p)) and suffix[1] in ("lr", "wu")]
     return "+".join(["flush", *schedule])
 
 
@@ -114,6 +147,29 @@ def packages_corpus(out: Path) -> Path:
     return path
 
 
+def copyrights_corpus(out: Path, limit: int = 4 << 20) -> Path:
+    """The machine's Debian copyright files (``/usr/share/doc/*/copyright``), each distinct text once, in package
+    order, up to ``limit`` bytes: English legal prose and notices, held out from every setting's tuning."""
+    path = out / "copyrights.txt"
+    if not path.exists():
+        seen, texts, size = set(), [], 0
+        for file in sorted(Path("/usr/share/doc").glob("*/copyright")):
+            text = file.read_text(errors="replace")
+            if text in seen or size > limit:
+                continue
+            seen.add(text)
+            texts.append(text)
+            size += len(text)
+        if not texts:
+            raise SystemExit("the copyrights corpus reads /usr/share/doc/*/copyright (Debian): none here")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(texts))
+    return path
+
+
+CORPORA = {"packages": packages_corpus, "copyrights": copyrights_corpus}  # beside stdlib, the embedded corpus
+
+
 def run(
     out: Path, corpus: str, optimizer: str, setting: str, seed: int, args: argparse.Namespace, steps: int | None = None
 ) -> Path:
@@ -124,7 +180,7 @@ def run(
     folder = out / corpus / f"{model}{optimizer}-{setting}{depth}{horizon}-seed{seed}"
     if finished(folder):
         return folder
-    data = [] if corpus == "stdlib" else [f"data.paths=[{packages_corpus(out)}]"]
+    data = [] if corpus == "stdlib" else [f"data.paths=[{CORPORA[corpus](out)}]"]
     command = [
         sys.executable,
         "-m",
@@ -142,7 +198,7 @@ def run(
         f"seed={seed}",
         f"model.config.seed={1234 + seed}",
         f"paths.output_dir={folder}",
-        *overrides(setting),
+        *(FRACTION.sub(lambda m: f"={round(float(m[1]) * steps)}", o) for o in overrides(setting)),
         *data,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
@@ -263,6 +319,7 @@ def main() -> None:
     parser.add_argument("--horizons", default="", help="time to quality: e.g. 1,1.2,1.4 (factors of --steps)")
     parser.add_argument("--model", default="gpt_tiny", choices=sorted(MODELS), help="the model preset (conf/model)")
     parser.add_argument("--log-every", type=int, default=10, help="train loss logged every N steps (1: every spike)")
+    parser.add_argument("--baseline", help="the setting every gap is measured against (default: Flush alike)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
     args = parser.parse_args()
     results: dict[str, dict] = {}
@@ -284,7 +341,7 @@ def main() -> None:
                         "runs": [str(f) for f in runs],
                     }
                     print(f"{corpus:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
-    print(table(results))
+    print(table(results, args.baseline))
     for corpus in args.corpora.split(",") if args.horizons else []:
         for optimizer in args.optimizers.split(","):
             print(f"\ntime to quality: {corpus}, {optimizer}, depth {args.stages}")
@@ -294,9 +351,11 @@ def main() -> None:
     plot(results, args.out / "convergence.png", args.steps)
 
 
-def table(results: dict[str, dict]) -> str:
+def table(results: dict[str, dict], baseline: str | None = None) -> str:
+    """One row per setting; the gap is to Flush at the same rate and warm-up, or to ``baseline`` (e.g. dense)."""
     lines = [
-        "| corpus | optimizer | setting | val loss (mean ± sd) | vs Flush (same optimizer) | worst spike |",
+        f"| corpus | optimizer | setting | val loss (mean ± sd) | vs {baseline or 'Flush'} (same optimizer) "
+        "| worst spike |",
         "|---|---|---|---|---|---|",
     ]
     for key, value in results.items():
@@ -304,12 +363,12 @@ def table(results: dict[str, dict]) -> str:
         finals = value["final"]
         mean = statistics.mean(finals)
         spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        reference = flush_of(setting)
-        if f"{corpus}/{optimizer}/{reference}" not in results:
+        reference = baseline or flush_of(setting)
+        if not baseline and f"{corpus}/{optimizer}/{reference}" not in results:
             reference = "flush"  # no Flush run at this rate and warm-up: the gap says which it is against
         flush = results.get(f"{corpus}/{optimizer}/{reference}")
         gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
-        gap += "" if not flush or reference == flush_of(setting) else " (vs flush)"
+        gap += "" if not flush or baseline or reference == flush_of(setting) else " (vs flush)"
         spike = f"{value['spike']:.2f}x" if "spike" in value else "-"
         lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {spike} |")
     return "\n".join(lines)
