@@ -4,6 +4,7 @@
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
     python benchmarks/convergence.py --corpora packages --optimizers adamw \
         --settings flush,flush+lr1e-3,2bw+ef+lr1e-3,2bw+ef+lr1e-3+wu60    # a learning-rate / warm-up sweep
+    python benchmarks/convergence.py --sweep sparsity      # docs/sparsity.md: 75% against dense (~45 min)
     python benchmarks/convergence.py --corpora packages --optimizers adamw --settings flush,2bw+ef \
         --stages 4 --horizons 1,1.1,1.2       # time to quality at depth 4 (below)
 
@@ -45,16 +46,20 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 FRACTION = re.compile(r"=@([0-9.]+)$")  # "key=@0.25": a step given as a fraction of the run's steps
-SPARSE_VARIANTS = {  # gradual magnitude pruning to 75%: what each variant changes of conf/sparsity/gradual.yaml
-    "": [],  # cubic from step 0 to 60% of training, uniform allocation (Zhu & Gupta)
-    "+win": ["sparsity.start_step=@0.25", "sparsity.end_step=@0.75"],
+SPARSE_BASE = [  # 75% gradual magnitude pruning as Zhu & Gupta: cubic from step 0 to 60% of the run, uniform
+    "sparsity=gradual",
+    "sparsity.sparsity=0.75",
+    "sparsity.start_step=0",
+    "sparsity.end_step=@0.6",
+    "sparsity.allocation=uniform",
+    "sparsity.shape=cubic",
+]
+SPARSE_VARIANTS = {  # what each variant changes of SPARSE_BASE
+    "": [],
+    "+win": ["sparsity.start_step=@0.25", "sparsity.end_step=@0.75"],  # Jin et al.'s window (the default since)
     "+erk": ["sparsity.allocation=erk"],
     "+global": ["sparsity.allocation=global"],
-    "+win+global": [
-        "sparsity.start_step=@0.25",
-        "sparsity.end_step=@0.75",
-        "sparsity.allocation=global",
-    ],
+    "+win+global": ["sparsity.start_step=@0.25", "sparsity.end_step=@0.75", "sparsity.allocation=global"],
     "+linear": ["sparsity.shape=linear"],
 }
 SETTINGS = {  # name -> Hydra overrides
@@ -87,14 +92,50 @@ SETTINGS = {  # name -> Hydra overrides
     "dense": ["sparsity=none"],
     "flush+dense": ["strategy.mode=flush", "sparsity=none"],
     **{
-        f"{mode}s75{name}": [*mode_keys, "sparsity=gradual", "sparsity.sparsity=0.75", *extra]
+        f"{mode}s75{name}": [*mode_keys, *SPARSE_BASE, *extra]
         for mode, mode_keys in (("", []), ("flush+", ["strategy.mode=flush"]))
         for name, extra in SPARSE_VARIANTS.items()
     },
+    "static75": ["sparsity=static", "sparsity.sparsity=0.75"],  # a random mask from step 0 (gpt13b_sparse's)
+    "static75+erk": ["sparsity=static", "sparsity.sparsity=0.75", "sparsity.allocation=erk"],
     "rigl75": ["sparsity=rigl", "sparsity.sparsity=0.75"],
     "spdf75": ["sparsity=spdf", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")
+SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ",".join(
+    f"s75+global+from{a}+to{b}" for a, b in ((0.1, 0.6), (0.25, 0.9), (0.5, 0.9))
+)
+SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
+    # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
+    "sparsity": [
+        {
+            "model": "gpt_tiny",
+            "corpora": "packages",
+            "settings": f"dense,{SPARSE_SWEEP},static75,static75+erk,rigl75,spdf75",
+            "steps": 1000,
+            "val_every": 250,
+            "seeds": 2,
+            "optimizers": "adamw",
+            "baseline": "dense",
+        },
+        *(
+            {
+                "model": model,
+                "corpora": corpora,
+                "settings": settings,
+                "steps": 1000,
+                "val_every": 250,
+                "seeds": 2,
+                "optimizers": "adamw",
+                "baseline": "dense",
+            }
+            for model, corpora, settings in (
+                ("gpt_tiny", "stdlib,copyrights", "dense,s75,s75+win+global"),  # the held-out check
+                ("gpt_small", "packages", "dense,s75+win+global"),
+            )
+        ),
+    ],
+}
 MODELS = {"gpt_tiny": 64, "gpt_small": 128}  # model preset -> sequence length (the small one's context)
 SPIKE_WINDOW = (
     10  # a step's train loss over the median of the WINDOW logged before it (tests/distributed/test_no_spikes)
@@ -125,7 +166,7 @@ def overrides(setting: str) -> list[str]:
         raise SystemExit(
             f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN, +strengthX, +fromF, +toF"
         )
-    return [*SETTINGS[name], *extra]
+    return list({o.split("=")[0]: o for o in [*SETTINGS[name], *extra]}.values())  # the last value of a key wins
 
 
 def flush_of(setting: str) -> str:
@@ -236,6 +277,16 @@ def train_losses(folder: Path) -> list[float]:
     return [loss for _, loss in sorted(rows)]
 
 
+def flops_ratio(folder: Path) -> float:
+    """Training FLOPs per token against dense, averaged over the run: the mean of the logged
+    ``sparsity/flops_ratio`` (the masks counted; attention scores and the head dense), 1.0 without sparsity."""
+    values = []
+    for metrics in folder.glob("csv/*/metrics.csv"):
+        with metrics.open() as f:
+            values += [float(r["sparsity/flops_ratio"]) for r in csv.DictReader(f) if r.get("sparsity/flops_ratio")]
+    return statistics.mean(values) if values else 1.0
+
+
 def worst_spike(losses: list[float], window: int = SPIKE_WINDOW) -> float:
     """The largest ratio of a logged train loss to the median of the ``window`` logged before it (1.0: none above)."""
     ratios = [losses[i] / statistics.median(losses[i - window : i]) for i in range(window, len(losses))]
@@ -321,26 +372,12 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10, help="train loss logged every N steps (1: every spike)")
     parser.add_argument("--baseline", help="the setting every gap is measured against (default: Flush alike)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "convergence")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="run a named sweep (its runs' arguments) instead")
     args = parser.parse_args()
     results: dict[str, dict] = {}
-    factors = [float(h) for h in args.horizons.split(",") if h] or [1.0]
-    for corpus in args.corpora.split(","):
-        for optimizer in args.optimizers.split(","):
-            for setting in args.settings.split(","):
-                for factor in factors if setting != "flush" else [1.0]:
-                    steps = round(args.steps * factor)
-                    runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
-                    curves = [curve(f) for f in runs]
-                    finals = [c[-1][1] for c in curves]
-                    name = setting if steps == args.steps else f"{setting}@{steps}"
-                    results[f"{corpus}/{optimizer}/{name}"] = {
-                        "final": finals,
-                        "spike": max(worst_spike(train_losses(f)) for f in runs),
-                        "curves": curves,
-                        "steps": steps,
-                        "runs": [str(f) for f in runs],
-                    }
-                    print(f"{corpus:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
+    for job in SWEEPS[args.sweep] if args.sweep else [{}]:
+        vars(args).update(job)
+        results |= collect(args)
     print(table(results, args.baseline))
     for corpus in args.corpora.split(",") if args.horizons else []:
         for optimizer in args.optimizers.split(","):
@@ -351,12 +388,39 @@ def main() -> None:
     plot(results, args.out / "convergence.png", args.steps)
 
 
+def collect(args: argparse.Namespace) -> dict[str, dict]:
+    """Every run ``args`` asks for (reused where finished), by "corpus/optimizer/setting" (the corpus labelled with
+    the model where it is not the tiny GPT)."""
+    results: dict[str, dict] = {}
+    factors = [float(h) for h in args.horizons.split(",") if h] or [1.0]
+    for corpus in args.corpora.split(","):
+        label = corpus if args.model == "gpt_tiny" else f"{corpus} ({args.model})"
+        for optimizer in args.optimizers.split(","):
+            for setting in args.settings.split(","):
+                for factor in factors if setting != "flush" else [1.0]:
+                    steps = round(args.steps * factor)
+                    runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
+                    curves = [curve(f) for f in runs]
+                    finals = [c[-1][1] for c in curves]
+                    name = setting if steps == args.steps else f"{setting}@{steps}"
+                    results[f"{label}/{optimizer}/{name}"] = {
+                        "final": finals,
+                        "spike": max(worst_spike(train_losses(f)) for f in runs),
+                        "flops": statistics.mean(flops_ratio(f) for f in runs),
+                        "curves": curves,
+                        "steps": steps,
+                        "runs": [str(f) for f in runs],
+                    }
+                    print(f"{label:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
+    return results
+
+
 def table(results: dict[str, dict], baseline: str | None = None) -> str:
     """One row per setting; the gap is to Flush at the same rate and warm-up, or to ``baseline`` (e.g. dense)."""
     lines = [
         f"| corpus | optimizer | setting | val loss (mean ± sd) | vs {baseline or 'Flush'} (same optimizer) "
-        "| worst spike |",
-        "|---|---|---|---|---|---|",
+        "| train FLOPs vs dense | worst spike |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key, value in results.items():
         corpus, optimizer, setting = key.split("/")
@@ -370,7 +434,8 @@ def table(results: dict[str, dict], baseline: str | None = None) -> str:
         gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
         gap += "" if not flush or baseline or reference == flush_of(setting) else " (vs flush)"
         spike = f"{value['spike']:.2f}x" if "spike" in value else "-"
-        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {spike} |")
+        flops = f"{value['flops']:.2f}" if "flops" in value else "-"
+        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {flops} | {spike} |")
     return "\n".join(lines)
 
 

@@ -54,6 +54,16 @@ def test_gpt13b_recipe_is_gpt3_13b():
     assert sparse.sparsity.sparsity == 0.75 and sparse.model == cfg.model
 
 
+@pytest.mark.parametrize("recipe", ["tiny", "gpt13b_sparse"])
+def test_sparse_recipes_prune_as_the_sweep_measured_best(recipe):
+    """docs/sparsity.md's sweep: gradual pruning from 25% to 75% of training with one global threshold ended 2.1%
+    above dense at 75%, the cubic rise over the first 60% (uniform) 4.4%, a static random mask 7.3%."""
+    cfg = load(recipe)
+    steps = cfg.trainer.max_steps
+    assert cfg.sparsity._target_.endswith("GradualMagnitudeSparsity") and cfg.sparsity.allocation == "global"
+    assert (cfg.sparsity.start_step, cfg.sparsity.end_step) == (int(steps * 0.25), int(steps * 0.75))
+
+
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)
 def test_every_group_option_composes(group, option):
     extra = ("data.seq_len=64",) if group == "model" else ()  # the shortest context among the presets

@@ -7,8 +7,10 @@ import yaml
 
 from benchmarks.convergence import (
     SETTINGS,
+    SWEEPS,
     curve,
     finished,
+    flops_ratio,
     flush_of,
     horizon_to,
     overrides,
@@ -73,3 +75,22 @@ def test_each_setting_is_compared_with_flush_at_its_own_rate_and_warm_up():
     rows = table(results).splitlines()
     assert "| 2bw+pef+lr6e-4 | 2.5050 ± 0.0000 | +0.20% |" in rows[4]
     assert "| 2bw+pef+wu100 | 2.0200 ± 0.0000 | +1.00% (vs flush) |" in rows[5]  # no flush+wu100: said so
+
+
+def test_every_sweep_setting_resolves_and_a_later_key_wins():
+    for job in (job for jobs in SWEEPS.values() for job in jobs):
+        for setting in job["settings"].split(","):
+            keys = [o.split("=")[0] for o in overrides(setting)]
+            assert len(keys) == len(set(keys)), setting
+    window = overrides("s75+global+from0.5+to0.9")
+    assert "sparsity.start_step=@0.5" in window and "sparsity.end_step=@0.9" in window
+    assert "sparsity.start_step=0" not in window and "sparsity.allocation=global" in window
+
+
+def test_training_flops_are_the_mean_logged_ratio(tmp_path):
+    logs = tmp_path / "csv" / "version_0"
+    logs.mkdir(parents=True)
+    (logs / "metrics.csv").write_text("step,sparsity/flops_ratio\n9,1.0\n19,0.5\n19,\n29,0.4\n")
+    assert flops_ratio(tmp_path) == pytest.approx((1.0 + 0.5 + 0.4) / 3)
+    (logs / "metrics.csv").write_text("step,val_loss\n9,3.0\n")
+    assert flops_ratio(tmp_path) == 1.0  # dense: nothing logged
