@@ -324,15 +324,16 @@ def horizon_to(target: float, horizons: list[tuple[int, float, float]]) -> tuple
     return None
 
 
-def quality_times(results: dict[str, dict], prefix: str) -> str:
+def quality_times(results: dict[str, dict], prefix: str, baseline: str = "flush") -> str:
     """Time to quality for the runs under ``prefix`` (corpus/optimizer/): per setting and seed, the run length (LR
-    schedule and all) whose final validation loss equals Flush's with that seed, and its training time."""
-    flush = results[f"{prefix}flush"]
+    schedule and all) whose final validation loss equals ``baseline``'s (Flush's, or dense's) with that seed, and its
+    training time."""
+    flush = results[f"{prefix}{baseline}"]
     targets, flush_times = flush["final"], [seconds(Path(f))[-1][1] for f in flush["runs"]]
     lines = [
-        f"target: Flush's final validation loss after {flush['steps']} steps, seed by seed "
-        f"(mean {statistics.mean(targets):.4f}); Flush's training time {statistics.mean(flush_times):.1f} s",
-        "| setting | final val loss per run length | steps to the target | training s to the target | vs Flush |",
+        f"target: {baseline}'s final validation loss after {flush['steps']} steps, seed by seed "
+        f"(mean {statistics.mean(targets):.4f}); {baseline}'s training time {statistics.mean(flush_times):.1f} s",
+        f"| setting | final val loss per run length | steps to the target | training s to the target | vs {baseline} |",
         "|---|---|---|---|---|",
     ]
 
@@ -351,7 +352,7 @@ def quality_times(results: dict[str, dict], prefix: str) -> str:
         if any(f is None for f in found):
             lines.append(f"| {setting} | {finals} | not reached by {sum(f is None for f in found)} seed(s) | - | - |")
             continue
-        bound = "" if all(f[2] for f in found) or setting == "flush" else "<= "
+        bound = "" if all(f[2] for f in found) or setting == baseline else "<= "
         steps, time_s = statistics.mean(f[0] for f in found), statistics.mean(f[1] for f in found)
         ratio = statistics.mean(f[1] / t for f, t in zip(found, flush_times))
         lines.append(f"| {setting} | {finals} | {bound}{steps:.0f} | {bound}{time_s:.1f} | {ratio:.2f} |")
@@ -382,7 +383,7 @@ def main() -> None:
     for corpus in args.corpora.split(",") if args.horizons else []:
         for optimizer in args.optimizers.split(","):
             print(f"\ntime to quality: {corpus}, {optimizer}, depth {args.stages}")
-            print(quality_times(results, f"{corpus}/{optimizer}/"))
+            print(quality_times(results, f"{corpus}/{optimizer}/", args.baseline or "flush"))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "convergence.png", args.steps)
@@ -397,7 +398,7 @@ def collect(args: argparse.Namespace) -> dict[str, dict]:
         label = corpus if args.model == "gpt_tiny" else f"{corpus} ({args.model})"
         for optimizer in args.optimizers.split(","):
             for setting in args.settings.split(","):
-                for factor in factors if setting != "flush" else [1.0]:
+                for factor in factors if setting not in ("flush", args.baseline) else [1.0]:
                     steps = round(args.steps * factor)
                     runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
                     curves = [curve(f) for f in runs]

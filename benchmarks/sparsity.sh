@@ -14,6 +14,7 @@ run() {  # name, overrides...
 mkdir -p outputs
 run dense sparsity=none
 for s in 0.5 0.75; do
-  run gradual-$s sparsity=gradual sparsity.sparsity=$s
+  run gradual-$s sparsity=gradual sparsity.sparsity=$s sparsity.start_step=0 sparsity.end_step=$((STEPS * 6 / 10)) \
+    sparsity.allocation=uniform  # the cubic rise over the first 60%, uniform: the defaults before 0.4.1
   run static-$s sparsity=static sparsity.sparsity=$s
 done
