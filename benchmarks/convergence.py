@@ -4,7 +4,7 @@
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
     python benchmarks/convergence.py --corpora packages --optimizers adamw \
         --settings flush,flush+lr1e-3,2bw+ef+lr1e-3,2bw+ef+lr1e-3+wu60    # a learning-rate / warm-up sweep
-    python benchmarks/convergence.py --sweep sparsity      # docs/sparsity.md: 75% against dense (~45 min)
+    python benchmarks/convergence.py --sweep sparsity      # docs/sparsity.md: 75% against dense (~1 h 40 min)
     python benchmarks/convergence.py --corpora packages --optimizers adamw --settings flush,2bw+ef \
         --stages 4 --horizons 1,1.1,1.2       # time to quality at depth 4 (below)
 
@@ -382,6 +382,8 @@ def main() -> None:
     print(table(results, args.baseline))
     for corpus in args.corpora.split(",") if args.horizons else []:
         for optimizer in args.optimizers.split(","):
+            if f"{corpus}/{optimizer}/{args.baseline or 'flush'}" not in results:
+                continue  # nothing to reach: the horizons alone (e.g. dense at a sparse run's FLOPs)
             print(f"\ntime to quality: {corpus}, {optimizer}, depth {args.stages}")
             print(quality_times(results, f"{corpus}/{optimizer}/", args.baseline or "flush"))
     args.out.mkdir(parents=True, exist_ok=True)
