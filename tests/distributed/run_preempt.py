@@ -33,10 +33,18 @@ from tests.distributed.harness import quiet_trainer  # noqa: E402
 
 
 class Preempt(Callback):
+    """SIGTERM from a helper thread 20 ms into step ``step``, wherever the main thread is then; where the step takes
+    less than 20 ms (a fast CPU), the next step does not start before it is sent, so it lands in step ``step`` or at
+    the start of the next, on any machine."""
+
     def __init__(self, who: str, step: int) -> None:
         self.who, self.step = who, step
+        self.sender: threading.Thread | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if self.sender is not None:
+            self.sender.join()  # sent by now: the handler runs at the main thread's next bytecode
+            self.sender = None
         if trainer.global_step != self.step or self.who not in ("all", str(trainer.global_rank)):
             return
 
@@ -44,7 +52,8 @@ class Preempt(Callback):
             time.sleep(0.02)
             os.kill(os.getpid(), signal.SIGTERM)
 
-        threading.Thread(target=send, daemon=True).start()
+        self.sender = threading.Thread(target=send, daemon=True)
+        self.sender.start()
 
 
 class SaveFinal(Callback):
