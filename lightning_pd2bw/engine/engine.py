@@ -217,7 +217,8 @@ class PipelineEngine:
         if (self.grid.data_parallel_size > 1 or versions.mixed) and self.optimizers:  # mixed: float32 .grad kept
             tied = {id(s.param) for s in self.shared}
             replicated = [p for p in self.params if id(p) not in tied]
-            buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size)
+            owners = shards if self.options.shard_gradients else None  # each owner's gradients reduced to it
+            buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size, shards=owners)
         self.update = UpdateRule(
             self.options,
             self.optimizers,

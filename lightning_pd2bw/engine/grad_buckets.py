@@ -20,9 +20,10 @@ gradients aside for their sums over the stages (``update.py``, REDUCE).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .gradients import buckets as group_in_buckets
+
+if TYPE_CHECKING:
+    from .sharding import OptimizerShards
 
 _HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its hook's handle (the newest owner's)
 
@@ -53,21 +57,44 @@ class _Done:
 _DONE = _Done()
 
 
+ALL = -1  # a segment all-reduced (not sharded, or a parameter no replica owns)
+
+
 @dataclass
 class _Bucket:
-    params: list[nn.Parameter]
-    flat: torch.Tensor  # the gradients, then one flag per parameter
+    params: list[nn.Parameter]  # each owner's together (``_new_bucket``)
+    flat: torch.Tensor  # per segment: its gradients, then one flag per parameter
     views: list[torch.Tensor]
-    flags: torch.Tensor
+    flag_at: torch.Tensor  # each parameter's flag: its index in ``flat``
+    segments: list[tuple[int, torch.Tensor]]  # (owner replica or ALL, its part of ``flat``)
     waiting: int = 0  # gradients still to arrive in the armed backward
-    work: Any = None  # its all-reduce, once started
+    work: list[Any] | None = None  # its collectives, once started
+
+    def flags(self) -> list[float]:
+        return self.flat[self.flag_at].tolist()  # a host sync: read only where a gradient was missed
 
 
-def _new_bucket(params: list[nn.Parameter], dtype: torch.dtype) -> _Bucket:
-    sizes = [p.numel() for p in params]
-    flat = torch.zeros(sum(sizes) + len(params), dtype=dtype, device=params[0].device)
-    views = [v.view_as(p) for v, p in zip(flat[: sum(sizes)].split(sizes), params)]
-    return _Bucket(params, flat, views, flat[sum(sizes) :])
+def _new_bucket(params: list[nn.Parameter], dtype: torch.dtype, owner_of: dict[int, int] | None = None) -> _Bucket:
+    def owner(param: nn.Parameter) -> int:
+        return ALL if owner_of is None else owner_of.get(id(param), ALL)
+
+    params = sorted(params, key=owner)  # stable: the same layout on every replica
+    flat = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=dtype, device=params[0].device)
+    views: list[torch.Tensor] = []
+    flag_at: list[int] = []
+    segments: list[tuple[int, torch.Tensor]] = []
+    offset = 0
+    for key, members in itertools.groupby(params, key=owner):
+        members = list(members)
+        start = offset
+        for param in members:
+            views.append(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        flag_at += range(offset, offset + len(members))
+        offset += len(members)
+        segments.append((key, flat[start:offset]))
+    index = torch.tensor(flag_at, dtype=torch.long, device=flat.device)
+    return _Bucket(params, flat, views, index, segments)
 
 
 @dataclass
@@ -87,18 +114,21 @@ class GradientBuckets:
     group: Any
     size: int
     limit: int | None = None  # bytes per bucket (default: gradients.BUCKET_BYTES)
+    shards: OptimizerShards | None = None  # sharded gradients: each owner's part reduced to it alone
     buckets: list[_Bucket] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         order = [p for p in reversed(list(self.params)) if p.requires_grad]
         groups = group_in_buckets(order, **({"limit": self.limit} if self.limit else {}))
+        shards = self.shards
+        self._owner_of = None if shards is None else {id(p): o for p, o in zip(shards.params, shards.owners)}
         self._slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket index, position), in either set
         self._handles: list[tuple[nn.Parameter, Any]] = []
         self._spare: list[_Bucket] | None = None  # the second set, allocated at 2BW's first launch
         self._sets = 1
         for index, params in enumerate(groups):
-            self.buckets.append(_new_bucket(params, params[0].dtype))  # built on the master (mixed weights)
-            for position, param in enumerate(params):
+            self.buckets.append(_new_bucket(params, params[0].dtype, self._owner_of))  # on the master (mixed)
+            for position, param in enumerate(self.buckets[-1].params):
                 self._slot[id(param)] = (index, position)
                 release([param])  # a rebuilt engine over the same parameters takes them over
                 _HOOKS[param] = param.register_post_accumulate_grad_hook(self._accumulated)
@@ -111,6 +141,17 @@ class GradientBuckets:
     @property
     def num_buckets(self) -> int:
         return len(self.buckets)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a replica holds the average of its own parameters' gradients only (``shards``)."""
+        return self._owner_of is not None and self.size > 1
+
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether this replica receives ``param``'s averaged gradient (every parameter unless ``sharded``)."""
+        if not self.sharded:
+            return True
+        return self._owner_of.get(id(param), ALL) in (ALL, self.shards.replica)
 
     @property
     def held_bytes(self) -> int:
@@ -153,13 +194,27 @@ class GradientBuckets:
     def _start(self, bucket: _Bucket) -> None:
         arrived = [id(p) in self.arrived for p in bucket.params]
         if all(arrived):
-            bucket.flags.fill_(1)
-        else:
-            for position, flag in enumerate(arrived):
-                if flag:
-                    bucket.flags[position] = 1
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if self.size > 1 else _DONE
+            bucket.flat.index_fill_(0, bucket.flag_at, 1)
+        elif any(arrived):
+            positions = torch.tensor([i for i, flag in enumerate(arrived) if flag], device=bucket.flag_at.device)
+            bucket.flat.index_fill_(0, bucket.flag_at[positions], 1)
+        bucket.work = [self._collective(owner, part) for owner, part in bucket.segments] if self.size > 1 else [_DONE]
         self._next += 1
+
+    def _collective(self, owner: int, part: torch.Tensor) -> Any:
+        """A segment's sum over the replicas: to its owner alone (sharded), else to every replica."""
+        if owner == ALL:
+            return dist.all_reduce(part, group=self.group, async_op=True)
+        return dist.reduce(part, dst=self.shards.ranks[owner], group=self.group, async_op=True)
+
+    def _wait(self, bucket: _Bucket, missed: bool) -> list[float]:
+        """Wait for ``bucket``'s collectives and average; its flags (read only where a gradient was missed)."""
+        for work in bucket.work:
+            work.wait()
+        bucket.work = None
+        if self.size > 1:
+            bucket.flat.div_(self.size)  # a non-owner's part of another owner is left as it was: never read
+        return bucket.flags() if missed else [1.0] * len(bucket.params)
 
     def finish(self) -> None:
         """REDUCE: start what has not started, wait, average; a parameter without a gradient on every replica
@@ -168,18 +223,11 @@ class GradientBuckets:
             self._start(self.buckets[self._next])
         missed = len(self.arrived) < len(self._slot)
         for bucket in self.buckets:
-            bucket.work.wait()
-            if self.size > 1:
-                bucket.flat.div_(self.size)
-            if missed:
-                flags = bucket.flags.tolist()  # only where this replica missed a gradient: one host sync
-                for param, flag in zip(bucket.params, flags):
-                    if flag == 0:
-                        param.grad = None
+            for param, flag in zip(bucket.params, self._wait(bucket, missed)):
+                if flag == 0 or not self.holds(param):
+                    param.grad = None
         self.armed = False
         self._next = 0
-        for bucket in self.buckets:
-            bucket.work = None
 
     def launch(self, double_buffered: bool = True) -> Launched:
         """REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits).
@@ -192,7 +240,7 @@ class GradientBuckets:
         launched = Launched(self.buckets, set(self.arrived))
         if double_buffered:
             if self._spare is None:
-                self._spare = [_new_bucket(bucket.params, bucket.flat.dtype) for bucket in self.buckets]
+                self._spare = [_new_bucket(b.params, b.flat.dtype, self._owner_of) for b in self.buckets]
                 self._sets = 2
             self.buckets, self._spare = self._spare, None
             for bucket in self.buckets:
@@ -210,17 +258,12 @@ class GradientBuckets:
 
     def complete(self, launched: Launched) -> dict[int, torch.Tensor | None]:
         """CHECK: wait for ``launched``'s all-reduces and average; returns each parameter's gradient (a view of
-        its bucket, None where no replica had one). The set is the spare again once the update is done with it."""
+        its bucket; None where no replica had one, and, sharded, where another replica owns it). The set is the spare again once the update is done with it."""
         missed = len(launched.arrived) < len(self._slot)
         out: dict[int, torch.Tensor | None] = {}
         for bucket in launched.buckets:
-            bucket.work.wait()
-            bucket.work = None
-            if self.size > 1:
-                bucket.flat.div_(self.size)
-            flags = bucket.flags.tolist() if missed else [1] * len(bucket.params)  # a host sync only then
-            for param, view, flag in zip(bucket.params, bucket.views, flags):
-                out[id(param)] = view if flag else None
+            for param, view, flag in zip(bucket.params, bucket.views, self._wait(bucket, missed)):
+                out[id(param)] = view if flag and self.holds(param) else None
         if launched.buckets is not self.buckets:  # 2BW: the spare set again once the update is done with it
             self._spare = launched.buckets
         return out

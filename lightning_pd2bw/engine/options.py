@@ -86,6 +86,13 @@ class PipelineOptions:
             of the optimizer's work (Muon's Newton-Schulz included). Exact for any optimizer whose step treats
             each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
             across tensors. No effect at width 1.
+        shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
+            instead of all-reducing it (``engine/grad_buckets.py``): with the owners' weight broadcast, each
+            replica moves what DDP's all-reduce alone moves (ZeRO-1's exchange), about 2/3 of all-reduce plus
+            broadcast. The clip norm and the non-finite check sum the owners' parts over the replicas. Off by
+            default: a replica then holds the average of its own parameters' gradients only, so the
+            ``on_before_optimizer_step`` hooks of the others see None there (a gradient-norm logger sees its
+            replica's share; RigL's regrowth, which reads every gradient, is refused).
 
         failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
             then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
@@ -116,6 +123,7 @@ class PipelineOptions:
     delay_correction: str | None = DEFAULT_CORRECTION
     delay_correction_strength: float = 1.0
     shard_optimizer: bool = True
+    shard_gradients: bool = False
     failure_timeout: float | None = 180.0
     hang_timeout: float | None = 600.0
     async_checkpoint: bool = False
@@ -141,6 +149,11 @@ class PipelineOptions:
             raise ValueError(
                 f"{keys.named('delay_correction_strength', self.delay_correction_strength)} must be > 0 "
                 "(1.0: the update extrapolated one step ahead)"
+            )
+        if self.shard_gradients and not self.shard_optimizer:
+            raise ValueError(
+                f"{keys.named('shard_gradients', True)} needs the optimizer sharded (the owners the gradients are "
+                f"reduced to): set {keys.named('shard_optimizer', True)}, or shard_gradients=False"
             )
         for name, what in (("failure_timeout", "failure detection"), ("hang_timeout", "progress checks")):
             value = getattr(self, name)

@@ -5,10 +5,13 @@ weights to the other replicas, into their newest weight version.
 
 Ownership is by whole tensors (Muon's Newton-Schulz needs the whole matrix), balanced by size: the largest first,
 each to the replica owning the fewest elements so far (ties: the lowest replica), so every replica computes the
-same assignment from the same parameter list, with no communication. The gradients stay all-reduced (every
-replica holds the averaged gradient of every parameter: the global clip norm and the non-finite check read them
-unchanged); what the sharding saves is the optimizer's state, the correction's buffers and 1/w of the step's
-work, and the rule is exactly the unsharded one (one replica computes what all of them computed before).
+same assignment from the same parameter list, with no communication. By default the gradients stay all-reduced
+(every replica holds the averaged gradient of every parameter: Lightning's ``on_before_optimizer_step`` hooks, the
+global clip norm and the non-finite check read them unchanged); what the sharding saves is the optimizer's state,
+the correction's buffers and 1/w of the step's work, and the rule is exactly the unsharded one (one replica
+computes what all of them computed before). ``shard_gradients=True`` reduces each gradient to its owner instead
+(``grad_buckets.py``; the norm and the flags then sum the owners' parts over the replicas, ``update.py``): the
+exchange drops from all-reduce plus broadcast to DDP's bytes.
 
 The broadcasts run on a group of their own (``grid.Groups.shard``), one per owning replica, each the bytes of the
 owner's parameters in one message (``gradients.broadcast_flat``, any dtypes); every replica issues them in the same

@@ -205,8 +205,11 @@ class UpdateRule:
             self.finite_watch.push(self.ledger.global_step(batch), self.params)
             self.raise_if_nonfinite()
             return
-        # skip: every stage's flag over the pipeline (replicas already hold the same averaged gradients)
+        # skip: every stage's flag over the pipeline (replicas already hold the same averaged gradients, or with
+        # sharded gradients agree on the owners' flags first)
         aside.flag = gradients.nonfinite_flag([p.grad for p in self.params if p.grad is not None], self.device)
+        if self.gradients_sharded:
+            dist.all_reduce(aside.flag, op=dist.ReduceOp.MAX, group=self.groups.shard)
         aside.flag_work = dist.all_reduce(aside.flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline, async_op=True)
 
     def hooks(self, batch: int) -> None:
@@ -268,11 +271,23 @@ class UpdateRule:
         if self.buckets is not None and not self.mode.double_buffered:
             self.buckets.zero()  # flush and gpipe: the one bucket set becomes the next batch's
 
+    @property
+    def gradients_sharded(self) -> bool:
+        """Each replica holds the averaged gradients of the parameters it owns only (``shard_gradients``)."""
+        return self.buckets is not None and self.buckets.sharded
+
     def _squared_norm(self) -> torch.Tensor:
-        """This stage's squared gradient norm (a tied parameter counted on the first stage holding it only)."""
+        """This stage's squared gradient norm (a tied parameter counted on the first stage holding it only).
+        Sharded gradients: the owners' parts summed over the replicas (on ``shard``'s communicator, where nothing
+        of the next batch is queued), the tied parameters, whole on every replica, added after."""
         not_counted = {id(s.param) for s in self.shared if not s.counts_for_norm}
-        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in not_counted]
-        return gradients.squared_norm(grads, self.device)
+        counted = [p for p in self.params if p.grad is not None and id(p) not in not_counted]
+        if not self.gradients_sharded:
+            return gradients.squared_norm([p.grad for p in counted], self.device)
+        tied = {id(s.param) for s in self.shared}
+        owned = gradients.squared_norm([p.grad for p in counted if id(p) not in tied], self.device)
+        dist.all_reduce(owned, group=self.groups.shard)
+        return owned + gradients.squared_norm([p.grad for p in counted if id(p) in tied], self.device)
 
     def _agreed_finite(self, batch: int, aside: SetAside) -> bool:
         """``skip``: the flag CHECK launched over the pipeline (the one host sync per update of this policy)."""

@@ -87,6 +87,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
         shard_optimizer: bool = True,
+        shard_gradients: bool = False,
     ) -> None:
         given = dict(locals())
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)

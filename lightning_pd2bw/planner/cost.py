@@ -17,7 +17,8 @@ topology the replicas span), the sum of shared (tied) parameters' gradients betw
 the optimizer step. 2BW runs its update beside the next batch (``engine/update.py``): only the optimizer's work and
 the part of the replica all-reduce longer than a microbatch slot remain. With ``shard_optimizer`` (ZeRO-1) each
 replica steps 1/w of the stage's parameters and the owners then broadcast the new weights (an all-gather's bytes,
-before the next forward). Memory per stage s:
+before the next forward); with ``shard_gradients`` too, the gradients are reduced to their owners (half an
+all-reduce's bytes). Memory per stage s:
 
     weights x versions (2 for 2BW) + gradients x versions (2BW: batch b's set aside until its STEP)
     + optimizer states (of the weights this replica steps: about 1/w of the stage's with ``shard_optimizer``)
@@ -114,6 +115,7 @@ class Candidate:
             lookahead=options.lookahead,
             delay_correction=options.delay_correction,
             shard_optimizer=options.shard_optimizer,
+            shard_gradients=options.shard_gradients,
         )
         return cls(width, depth, micro_batch_size, recompute, planned)  # what the plan depends on, nothing else
 
@@ -352,6 +354,8 @@ def predict(
         # sharded: the owners' new weights to every replica after the step (an all-gather: half an all-reduce's
         # bytes), before the next forward reads them
         gather = replicas / 2 if candidate.optimizer_share < 1 else 0.0
+        if candidate.options.shard_gradients and candidate.optimizer_share < 1:
+            replicas /= 2  # each part reduced to its owner alone: a reduce-scatter's bytes, half an all-reduce's
         if candidate.mode.double_buffered:  # beside the next batch: the replica average overlaps the last backward and
             # the next forward, the tied sum a whole partial step; the optimizer's work stays on the device
             updates.append(optimizer + gather + max(0.0, replicas - compute - messages))

@@ -50,6 +50,8 @@ class SparsityCallback(Callback):
         log_per_layer: log each layer's density (grouped under ``sparsity_per_layer``).
     """
 
+    reads_gradients = False  # mask changes read the gradients (RigL's regrowth), not only the weights
+
     def __init__(
         self,
         allocation: str = "uniform",
@@ -114,6 +116,13 @@ class SparsityCallback(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        options = getattr(trainer.strategy, "options", None)
+        width = getattr(trainer.strategy, "data_parallel_size", 1)
+        if self.reads_gradients and getattr(options, "shard_gradients", False) and width > 1:
+            raise ValueError(
+                f"{type(self).__name__} grows connections by gradient, and with strategy.shard_gradients=True each "
+                "replica holds only the gradients of the parameters it owns: set shard_gradients=False"
+            )
         reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
         self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
         self._optimizers = list(trainer.optimizers)
@@ -288,7 +297,8 @@ class StaticSparsity(SparsityCallback):
 
 class RigL(SparsityCallback):
     """RigL: a sparse mask from step 0; every ``update_interval`` steps until ``end_step`` drop the
-    smallest active weights and grow as many by gradient magnitude (cosine-decayed fraction).
+    smallest active weights and grow as many by gradient magnitude (cosine-decayed fraction). Needs every
+    gradient on every replica: refused with ``shard_gradients=True``.
 
     Args:
         sparsity: the fraction of zeros in the targeted weights, in [0, 1), from step 0.
@@ -320,6 +330,8 @@ class RigL(SparsityCallback):
             raise ValueError(f"RigL(end_step={end_step}, update_interval={update_interval}) must both be >= 1")
         self.sparsity, self.end_step, self.update_interval = sparsity, end_step, update_interval
         self.drop_fraction, self.init = drop_fraction, init
+
+    reads_gradients = True
 
     def plan(self, step: int) -> MaskUpdate | None:
         if step == 0:

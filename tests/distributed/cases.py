@@ -7,7 +7,7 @@ A case fixes the model, optimizer, data and schedule; the runner trains it with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
@@ -52,7 +52,7 @@ class Case:
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
-    extra: dict = field(default_factory=dict)
+    shard_gradients: bool = False  # width > 1: each gradient reduced to its owner (engine/grad_buckets.py)
 
     @property
     def bf16_update(self) -> bool:
@@ -268,6 +268,28 @@ CASES = {
             correction=PREDICTIVE,
             clip=0.5,
             sparsity="static_random",
+        ),
+        # sharded gradients (shard_gradients=True): each bucket's parts reduced to their owners; the clip norm and
+        # the non-finite agreement summed over the owners first; Muon's whole matrices and global-magnitude masks
+        Case(
+            "gpt_2bw_d2w2_shard_grads",
+            width=2,
+            mode="2bw",
+            steps=5,
+            clip=0.5,
+            correction=PREDICTIVE,
+            shard_gradients=True,
+        ),
+        Case("gpt_flush_d2w2_shard_grads_skip", width=2, steps=5, poison_step=2, schedule=True, shard_gradients=True),
+        Case(
+            "gpt_flush_d1w4_shard_grads_muon_sparse",
+            num_stages=1,
+            width=4,
+            optimizer="muon",
+            steps=5,
+            clip=0.5,
+            sparsity="gmp_global",
+            shard_gradients=True,
         ),
         # compiled layers under the Trainer: 2BW's version swaps with bf16-mixed, recomputation and validation;
         # width 2 with the delay correction and sparsity masks (foreach AdamW; the reference steps per tensor)

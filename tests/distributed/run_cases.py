@@ -126,6 +126,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         lookahead=case.lookahead,
         weight_dtype=case.weight_dtype,
         compile={"backend": "aot_eager"} if case.compile else False,
+        shard_gradients=case.shard_gradients,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return quiet_trainer(

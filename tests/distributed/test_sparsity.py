@@ -116,6 +116,19 @@ def test_ddp_replicas_hold_identical_masks_and_zeros(tmp_path):
         assert 0.2 < mask.float().mean() < 0.8
 
 
+def test_rigl_is_refused_with_sharded_gradients(tmp_path):
+    """RigL grows by gradient, and with ``shard_gradients=True`` a replica holds its own parameters' gradients
+    only: every rank refuses at the start of training, naming the option (nothing hangs)."""
+    from pathlib import Path
+
+    from .launch import torchrun_script
+
+    torchrun_script(Path(__file__).with_name("run_ddp_sparsity.py"), [str(tmp_path), "sharded"], 2, timeout=300)
+    for rank in (0, 1):
+        message = (tmp_path / f"refused-rank-{rank}.txt").read_text()
+        assert "RigL grows connections by gradient" in message and "shard_gradients=False" in message
+
+
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].sparsity])
 def test_masks_zero_weights_and_every_optimizers_state(trained, name):
     """Pruned entries stay zero in the weights and in every optimizer's state (Muon's momentum, AdamW's moments)."""

@@ -159,3 +159,59 @@ def test_a_rebuilt_owner_takes_the_parameters_over(tmp_path):
         new.close()
     finally:
         dist.destroy_process_group()
+
+
+def _rank_sharded(rank: int, store: str) -> None:
+    """Sharded gradients (``shard_gradients``): each bucket's parts go to their owners by ``dist.reduce`` (no
+    all-reduce); an owner's gradient is the replicas' average, a non-owner's is None; a parameter no optimizer
+    steps (no owner) is all-reduced to every replica; one no replica used stays None on its owner."""
+    from lightning_pd2bw.engine.sharding import OptimizerShards
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net, twin = Net(), Net()
+    twin.load_state_dict(net.state_dict())
+    unowned = net.layers[2].bias  # e.g. a frozen optimizer's: in no optimizer, so no replica owns it
+    stepped = [p for p in net.parameters() if p is not unowned]
+    shards = OptimizerShards.build(stepped, rank, [0, 1], dist.group.WORLD)
+    owner_of = {id(p): o for p, o in zip(stepped, shards.owners)}
+    calls: list[str] = []
+    originals = {name: getattr(grad_buckets.dist, name) for name in ("all_reduce", "reduce")}
+    for name, call in originals.items():
+        grad_buckets.dist.__dict__[name] = lambda *a, _name=name, _call=call, **k: calls.append(_name) or _call(*a, **k)
+    try:
+        buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=6 * 6 * 4, shards=shards)
+        assert buckets.sharded
+        for bucket in buckets.buckets:  # each owner's parameters together, the same layout on both ranks
+            owners = [owner_of.get(id(p), -1) for p in bucket.params]
+            assert owners == sorted(owners)
+        data = [torch.randn(5, 6, generator=torch.Generator().manual_seed(10 + rank + j)) for j in range(2)]
+        for j, x in enumerate(data):
+            if j == len(data) - 1:
+                buckets.arm()  # the last backward starts each bucket's reduces
+            (net(x, rank) / 2).backward()
+        averaged = buckets.complete(buckets.launch())
+        for x in data:
+            (twin(x, rank) / 2).backward()
+    finally:
+        for name, call in originals.items():
+            grad_buckets.dist.__dict__[name] = call
+    segments = sum(len(bucket.segments) for bucket in buckets.buckets)
+    assert calls.count("reduce") == segments - 1 and calls.count("all_reduce") == 1, calls
+    for (name, param), reference in zip(net.named_parameters(), twin.parameters()):
+        mine = reference.grad if reference.grad is not None else torch.zeros_like(reference)
+        both = [torch.zeros_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine)
+        owner = owner_of.get(id(param), -1)
+        assert buckets.holds(param) == (owner in (-1, rank)), name
+        if name == "unused" or owner not in (-1, rank):
+            assert averaged[id(param)] is None, name
+        else:
+            torch.testing.assert_close(averaged[id(param)], (both[0] + both[1]) / 2, rtol=1e-6, atol=1e-7, msg=name)
+    buckets.close()
+    dist.destroy_process_group()
+
+
+def test_sharded_gradients_are_reduced_to_their_owners(tmp_path):
+    mp.spawn(_rank_sharded, args=(str(tmp_path / "store"),), nprocs=2)

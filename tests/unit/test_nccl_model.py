@@ -100,6 +100,10 @@ UPDATES = {
     "clip_global": {"clip": "global"},
     "clip_stage": {"clip": "stage"},
     "skip_nonfinite": {"skip_nonfinite": True},
+    # sharded gradients (width 2): each bucket reduced to its owners, the owners' norm and flags summed over the
+    # replicas (blocking) before the pipeline's sums
+    "sharded_clip_global_skip": {"shard_gradients": True, "clip": "global", "skip_nonfinite": True},
+    "sharded_clip_stage": {"shard_gradients": True, "clip": "stage"},
 }
 
 

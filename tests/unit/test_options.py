@@ -50,6 +50,11 @@ def test_the_strategy_holds_its_options_and_reads_them_by_name():
         ({"compile": {"nope": 1}}, "PipeDream2BWStrategy(compile=...) has unknown", "strategy.compile has unknown"),
         ({"plan": "manual"}, "PipeDream2BWStrategy(plan='manual') is invalid", "strategy.plan='manual' is invalid"),
         ({"mode": "x"}, "PipeDream2BWStrategy: mode='x' is not a mode", "strategy.mode='x' is not a mode"),
+        (
+            {"shard_gradients": True, "shard_optimizer": False},
+            "PipeDream2BWStrategy(shard_gradients=True) needs the optimizer sharded",
+            "strategy.shard_gradients=True needs the optimizer sharded",
+        ),
     ],
 )
 def test_one_rule_named_in_each_callers_words(option, strategy_message, config_message):

@@ -334,6 +334,22 @@ def test_the_optimizer_is_counted_per_layer_and_per_implementation():
     assert a["weights"] == b["weights"] and a["gradients"] == b["gradients"]
 
 
+def test_sharded_gradients_move_half_an_all_reduce():
+    """Flush at width 4, 1 stage, optimizer time 0: the update is the replicas' exchange. Sharded optimizer:
+    all-reduce + the owners' broadcast (1.5 all-reduces); with ``shard_gradients`` a reduce to the owners + the
+    broadcast (one all-reduce's bytes, as DDP)."""
+    profile = ModelProfile([LayerProfile(1.0, 2.0, 0.0, 0.0, 10**8)], weight_bytes=4, communicator_bytes=0.0)
+
+    def update(**options) -> float:
+        candidate = Candidate.of(PipelineOptions(mode="flush", **options), 4, 1, 1)
+        return predict(profile, candidate, cluster(per_node=4), 4, [range(0, 1)]).update_time
+
+    allreduce = allreduce_time(4e8, Candidate(4, 1, 1, False), cluster(per_node=4))
+    assert update(shard_optimizer=False) == pytest.approx(allreduce)
+    assert update() == pytest.approx(1.5 * allreduce)
+    assert update(shard_gradients=True) == pytest.approx(allreduce)
+
+
 def test_nccl_communicators_are_those_the_stage_joins():
     """Issue 47: the world group counts on every stage; the tied parameters' group only on the stages holding a
     parameter another stage holds (GPT's embedding and head), not on the middle ones; the sharded optimizer's own."""

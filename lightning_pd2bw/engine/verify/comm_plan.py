@@ -39,6 +39,7 @@ class CommLayout:
     gradient_buckets: int = 1  # replica all-reduce buckets per update
     lookahead: int = 0  # more forwards in flight before the last stage (schedule.warmup_forwards)
     shard_optimizer: bool = True  # width > 1: each owner broadcasts its new weights after STEP (sharding.py)
+    shard_gradients: bool = False  # each bucket's owners' parts reduced to them; norm and flag summed over replicas
     meta_init: bool = True  # built on the meta device: the tied weight's holders agree whose copy was initialised
 
 
@@ -183,9 +184,11 @@ class RankProgram:
         elif self.layout.data_parallel_size > 1:
             channel, replicas = self._replicas()
             label = f"B(b{batch}) replica average"
+            per_bucket = ["reduce"] * len(replicas) if self._sharded() else ["all_reduce"]  # every replica owns some
             self.bucket_handles[batch] = [
-                self.collective("all_reduce", channel, replicas, label, block=False)
+                self.collective(name, channel, replicas, label, block=False)
                 for _ in range(self.layout.gradient_buckets)
+                for name in per_bucket
             ]
 
     def reduce(self, batch: int) -> None:
@@ -248,12 +251,23 @@ class RankProgram:
         self.stashed.discard(action.microbatch)
         self.backward(action.batch)
 
+    def _sharded(self) -> bool:
+        layout = self.layout
+        return layout.shard_gradients and layout.shard_optimizer and layout.data_parallel_size > 1
+
+    def _over_replicas(self, label: str) -> None:
+        """Sharded gradients: the owners' parts of a norm or flag summed over the replicas (``shard``), waited for."""
+        if self._sharded():
+            _, replicas = self._replicas()
+            self.collective("all_reduce", f"pd2bw/shard/stage{self.stage}", replicas, label)
+
     def _check(self, action: S.Action) -> None:
         for handle in self.launched.pop(action.batch, []):
             self.wait(handle, f"{action} replica average")
         for handle in self.deferred.pop(action.batch, []):
             self.wait(handle, f"{action} tied sum")
         if self.layout.skip_nonfinite:
+            self._over_replicas(f"{action} owners' non-finite flags")
             self.flags[action.batch] = self._over_pipeline(f"{action} non-finite flag")
 
     def _hooks(self, action: S.Action) -> None:
@@ -262,6 +276,7 @@ class RankProgram:
 
     def _norm(self, action: S.Action) -> None:
         if self.layout.clip == "global":
+            self._over_replicas(f"{action} owners' clip norm")
             self.norms[action.batch] = self._over_pipeline(f"{action} clip norm")
 
     def _over_pipeline(self, label: str) -> int:
@@ -271,6 +286,8 @@ class RankProgram:
     def _clip(self, action: S.Action) -> None:
         if action.batch in self.norms:
             self.wait(self.norms.pop(action.batch), f"{action} clip norm")
+        elif self.layout.clip == "stage":
+            self._over_replicas(f"{action} owners' clip norm")
 
     def _step(self, action: S.Action) -> None:
         """``OptimizerShards.broadcast_weights``: one broadcast per owner, replica 0's first (every replica owns a
