@@ -86,6 +86,7 @@ SETTINGS = {  # name -> Hydra overrides
     "flush+b1": ["strategy.mode=flush", "model.betas=[0.8,0.95]"],
     # issue 33 item 5: 75% gradual sparsity under the default 2BW against dense (--settings 2bw+ef+dense,2bw+ef+s75)
     "2bw+ef+dense": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity=none"],
+    "2bw+dense": ["strategy.mode=2bw", "strategy.delay_correction=null", "sparsity=none"],  # issue 50: the plain rule
     "2bw+ef+s75": ["strategy.mode=2bw", "strategy.delay_correction=error_feedback", "sparsity.sparsity=0.75"],
     # issue 50: 75% sparsity under the product's defaults (2BW, its default correction) against dense
     # (--baseline dense --settings dense,s75,s75+win,s75+erk,s75+global,rigl75,spdf75)

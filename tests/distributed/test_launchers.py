@@ -50,6 +50,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
             "model.warmup_steps=1",  # the recipe's 30-step warm-up would keep 6 steps' LR at a fifth of its peak
             "model.lr=3e-3",
             "logger=wandb",
+            "trainer.limit_train_batches=4",  # epochs of 4 steps: validation still every 3 steps, the last at step 6
             f"paths.output_dir={out}",
         ],
         tmp_path,
@@ -58,7 +59,8 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     # run output a person reads (issue 49): progress lines where no terminal shows a bar, the log in train.log, a
     # short table at the end naming summary.json, per-layer sparsity grouped apart from the top level
     log = (out / "train.log").read_text()
-    for text in ("step 2/6  train_loss", "step 6/6  train_loss", "step 3  val_loss", "run finished at step 6"):
+    shown = ("step 2/6  train_loss", "step 6/6  train_loss", "step 3  val_loss", "step 6  val_loss")
+    for text in (*shown, "run finished at step 6"):
         assert text in result.stdout and text in log, text
     assert "Trainer.fit` stopped" in log, "Lightning's own messages reach the log"
     assert "recipe tiny: The default main job" in log and "this run: mode=2bw, model=GPT tiny" in result.stdout
