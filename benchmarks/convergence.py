@@ -232,7 +232,7 @@ def run(
         f"model.optimizer={optimizer}",
         f"trainer.max_steps={steps}",
         f"trainer.devices={args.stages}",
-        f"trainer.val_check_interval={args.val_every}",
+        f"trainer.val_check_interval={val_interval(steps, args.val_every)}",
         "trainer.limit_val_batches=16",
         f"trainer.log_every_n_steps={args.log_every}",
         "trainer.enable_progress_bar=false",
@@ -247,6 +247,12 @@ def run(
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     return folder
+
+
+def val_interval(steps: int, every: int) -> int:
+    """The divisor of ``steps`` nearest ``every`` (the smaller on a tie): the last validation is the run's last step,
+    whatever its length (a horizon of 2,200 steps validates every 275)."""
+    return min((d for d in range(1, steps + 1) if steps % d == 0), key=lambda d: (abs(d - every), d))
 
 
 def finished(folder: Path) -> bool:

@@ -16,6 +16,7 @@ from benchmarks.convergence import (
     overrides,
     seconds,
     table,
+    val_interval,
     worst_spike,
 )
 
@@ -94,3 +95,12 @@ def test_training_flops_are_the_mean_logged_ratio(tmp_path):
     assert flops_ratio(tmp_path) == pytest.approx((1.0 + 0.5 + 0.4) / 3)
     (logs / "metrics.csv").write_text("step,val_loss\n9,3.0\n")
     assert flops_ratio(tmp_path) == 1.0  # dense: nothing logged
+
+
+def test_every_run_validates_at_its_last_step():
+    """Issue 50: the final validation loss is the last step's, at every run length (a 2,200-step horizon with
+    validation every 250 steps would have ended on step 2,000's)."""
+    assert val_interval(1000, 250) == 250 and val_interval(2000, 250) == 250
+    assert val_interval(2200, 250) == 275 and val_interval(2400, 250) == 240 and val_interval(640, 160) == 160
+    for steps in (1145, 1500, 1750, 2200, 2400, 3000):
+        assert steps % val_interval(steps, 250) == 0
