@@ -14,8 +14,15 @@ A parameter that gets no gradient in a batch on any replica keeps ``grad=None``,
 (an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
 with the gradients; ``finish`` reads the flags only on a replica that missed a gradient (a host sync in that
 case alone). At width 1 the buckets serve mixed-precision weights (``versions.py``) alone: float32 gradients
-kept attached to bfloat16 versions, with no collective. Parameters held by several stages (a tied embedding) are not in the buckets: 2BW moves their
-gradients aside for their sums over the stages (``update.py``, REDUCE).
+kept attached to bfloat16 versions, with no collective. Parameters held by several stages (a tied embedding) are
+not in the buckets: 2BW moves their gradients aside for their sums over the stages (``update.py``, REDUCE).
+
+Sharded gradients (``shards``: ``PipelineOptions.shard_gradients``, with the optimizer sharded): within a bucket
+each owner's parameters lie together, their flags beside them, and each owner's part is reduced to its owner
+(``dist.reduce``) instead of all-reduced: with the owners' weight broadcast after the step, each replica moves what
+DDP's all-reduce alone moves (ZeRO-1's exchange) instead of an all-reduce plus that broadcast. Only the owner then
+holds the average; elsewhere the parameter's gradient is None for the update (a parameter no optimizer steps has no
+owner and stays all-reduced).
 """
 
 from __future__ import annotations
