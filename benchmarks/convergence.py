@@ -388,6 +388,7 @@ def main() -> None:
         results |= collect(args)
     print(table(results, args.baseline))
     for corpus in args.corpora.split(",") if args.horizons else []:
+        corpus = corpus if args.model == "gpt_tiny" else f"{corpus} ({args.model})"  # as collect() labels it
         for optimizer in args.optimizers.split(","):
             if f"{corpus}/{optimizer}/{args.baseline or 'flush'}" not in results:
                 continue  # nothing to reach: the horizons alone (e.g. dense at a sparse run's FLOPs)
