@@ -311,6 +311,8 @@ class RigL(SparsityCallback):
             ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
     """
 
+    reads_gradients = True  # the regrowth ranks |gradient|
+
     def __init__(
         self,
         sparsity: float,
@@ -330,8 +332,6 @@ class RigL(SparsityCallback):
             raise ValueError(f"RigL(end_step={end_step}, update_interval={update_interval}) must both be >= 1")
         self.sparsity, self.end_step, self.update_interval = sparsity, end_step, update_interval
         self.drop_fraction, self.init = drop_fraction, init
-
-    reads_gradients = True
 
     def plan(self, step: int) -> MaskUpdate | None:
         if step == 0:
