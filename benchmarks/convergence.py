@@ -149,14 +149,16 @@ SUFFIXES = {
     "strength": "strategy.delay_correction_strength",
     "from": "sparsity.start_step",  # a fraction of the run's steps
     "to": "sparsity.end_step",  # a fraction of the run's steps
+    "rewarm": "sparsity.rewarmup_steps",  # the learning rate re-warmed over N steps after each mask change
 }
-SUFFIX = re.compile(r"(lr|wu|strength|from|to)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, its value
+SUFFIX = re.compile(r"(lr|wu|strength|from|to|rewarm)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, its value
 
 
 def overrides(setting: str) -> list[str]:
     """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``), ``+wuN``
     (``model.warmup_steps``), ``+strengthX`` (``strategy.delay_correction_strength``), ``+fromF`` / ``+toF`` (the
-    pruning window, as fractions of the run), e.g. ``2bw+ef+lr1e-3+wu60``, ``s75+global+from0.5+to0.9``."""
+    pruning window, as fractions of the run), ``+rewarmN`` (``sparsity.rewarmup_steps``), e.g.
+    ``2bw+ef+lr1e-3+wu60``, ``s75+global+from0.5+to0.9``, ``s75+win+global+rewarm25``."""
     parts, extra = setting.split("+"), []
     while parts and (suffix := SUFFIX.fullmatch(parts[-1])):
         parts.pop()
@@ -165,17 +167,18 @@ def overrides(setting: str) -> list[str]:
     name = "+".join(parts)
     if name not in SETTINGS:
         raise SystemExit(
-            f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN, +strengthX, +fromF, +toF"
+            f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN, +strengthX, +fromF, +toF, +rewarmN"
         )
     return list({o.split("=")[0]: o for o in [*SETTINGS[name], *extra]}.values())  # the last value of a key wins
 
 
 def flush_of(setting: str) -> str:
     """The Flush setting a setting is compared with: Flush at the same rate and warm-up (its ``+lrX``/``+wuN``
-    suffixes; ``2bw+pef+lr6e-4@330`` -> ``flush+lr6e-4``)."""
+    suffixes; ``2bw+pef+lr6e-4@330`` -> ``flush+lr6e-4``), dense where the setting is (``2bw+dense`` ->
+    ``flush+dense``)."""
     parts = setting.split("@")[0].split("+")
     schedule = [p for p in parts[1:] if (suffix := SUFFIX.fullmatch(p)) and suffix[1] in ("lr", "wu")]
-    return "+".join(["flush", *schedule])
+    return "+".join(["flush", *(["dense"] if "dense" in parts[1:] else []), *schedule])
 
 
 def packages_corpus(out: Path) -> Path:

@@ -14,8 +14,9 @@ Where things happen, identical under a single device, DDP and ``strategy="pd2bw"
   are zeroed (AdamW moments, momentum buffers), so nothing regrows; the step counter advances.
 
 Sparse-to-dense (SPDF): ``dense_from_step=K`` removes the masks at step K (the pruned weights restart
-from zero with zero optimizer state) and ``rewarmup_steps=W`` scales the learning rate by
-``(k - K + 1) / W`` for ``W`` steps.
+from zero with zero optimizer state). ``rewarmup_steps=W`` scales the learning rate by ``(k - K + 1) / W``
+for the ``W`` steps from any mask change at step ``K >= 1`` (a pruning update, a RigL update, the switch
+to dense).
 """
 
 from __future__ import annotations
@@ -95,9 +96,13 @@ class SparsityCallback(Callback):
         return self.plan(step)
 
     def lr_factor(self, step: int) -> float:
-        if self.dense_from_step is None:
-            return 1.0
-        return schedules.rewarmup_factor(step, self.dense_from_step, self.rewarmup_steps)
+        """The learning-rate multiplier of optimizer step ``step``: ``(step - k + 1) / rewarmup_steps`` for the
+        ``rewarmup_steps`` steps from a mask change at step ``k >= 1`` (a pruning update, RigL's drop-and-grow,
+        SPDF's switch to dense), else 1. Step 0's masks precede training: the scheduler's warm-up covers them."""
+        for changed in range(step, max(0, step - self.rewarmup_steps), -1):
+            if self.change_at(changed) is not None:
+                return schedules.rewarmup_factor(step, changed, self.rewarmup_steps)
+        return 1.0
 
     # ------------------------------------------------------------------ engine-level use (also the test references)
     def build(self, module: nn.Module, all_reduce: Any = None, device: torch.device | None = None) -> Sparsifier:

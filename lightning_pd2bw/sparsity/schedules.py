@@ -56,8 +56,8 @@ def rigl_drop_fraction(step: int, end_step: int, alpha: float) -> float:
     return alpha / 2 * (1 + math.cos(math.pi * step / end_step))
 
 
-def rewarmup_factor(step: int, dense_from_step: int, rewarmup_steps: int) -> float:
-    """Learning-rate multiplier after the sparse-to-dense switch: linear from 1/W back to 1 over W steps."""
-    if step < dense_from_step or rewarmup_steps <= 0:
+def rewarmup_factor(step: int, changed_at: int, rewarmup_steps: int) -> float:
+    """Learning-rate multiplier after a mask change at step ``changed_at``: linear from 1/W back to 1 over W steps."""
+    if step < changed_at or rewarmup_steps <= 0:
         return 1.0
-    return min(1.0, (step - dense_from_step + 1) / rewarmup_steps)
+    return min(1.0, (step - changed_at + 1) / rewarmup_steps)

@@ -124,9 +124,9 @@ def sparsity_callback(case: Case):
     from lightning_pd2bw.sparsity import GradualMagnitudeSparsity, RigL, StaticSparsity
 
     builders = {
-        # global threshold across stages, pruning while 2BW versions are in flight
+        # global threshold across stages, pruning while 2BW versions are in flight, the rate re-warmed after each
         "gmp_global": lambda: GradualMagnitudeSparsity(
-            0.6, start_step=1, end_step=4, update_interval=1, allocation="global"
+            0.6, start_step=1, end_step=4, update_interval=2, allocation="global", rewarmup_steps=2
         ),
         "gmp_uniform": lambda: GradualMagnitudeSparsity(
             0.6, start_step=0, end_step=5, update_interval=1, shape="linear"

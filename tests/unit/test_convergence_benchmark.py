@@ -67,6 +67,7 @@ def test_an_interrupted_run_is_removed_so_its_rerun_curve_is_its_own(tmp_path):
 def test_each_setting_is_compared_with_flush_at_its_own_rate_and_warm_up():
     assert flush_of("2bw+pef+lr6e-4+wu60") == "flush+lr6e-4+wu60"
     assert flush_of("2bw+ef+strength2") == flush_of("2bw+ef@330") == "flush"  # Flush has no correction to strengthen
+    assert flush_of("2bw+dense") == flush_of("2bw+ef+dense") == "flush+dense"  # dense against dense
     results = {
         "stdlib/muon/flush": {"final": [2.0, 2.0]},
         "stdlib/muon/flush+lr6e-4": {"final": [2.5, 2.5]},
@@ -86,6 +87,7 @@ def test_every_sweep_setting_resolves_and_a_later_key_wins():
     window = overrides("s75+global+from0.5+to0.9")
     assert "sparsity.start_step=@0.5" in window and "sparsity.end_step=@0.9" in window
     assert "sparsity.start_step=0" not in window and "sparsity.allocation=global" in window
+    assert overrides("s75+win+global+rewarm25")[-1] == "sparsity.rewarmup_steps=25"
 
 
 def test_training_flops_are_the_mean_logged_ratio(tmp_path):

@@ -51,6 +51,22 @@ def test_rewarmup_factor():
     assert schedules.rewarmup_factor(5, 5, 0) == 1.0
 
 
+def test_learning_rate_rewarms_after_every_mask_change():
+    """Hand-computed: pruning updates at 4, 7, 10 (window 4-10, every 3) and SPDF's switch at 14, W = 2; the masks of
+    step 0 precede training and get no re-warm-up."""
+    from lightning_pd2bw.sparsity import GradualMagnitudeSparsity, RigL, StaticSparsity
+
+    gradual = GradualMagnitudeSparsity(0.5, start_step=4, end_step=10, update_interval=3, rewarmup_steps=2)
+    gradual.dense_from_step = 14
+    factors = [gradual.lr_factor(k) for k in range(17)]
+    expected = [1, 1, 1, 1, 0.5, 1, 1, 0.5, 1, 1, 0.5, 1, 1, 1, 0.5, 1, 1]
+    assert factors == pytest.approx(expected)
+    rigl = RigL(0.5, end_step=9, update_interval=4, rewarmup_steps=3)  # drop-and-grow at 4 and 8
+    assert [rigl.lr_factor(k) for k in range(12)] == pytest.approx([1, 1, 1, 1, 1 / 3, 2 / 3, 1, 1, 1 / 3, 2 / 3, 1, 1])
+    assert [StaticSparsity(0.5, rewarmup_steps=4).lr_factor(k) for k in range(3)] == [1, 1, 1]
+    assert GradualMagnitudeSparsity(0.5, start_step=4, end_step=10, update_interval=3).lr_factor(4) == 1.0
+
+
 def test_erk_meets_the_overall_density_and_favours_small_layers():
     shapes = {"small": (16, 16), "wide": (64, 256), "big": (256, 256)}
     numels = {n: math.prod(s) for n, s in shapes.items()}
