@@ -106,35 +106,31 @@ OPTIMIZERS = ("adamw", "muon")
 SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ",".join(
     f"s75+global+from{a}+to{b}" for a, b in ((0.1, 0.6), (0.25, 0.9), (0.5, 0.9))
 )
+GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.25+to0.9,s75+global+from0.5+to0.9"
+SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense", "horizons": ""}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
     "sparsity": [
         {
-            "model": "gpt_tiny",
-            "corpora": "packages",
-            "settings": f"dense,{SPARSE_SWEEP},static75,static75+erk,rigl75,spdf75",
-            "steps": 1000,
-            "val_every": 250,
-            "seeds": 2,
-            "optimizers": "adamw",
-            "baseline": "dense",
-        },
-        *(
-            {
-                "model": model,
-                "corpora": corpora,
-                "settings": settings,
-                "steps": 1000,
-                "val_every": 250,
-                "seeds": 2,
-                "optimizers": "adamw",
-                "baseline": "dense",
-            }
-            for model, corpora, settings in (
-                ("gpt_tiny", "stdlib,copyrights", "dense,s75,s75+win+global"),  # the held-out check
-                ("gpt_small", "packages", "dense,s75+win+global"),
-            )
-        ),
+            **SWEEP_JOB,
+            "model": model,
+            "corpora": corpora,
+            "settings": settings,
+            **({"horizons": horizons} if horizons else {}),
+        }
+        for model, corpora, settings, horizons in (
+            (  # the tiny GPT: every schedule, allocation and method
+                "gpt_tiny",
+                "packages",
+                f"dense,{SPARSE_SWEEP},s75+win+global+rewarm10,s75+win+global+rewarm25,static75,static75+erk,rigl75,"
+                "spdf75",
+                "",
+            ),
+            ("gpt_tiny", "stdlib,copyrights", "dense,s75,s75+win+global", ""),  # the held-out check
+            ("gpt_small", "packages", f"dense,{GPT_SMALL_WINDOWS}", ""),  # the windows on GPT small
+            ("gpt_small", "copyrights", "dense,s75+win+global", ""),  # GPT small on text never tuned on
+            ("gpt_small", "packages", "dense,s75+win+global", "1,1.25,2"),  # GPT small's steps to dense's loss
+        )
     ],
 }
 MODELS = {"gpt_tiny": 64, "gpt_small": 128}  # model preset -> sequence length (the small one's context)
