@@ -6,6 +6,8 @@ import pytest
 import yaml
 
 from benchmarks.convergence import (
+    DEFAULT_SPARSE,
+    ROOT,
     SETTINGS,
     SWEEPS,
     curve,
@@ -106,3 +108,13 @@ def test_every_run_validates_at_its_last_step():
     assert val_interval(2200, 250) == 275 and val_interval(2400, 250) == 240 and val_interval(640, 160) == 160
     for steps in (1145, 1500, 1750, 2200, 2400, 3000):
         assert steps % val_interval(steps, 250) == 0
+
+
+def test_the_sweeps_default_is_the_configs():
+    """The sweep's "default" rows are what ``sparsity=gradual`` trains: the window, allocation and shape of
+    conf/sparsity/gradual.yaml."""
+    config = yaml.safe_load((ROOT / "conf" / "sparsity" / "gradual.yaml").read_text())
+    keys = dict(o.split("=", 1) for o in overrides(DEFAULT_SPARSE))
+    assert keys["sparsity.start_step"] == "@0.25" and config["start_step"] == "${mul:${trainer.max_steps},0.25}"
+    assert keys["sparsity.end_step"] == "@0.9" and config["end_step"] == "${mul:${trainer.max_steps},0.9}"
+    assert (keys["sparsity.allocation"], keys["sparsity.shape"]) == (config["allocation"], config["shape"])
