@@ -108,7 +108,7 @@ SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ","
 )
 DEFAULT_SPARSE = "s75+global+from0.25+to0.9"  # conf/sparsity/gradual.yaml at 75%: the sweep's best since 0.5.1
 GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.25+to0.9,s75+global+from0.5+to0.9"
-SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense", "horizons": ""}
+SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense"}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
     "sparsity": [
@@ -117,7 +117,7 @@ SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this scri
             "model": model,
             "corpora": corpora,
             "settings": settings,
-            **({"horizons": horizons} if horizons else {}),
+            "horizons": horizons,
         }
         for model, corpora, settings, horizons in (
             (  # the tiny GPT: every schedule, allocation and method
