@@ -171,6 +171,19 @@ class SparsityCallback(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.sparsifier is not None:
+            self._record_final(trainer, pl_module)
+
+    def _record_final(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The trained weights' sparsity, measured once more at the end: the last log can precede the last mask
+        change (it is every ``log_every_n_steps``, and under 2BW the last batch's update lands only at the strategy's
+        drain, which ``DrainBeforeTrainEnd`` runs before this hook). Lightning refuses ``self.log`` here, so the
+        values go to ``trainer.callback_metrics`` (what a run's summary reads) and to the loggers directly."""
+        metrics = self.metrics(pl_module)
+        final = trainer.callback_metrics  # read first: it refreshes itself from the last logged values
+        final.update({key: torch.tensor(value) for key, value in metrics.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ logging
     def metrics(self, module: nn.Module) -> dict[str, float]:

@@ -206,6 +206,19 @@ def test_logs_density_churn_and_flops(tmp_path):
     assert float(last["sparsity/flops_ratio"]) == pytest.approx(expected, rel=1e-3)
 
 
+def test_the_final_sparsity_is_measured_after_the_last_mask_change(tmp_path):
+    """The last log (every 4 steps: step 4) precedes the last pruning update (step 5); the values a run's summary
+    reads (``callback_metrics``) and the logger's last row are measured at the end, after it."""
+    sparsity = GradualMagnitudeSparsity(0.5, start_step=0, end_step=5, update_interval=2)
+    trainer = fit(model(), [sparsity], 6, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=4)
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = [float(r["sparsity/density"]) for r in rows if r.get("sparsity/density")]
+    assert logged[-1] == pytest.approx(0.5, abs=1e-3)
+    assert logged[0] > 0.5 + 1e-3, "the log at step 4 saw the masks before the last update"
+    assert float(trainer.callback_metrics["sparsity/density"]) == pytest.approx(0.5, abs=1e-3)
+    assert float(trainer.callback_metrics["sparsity/target_density"]) == pytest.approx(0.5)
+
+
 def test_export_folds_masks_into_plain_weights(tmp_path):
     sparsity = StaticSparsity(0.6, init="magnitude")
     module = model()
