@@ -107,7 +107,11 @@ SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ","
     f"s75+global+from{a}+to{b}" for a, b in ((0.1, 0.6), (0.25, 0.9), (0.5, 0.9))
 )
 DEFAULT_SPARSE = "s75+global+from0.25+to0.9"  # conf/sparsity/gradual.yaml at 75%: the sweep's best since 0.5.1
-GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.25+to0.9,s75+global+from0.5+to0.9"
+GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.5+to0.9," + ",".join(
+    f"s75+global+from0.25+to{end}"
+    for end in (0.9, 0.95, 1.0)  # 1.0: the last update at the run's last 5%
+)
+GPT_SMALL_METHODS = "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,rigl75,spdf75"  # allocation, regrowth, SPDF
 SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense"}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
@@ -128,8 +132,8 @@ SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this scri
                 "",
             ),
             ("gpt_tiny", "stdlib,copyrights", f"dense,s75,s75+win+global,{DEFAULT_SPARSE}", ""),  # held-out check
-            ("gpt_small", "packages", f"dense,{GPT_SMALL_WINDOWS}", ""),  # the windows on GPT small
-            ("gpt_small", "copyrights", f"dense,{DEFAULT_SPARSE}", ""),  # GPT small on text never tuned on
+            ("gpt_small", "packages", f"dense,{GPT_SMALL_WINDOWS},{GPT_SMALL_METHODS}", ""),  # GPT small's sweep
+            ("gpt_small", "stdlib,copyrights", f"dense,{DEFAULT_SPARSE}", ""),  # the second corpus; the held-out one
             ("gpt_small", "packages", f"dense,{DEFAULT_SPARSE}", "1,1.25"),  # GPT small's steps to dense's loss
         )
     ],
