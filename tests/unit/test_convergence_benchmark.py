@@ -95,8 +95,8 @@ def test_every_sweep_setting_resolves_and_a_later_key_wins():
 def test_training_flops_are_the_mean_logged_ratio(tmp_path):
     logs = tmp_path / "csv" / "version_0"
     logs.mkdir(parents=True)
-    (logs / "metrics.csv").write_text("step,sparsity/flops_ratio\n9,1.0\n19,0.5\n19,\n29,0.4\n")
-    assert flops_ratio(tmp_path) == pytest.approx((1.0 + 0.5 + 0.4) / 3)
+    (logs / "metrics.csv").write_text("step,sparsity/flops_ratio\n9,1.0\n19,0.5\n19,\n29,0.4\n29,0.3\n")
+    assert flops_ratio(tmp_path) == pytest.approx((1.0 + 0.5 + 0.3) / 3)  # the end's measurement repeats step 29
     (logs / "metrics.csv").write_text("step,val_loss\n9,3.0\n")
     assert flops_ratio(tmp_path) == 1.0  # dense: nothing logged
 
