@@ -56,13 +56,12 @@ def test_gpt13b_recipe_is_gpt3_13b():
 
 @pytest.mark.parametrize("recipe", ["tiny", "gpt13b_sparse"])
 def test_sparse_recipes_prune_as_the_sweep_measured_best(recipe):
-    """docs/sparsity.md's sweep at 75%: gradual pruning from 25% to 90% of training with one global threshold ended
-    6.9% above dense on GPT small (25% to 75%: 10.2%) and 1.8% on the tiny GPT (25% to 75%: 2.1%; the cubic rise over
-    the first 60%, uniform: 4.4%; a static random mask: 7.3%)."""
+    """docs/sparsity.md's sweep at 75%: gradual pruning from 25% to 95% of training with one global threshold ended
+    6.6% above dense on GPT small (25% to 90%: 7.3%; 25% to 75%: 10.6%; two seeds each)."""
     cfg = load(recipe)
     steps = cfg.trainer.max_steps
     assert cfg.sparsity._target_.endswith("GradualMagnitudeSparsity") and cfg.sparsity.allocation == "global"
-    assert (cfg.sparsity.start_step, cfg.sparsity.end_step) == (int(steps * 0.25), int(steps * 0.9))
+    assert (cfg.sparsity.start_step, cfg.sparsity.end_step) == (int(steps * 0.25), int(steps * 0.95))
 
 
 @pytest.mark.parametrize("group, option", GROUP_OPTIONS)

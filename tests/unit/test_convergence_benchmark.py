@@ -116,5 +116,5 @@ def test_the_sweeps_default_is_the_configs():
     config = yaml.safe_load((ROOT / "conf" / "sparsity" / "gradual.yaml").read_text())
     keys = dict(o.split("=", 1) for o in overrides(DEFAULT_SPARSE))
     assert keys["sparsity.start_step"] == "@0.25" and config["start_step"] == "${mul:${trainer.max_steps},0.25}"
-    assert keys["sparsity.end_step"] == "@0.9" and config["end_step"] == "${mul:${trainer.max_steps},0.9}"
+    assert keys["sparsity.end_step"] == "@0.95" and config["end_step"] == "${mul:${trainer.max_steps},0.95}"
     assert (keys["sparsity.allocation"], keys["sparsity.shape"]) == (config["allocation"], config["shape"])
