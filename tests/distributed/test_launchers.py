@@ -51,7 +51,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
             "model.lr=3e-3",
             "logger=wandb",
             "trainer.limit_train_batches=4",  # epochs of 4 steps: validation still every 3 steps, the last at step 6
-            # the recipe's window ends at 90% of 6 steps: step 5, the last, whose 2BW update lands only at the final
+            # the recipe's window ends at 95% of 6 steps: step 5, the last, whose 2BW update lands only at the final
             # drain, after the last log; summary.json's density is measured after it (was step 4's target, 0.5078)
             f"paths.output_dir={out}",
         ],
