@@ -61,6 +61,7 @@ SPARSE_VARIANTS = {  # what each variant changes of SPARSE_BASE
     "+global": ["sparsity.allocation=global"],
     "+win+global": ["sparsity.start_step=@0.25", "sparsity.end_step=@0.75", "sparsity.allocation=global"],
     "+linear": ["sparsity.shape=linear"],
+    "+global+linear": ["sparsity.allocation=global", "sparsity.shape=linear"],
 }
 SETTINGS = {  # name -> Hydra overrides
     "flush": ["strategy.mode=flush"],
@@ -112,7 +113,7 @@ GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.5+
     f"s75+global+from0.25+to{end}"
     for end in (0.9, 0.95, 1.0)  # 1.0: the last update at the run's last 5%
 )
-GPT_SMALL_METHODS = "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,rigl75,spdf75"  # allocation, regrowth, SPDF
+GPT_SMALL_METHODS = "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,s75+global+linear+from0.25+to0.95,rigl75,spdf75"
 SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense"}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
