@@ -1,4 +1,5 @@
-"""``benchmarks/convergence.py``'s arithmetic: time to quality, wall-clock from the logged rates, sweep suffixes."""
+"""``benchmarks/convergence.py``'s arithmetic (time to quality, wall-clock from the logged rates) and
+``benchmarks/convergence_settings.py``'s sweep suffixes and sweeps."""
 
 from __future__ import annotations
 
@@ -6,21 +7,17 @@ import pytest
 import yaml
 
 from benchmarks.convergence import (
-    DEFAULT_SPARSE,
     ROOT,
-    SETTINGS,
-    SWEEPS,
     curve,
     finished,
     flops_ratio,
-    flush_of,
     horizon_to,
-    overrides,
     seconds,
     table,
     val_interval,
     worst_spike,
 )
+from benchmarks.convergence_settings import DEFAULT_SPARSE, SETTINGS, SWEEPS, flush_of, overrides
 
 
 def test_the_run_length_reaching_the_target_is_interpolated_between_the_two_around_it():
