@@ -72,7 +72,10 @@ GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.5+
     f"s75+global+from0.25+to{end}"
     for end in (0.9, 0.95, 1.0)  # 1.0: the last update at the run's last 5%
 )
-GPT_SMALL_METHODS = "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,s75+global+linear+from0.25+to0.95,rigl75,spdf75"
+GPT_SMALL_METHODS = (  # allocation, shape, regrowth, SPDF's dense phase and the re-warm-up (10 steps after each update)
+    "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,s75+global+linear+from0.25+to0.95,rigl75,spdf75,"
+    f"{DEFAULT_SPARSE}+rewarm10"
+)
 SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense"}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
