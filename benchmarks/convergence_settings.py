@@ -67,7 +67,7 @@ SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ","
     f"s75+global+from{a}+to{b}" for a, b in ((0.1, 0.6), (0.25, 0.9), (0.25, 0.95), (0.5, 0.9))
 )
 DEFAULT_SPARSE = "s75+global+from0.25+to0.95"  # conf/sparsity/gradual.yaml at 75%: the sweep's best since 0.5.2
-PREVIOUS_DEFAULT = "s75+global+from0.25+to0.9"  # 0.5.1's: the held-out rows and GPT small's steps to dense were run
+PREVIOUS_DEFAULT = "s75+global+from0.25+to0.9"  # 0.5.1's: the held-out rows were run with it
 GPT_SMALL_WINDOWS = "s75+win+global,s75+global+from0.1+to0.5,s75+global+from0.5+to0.9," + ",".join(
     f"s75+global+from0.25+to{end}"
     for end in (0.9, 0.95, 1.0)  # 1.0: the last update at the run's last 5%
@@ -98,7 +98,7 @@ SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this scri
             ("gpt_tiny", "stdlib,copyrights", f"dense,s75,s75+win+global,{PREVIOUS_DEFAULT},{DEFAULT_SPARSE}", ""),
             ("gpt_small", "packages", f"dense,{GPT_SMALL_WINDOWS},{GPT_SMALL_METHODS}", ""),  # GPT small's sweep
             ("gpt_small", "stdlib,copyrights", f"dense,{DEFAULT_SPARSE}", ""),  # the second corpus; the held-out one
-            ("gpt_small", "packages", f"dense,{PREVIOUS_DEFAULT}", "1,1.25"),  # GPT small's steps to dense's loss
+            ("gpt_small", "packages", f"dense,{DEFAULT_SPARSE}", "1,1.25"),  # GPT small's steps to dense's loss
         )
     ],
 }
