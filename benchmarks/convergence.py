@@ -4,7 +4,7 @@
     python benchmarks/convergence.py --steps 100 --seeds 1 --corpora stdlib   # a quick look
     python benchmarks/convergence.py --corpora packages --optimizers adamw \
         --settings flush,flush+lr1e-3,2bw+ef+lr1e-3,2bw+ef+lr1e-3+wu60    # a learning-rate / warm-up sweep
-    python benchmarks/convergence.py --sweep sparsity      # docs/sparsity.md: 75% against dense (~7 h 40 min)
+    python benchmarks/convergence.py --sweep sparsity      # docs/sparsity.md: 75% against dense (~8 h)
     python benchmarks/convergence.py --corpora packages --optimizers adamw --settings flush,2bw+ef \
         --stages 4 --horizons 1,1.1,1.2       # time to quality at depth 4 (below)
 
