@@ -187,16 +187,32 @@ def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:
 
 
 def publish(tmp: Path, path: Path) -> None:
-    """Swap ``tmp`` into ``path``; the old checkpoint is removed only after the new one is in place."""
+    """Swap ``tmp`` into ``path``; the old checkpoint is removed only after the new one is in place.
+
+    ``path`` may be a link (``last.ckpt`` under ``save_last: link`` points to the newest periodic checkpoint): the
+    link is replaced, and the checkpoint it points to is kept (never removed through the link)."""
     old = path.with_name(path.name + ".old")
-    if old.exists() and path.exists():
-        shutil.rmtree(old)
-    if path.exists():
-        path.rename(old)
+    if _present(old) and _present(path):
+        remove(old)
+    if _present(path):
+        path.rename(old)  # a link is renamed as a link
     tmp.rename(path)
     _fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    if _present(old):
+        remove(old)
+
+
+def _present(path: Path) -> bool:
+    """``path`` exists, as a file, folder or link (a dangling link included)."""
+    return path.is_symlink() or path.exists()
+
+
+def remove(path: Path) -> None:
+    """Remove a checkpoint folder, or only the link when ``path`` is one (its target is another checkpoint)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _fsync_dir(folder: Path) -> None:

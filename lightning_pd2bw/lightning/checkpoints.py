@@ -202,9 +202,7 @@ class StageCheckpoints:
 
     def remove(self, filepath: Any) -> None:
         if self.trainer.is_global_zero:
-            import shutil
-
-            shutil.rmtree(filepath, ignore_errors=True)
+            ckpt.remove(Path(filepath))  # a link (``last.ckpt``) alone, never the checkpoint behind it
 
 
 def horizon_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:

@@ -21,13 +21,16 @@ BOUND = 60.0  # seconds from launch to the last exit: start-up (~10 s on 2 cores
 SIGNAL_STEP = 3
 
 
-def preempt(tmp_path, world: int, stages: int, who: str, max_steps: int = 50):
-    results = launch_ranks(RUNNER, [str(tmp_path), who, str(SIGNAL_STEP), str(stages), str(max_steps)], world, 150)
+def preempt(tmp_path, world: int, stages: int, who: str, max_steps: int = 50, moment: str = "step"):
+    args = [str(tmp_path), who, str(SIGNAL_STEP), str(stages), str(max_steps), "-", moment]
+    results = launch_ranks(RUNNER, args, world, 150)
     logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
     assert max(r.seconds for r in results) < BOUND, logs
     assert all(r.returncode == EXIT_CODE for r in results), logs
     assert all("pd2bw: preempted (SIGTERM) at global step" in r.stderr for r in results), logs
-    manifest = read_manifest(tmp_path / "ckpt" / "last.ckpt")
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_dir() and not last.is_symlink(), "last.ckpt is the preemption's own checkpoint, not a link"
+    manifest = read_manifest(last)
     assert manifest["weight_versions"]["drained"], manifest
     # the signal lands 20 ms into step 3 (or in step 4: a step takes ~20-50 ms here); the flag is posted at the
     # next step's start and read at the one after, and Lightning stops at the end of that batch
@@ -46,16 +49,42 @@ def test_sigterm_ends_every_rank_after_a_checkpoint(tmp_path, world, stages, who
     preempt(tmp_path, world, stages, who)
 
 
-def test_resume_after_preemption_equals_the_uninterrupted_run(tmp_path):
+# Where the signal lands (run_preempt.py, MOMENT): after periodic saves made last.ckpt a link (the regression of
+# 2026-11-26: publishing over the link crashed with "Cannot call rmtree on a symbolic link"), in validation, inside a
+# synchronous and an asynchronous save, and inside the drain before validation.
+MOMENTS = [
+    ("linked", "all"),
+    ("linked", "1"),
+    ("validation", "all"),
+    ("save", "all"),
+    ("async-save", "0"),
+    ("drain", "all"),
+]
+
+
+@pytest.mark.parametrize(
+    "moment,who", MOMENTS, ids=[f"{m}, {'every rank' if w == 'all' else 'rank ' + w}" for m, w in MOMENTS]
+)
+def test_sigterm_at_any_moment_ends_every_rank_after_a_checkpoint(tmp_path, moment, who):
+    manifest = preempt(tmp_path, 2, 2, who, moment=moment)
+    periodic = sorted(p.name for p in (tmp_path / "ckpt").glob("epoch=*"))
+    assert periodic, "the periodic checkpoints the link pointed to are kept"
+    for name in periodic:
+        read_manifest(tmp_path / "ckpt" / name)  # complete, not removed through the link
+    assert manifest["global_step"] >= 2
+
+
+@pytest.mark.parametrize("moment", ["step", "linked"])
+def test_resume_after_preemption_equals_the_uninterrupted_run(tmp_path, moment):
     """The preempted run drained at the step it stopped; the uninterrupted reference drains (writes a
     checkpoint) at the same step, as 2BW's version rule restarts at every drain."""
     steps = 10
-    manifest = preempt(tmp_path / "a", 2, 2, "1", max_steps=steps)
-    resumed = launch_ranks(RUNNER, [str(tmp_path / "a"), "-", "0", "2", str(steps), "last"], 2, 150)
+    manifest = preempt(tmp_path / "a", 2, 2, "1", max_steps=steps, moment=moment)
+    resumed = launch_ranks(RUNNER, [str(tmp_path / "a"), "-", "0", "2", str(steps), "last", moment], 2, 150)
     assert all(r.returncode == 0 for r in resumed), "\n".join(r.stderr[-3000:] for r in resumed)
     assert "finished at step 10" in resumed[0].stderr
     reference = f"reference:{manifest['global_step']}"
-    uninterrupted = launch_ranks(RUNNER, [str(tmp_path / "b"), "-", "0", "2", str(steps), reference], 2, 150)
+    uninterrupted = launch_ranks(RUNNER, [str(tmp_path / "b"), "-", "0", "2", str(steps), reference, moment], 2, 150)
     assert all(r.returncode == 0 for r in uninterrupted), "\n".join(r.stderr[-3000:] for r in uninterrupted)
     a, b = torch.load(tmp_path / "a" / "weights.pt"), torch.load(tmp_path / "b" / "weights.pt")
     assert a.keys() == b.keys()
