@@ -16,7 +16,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
+from ..errors import Refusal
 from .safe_load import failures_of
+
+
+class OutOfSpace(Refusal, OSError):
+    """A checkpoint that does not fit where it goes (``errno.ENOSPC``): the message names the folder and the space."""
+
 
 SPACE_MARGIN = 1.05  # DCP's per-file headers and trainer.pt, over the tensors' bytes
 
@@ -32,7 +38,7 @@ def check_space(tmp: Path, stage: int, entries: dict[str, Any], gather: Callable
     need = int(sum(per_stage.values()) * SPACE_MARGIN)
     free = shutil.disk_usage(tmp).free
     if need > free:
-        raise OSError(
+        raise OutOfSpace(
             errno.ENOSPC,
             f"No space left on the device for checkpoint {str(tmp.with_suffix(''))!r}: the save needs about "
             f"{need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free in {str(tmp.parent)!r}. Nothing was "
@@ -102,7 +108,7 @@ def out_of_space_named(tmp: Path) -> Iterator[None]:
         free = shutil.disk_usage(tmp.parent).free if tmp.parent.exists() else 0
         if not full and not (any(isinstance(c, OSError) for c in causes) and free < 2**20):
             raise
-        raise OSError(
+        raise OutOfSpace(
             errno.ENOSPC,
             f"No space left on the device while writing checkpoint {str(tmp.with_suffix(''))!r}: "
             f"{free / 2**20:.1f} MiB free in {str(tmp.parent)!r} ({type(error).__name__}: {error}). The previous "

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
+from ..errors import Refusal
+
 METADATA_FILE = ".metadata"
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _METADATA_GLOBALS = {
@@ -32,7 +34,7 @@ _METADATA_GLOBALS = {
 }
 
 
-class UnreadableCheckpoint(ValueError):
+class UnreadableCheckpoint(Refusal, ValueError):
     """A published checkpoint this version cannot read or will not trust: a damaged manifest, another format, or a
     file that would run code when loaded. Never passed over in silence (``ckpt_path="last"`` refuses it by name
     rather than resume from an older one or from step 0)."""

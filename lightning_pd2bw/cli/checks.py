@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import layout as rules
+from ..errors import Refusal
 from ..engine.options import PipelineOptions
 
 
@@ -32,7 +33,7 @@ class RunLayout:
         return self.global_batch_size * self.seq_len
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """A configuration that cannot run; the message names the keys and the fix."""
 
 
@@ -101,6 +102,8 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     _layout_rule(rules.check_lookahead, cfg.strategy.mode, cfg.strategy.get("lookahead", 0), keys=keys)
     if num_layers is not None:
         _layout_rule(rules.check_layers, num_layers, depth)
+        if cfg.strategy.get("layers_per_stage"):
+            _layout_rule(rules.ranges_of, list(cfg.strategy.layers_per_stage), num_layers)
     _check_data(cfg)
     check_checkpoint(cfg.get("ckpt_path"), num_layers)
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
@@ -188,10 +191,11 @@ def check_checkpoint(path: Any, num_layers: int | None) -> None:
     """``ckpt_path`` names a complete pd2bw checkpoint of this model (any depth x width: it is resharded)."""
     if not path:
         return
-    from ..checkpoint.store import read_manifest
+    from ..checkpoint.store import read_manifest, read_meta
 
     try:
         manifest = read_manifest(path)
+        read_meta(path)  # Lightning's part, by the safe unpickler: a crafted file is refused here, before launch
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"ckpt_path={path}: {error}") from None
     if num_layers is not None and manifest["num_layers"] != num_layers:

@@ -36,11 +36,21 @@ def export(path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .train import refused
+
+    try:
+        _consolidate(argv)
+    except BaseException as error:
+        refused(error, "pd2bw-consolidate")
+        raise
+
+
+def _consolidate(argv: list[str] | None) -> None:
     """``pd2bw-consolidate CHECKPOINT_DIR OUT [--format torch|hf]``: export a sharded checkpoint as one file
     (``torch``: a Lightning checkpoint of the whole module) or as a Hugging Face GPT-2 directory (``hf``)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="pd2bw-consolidate", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="pd2bw-consolidate", description=_consolidate.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory written by strategy='pd2bw'")
     parser.add_argument("out", help="torch: the single file to write (loads with strategy='auto'); hf: a directory")
     parser.add_argument("--format", choices=["torch", "hf"], default="torch")

@@ -151,7 +151,13 @@ def planned_stages(cfg, layout, model, profile=None) -> list[range]:
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
     profile = profile or analytic_model_profile(cfg, model, layout.micro_batch_size)
-    return partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
+    stages = partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
+    if stages is None:  # check_run refuses this first; kept so that no caller iterates None
+        raise ValueError(
+            f"no cut of the model's {len(model.pipeline_layers())} pipeline layers into {layout.num_stages} stages "
+            "leaves every stage a layer: use fewer strategy.num_stages or a deeper model"
+        )
+    return stages
 
 
 def analytic_model_profile(cfg, model, micro_batch_size: int):

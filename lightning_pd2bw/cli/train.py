@@ -118,10 +118,12 @@ def run(cfg) -> dict:
             "plans for a cluster with `pd2bw-plan recipe=NAME cluster=NAME`"
         )
         return {"dry_run": True}
+    meta = None
+    if not auto:  # the layout against the model's layers, by the dry run's own check, before any process starts
+        meta = build_model_on_meta(cfg)
+        check_run(cfg, num_layers=len(meta.pipeline_layers()))
     if cfg.dry_run:
-        model = build_model_on_meta(cfg)
-        check_run(cfg, num_layers=len(model.pipeline_layers()))
-        text = plan_text(cfg, layout, model)
+        text = plan_text(cfg, layout, meta)
         say(f"dry run (nothing allocated, no process started)\n{text}")
         return {"dry_run": True}
     check_tokens(cfg)
@@ -133,7 +135,6 @@ def run(cfg) -> dict:
     if auto:
         strategy = instantiate(cfg.strategy, global_batch_size=layout.global_batch_size)
     else:
-        meta = build_model_on_meta(cfg)  # the plan's stages and, on rank 0, its report
         cut = cfg.strategy.get("layers_per_stage") or [len(r) for r in planned_stages(cfg, layout, meta)]
         strategy = instantiate(
             cfg.strategy, num_stages=layout.num_stages, num_microbatches=layout.num_microbatches, layers_per_stage=cut
@@ -349,12 +350,25 @@ def main() -> None:
 
 
 def _main(cfg) -> None:
-    from .checks import ConfigError
-
     try:
         run(cfg)
-    except ConfigError as error:
-        raise SystemExit(f"pd2bw-train: bad configuration: {error}") from None
+    except BaseException as error:
+        refused(error, "pd2bw-train")
+        raise
+
+
+def refused(error: BaseException, program: str) -> None:
+    """End with a refusal's message alone (``errors.Refusal``, found through Lightning's and DCP's wrappers): no
+    traceback, no Hydra hint. Anything else, or ``HYDRA_FULL_ERROR=1``, returns (the caller re-raises: a trace)."""
+    from ..errors import refusal_in
+    from .checks import ConfigError
+
+    refusal = refusal_in(error)
+    if refusal is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    what = "bad configuration: " if isinstance(refusal, ConfigError) else ""
+    message = refusal.strerror if isinstance(refusal, OSError) and refusal.strerror else str(refusal)  # no [Errno 28]
+    raise SystemExit(f"{program}: {what}{message}") from None
 
 
 if __name__ == "__main__":

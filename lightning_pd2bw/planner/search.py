@@ -12,13 +12,14 @@ from collections.abc import Callable, Sequence
 
 from ..engine.layout import Mode
 from ..engine.options import PipelineOptions
+from ..errors import Refusal
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict
 from .hardware import ClusterSpec, GiB
 
 MEMORY_HEADROOM = 0.9  # allocator fragmentation, CUDA context, communication buffers
 
 
-class NoPlanFits(ValueError):
+class NoPlanFits(Refusal, ValueError):
     """No configuration fits memory; the message says what would."""
 
 

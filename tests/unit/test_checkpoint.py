@@ -317,14 +317,17 @@ def test_loading_a_checkpoint_never_runs_code_from_it(saved, tmp_path, target):
     else:
         data = pickle.dumps(Payload(marker))
     _replace_file(saved, target, data)
-    readers = [lambda: consolidate_main([str(saved), str(tmp_path / "out.ckpt")])]
-    if target == "trainer.pt":  # resume and consolidate read Lightning's part
-        readers.append(lambda: ckpt.read_meta(saved))
+    readers = []
+    if target == "trainer.pt":  # resume and consolidate read Lightning's part; the run's checks before launch too
+        readers += [lambda: ckpt.read_meta(saved), lambda: check_checkpoint(saved, 4)]
     else:  # every reader of the entries reads DCP's index first
         readers += [lambda: load_whole_model_as_one_stage(saved), lambda: checkpoint_masks(saved)]
     for read in readers:
-        with pytest.raises(ckpt.UnreadableCheckpoint, match=f"{target}.* refused"):
+        with pytest.raises(ValueError, match=f"{target}.* refused"):
             read()
+    with pytest.raises(SystemExit, match=f"^pd2bw-consolidate: .*{target}.* refused") as ended:  # the message alone
+        consolidate_main([str(saved), str(tmp_path / "out.ckpt")])
+    assert isinstance(ended.value.__cause__, type(None)), "no traceback: the refusal's message is the whole story"
     assert not marker.exists(), "the payload ran"
 
 

@@ -127,10 +127,11 @@ def test_no_file_over_450_lines():
 
 
 def test_the_top_level_holds_one_module_and_no_shim():
-    """``train.py`` (for ``torchrun -m lightning_pd2bw.train``); no module that maps old import paths (0.2.0
+    """``train.py`` (for ``torchrun -m lightning_pd2bw.train``) and ``errors.py`` (the refusal every layer raises,
+    importing nothing); no module that maps old import paths (0.2.0
     removed ``moved.py``: a 0.x package announces a break in CHANGELOG.md instead)."""
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
-    assert top == ["train.py"], f"top-level modules: {top}"
+    assert top == ["errors.py", "train.py"], f"top-level modules: {top}"
     import sys
 
     import lightning_pd2bw  # noqa: F401
