@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import layout as rules
-from ..errors import Refusal
 from ..engine.options import PipelineOptions
+from ..errors import Refusal
 
 
 @dataclass(frozen=True)
