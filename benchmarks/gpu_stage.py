@@ -33,6 +33,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers
 from lightning_pd2bw.planner.profile import version_bytes
+from lightning_pd2bw.planner.saved_bytes import count_layers
 
 GiB = 2**30
 
@@ -75,6 +77,8 @@ class StepClock(pl.Callback):
         self.marks: list[float] = []
         self.peaks: list[int] = []  # max_memory_allocated at the start of training, then at each step's end
 
+        self.counters: dict[str, int] = {}  # the engine's own terms at the last step's end (pipeline runs)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.peaks.append(torch.cuda.max_memory_allocated())
 
@@ -83,11 +87,14 @@ class StepClock(pl.Callback):
             torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
             self.peaks.append(torch.cuda.max_memory_allocated())
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:
+                self.counters = engine.counters()
 
 
 def predicted_stage_bytes(
-    config: GPTConfig, batch: dict[str, torch.Tensor], micro: int, m: int, options: PipelineOptions
-) -> float:
+    config: GPTConfig, batch: dict[str, torch.Tensor], micro: int, m: int, options: PipelineOptions, counted: bool
+) -> dict[str, float]:
     """The planner's peak for this one-stage pipeline, from layers profiled on the device as ``plan="auto"`` does
     (the layers built on the meta device, each materialised and timed alone, on bfloat16 weights where the run's
     versions are bfloat16)."""
@@ -106,6 +113,21 @@ def predicted_stage_bytes(
         autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
         weight_dtype=torch.bfloat16 if versions else None,
     )
+    if counted:  # the dry run's and pd2bw-plan's activations: counted on fake tensors, nothing allocated
+        tokens = torch.zeros(micro, config.block_size, dtype=torch.long, device="meta")
+
+        def loss(output: torch.Tensor) -> torch.Tensor:
+            labels = torch.zeros(micro, config.block_size, dtype=torch.long)  # fake, inside the count
+            return model.pipeline_loss(output, {"input_ids": labels, "labels": labels})
+
+        bytes_ = count_layers(
+            layers,
+            model.pipeline_inputs({"input_ids": tokens}),
+            weight_dtype=torch.bfloat16 if versions else None,
+            autocast_dtype=torch.bfloat16,
+            loss_fn=loss,
+        )
+        profiles = [replace(p, activation_bytes=float(b.saved)) for p, b in zip(profiles, bytes_)]
     profile = ModelProfile(
         profiles,
         weight_bytes=4,
@@ -114,8 +136,7 @@ def predicted_stage_bytes(
         version_bytes=versions,
         optimizer_temporaries=0.0,  # fused AdamW on CUDA (models/optim.py)
     )
-    parts = stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, options), m)
-    return float(sum(parts.values()))
+    return stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, options), m)
 
 
 def dense_bf16_peak() -> float | None:
@@ -140,7 +161,11 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     m, micro = args.m, args.micro
     base, compiled = kind.removesuffix("+compile"), kind.endswith("+compile")
     base, casts = base.removesuffix("-casts"), base.endswith("-casts")
-    options = PipelineOptions(mode="2bw" if base == "lightning" else base, weight_dtype=None if casts else "auto")
+    options = PipelineOptions(
+        mode="2bw" if base == "lightning" else base,
+        weight_dtype=None if casts else "auto",
+        lookahead=args.lookahead if base != "lightning" else 0,
+    )
     callbacks: list[pl.Callback] = []
     if base == "lightning":
         strategy: Any = "auto"
@@ -154,6 +179,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
             weight_dtype=options.weight_dtype,
             failure_timeout=None,
             compile=compiled,
+            lookahead=options.lookahead,
         )
         batch, accumulate = m * micro, 1
     clock = StepClock(accumulate)
@@ -196,7 +222,12 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     }
     if base != "lightning":
         sample = next(iter(DataLoader(data, batch_size=micro)))
-        record["predicted_bytes"] = predicted_stage_bytes(config, sample, micro, m, options)
+        measured = predicted_stage_bytes(config, sample, micro, m, options, counted=False)
+        counted = predicted_stage_bytes(config, sample, micro, m, options, counted=True)
+        record["predicted_bytes"] = float(sum(measured.values()))
+        record["predicted_counted_bytes"] = float(sum(counted.values()))
+        record["planner_terms"] = counted
+        record["counters"] = clock.counters
     print(f"[gpu_stage] {record}", file=sys.stderr, flush=True)
     del trainer, model
     gc.collect()
@@ -213,11 +244,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--runs", default="lightning,2bw,flush")
+    parser.add_argument("--model", default="gpt1.3b", help="the preset whose width, heads and vocabulary the slice has")
+    parser.add_argument(
+        "--lookahead", type=int, default=0, help="more forwards in flight: m - 1 holds stage 0's stash of a depth-m run"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_stage.py needs a CUDA device")
-    config = GPTConfig.from_name("gpt1.3b", n_layer=args.layers, block_size=args.seq)
+    config = GPTConfig.from_name(args.model, n_layer=args.layers, block_size=args.seq)
     data = RandomTokens((args.warmup + args.steps + 1) * args.m * args.micro, args.seq, config.vocab_size)
     records = []
     for kind in args.runs.split(","):
@@ -244,8 +279,14 @@ def main() -> None:
     for r in records:
         if "predicted_bytes" in r:
             print(
-                f"  {r['kind']}: planner / measured peak {r['predicted_bytes'] / r['max_memory_allocated']:.3f} (target within 10%)"
+                f"  {r['kind']}: planner / measured peak {r['predicted_bytes'] / r['max_memory_allocated']:.3f} "
+                f"(layers profiled on the device), {r['predicted_counted_bytes'] / r['max_memory_allocated']:.3f} "
+                "(activations counted on fake tensors, as the dry run)"
             )
+            terms = ", ".join(f"{k} {v / GiB:.2f}" for k, v in r["planner_terms"].items())
+            print(f"    planner terms GiB: {terms}")
+            held = {k: v for k, v in r["counters"].items() if k.endswith("bytes")}
+            print(f"    engine counters GiB: {', '.join(f'{k} {v / GiB:.2f}' for k, v in held.items())}")
 
 
 if __name__ == "__main__":

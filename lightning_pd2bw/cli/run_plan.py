@@ -6,6 +6,8 @@ cluster's device), the batch layout and the data. ``pd2bw-train`` prints it at s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 def sparsity_config(cfg):
     """The sparsity group's node, or None for ``sparsity=none`` (a recipe's leftover keys without a
@@ -189,6 +191,11 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         embedding_parameters=counts[0],
         head_parameters=counts[-1],
     )
+    counted = counted_activations(cfg, model, micro_batch_size)
+    profiles = [
+        replace(layer, activation_bytes=float(bytes_.saved), output_bytes=float(bytes_.output))
+        for layer, bytes_ in zip(profiles, counted)
+    ]
     optimizer = cfg.model.optimizer
     states = 1 if optimizer == "sgd" else 2
     mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
@@ -214,6 +221,34 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
+    )
+
+
+def counted_activations(cfg, model, micro_batch_size: int):
+    """Each pipeline layer's saved and output bytes for one microbatch of ``micro_batch_size`` x ``data.seq_len``
+    tokens, counted from the model's own forward at the run's precision and weight dtype (``planner/saved_bytes.py``:
+    fake tensors, nothing allocated). The batch is the project's text batch (``input_ids`` and ``labels``)."""
+    import torch
+
+    from ..lightning.contract import pipeline_layers_of
+    from ..planner.profile import version_bytes
+    from ..planner.saved_bytes import count_layers
+
+    precision = str(cfg.trainer.precision)
+    versions = version_bytes(precision, cfg.strategy.get("weight_dtype", "auto"))
+    weight_dtype = {2: torch.bfloat16, 8: torch.float64}.get(versions) if versions else None
+    if precision.startswith("bf16-true"):
+        weight_dtype = torch.bfloat16
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    shape = (micro_batch_size, cfg.data.seq_len)
+
+    def loss(output):
+        tokens = torch.zeros(shape, dtype=torch.long)  # inside the counter's fake mode: nothing allocated
+        return model.pipeline_loss(output, {"input_ids": tokens, "labels": tokens})
+
+    first = model.pipeline_inputs({"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")})
+    return count_layers(
+        pipeline_layers_of(model), first, weight_dtype=weight_dtype, autocast_dtype=autocast, loss_fn=loss
     )
 
 
