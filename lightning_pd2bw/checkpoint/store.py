@@ -258,6 +258,24 @@ def newest_checkpoint(directory: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
+def incomplete_checkpoints(directory: str | Path) -> list[Path]:
+    """The folders in ``directory`` that ``newest_checkpoint`` passes over for want of a manifest (its completeness
+    record): unpublished saves (``*.tmp``) and checkpoints whose ``manifest.json`` is gone, newest first."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = [
+        path
+        for path in folder.glob("*")
+        if path.is_dir()
+        and not path.is_symlink()
+        and not path.name.endswith(".old")
+        and not (path / MANIFEST).is_file()
+        and (path.name.endswith(".tmp") or (path / ".metadata").is_file() or (path / META_FILE).is_file())
+    ]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     path = resolve(path)
     file = path / MANIFEST

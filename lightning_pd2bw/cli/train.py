@@ -245,17 +245,38 @@ def end_table(summary: dict) -> str:
 
 def _resolve_last_checkpoint(cfg) -> None:
     """``ckpt_path=last``: the newest complete checkpoint the run's checkpoint callback wrote (a run restarted by
-    ``torchrun --max-restarts`` resumes from it: its ranks and restarts share the run directory), or a fresh
-    start when there is none yet."""
+    ``torchrun --max-restarts`` or requeued by SLURM resumes from it: its ranks and restarts share the run
+    directory), or a fresh start when there is none and the run is new. Never a fresh start in silence: a run that
+    was started before (a restart count above 0, or its ``config.yaml`` in the output folder: a resubmission naming
+    the same run, older than this process) with no complete checkpoint is refused naming the folder searched, and every save passed over
+    for want of a manifest is named."""
     from omegaconf import open_dict
 
-    from ..checkpoint.store import newest_checkpoint
+    from ..checkpoint.store import incomplete_checkpoints, newest_checkpoint
+    from ..lightning.slurm import restart_count
+    from .checks import ConfigError
 
     if cfg.get("ckpt_path") != "last":
         return
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     directory = Path(node.dirpath) if node and node.get("dirpath") else Path(cfg.paths.output_dir) / "checkpoints"
     found = newest_checkpoint(directory)
+    for skipped in incomplete_checkpoints(directory):
+        why = "a save that did not finish" if skipped.name.endswith(".tmp") else "its manifest.json is gone"
+        say(f"ckpt_path=last: passed over {skipped} ({why}: not a complete checkpoint)")
+    if found is None:
+        restarts, config = restart_count(), Path(cfg.paths.output_dir) / "config.yaml"
+        # written by an earlier job: older than this process (this job's rank 0 writes it after every rank started,
+        # or before Lightning's launcher starts the others)
+        earlier = config.is_file() and config.stat().st_mtime < _start_time(os.getpid()).timestamp()
+        if restarts or earlier:
+            before = f"restart {restarts} of this job" if restarts else f"{config} is there from an earlier start"
+            raise ConfigError(
+                f"ckpt_path=last: no complete checkpoint in {directory}, but this run was started before ({before}); "
+                "starting over would lose its work in silence. Point paths.output_dir (or "
+                "callbacks.model_checkpoint.dirpath) at the folder that holds its checkpoints, or start over on "
+                "purpose with ckpt_path=null"
+            )
     say(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
     with open_dict(cfg):
         cfg.ckpt_path = str(found) if found else None
@@ -273,8 +294,10 @@ def claim_output_dir(out: Path) -> None:
 
     from .checks import ConfigError
 
-    if int(os.environ.get("RANK", "0")) != 0 or os.environ.get("LOCAL_RANK", "0") != "0":
-        return  # the job's other processes (Lightning's launcher starts them with LOCAL_RANK set)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun's, else srun's task
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if rank != "0" or local != "0":
+        return  # the job's other processes (Lightning's launcher starts them with LOCAL_RANK set; srun's tasks)
     lock = out / RUN_LOCK
     host, pid = socket.gethostname(), os.getpid()
     if lock.is_file():

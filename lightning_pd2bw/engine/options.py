@@ -34,7 +34,7 @@ class PipelineOptions:
     naming it, what is wrong and what is valid. The fields come in four groups: the layout (``num_stages`` to
     ``global_batch_size``; the depth and the cut may instead come from the planner, ``plan="auto"``), the compute
     (``recompute`` to ``compile``), the update (``clip_mode`` to ``shard_optimizer``), and failures and
-    checkpoints (the Lightning strategy's: ``failure_timeout`` to ``async_checkpoint``).
+    checkpoints (the Lightning strategy's: ``failure_timeout`` to ``requeue``).
 
     Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
@@ -103,6 +103,8 @@ class PipelineOptions:
         async_checkpoint: save checkpoints asynchronously (``torch.distributed.checkpoint.async_save``): training
             waits only while each rank copies its state to host memory; the files are written, and the checkpoint
             published, in the background over a gloo group of its own.
+        requeue: under SLURM, a preempted or timed-out job (SIGTERM) requeues itself with its own job ID
+            (``scontrol requeue``) once ``last.ckpt`` is written (``lightning/slurm.py``); False: it only exits 75.
         keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
             ``pd2bw-train``'s ``strategy.*``).
     """
@@ -127,6 +129,7 @@ class PipelineOptions:
     failure_timeout: float | None = 180.0
     hang_timeout: float | None = 600.0
     async_checkpoint: bool = False
+    requeue: bool = True
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
 
     def __post_init__(self) -> None:

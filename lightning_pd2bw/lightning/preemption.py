@@ -15,7 +15,8 @@ are in a pipeline receive), and the job hangs with live heartbeats. Here:
   between the pipeline's messages; on the host it costs a read of a result that arrived a step ago;
 * then Lightning's ``received_sigterm`` is set on every rank alike, Lightning raises ``SIGTERMException``
   at the end of that batch, and the strategy drains, writes ``last.ckpt`` into the checkpoint
-  callback's directory (when one is configured) and lets the process exit with ``EXIT_CODE`` (75).
+  callback's directory (when one is configured) and lets the process exit with ``EXIT_CODE`` (75); under SLURM,
+  global rank 0 then requeues the job with its own ID (``slurm.py``; ``requeue=False``: not).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..observe import watchdog
-from . import compat
+from . import compat, slurm
 
 _HOST_GROUPS: dict[int, Any] = {}  # id(default group) -> its gloo twin (made once per process group, on every rank)
 
@@ -50,8 +51,9 @@ def host_group() -> Any:
 class Preemption:
     """Records SIGTERM in the handler; agrees on it with every rank at training-step boundaries."""
 
-    def __init__(self, trainer: Any, device: torch.device) -> None:
+    def __init__(self, trainer: Any, device: torch.device, requeue: bool = True) -> None:
         self.trainer, self.device = trainer, device
+        self.requeue = requeue  # under SLURM, requeue the job after the checkpoint (slurm.py)
         self.received = False  # this rank got SIGTERM
         self.agreed = False  # every rank knows that some rank got it
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -115,6 +117,8 @@ class Preemption:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
             trainer.save_checkpoint(path)  # drains first (drains.py, 3)
             wait_for_checkpoint()
+            if self.requeue and trainer.is_global_zero and slurm.under_slurm():
+                slurm.say(slurm.requeue())  # the checkpoint is complete: the requeued job resumes from it
         else:
             drain()
         exception.code = watchdog.EXIT_CODE

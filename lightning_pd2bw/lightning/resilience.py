@@ -17,8 +17,8 @@ from .preemption import Preemption
 
 
 class Resilience:
-    def __init__(self, failure_timeout: float | None, hang_timeout: float | None) -> None:
-        self.failure_timeout, self.hang_timeout = failure_timeout, hang_timeout
+    def __init__(self, failure_timeout: float | None, hang_timeout: float | None, requeue: bool = True) -> None:
+        self.failure_timeout, self.hang_timeout, self.requeue = failure_timeout, hang_timeout, requeue
         self.progress = Progress()  # ticked by the engine at every action; read by the watchdog
         self.watchdog: watchdog.Watchdog | None = None
         self.preemption: Preemption | None = None
@@ -44,7 +44,7 @@ class Resilience:
         self.watchdog.start()
 
     def on_train_start(self, trainer: Any, device: torch.device) -> None:
-        self.preemption = Preemption(trainer, device)
+        self.preemption = Preemption(trainer, device, self.requeue)
         self.preemption.install()
         if self.watchdog is not None:
             self.watchdog.arm()

@@ -84,6 +84,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         boundary_dtype: str | torch.dtype | None = "auto",
         weight_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
+        requeue: bool = True,
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
         shard_optimizer: bool = True,
@@ -96,7 +97,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         if async_checkpoint:
             checks.check_async_checkpoint()
         self.checkpoints = StageCheckpoints(asynchronous=async_checkpoint)  # sharded checkpoint I/O
-        self.resilience = Resilience(failure_timeout, hang_timeout)
+        self.resilience = Resilience(failure_timeout, hang_timeout, requeue)
         self.drains = Drains(self.drain)
         self.planned: Any = None  # the planner's Prediction under plan="auto"
         self.planned_batch: int | None = None  # and each replica's batch size

@@ -14,7 +14,8 @@ Replica 0's consolidated weights are saved to ``OUT/weights.pt`` at the end.
 * ``linked``: the same, after periodic checkpoints every 2 steps have made ``last.ckpt`` a link (``save_last: link``);
 * ``validation``: in the first validation batch at or after STEP (validation every 2 steps, ``last.ckpt`` a link);
 * ``save`` / ``async-save``: inside the first periodic save at or after STEP (synchronous, or ``async_checkpoint``);
-* ``drain``: at the start of the drain before the first validation at or after STEP.
+* ``drain``: at the start of the drain before the first validation at or after STEP;
+* ``batch``: at the start of training step STEP (``PreemptAt`` as a ``pd2bw-train`` callback, test_slurm.py).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class PreemptAt(Callback):
                 drain()
 
             engine.drain = signalled_drain
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args) -> None:
+        if self.moment == "batch":  # at the start of step STEP (pd2bw-train's runs: a Hydra callback node)
+            self._send(trainer)
 
     def on_validation_batch_start(self, trainer: pl.Trainer, *args) -> None:
         if self.moment == "validation" and not trainer.sanity_checking:
