@@ -166,9 +166,9 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "12,853,626,880 parameters (12.85B)" in out
-    assert "64 processes = 8 stages x 8 replicas" in out and "128 microbatches" in out
+    assert "64 processes = 4 stages x 16 replicas" in out and "64 microbatches" in out
     assert "tokens per step = 1024 x 2048 = 2,097,152" in out
-    assert out.count("est. memory") == 8 and "stage 7: layers 36..41" in out
+    assert out.count("est. memory") == 4 and "stage 3: layers 31..41" in out
 
 
 def test_dry_run_with_a_lookahead_counts_its_stash(tmp_path):
@@ -200,7 +200,7 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
     for the default 2BW correction, one for error_feedback; strategy.delay_correction=null frees them), the outputs
     kept for the backward, the messages in flight, NCCL's buffers. A stage that does not fit the cluster's device
     gets a warning with the fixes."""
-    base = ("recipe=gpt13b", "dry_run=true", f"paths.output_dir={tmp_path}")
+    base = ("recipe=gpt13b", "strategy.num_stages=8", "dry_run=true", f"paths.output_dir={tmp_path}")  # 8 x 8
     corrected = run_cli(*base, cwd=tmp_path)
     first_order = run_cli(*base, "strategy.delay_correction=error_feedback", cwd=tmp_path)
     plain = run_cli(*base, "strategy.delay_correction=null", cwd=tmp_path)
