@@ -25,7 +25,8 @@ times one update, far below the update itself).
 Both apply only to updates whose gradient was stale: not to the first update after a drain (its gradient is of the
 newest weights; the history restarts there), and never under flush. Their coefficients sum to one, so over a run
 the weights travel the same total distance as without a correction (the corrections telescope); what changes is
-when. Cost per update: ``error_feedback`` holds D(t-1) (one buffer the size of the stage's weights) and makes three
+when. At a sparsity mask change (``restart``) the changed entries' history is forgotten: a weight dropped within the
+last two updates and grown again restarts from zero, not from the correction of its old value. Cost per update: ``error_feedback`` holds D(t-1) (one buffer the size of the stage's weights) and makes three
 weight-sized ``torch._foreach_*`` passes; ``predictive_error_feedback`` holds D(t-1) and D(t-2) (two buffers) and
 makes four. Neither keeps state across a drain, so checkpoints need none.
 """
@@ -63,10 +64,26 @@ class ErrorFeedback:
         self.order = order
         self.previous: dict[int, torch.Tensor] = {}  # id(parameter) -> D(t-1)
         self.before_previous: dict[int, torch.Tensor] = {}  # id(parameter) -> D(t-2) (order 2)
+        self._restarted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (positions, values at restart)
 
     @classmethod
     def for_method(cls, method: str, parameters: Sequence[torch.nn.Parameter], beta: float = 1.0) -> ErrorFeedback:
         return cls(parameters, beta, ORDERS[method])
+
+    @torch.no_grad()
+    def restart(self, parameter: torch.nn.Parameter, positions: torch.Tensor) -> None:
+        """Entries of ``parameter`` at ``positions`` (a bool mask) were set from outside the optimizer before this
+        update's step (a sparsity mask changed: dropped weights zeroed, grown ones started at zero, SPDF's switch to
+        dense): their history is forgotten (D(t-1), D(t-2) zeroed there) and this update's D(t) there counts from
+        the values they have now, so a weight that becomes active again restarts from its new value, never from a
+        correction of its old one."""
+        key = id(parameter)
+        if key not in {id(p) for p in self.parameters}:
+            return
+        for history in (self.previous, self.before_previous):
+            if key in history:
+                history[key].masked_fill_(positions.to(history[key].device), 0)
+        self._restarted[key] = (positions, parameter.detach()[positions].clone())
 
     @torch.no_grad()
     def apply(
@@ -87,6 +104,12 @@ class ErrorFeedback:
             torch._foreach_neg_(delta)  # W(t) - (W(t) + D(t)), negated: D(t), where the copy was
         else:
             delta = torch._foreach_sub(weights, list(before))
+        for param, update, weight in zip(parameters, delta, weights):
+            restarted = self._restarted.pop(id(param), None)
+            if restarted is not None:  # D(t) from the values set at the restart, not from W(t) before it
+                positions, values = restarted
+                positions = positions.to(update.device)
+                update[positions] = weight[positions] - values.to(update.device, update.dtype)
         if stale:
             if self.order == 1:
                 self._first_order(parameters, weights, delta)

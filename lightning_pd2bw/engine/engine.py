@@ -1,9 +1,9 @@
 """``PipelineEngine``: one stage of a pipeline-parallel training run, in plain PyTorch (no Lightning).
 
-The engine owns the whole step of its stage: it resolves its options into a ``Layout`` once, cuts the model, materialises and initialises only
-this stage's layers, builds the process groups, runs each batch's schedule (``schedule.segment``) with the
-executor, applies every update (``update.UpdateRule``), drains, evaluates and predicts. The Lightning strategy
-is an adapter around it; a plain PyTorch loop drives it directly (docs/engine.md)::
+The engine owns the whole step of its stage: it resolves its options into a ``Layout`` once, cuts the model,
+materialises and initialises only this stage's layers, builds the process groups, runs each batch's schedule
+(``schedule.segment``) with the executor, applies every update (``update.UpdateRule``), drains, evaluates and
+predicts. The Lightning strategy is an adapter; a plain PyTorch loop drives it directly (docs/engine.md)::
 
     dist.init_process_group("gloo")                       # torchrun: every rank runs this script
     layers = model.pipeline_layers()                      # ordered layers (meta or real tensors)
@@ -142,9 +142,8 @@ class PipelineEngine:
         """``{id(parameter): [names]}`` of this stage's parameters: their names in ``root`` (a tied one has several),
         the names of messages and checkpoints (``"<layer index>.<name>"`` without a root)."""
         names: dict[int, list[str]] = {}
-        for name, param in self.root.named_parameters(remove_duplicate=False):
-            if not param.is_meta:
-                names.setdefault(id(param), []).append(name)
+        for name, param in ((n, p) for n, p in self.root.named_parameters(remove_duplicate=False) if not p.is_meta):
+            names.setdefault(id(param), []).append(name)
         return names
 
     def optimizer_parameter_names(self) -> list[list[list[str]]]:
@@ -153,13 +152,17 @@ class PipelineEngine:
         return [[names[id(p)] for g in o.param_groups for p in g["params"]] for o in self.optimizers]
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's tensors by their names in ``root`` (other stages' are on the meta device): what a checkpoint
-        holds of this stage, the same entries under ``engine.save`` and the Lightning strategy."""
+        """This stage's tensors by their names in ``root`` (other stages' are on the meta device): its checkpoint."""
         return {name: tensor for name, tensor in self.root.state_dict().items() if not tensor.is_meta}
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's own parameters (a tied one once)."""
         return list(self.params)
+
+    def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
+        """Entries set from outside the update (a mask change): the correction forgets them (``ErrorFeedback``)."""
+        if self.update is not None and self.update.correction is not None:
+            self.update.correction.restart(parameter, positions)
 
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""

@@ -130,6 +130,9 @@ class SparsityCallback(Callback):
             )
         reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
         self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
+        engine = getattr(trainer.strategy, "engine", None)  # pd2bw: a mask change restarts the correction's history
+        if engine is not None:
+            self.sparsifier.on_change.append(engine.restart_history)
         self._optimizers = list(trainer.optimizers)
         if self._pending is not None:
             self.sparsifier.load_state_dict(self._pending)

@@ -112,6 +112,8 @@ class Sparsifier:
         self.masks: dict[str, torch.Tensor] = {}  # empty: dense
         self.layer_targets = {n: 1.0 for n in self.shapes}
         self.churn = 0  # mask entries changed since the owner last reset it (the callback: at each log)
+        # called with (parameter, changed positions) after every mask change, the weights already masked
+        self.on_change: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
 
     @property
     def device(self) -> torch.device:
@@ -135,11 +137,14 @@ class Sparsifier:
             new = self._rigl(change.drop_fraction) if old else {}
         else:
             raise ValueError(f"mask update kind={change.kind!r} is not valid; valid: {', '.join(KINDS)}")
-        self.churn += sum(
-            int((old.get(n, _all_true(p)) ^ new.get(n, _all_true(p))).sum()) for n, p in self.local.items()
-        )
+        changed = {n: old.get(n, _all_true(p)) ^ new.get(n, _all_true(p)) for n, p in self.local.items()}
+        self.churn += sum(int(c.sum()) for c in changed.values())
         self.masks = new
         self.apply(optimizers)
+        for name, positions in changed.items():
+            if positions.any():
+                for listener in self.on_change:  # e.g. the delay correction forgets these entries' history
+                    listener(self.local[name], positions)
 
     def _magnitude(self, density: float) -> dict[str, torch.Tensor]:
         self.layer_targets = layer_densities(self.allocation, self.shapes, density)

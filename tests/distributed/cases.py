@@ -134,6 +134,12 @@ def sparsity_callback(case: Case):
         "rigl_erk": lambda: RigL(0.5, end_step=5, update_interval=2, drop_fraction=0.3, allocation="erk"),
         "static_random": lambda: StaticSparsity(0.75, init="random", seed=7),
         "spdf": lambda: StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2),
+        # mask changes within two updates of each other: the delay correction's history must restart at each
+        # (a weight dropped and grown again, or pruned and made dense, restarts from zero, not from its old value)
+        "rigl_every_step": lambda: RigL(0.5, end_step=5, update_interval=1, drop_fraction=0.3, allocation="erk"),
+        "dense_right_after_pruning": lambda: GradualMagnitudeSparsity(
+            0.6, start_step=0, end_step=2, update_interval=1, dense_from_step=3
+        ),
     }
     return builders[case.sparsity]() if case.sparsity else None
 
@@ -157,6 +163,24 @@ CASES = {
         Case("gpt_2bw_sparse_gmp_global", mode="2bw", steps=5, clip=0.5, sparsity="gmp_global"),
         Case("gpt_flush_sparse_rigl_erk", optimizer="sgd", momentum=0.9, steps=5, sparsity="rigl_erk"),
         Case("gpt_2bw_sparse_spdf", mode="2bw", steps=5, sparsity="spdf", schedule=True),
+        Case(
+            # SGD: grown weights move by their gradients (AdamW's first step from zero is lr x sign for every grown
+            # weight: equal magnitudes, whose order at the next drop rounding would decide)
+            "gpt_2bw_sparse_rigl_every_step_pef",
+            mode="2bw",
+            optimizer="sgd",
+            momentum=0.9,
+            steps=6,
+            sparsity="rigl_every_step",
+            correction=PREDICTIVE,
+        ),
+        Case(
+            "gpt_2bw_sparse_dense_after_pruning_ef",
+            mode="2bw",
+            steps=6,
+            sparsity="dense_right_after_pruning",
+            correction="error_feedback",
+        ),
         Case(
             "gpt_2bw_sparse_resume", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3, sparsity="gmp_uniform"
         ),

@@ -137,6 +137,13 @@ def _reference_run(
     # optimizer steps), its gradients added into float32; weight_dtype=None: autocast casts the float32 weights
     mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None
     first_name = {id(p): n for n, p in names.items()}
+    restarted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a mask change's positions and values, this step
+    if sparsity is not None:  # the correction forgets the history of every entry a mask change set
+        sparsity.sparsifier.on_change.append(
+            lambda param, positions: restarted.__setitem__(
+                first_name[id(param)], (positions, param.detach()[positions].clone())
+            )
+        )
     canonical = {n: first_name[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     history = [{n: p.detach().clone() for n, p in names.items()}]  # weights after each update
     drain_base = 0
@@ -188,6 +195,12 @@ def _reference_run(
                 group["lr"] = lr
         with torch.no_grad():
             update = {n: p - history[-1][n] for n, p in names.items()}
+            for n, (positions, values) in restarted.items():  # D(t) from the values the mask change set, and
+                update[n][positions] = names[n][positions] - values  # no history before it at those entries
+                for earlier in (previous_update, previous_corrected):
+                    if earlier is not None:
+                        earlier[n] = earlier[n].masked_fill(positions, 0)
+            restarted.clear()
             stale = case.correction and case.mode == "2bw" and relative >= 1 and previous_update is not None
             fed_back = {n: update[n] - previous_update[n] for n in names} if stale else {}  # E(t) - D(t)
             first = {n: update[n] + fed_back[n] for n in fed_back} if stale else update  # E(t)

@@ -117,3 +117,36 @@ def test_predictive_is_error_feedback_applied_to_the_corrected_updates():
         previous, previous_corrected = update, (update if t in fresh else first)
         reference += corrected
         torch.testing.assert_close(w.detach(), reference)
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_a_restarted_entry_forgets_its_history_and_counts_from_its_new_value(order):
+    """Issue 65: a weight dropped (zeroed) and grown again within two updates restarts from zero. By hand, in
+    float64, beta = 1: entry 0 keeps its history; entry 1 was zeroed from outside before this update (a mask
+    change), so its D(t) counts from 0 and D(t-1), D(t-2) are 0 there."""
+    weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    correction = ErrorFeedback([weight], beta=1.0, order=order)
+    history = [torch.tensor([0.5, 0.7], dtype=torch.float64), torch.tensor([0.3, 0.9], dtype=torch.float64)]
+    value = torch.zeros(2, dtype=torch.float64)
+    for step, delta in enumerate(history):  # two stale updates: D(t-2), D(t-1) recorded
+        before = value.clone()
+        weight.data = before + delta
+        correction.apply([before], stale=step >= 1)
+        value = weight.data.clone()
+    weight.data[1] = 0.0  # the mask change: dropped, then grown again at zero
+    correction.restart(weight, torch.tensor([False, True]))
+    before = value.clone()  # W(t) as the version holds it: entry 1 still at its old value
+    step = torch.tensor([0.2, 0.1], dtype=torch.float64)
+    weight.data = weight.data + step  # the optimizer's step from the restarted value
+    correction.apply([before], stale=True)
+    d_prev, d_prev2 = history[1], history[0]
+    if order == 1:  # W += D(t) + (D(t) - D(t-1))
+        expected0 = value[0] + step[0] + (step[0] - d_prev[0])
+        expected1 = 0.0 + step[1] + step[1]  # no history: D(t-1) = 0
+    else:  # W += 4 D(t) - 4 D(t-1) + D(t-2)
+        expected0 = value[0] + 4 * step[0] - 4 * d_prev[0] + d_prev2[0]
+        expected1 = 0.0 + 4 * step[1]
+    torch.testing.assert_close(
+        weight.data, torch.stack([torch.as_tensor(expected0), torch.as_tensor(expected1, dtype=torch.float64)])
+    )
+    assert correction.previous[id(weight)][1] == step[1], "D(t) there counts from the restarted value"
