@@ -63,3 +63,13 @@ def test_gpu_check_fails_without_a_cuda_device():
     )
     assert result.returncode != 0
     assert "NO CUDA DEVICE" in result.stdout and "needs a CUDA device" in result.stderr
+
+
+def test_the_citation_names_the_package_version():
+    """CITATION.cff's version is the package's (0.5.2 shipped a CITATION.cff that said 0.5.1)."""
+    import re
+
+    import lightning_pd2bw
+
+    cited = re.search(r'^version: "([^"]+)"', (ROOT / "CITATION.cff").read_text(), re.M)
+    assert cited and cited.group(1) == lightning_pd2bw.__version__
