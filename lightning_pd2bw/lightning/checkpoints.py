@@ -74,12 +74,11 @@ class StageCheckpoints:
         )
 
     def _host_stager(self) -> Any:
-        """One DCP stager per run: its host copy (pinned on GPUs) of the stage's state is reused by every save."""
+        """One stager per run: its host copy (pinned on GPUs) of the stage's state is reused by every save."""
         if self.stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from ..checkpoint.host_stager import HostStager
 
-            cuda = self.engine.device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))  # pinned, shared, async, non-blocking
+            self.stager = HostStager()
         return self.stager
 
     def wait(self) -> None:

@@ -217,3 +217,37 @@ def test_models_optimizers_are_fused_on_the_gpu_and_step_as_the_per_tensor_loop(
             optimizer.step()
     for a, b in zip(params, twins):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_asynchronous_checkpoint_of_a_gpu_run_reads_back(tmp_path):
+    """``async_checkpoint=True`` on the GPU: the state is staged to pinned host memory (``HostStager``; DCP's
+    ``DefaultStager`` failed on torch 2.11 with ``KeyError: <class 'type'>``) and the published checkpoint holds the
+    weights the run ended with."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_pd2bw.checkpoint import consolidate, read_manifest
+
+    case = Case("gpu_async", mode="2bw", num_stages=1, precision="bf16-mixed", steps=4)
+    pl.seed_everything(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        strategy=PipeDream2BWStrategy(failure_timeout=None, async_checkpoint=True),
+        accelerator="gpu",
+        devices=1,
+        precision=case.precision,
+        max_steps=case.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+    )
+    model = build_model(case)
+    trainer.fit(model, train_dataloaders=dataloader(case))
+    last = tmp_path / "epoch=0-step=4.ckpt"
+    assert read_manifest(last)["global_step"] == 4
+    saved = consolidate(last)
+    own = dict(model.named_parameters())
+    assert set(own) <= set(saved), sorted(set(own) - set(saved))[:5]
+    for name, param in own.items():
+        torch.testing.assert_close(saved[name].float(), param.detach().float().cpu(), rtol=0, atol=0, msg=name)
