@@ -59,7 +59,36 @@ def plan_text(cfg, layout, model) -> str:
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
     lines += memory_warnings(cfg, memories)
+    lines.append(checkpoint_cost(cfg, layout, profile, stages, memories).describe())
     return "\n".join(lines)
+
+
+def checkpoint_cost(cfg, layout, profile, stages, memories):
+    """What a save costs this run (``planner/checkpoint_cost.py``): each rank stages its float32 weights and its
+    optimizer share; the step time is the planner's on the configured cluster, where there is one."""
+    from ..planner.checkpoint_cost import CheckpointCost
+
+    weight_bytes = profile.weight_bytes
+    ranks = [
+        sum(profile.layers[i].parameters for i in span) * weight_bytes + m["optimizer"]
+        for span, m in zip(stages, memories)
+    ]
+    total = sum(r - m["optimizer"] + m["optimizer"] * layout.data_parallel_size for r, m in zip(ranks, memories))
+    node = (cfg.get("callbacks") or {}).get("model_checkpoint")
+    interval = node.get("every_n_train_steps") if node and cfg.trainer.get("enable_checkpointing", True) else None
+    step_s = None
+    if cfg.get("cluster"):
+        from ..planner.cost import predict
+        from .plan import cluster_of
+
+        step_s = predict(
+            profile, candidate_of(cfg, layout), cluster_of(cfg), layout.global_batch_size, stages
+        ).batch_time
+    accelerator = cfg.trainer.get("accelerator", "auto")
+    device = "cpu" if accelerator == "cpu" and not cfg.get("cluster") else "cuda"
+    return CheckpointCost(
+        max(ranks), total, layout.world_size, interval, step_s, bool(cfg.strategy.get("async_checkpoint")), device
+    )
 
 
 def stage_plan(cfg, layout, model):
