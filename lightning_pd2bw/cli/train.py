@@ -34,6 +34,18 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("max", lambda a, b: max(a, b))
     if not OmegaConf.has_resolver("pd2bw_run_name"):
         OmegaConf.register_new_resolver("pd2bw_run_name", run_name, use_cache=True)
+    if not OmegaConf.has_resolver("pd2bw_wandb_offline"):
+        OmegaConf.register_new_resolver("pd2bw_wandb_offline", wandb_offline)
+
+
+def wandb_offline() -> bool:
+    """``logger=wandb`` runs offline unless the environment asks for uploads, in wandb's own words:
+    ``WANDB_MODE=online`` (``offline``/``disabled``/``dryrun``: offline), else ``WANDB_OFFLINE=false``.
+    ``logger.offline=false`` overrides both."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode:
+        return mode != "online"
+    return os.environ.get("WANDB_OFFLINE", "true").strip().lower() not in ("false", "0", "no")
 
 
 def run_name() -> str:

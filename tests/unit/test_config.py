@@ -356,3 +356,29 @@ def test_a_second_run_into_a_running_runs_folder_is_refused(tmp_path):
         sleeper.wait()
     claim_output_dir(out)  # the owner is gone: a restarted job takes the folder over
     assert json.loads((out / RUN_LOCK).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize(
+    "env,override,offline",
+    [
+        ({}, (), True),
+        ({"WANDB_MODE": "online"}, (), False),
+        ({"WANDB_MODE": "offline"}, (), True),
+        ({"WANDB_MODE": "disabled"}, (), True),
+        ({"WANDB_OFFLINE": "false"}, (), False),
+        ({"WANDB_MODE": "offline"}, ("logger.offline=false",), False),
+    ],
+)
+def test_the_documented_wandb_switch_sets_the_loggers_mode(monkeypatch, tmp_path, env, override, offline):
+    """docs/configuration.md: offline by default, ``WANDB_MODE=online`` (or ``WANDB_OFFLINE=false``) or
+    ``logger.offline=false`` uploads. Read from the instantiated WandbLogger (nothing connects before its first
+    log), not from the config."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    setup_hydra()
+    cfg = load("tiny", ("logger=wandb", f"paths.output_dir={tmp_path}", *override))
+    logger = instantiate(cfg.logger)
+    assert logger._offline is offline
