@@ -372,11 +372,18 @@ def _load(folder: Path, request: dict[str, Any]) -> None:
         raise ValueError(f"checkpoint {str(folder)!r} cannot be read ({error}); use another checkpoint") from error
 
 
-def read_entries(path: str | Path, prefix: str = "", device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The entries whose names start with ``prefix`` (e.g. ``"model/"``, ``"masks/"``), read into new tensors."""
+def read_entries(
+    path: str | Path, prefix: str = "", device: torch.device | str = "cpu", names: set[str] | None = None
+) -> dict[str, Any]:
+    """The entries whose names start with ``prefix`` (e.g. ``"model/"``, ``"masks/"``), read into new tensors;
+    ``names``: only those of them (only their bytes are read)."""
     folder, _ = _checked(path)
     metadata = read_metadata(folder).state_dict_metadata
-    request = {name: empty_for(entry, device) for name, entry in metadata.items() if name.startswith(prefix)}
+    request = {
+        name: empty_for(entry, device)
+        for name, entry in metadata.items()
+        if name.startswith(prefix) and (names is None or name in names)
+    }
     _load(folder, request)
     return request
 

@@ -106,6 +106,11 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             _layout_rule(rules.ranges_of, list(cfg.strategy.layers_per_stage), num_layers)
     _check_data(cfg)
     check_checkpoint(cfg.get("ckpt_path"), num_layers)
+    if (start := cfg.get("init_from")) and not Path(str(start)).exists():
+        raise ConfigError(
+            f"init_from={start}: no such file or directory; give a pd2bw checkpoint directory, a consolidated file "
+            "(pd2bw-consolidate) or a Hugging Face model directory"
+        )
     return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
 
 

@@ -144,12 +144,17 @@ def run(cfg) -> dict:
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)
     data = instantiate(cfg.data, batch_size=layout.batch_per_replica)
+    start = {"init_from": str(cfg.init_from)} if cfg.get("init_from") else {}  # weights only (lightning/init_from)
     if auto:
-        strategy = instantiate(cfg.strategy, global_batch_size=layout.global_batch_size)
+        strategy = instantiate(cfg.strategy, global_batch_size=layout.global_batch_size, **start)
     else:
         cut = cfg.strategy.get("layers_per_stage") or [len(r) for r in planned_stages(cfg, layout, meta)]
         strategy = instantiate(
-            cfg.strategy, num_stages=layout.num_stages, num_microbatches=layout.num_microbatches, layers_per_stage=cut
+            cfg.strategy,
+            num_stages=layout.num_stages,
+            num_microbatches=layout.num_microbatches,
+            layers_per_stage=cut,
+            **start,
         )
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     callbacks = [RunMetrics(layout.global_batch_size, layout.seq_len)]

@@ -21,7 +21,8 @@ class StageCheckpoints:
     """One stage's checkpoint I/O under Lightning: the engine's state by the module's names, plus what a resumed
     run needs (data position, schedule horizon, callbacks). ``bind(engine, trainer)`` once per trainer call."""
 
-    def __init__(self, asynchronous: bool = False) -> None:
+    def __init__(self, asynchronous: bool = False, init_from: str | None = None) -> None:
+        self.init_from = init_from  # a fit starts from these weights (init_from.py); a resume's checkpoint wins
         self.engine: Any = None
         self.trainer: Any = None
         self.asynchronous = asynchronous
@@ -34,6 +35,11 @@ class StageCheckpoints:
         """The run's engine; when fitting, every folder a checkpoint callback will save in is checked to be one
         every rank sees, before the first step (``checkpoint.check_shared_folder``)."""
         self.engine, self.trainer = engine, trainer
+        if trainer.state.fn == "fit" and self.init_from:
+            from .init_from import initialise
+
+            count = initialise(self.init_from, trainer.lightning_module, engine.stage_state_dict())
+            rank_zero_info(f"pd2bw: stage 0 starts from the weights of init_from={self.init_from} ({count} tensors)")
         if trainer.state.fn == "fit":
             for callback in trainer.checkpoint_callbacks:
                 if getattr(callback, "dirpath", None):

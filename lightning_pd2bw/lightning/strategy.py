@@ -85,6 +85,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         weight_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
         requeue: bool = True,
+        init_from: str | None = None,
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
         shard_optimizer: bool = True,
@@ -96,7 +97,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.options = PipelineOptions(**{k: given[k] for k in PipelineOptions.names()}, keys=STRATEGY_KEYS)
         if async_checkpoint:
             checks.check_async_checkpoint()
-        self.checkpoints = StageCheckpoints(asynchronous=async_checkpoint)  # sharded checkpoint I/O
+        self.checkpoints = StageCheckpoints(async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
         self.resilience = Resilience(failure_timeout, hang_timeout, requeue)
         self.drains = Drains(self.drain)
         self.planned: Any = None  # the planner's Prediction under plan="auto"
