@@ -36,7 +36,7 @@ def check_space(tmp: Path, stage: int, entries: dict[str, Any], gather: Callable
     for other, size in gather((stage, own)):
         per_stage[other] = max(per_stage.get(other, 0), size)
     need = int(sum(per_stage.values()) * SPACE_MARGIN)
-    free = shutil.disk_usage(tmp).free
+    free = shutil.disk_usage(tmp.parent).free  # the parent: rank 0 removes tmp as soon as it refuses
     if need > free:
         raise OutOfSpace(
             errno.ENOSPC,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .run_plan import analytic_model_profile, build_model_on_meta
+from .run_plan import analytic_model_profile, build_model_on_meta, cluster_of  # noqa: F401  (cluster_of: re-exported)
 from .train import CONF, RECIPES, _select_recipe, recipe_names, setup_hydra
 
 
@@ -27,24 +27,6 @@ def _select_cluster(argv: list[str]) -> list[str]:
             arg = "+" + arg
         out.append(arg)
     return out
-
-
-def cluster_of(cfg):
-    """The configured ``cluster`` group as the planner's ``ClusterSpec``."""
-    from ..planner.hardware import ClusterSpec, device_spec
-
-    if not cfg.get("cluster"):
-        raise ValueError(f"choose a cluster: cluster=NAME with NAME one of {', '.join(cluster_names())}")
-    c = cfg.cluster
-    return ClusterSpec(
-        device_spec(c.device),
-        c.num_nodes,
-        c.devices_per_node,
-        c.intra_node_bandwidth,
-        c.inter_node_bandwidth,
-        c.latency,
-        name=c.name,
-    )
 
 
 def search_plans(cfg, model):

@@ -63,6 +63,24 @@ def plan_text(cfg, layout, model) -> str:
     return "\n".join(lines)
 
 
+def cluster_of(cfg):
+    """The configured ``cluster`` group as the planner's ``ClusterSpec``."""
+    from ..planner.hardware import ClusterSpec, device_spec
+
+    if not cfg.get("cluster"):
+        raise ValueError("choose a cluster: cluster=NAME, NAME a file of conf/cluster/ (pd2bw-plan --help lists them)")
+    c = cfg.cluster
+    return ClusterSpec(
+        device_spec(c.device),
+        c.num_nodes,
+        c.devices_per_node,
+        c.intra_node_bandwidth,
+        c.inter_node_bandwidth,
+        c.latency,
+        name=c.name,
+    )
+
+
 def checkpoint_cost(cfg, layout, profile, stages, memories):
     """What a save costs this run (``planner/checkpoint_cost.py``): each rank stages its float32 weights and its
     optimizer share; the step time is the planner's on the configured cluster, where there is one."""
@@ -79,7 +97,6 @@ def checkpoint_cost(cfg, layout, profile, stages, memories):
     step_s = None
     if cfg.get("cluster"):
         from ..planner.cost import predict
-        from .plan import cluster_of
 
         step_s = predict(
             profile, candidate_of(cfg, layout), cluster_of(cfg), layout.global_batch_size, stages

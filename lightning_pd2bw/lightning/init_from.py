@@ -95,9 +95,7 @@ def _hugging_face(path: Path, module: Any, wanted: set[str]) -> dict[str, torch.
     tied = getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
     if tied:
         inputs = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-        for name in hf_names.get(id(model.get_output_embeddings().weight), []):
-            hf_names[id(model.get_output_embeddings().weight)].append(f"{inputs}.weight")
-            break
+        hf_names.setdefault(id(model.get_output_embeddings().weight), []).append(f"{inputs}.weight")
     out = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         if name in wanted:

@@ -51,9 +51,9 @@ def host_group() -> Any:
 class Preemption:
     """Records SIGTERM in the handler; agrees on it with every rank at training-step boundaries."""
 
-    def __init__(self, trainer: Any, device: torch.device, requeue: bool = True) -> None:
+    def __init__(self, trainer: Any, device: torch.device, requeue_job: bool = True) -> None:
         self.trainer, self.device = trainer, device
-        self.requeue = requeue  # under SLURM, requeue the job after the checkpoint (slurm.py)
+        self.requeue_job = requeue_job  # under SLURM, requeue the job after the checkpoint (slurm.py)
         self.received = False  # this rank got SIGTERM
         self.agreed = False  # every rank knows that some rank got it
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -117,7 +117,7 @@ class Preemption:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
             trainer.save_checkpoint(path)  # drains first (drains.py, 3)
             wait_for_checkpoint()
-            if self.requeue and trainer.is_global_zero and slurm.under_slurm():
+            if self.requeue_job and trainer.is_global_zero and slurm.under_slurm():
                 slurm.say(slurm.requeue())  # the checkpoint is complete: the requeued job resumes from it
         else:
             drain()
