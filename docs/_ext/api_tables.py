@@ -19,6 +19,9 @@ LIGHTNING = {
     "precision_plugin": "Lightning's precision plugin (default: from ``Trainer(precision=...)``).",
     "process_group_backend": "``nccl`` on GPUs, ``gloo`` on CPUs by default.",
     "timeout": "of the collectives of the process groups (Lightning's default, 30 minutes).",
+    # the strategy's own, not an engine option: weights only, read once at setup (lightning/init_from.py)
+    "init_from": "a fit starts from these weights (a pd2bw checkpoint, a consolidated file, a Hugging Face "
+    "directory), with a fresh optimizer, schedule and step.",
 }
 
 

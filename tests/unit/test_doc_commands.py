@@ -93,7 +93,10 @@ def _compose(overrides: list[str], cluster: bool = False):
 
 def _check_train(overrides: list[str], cluster: bool = False) -> None:
     cfg = _compose(overrides, cluster)
-    own_files = any(PLACEHOLDER.search(o) or ("path" in o.split("=")[0] and "=" in o) for o in overrides)
+    own_files = any(
+        PLACEHOLDER.search(o) or (("path" in o.split("=")[0] or o.startswith("init_from=")) and "=" in o)
+        for o in overrides
+    )
     try:
         check_run(cfg, num_layers=len(build_model_on_meta(cfg).pipeline_layers()))
     except (ConfigError, FileNotFoundError):
