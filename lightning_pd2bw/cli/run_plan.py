@@ -59,8 +59,36 @@ def plan_text(cfg, layout, model) -> str:
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
     lines += memory_warnings(cfg, memories)
-    lines.append(checkpoint_cost(cfg, layout, profile, stages, memories).describe())
+    step_s = planned_step_s(cfg, layout, profile, stages)
+    if step_s is not None:
+        lines.append(throughput_text(cfg, layout, model, step_s))
+    lines.append(checkpoint_cost(cfg, layout, profile, stages, memories, step_s).describe())
     return "\n".join(lines)
+
+
+def planned_step_s(cfg, layout, profile, stages) -> float | None:
+    """The planner's step time for this run on the configured cluster (``+cluster=NAME``), else None."""
+    if not cfg.get("cluster"):
+        return None
+    from ..planner.cost import predict
+
+    candidate = candidate_of(cfg, layout)
+    return predict(profile, candidate, cluster_of(cfg), layout.global_batch_size, stages).batch_time
+
+
+def throughput_text(cfg, layout, model, step_s: float) -> str:
+    """``plan: N samples/s ...``: the planned rate and MFU (model FLOPs per token as ``RunMetrics`` counts them)."""
+    cluster = cluster_of(cfg)
+    samples = layout.global_batch_size / step_s
+    flops = getattr(model, "flops_per_token", None)
+    mfu = ""
+    if flops is not None:
+        achieved = samples * layout.seq_len * flops()
+        mfu = f", {achieved / (layout.world_size * cluster.device.peak_flops):.1%} MFU"
+    return (
+        f"plan: {samples:.1f} samples/s ({step_s:.2f} s per step{mfu}) on {cluster.name}, the planner's closed formula "
+        f"at the device's measured efficiency {cluster.device.efficiency:.0%} (pd2bw-plan ranks the alternatives)"
+    )
 
 
 def cluster_of(cfg):
@@ -81,7 +109,7 @@ def cluster_of(cfg):
     )
 
 
-def checkpoint_cost(cfg, layout, profile, stages, memories):
+def checkpoint_cost(cfg, layout, profile, stages, memories, step_s: float | None = None):
     """What a save costs this run (``planner/checkpoint_cost.py``): each rank stages its float32 weights and its
     optimizer share; the step time is the planner's on the configured cluster, where there is one."""
     from ..planner.checkpoint_cost import CheckpointCost
@@ -94,13 +122,6 @@ def checkpoint_cost(cfg, layout, profile, stages, memories):
     total = sum(r - m["optimizer"] + m["optimizer"] * layout.data_parallel_size for r, m in zip(ranks, memories))
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     interval = node.get("every_n_train_steps") if node and cfg.trainer.get("enable_checkpointing", True) else None
-    step_s = None
-    if cfg.get("cluster"):
-        from ..planner.cost import predict
-
-        step_s = predict(
-            profile, candidate_of(cfg, layout), cluster_of(cfg), layout.global_batch_size, stages
-        ).batch_time
     accelerator = cfg.trainer.get("accelerator", "auto")
     device = "cpu" if accelerator == "cpu" and not cfg.get("cluster") else "cuda"
     return CheckpointCost(
