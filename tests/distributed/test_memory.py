@@ -35,7 +35,15 @@ def measured(tmp_path_factory):
     torchrun_script(SCRIPT, [str(out), *runs], world=2, timeout=300, env=ALLOCATOR)
     for m in (4, 48):  # glibc as it comes: what a user sees
         torchrun_script(SCRIPT, [str(out), f"{m}-2bw-default"], world=2, timeout=300)
-    return lambda m, mode, rank: json.loads((out / f"memory-m{m}-{mode}-rank{rank}.json").read_text())
+    again = out / "again"  # m = 48 once more in a fresh pair: glibc's heap noise is upward and differs per pair
+    again.mkdir()
+    torchrun_script(SCRIPT, [str(again), "48-2bw-default"], world=2, timeout=300)
+
+    def read(m: int, mode: str, rank: int, folder: Path = out) -> dict:
+        return json.loads((folder / f"memory-m{m}-{mode}-rank{rank}.json").read_text())
+
+    read.again = lambda m, mode, rank: read(m, mode, rank, again)  # type: ignore[attr-defined]
+    return read
 
 
 @pytest.mark.parametrize("mode", ["2bw", "flush"])
@@ -59,9 +67,12 @@ def test_peak_memory_is_flat_in_microbatches(measured, mode, rank):
 def test_peak_memory_is_flat_with_glibcs_defaults(measured, rank):
     """With glibc's own mmap threshold the heap also keeps what small long-lived allocations pin above freed
     activations: the last stage's per-microbatch loss tensors (a list kept until the step's end) did, +120 MiB at
-    m=48 on top of the transport's growth. Measured now: +17-20 MiB; the bound leaves room for the allocator."""
-    few, many = measured(4, "2bw-default", rank), measured(48, "2bw-default", rank)
-    growth = many["max_rss_bytes"] - few["max_rss_bytes"]
+    m=48 on top of the transport's growth, in every run. Without it the growth is the heap's fragmentation, which
+    depends on the threads' timing: -8 to +48 MiB over pairs of runs here (2026-11-27), always upward-biased, so the
+    smaller of two independent m=48 runs is compared: a real regression shows in both."""
+    few = measured(4, "2bw-default", rank)
+    peaks = [run(48, "2bw-default", rank)["max_rss_bytes"] for run in (measured, measured.again)]
+    growth = min(peaks) - few["max_rss_bytes"]
     assert growth < 12 * few["message_bytes"], f"peak RSS grew {growth / MiB:.0f} MiB from m=4 to m=48"
 
 
