@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.compiled import compile_layers
 from lightning_pd2bw.engine.materialize import parameters_on_meta
-from lightning_pd2bw.engine.options import PipelineOptions
+from lightning_pd2bw.engine.options import PipelineOptions, resolved_dtypes
 from lightning_pd2bw.models import GPT, GPTConfig
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
@@ -103,7 +103,8 @@ def predicted_stage_bytes(
         model.configure_model()
     layers = list(model.pipeline_layers())
     device = torch.device("cuda")
-    versions = version_bytes("bf16-mixed", options.weight_dtype)
+    weight_dtype = resolved_dtypes(options, "bf16-mixed")["weight_dtype"]
+    versions = version_bytes("bf16-mixed", weight_dtype)
     sample = sample_microbatch(batch, micro, device)
     profiles = measure_layers(
         layers,

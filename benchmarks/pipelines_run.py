@@ -74,12 +74,12 @@ class Probe(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.meter.exclude(pl_module.parameters())
-        executor = getattr(trainer.strategy, "executor", None)
-        if executor is not None:
-            executor.meter = self.meter
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.observe(meter=self.meter)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if getattr(trainer.strategy, "executor", None) is None:
+        if getattr(trainer.strategy, "engine", None) is None:
             self._hooks = self.meter.hooks()
             self._hooks.__enter__()
 

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import layout as rules
-from ..engine.options import PipelineOptions
+from ..engine.options import PipelineOptions, Run
 from ..errors import Refusal
 
 
 @dataclass(frozen=True)
 class RunLayout:
+    """The batch layout of a ``pd2bw-train`` run, and its ``Run`` (None under ``strategy.plan=auto``, whose layout the
+    planner chooses at start-up)."""
+
     world_size: int
     num_stages: int
     data_parallel_size: int
@@ -27,6 +30,7 @@ class RunLayout:
     batch_per_replica: int
     num_microbatches: int
     seq_len: int
+    run: Run | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -68,12 +72,13 @@ def vocab_of(model_cfg: Any) -> int:
 def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     """Cross-field checks; returns the batch layout. ``num_layers`` (pipeline layers) when known."""
     world = world_size_of(cfg.trainer)
-    check_options(cfg.strategy)
+    options = check_options(cfg.strategy)
     check_values(cfg)
-    if cfg.strategy.get("plan") == "auto":
+    if options.plan == "auto":
         return _check_auto(cfg, world)
-    depth = cfg.strategy.num_stages or world
-    width = _layout_rule(rules.width_of, world, depth)
+    precision = str(cfg.trainer.precision)
+    width = _resolved(options, world, precision).width  # the depth's own checks, m not known yet
+    depth = world // width
     global_batch, micro = cfg.global_batch_size, cfg.micro_batch_size
     if global_batch % width:
         raise ConfigError(
@@ -87,9 +92,9 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             f"of micro_batch_size={micro}; choose global_batch_size as a multiple of {micro * width}"
         )
     microbatches = per_replica // micro
-    if cfg.strategy.num_microbatches not in (None, microbatches):
+    if options.num_microbatches not in (None, microbatches):
         raise ConfigError(
-            f"strategy.num_microbatches={cfg.strategy.num_microbatches} contradicts global_batch_size={global_batch} "
+            f"strategy.num_microbatches={options.num_microbatches} contradicts global_batch_size={global_batch} "
             f"/ (width {width} x micro_batch_size={micro}) = {microbatches}; leave strategy.num_microbatches=null"
         )
     keys = replace(
@@ -97,9 +102,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
         more_microbatches=f"raise global_batch_size to >= {depth * micro * width}, lower micro_batch_size, or use "
         "fewer strategy.num_stages",
     )
-    _layout_rule(rules.check_schedule, cfg.strategy.mode, depth, microbatches, keys=keys)
-    _layout_rule(rules.check_pipeline, cfg.strategy.mode, depth, world, keys=keys)
-    _layout_rule(rules.check_lookahead, cfg.strategy.mode, cfg.strategy.get("lookahead", 0), keys=keys)
+    run = _resolved(options, world, precision, num_microbatches=microbatches, keys=keys)
     if num_layers is not None:
         _layout_rule(rules.check_layers, num_layers, depth)
         if cfg.strategy.get("layers_per_stage"):
@@ -111,7 +114,15 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
             f"init_from={start}: no such file or directory; give a pd2bw checkpoint directory, a consolidated file "
             "(pd2bw-consolidate) or a Hugging Face model directory"
         )
-    return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len)
+    return RunLayout(world, depth, width, global_batch, micro, per_replica, microbatches, cfg.data.seq_len, run)
+
+
+def _resolved(options: PipelineOptions, world: int, precision: str, **changes: Any) -> Run:
+    """``options.resolve`` on the run's world and precision, its refusals raised as ``ConfigError``."""
+    try:
+        return options.replace(**changes).resolve(world, precision)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "64-true", "64")  # what the strategy runs (lightning/checks.py)

@@ -32,10 +32,12 @@ def _select_cluster(argv: list[str]) -> list[str]:
 def search_plans(cfg, model):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster."""
+    from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
 
     options = check_options(cfg.strategy)
+    options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
     return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
 

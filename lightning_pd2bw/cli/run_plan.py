@@ -205,10 +205,9 @@ def candidate_of(cfg, layout):
     """The planner's candidate for this run: its options (``Candidate.of``, as ``pd2bw-plan`` and ``plan="auto"``
     read them) on the layout's width, depth and microbatch size."""
     from ..planner import Candidate
-    from .checks import check_options
 
-    options = check_options(cfg.strategy)
-    return Candidate.of(options, layout.data_parallel_size, layout.num_stages, layout.micro_batch_size)
+    run = layout.run
+    return Candidate.of(run.options, run.width, run.num_stages, layout.micro_batch_size)
 
 
 def planned_stages(cfg, layout, model, profile=None) -> list[range]:
@@ -258,14 +257,14 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         embedding_parameters=counts[0],
         head_parameters=counts[-1],
     )
+    dtypes = run_dtypes(cfg)
     counted = counted_activations(cfg, model, micro_batch_size)
-    profiles = [
-        replace(layer, activation_bytes=float(bytes_.saved), output_bytes=float(bytes_.output))
-        for layer, bytes_ in zip(profiles, counted)
+    profiles = [  # what crosses (boundary_dtype) and what the stage keeps of its output (its own dtype)
+        replace(layer, activation_bytes=float(c.saved), output_bytes=float(c.sent), kept_output_bytes=float(c.output))
+        for layer, c in zip(profiles, counted)
     ]
     optimizer = cfg.model.optimizer
     states = 1 if optimizer == "sgd" else 2
-    mixed = cfg.trainer.precision in ("bf16-mixed", "16-mixed")  # float32 outputs kept, 16-bit ones sent
     accelerator = cfg.trainer.get("accelerator", "auto")
     # the run's own devices: CPUs (gloo, foreach AdamW) unless a cluster is planned or a GPU will be used
     on_cpu = not cfg.get("cluster") and (
@@ -283,8 +282,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         weight_bytes,
         states,
         shared_layers(layers),
-        version_bytes=version_bytes(cfg.trainer.precision, cfg.strategy.get("weight_dtype", "auto")),
-        output_factor=2.0 if mixed else 1.0,
+        version_bytes=version_bytes(cfg.trainer.precision, dtypes["weight_dtype"]),
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
@@ -297,16 +295,14 @@ def counted_activations(cfg, model, micro_batch_size: int):
     fake tensors, nothing allocated). The batch is the project's text batch (``input_ids`` and ``labels``)."""
     import torch
 
+    from ..engine.options import autocast_dtype
     from ..lightning.contract import pipeline_layers_of
-    from ..planner.profile import version_bytes
     from ..planner.saved_bytes import count_layers
 
     precision = str(cfg.trainer.precision)
-    versions = version_bytes(precision, cfg.strategy.get("weight_dtype", "auto"))
-    weight_dtype = {2: torch.bfloat16, 8: torch.float64}.get(versions) if versions else None
-    if precision.startswith("bf16-true"):
-        weight_dtype = torch.bfloat16
-    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    dtypes = run_dtypes(cfg)
+    weight_dtype = torch.bfloat16 if precision.startswith("bf16-true") else dtypes["weight_dtype"]
+    autocast = autocast_dtype(precision)
     shape = (micro_batch_size, cfg.data.seq_len)
 
     def loss(output):
@@ -315,8 +311,22 @@ def counted_activations(cfg, model, micro_batch_size: int):
 
     first = model.pipeline_inputs({"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")})
     return count_layers(
-        pipeline_layers_of(model), first, weight_dtype=weight_dtype, autocast_dtype=autocast, loss_fn=loss
+        pipeline_layers_of(model),
+        first,
+        weight_dtype=weight_dtype,
+        autocast_dtype=autocast,
+        loss_fn=loss,
+        boundary_dtype=dtypes["boundary_dtype"],
     )
+
+
+def run_dtypes(cfg) -> dict:
+    """The run's ``weight_dtype`` and ``boundary_dtype``, ``"auto"`` resolved under its precision (``engine/options.py``,
+    the rule the strategy resolves them by)."""
+    from ..engine.options import resolved_dtypes
+    from .checks import check_options
+
+    return resolved_dtypes(check_options(cfg.strategy), str(cfg.trainer.precision))
 
 
 def _muon_states(block) -> float:

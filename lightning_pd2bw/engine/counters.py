@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .compiled import CompileMeter
+from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
 from .update import UpdateRule
 
@@ -22,11 +23,12 @@ def nbytes(tensors: Iterable[Any]) -> int:
 def stage_counters(
     executor: StageExecutor,
     update: UpdateRule,
+    correction: ErrorFeedback | None,
     params: Sequence[nn.Parameter],
     optimizers: Sequence[torch.optim.Optimizer],
     compile_meter: CompileMeter | None = None,
 ) -> dict[str, int]:
-    link, versions, correction = executor.link, executor.versions, update.correction
+    link, versions = executor.link, executor.versions
     state = [v for o in optimizers for s in o.state.values() for v in s.values()]
     return {
         "weight_bytes": nbytes(p.data for p in params),
@@ -35,7 +37,7 @@ def stage_counters(
         "versions_bytes": versions.held_bytes,
         "gradient_bytes": nbytes(p.grad for p in params if p.grad is not None),
         # the replica buckets that the gradients accumulate in (width > 1, or mixed-precision weights): every set
-        "gradient_buffer_bytes": update.buckets.held_bytes if update.buckets is not None else 0,
+        "gradient_buffer_bytes": update.store.held_bytes,
         # 2BW: batch b's gradients set aside from its REDUCE to its STEP, while batch b + 1 accumulates its own
         "pending_gradient_bytes": update.pending_bytes,
         "peak_pending_gradient_bytes": update.peak_pending_bytes,

@@ -36,16 +36,17 @@ from .compiled import CompileMeter, compile_layers
 from .counters import stage_counters
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
-from .grad_buckets import GradientBuckets, release
 from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
 from .layout import Mode
 from .ledger import BatchLedger, LossBroadcast
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
-from .observer import Progress
-from .options import PipelineOptions
+from .observer import ActionRecorder, Progress, SavedTensorMeter
+from .options import PipelineOptions, Run
 from .sharding import OptimizerShards
+from .stepper import hyperparameters, local_optimizers
 from .transport import StageLink
-from .update import UpdateRule, hyperparameters, local_optimizers
+from .update import UpdateRule
+from .update_build import build_update
 from .versions import WeightVersions
 
 
@@ -102,17 +103,18 @@ class PipelineEngine:
                 "PipelineEngine needs a process group: call torch.distributed.init_process_group() first "
                 "(under torchrun every rank runs the same script)"
             )
-        if not isinstance(options, PipelineOptions):
+        if not isinstance(options, (PipelineOptions, Run)):
             raise TypeError(
                 f"PipelineEngine takes PipelineOptions(num_stages=..., num_microbatches=..., mode=...) as its second "
                 f"argument, not {type(options).__name__}"
             )
-        for name in ("boundary_dtype", "weight_dtype"):  # no Lightning precision to read "auto" from: their own
-            if getattr(options, name) == "auto":
-                options = options.replace(**{name: None})
         world_size = grid.world_size if grid is not None else dist.get_world_size()
-        self.options = options
-        self.layout = layout = options.layout(world_size)  # resolved once; checked when it was built
+        run = options.resolve(world_size) if isinstance(options, PipelineOptions) else options  # "auto": own dtypes
+        if run.world_size != world_size:
+            raise ValueError(f"this Run was resolved on {run.world_size} processes; the process group has {world_size}")
+        self.run = run  # resolved once; checked when it was built
+        self.options = options = run.options
+        self.layout = layout = run.layout
         self.grid = grid or ProcessGrid(dist.get_rank(), world_size, layout.num_stages)
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
@@ -126,6 +128,8 @@ class PipelineEngine:
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self.executor: StageExecutor | None = None
         self.update: UpdateRule | None = None
+        self.versions: WeightVersions | None = None  # this stage's weight versions, from start()
+        self.correction: ErrorFeedback | None = None  # 2BW's delay correction, from start()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.all_layers = list(layers)
         built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root)
@@ -161,8 +165,8 @@ class PipelineEngine:
 
     def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
         """Entries set from outside the update (a mask change): the correction forgets them (``ErrorFeedback``)."""
-        if self.update is not None and self.update.correction is not None:
-            self.update.correction.restart(parameter, positions)
+        if self.correction is not None:
+            self.correction.restart(parameter, positions)
 
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""
@@ -209,20 +213,12 @@ class PipelineEngine:
         shards = OptimizerShards.over(self.optimizers, self.grid, self.groups.shard, self.options.shard_optimizer)
         stepped = shards.owned() if shards is not None else self.params
         local_optimizers(self.optimizers, stepped, self.parameter_names())  # with shards: this replica's share
-        correction = None
         method = self.options.delay_correction
         if method is not None and self.mode.double_buffered and self.optimizers:  # flush has no delay to correct
-            correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
+            self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
-        versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)
-        buckets = None
-        release(self.params)  # a previous engine's buckets over these parameters
-        if (self.grid.data_parallel_size > 1 or versions.mixed) and self.optimizers:  # mixed: float32 .grad kept
-            tied = {id(s.param) for s in self.shared}
-            replicated = [p for p in self.params if id(p) not in tied]
-            owners = shards if self.options.shard_gradients else None  # each owner's gradients reduced to it
-            buckets = GradientBuckets(replicated, self.groups.replica, self.grid.data_parallel_size, shards=owners)
-        self.update = UpdateRule(
+        self.versions = versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)
+        self.update = build_update(
             self.options,
             self.optimizers,
             self.params,
@@ -231,16 +227,15 @@ class PipelineEngine:
             self.grid.data_parallel_size,
             self.device,
             self.ledger,
+            versions,
+            shards=shards,
+            correction=self.correction,
             clip_val=self.clip_val,
             clip_algorithm=self.clip_algorithm,
-            correction=correction,
             before_step=self.before_step,
-            describe=lambda: describe_rank(self.grid.rank, self.num_stages),
             names=self.parameter_names,
+            describe=lambda: describe_rank(self.grid.rank, self.num_stages),
             info=self.info,
-            versions=versions,
-            buckets=buckets,
-            shards=shards,
         )
         loss = LossBroadcast(
             self.ledger,
@@ -261,7 +256,7 @@ class PipelineEngine:
             options=self.options,
             ledger=self.ledger,
             handlers={**self.update.handlers(), schedule.LOSS: loss},
-            gradient_buckets=buckets,
+            gradient_buckets=self.update.store.buckets,
             progress=self.progress,
         )
 
@@ -272,11 +267,19 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine.start(optimizers) must be called before training or evaluating")
         return self.executor
 
+    def observe(self, recorder: ActionRecorder | None = None, meter: SavedTensorMeter | None = None) -> None:
+        """The observers of this stage from now on (``observer.py``; None: none): an action ``recorder`` (the
+        timeline) and a ``meter`` of the activations autograd saves. Call after ``start``."""
+        executor = self._started()
+        executor.recorder, executor.meter = recorder, meter
+
     def counters(self) -> dict[str, int]:
         """What this stage holds now, by owner, in bytes (and the peaks since start): the terms the planner's stage
         memory predicts (``planner.cost.stage_memory``), read from the engine itself (``counters.stage_counters``)."""
         assert self.update is not None
-        return stage_counters(self._started(), self.update, self.params, self.optimizers, self.compile_meter)
+        return stage_counters(
+            self._started(), self.update, self.correction, self.params, self.optimizers, self.compile_meter
+        )
 
     def _phase(self, name: str) -> AbstractContextManager:
         """Counts the graphs ``torch.compile`` builds during one train batch, drain, evaluation or prediction."""
@@ -303,7 +306,7 @@ class PipelineEngine:
         actions = self.actions(step)
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
-        executor.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
+        self.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
         if self.mode.double_buffered:  # the previous batch's loss (its broadcast overlapped this batch)
             return self.ledger.take_loss(step - 1)
         executor.finish_drain()
@@ -328,17 +331,12 @@ class PipelineEngine:
             with self._phase("drain"):
                 self.executor.run(actions)
             self.executor.finish_drain()
-        if self.options.on_nonfinite == "stop":
-            self.update.raise_if_nonfinite(wait=True)  # nothing is saved or evaluated after a non-finite update
+        self.update.at_drain()  # e.g. "stop": nothing is saved or evaluated after a non-finite update
         loss = None
         for step in self.ledger.pending_losses():
             loss = self.ledger.take_loss(step)
         self.ledger.restart()  # batch numbers restart after a drain
         return loss
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def close(self) -> None:
         """Release what the engine holds beyond itself: its gradient buckets' hooks and its process groups (each
@@ -349,8 +347,8 @@ class PipelineEngine:
         if self._closed:
             return
         self._closed = True
-        if self.update is not None and self.update.buckets is not None:
-            self.update.buckets.close()
+        if self.update is not None:
+            self.update.store.close()
         if dist.is_initialized():
             device_barrier(self.device)  # no rank destroys a group a peer may still use
             self.groups.destroy()
@@ -358,7 +356,7 @@ class PipelineEngine:
     @property
     def skipped_updates(self) -> list[int]:
         """Global steps whose update ``on_nonfinite="skip"`` dropped."""
-        return self.update.skipped_updates if self.update is not None else []
+        return self.ledger.skipped_updates
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(
@@ -407,7 +405,7 @@ class PipelineEngine:
     def manifest_layout(self) -> dict[str, Any]:
         """The run's layout as a checkpoint's manifest records it (``checkpoint/store.py``); taken at a drain: one
         weight version per stage, nothing in flight."""
-        versions = self.executor.versions if self.executor is not None else None
+        versions = self.versions
         return {
             "num_stages": self.num_stages,
             "data_parallel_size": self.grid.data_parallel_size,
@@ -424,10 +422,9 @@ class PipelineEngine:
 
     def restore(self, skipped_updates: list[int]) -> None:
         """After a load: the skipped updates the checkpoint recorded; the version rule restarts."""
-        if self.update is not None:
-            self.update.skipped_updates[:] = skipped_updates
-        if self.executor is not None:
-            self.executor.versions.reset_after_drain()
+        self.ledger.skipped_updates[:] = skipped_updates
+        if self.versions is not None:
+            self.versions.reset_after_drain()
 
     def state_dict(self) -> dict[str, Any]:
         """This stage's state after a drain: its tensors (``stage_state_dict``) and its optimizers' states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""

@@ -42,8 +42,7 @@ def add_note(error: BaseException, note: str) -> None:
 _MIXED_WEIGHTS_HINT = (
     "pd2bw: the layers run on {dtype} weight versions (weight_dtype='auto' under bf16-mixed: no cast per "
     "microbatch); a layer that mixes them with float32 tensors (e.g. a float32 input to a norm on the CPU) fails "
-    "so. Cast that input, or keep float32 weights cast by autocast: PipeDream2BWStrategy(weight_dtype=None) "
-    "(pd2bw-train: strategy.weight_dtype=null)"
+    "so. Cast that input, or keep float32 weights cast by autocast: {option}"
 )
 
 
@@ -107,6 +106,7 @@ class StageExecutor:
         self.input_fn = input_fn
         self.loss_fn = loss_fn
         self.recompute = options.recompute
+        self.keys = options.keys  # how messages name the options
         self.is_first = stage == 0
         self.is_last = stage == layout.num_stages - 1
         self._microbatches: dict[int, Any] = {}
@@ -300,7 +300,12 @@ class StageExecutor:
                 note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
                 add_note(error, note + S.listing(actions, marked=index))
                 if self.versions.mixed and "dtype" in str(error) and action.kind in (S.FORWARD, S.BACKWARD):
-                    add_note(error, _MIXED_WEIGHTS_HINT.format(dtype=self.versions.compute_dtype))
+                    add_note(
+                        error,
+                        _MIXED_WEIGHTS_HINT.format(
+                            dtype=self.versions.compute_dtype, option=self.keys.named("weight_dtype", None)
+                        ),
+                    )
                 raise
             if recorder is not None:
                 recorder.action(action, start)
@@ -356,3 +361,14 @@ class StageExecutor:
         self.link.wait_sends()
         self.versions.rest()
         return results
+
+
+def wire_bytes(value: Any, boundary_dtype: torch.dtype | None) -> int:
+    """Bytes of a stage's output as it crosses the boundary (``StageExecutor._wire``): floating-point tensors in
+    ``boundary_dtype`` (None: their own), the others as they are. What the planner counts per message."""
+    tensors = [t for t in as_tuple(value) if isinstance(t, torch.Tensor)]
+    return sum(
+        t.numel()
+        * (boundary_dtype.itemsize if boundary_dtype is not None and t.is_floating_point() else t.element_size())
+        for t in tensors
+    )

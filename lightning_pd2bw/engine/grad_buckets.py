@@ -5,14 +5,14 @@ is a view into a flat bucket, so autograd accumulates every microbatch's gradien
 runs on the bucket itself, with no second copy of the gradients. Buckets hold the parameters in reverse order
 (the backward produces the last layers' gradients first). During the batch's last backward on this stage
 (``arm``), a bucket's all-reduce starts as soon as its last gradient is accumulated, and buckets start in
-bucket order on every replica (collectives of one group must be issued alike everywhere). ``finish`` starts the
-buckets not started yet, waits, and divides by the width. Under 2BW the update's REDUCE calls ``launch`` instead:
-the buckets are handed over still in flight and the next batch accumulates into a second set (one more gradient
-buffer, no copy), so the all-reduce finishes behind the next batch's compute; CHECK calls ``complete``.
+bucket order on every replica (collectives of one group must be issued alike everywhere). The update's REDUCE
+calls ``launch``: the buckets not started yet start, and they are handed over still in flight; under 2BW the next
+batch accumulates into a second set (one more gradient buffer, no copy), so the all-reduce finishes behind the next
+batch's compute. CHECK calls ``complete``, which waits and divides by the width (``update_parts.BucketReducer``).
 
 A parameter that gets no gradient in a batch on any replica keeps ``grad=None``, as in single-device training
 (an optimizer skips it): each bucket carries one flag per parameter, set where the gradient arrived and summed
-with the gradients; ``finish`` reads the flags only on a replica that missed a gradient (a host sync in that
+with the gradients; ``complete`` reads the flags only on a replica that missed a gradient (a host sync in that
 case alone). At width 1 the buckets serve mixed-precision weights (``versions.py``) alone: float32 gradients
 kept attached to bfloat16 versions, with no collective. Parameters held by several stages (a tied embedding) are
 not in the buckets: 2BW moves their gradients aside for their sums over the stages (``update.py``, REDUCE).
@@ -222,19 +222,6 @@ class GradientBuckets:
         if self.size > 1:
             bucket.flat.div_(self.size)  # a non-owner's part of another owner is left as it was: never read
         return bucket.flags() if missed else [1.0] * len(bucket.params)
-
-    def finish(self) -> None:
-        """REDUCE: start what has not started, wait, average; a parameter without a gradient on every replica
-        gets ``grad=None``."""
-        while self._next < len(self.buckets):
-            self._start(self.buckets[self._next])
-        missed = len(self.arrived) < len(self._slot)
-        for bucket in self.buckets:
-            for param, flag in zip(bucket.params, self._wait(bucket, missed)):
-                if flag == 0 or not self.holds(param):
-                    param.grad = None
-        self.armed = False
-        self._next = 0
 
     def launch(self, double_buffered: bool = True) -> Launched:
         """REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits).

@@ -33,15 +33,14 @@ def buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> list[
     return out
 
 
-def average_over_replicas(params: Sequence[nn.Parameter], group: Any, size: int) -> None:
-    """Average gradients over the data-parallel replicas of this stage: flattened buckets, all-reduced
+def average_over_replicas(grads: Sequence[torch.Tensor], group: Any, size: int) -> None:
+    """Average ``grads`` in place over the data-parallel replicas of this stage: flattened buckets, all-reduced
     asynchronously, then divided and copied back (element-wise the same sums as one call per tensor).
 
     At most two buckets are flattened at a time (the next one's all-reduce runs while the previous is
     copied back), so the extra memory is two buckets, not a second copy of every gradient."""
-    if size <= 1:
+    if size <= 1 or not grads:
         return
-    grads = [p.grad for p in params if p.grad is not None]
     in_flight: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
 
     def finish(bucket: list[torch.Tensor], buffer: torch.Tensor, work: Any) -> None:

@@ -1,6 +1,6 @@
 """The pipeline's layout: mode, depth, microbatches, width and the stage cut; its rules and defaults, once.
 
-Every check of a layout is here: the schedules (``schedule.validate``), the process grid, ``Layout`` (what the
+Every check of a layout is here: the schedules (``check_schedule``), the process grid, ``Layout`` (what the
 engine is built for), the strategy's constructor and setup, and the Hydra config's cross-field checks call these
 functions. Each caller names the settings as its users write them (``Keys``: ``num_stages`` for the engine,
 ``strategy.num_stages`` for ``pd2bw-train``), so the rule is one and the message speaks the caller's language.
@@ -167,7 +167,7 @@ def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Key
 
 @dataclass(frozen=True)
 class Layout:
-    """A pipeline's layout, checked when built (``PipelineOptions.layout(world_size)`` resolves one from the options).
+    """A pipeline's layout, checked when built (``PipelineOptions.resolve(world_size).layout`` resolves one from the options).
 
     Args:
         num_stages: the depth d.

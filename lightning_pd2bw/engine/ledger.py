@@ -48,6 +48,7 @@ class BatchLedger:
         self.loss_sums: dict[int, torch.Tensor] = {}  # last stage: the sum of a batch's microbatch losses so far
         self.backwards: dict[int, int] = {}  # backwards this stage ran of a batch, until its last
         self.skipped: set[int] = set()  # CHECK found the batch non-finite under "skip": its CLIP and STEP do nothing
+        self.skipped_updates: list[int] = []  # the global steps whose update was skipped (kept across drains)
 
     # ------------------------------------------------------------------ this stage's work in flight
     def add_loss(self, batch: int, loss: torch.Tensor) -> None:

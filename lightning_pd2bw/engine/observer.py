@@ -9,7 +9,7 @@ The engine and its stage executor call three optional observers, each a small pr
 - ``SavedTensorMeter``: sees every tensor autograd saves for the backward (``observe.activations.ActivationMeter``:
   the stash's bytes as autograd holds them).
 
-Set them on the executor (``engine.executor.recorder = ...``, ``.meter = ...``) or pass ``progress=`` to the engine.
+Attach them with ``engine.observe(recorder=..., meter=...)`` or pass ``progress=`` to the engine.
 """
 
 from __future__ import annotations

@@ -1,9 +1,16 @@
-"""One validated options object for how the pipeline runs: ``PipelineOptions``.
+"""One validated options object for how the pipeline runs, ``PipelineOptions``, and the run it resolves to, ``Run``.
 
 The strategy (``PipeDream2BWStrategy(**options)``), the Hydra schema (generated from its fields) and its checks
 (``pd2bw-train``'s ``strategy.*`` keys, before any process starts) and the engine (``PipelineEngine(layers,
 options, ...)``) all build or take this one frozen object, so each option is checked here only, and each error names the option as that caller's
 users write it (``Keys``: ``PipeDream2BWStrategy(clip_mode=...)``, ``strategy.clip_mode=...``).
+
+``PipelineOptions.resolve(world_size, precision) -> Run`` is the value every reader of a run takes: the options say
+what a user asked for (``None``: the default, ``"auto"``: from the precision); a ``Run`` is what runs on
+``world_size`` processes under one Lightning precision: the layout (depth d, microbatches m, the mode, the cut, the
+lookahead) with its width w = world / d, and the weight and boundary dtypes with no ``"auto"`` left. The defaults
+(d = the world, m = d) and the dtype rule are written here (and ``Layout``'s m = d) only; the strategy, the engine,
+``pd2bw-train``'s checks and the planner's candidates read them from a ``Run``.
 """
 
 from __future__ import annotations
@@ -195,15 +202,11 @@ class PipelineOptions:
                     "num_stages=len(layers_per_stage) (and no plan='auto', which cuts the model itself)"
                 )
 
-    def layout(self, world_size: int) -> rules.Layout:
-        """The ``Layout`` these options give on ``world_size`` processes (depth: the world, by default; microbatches:
-        the depth). Not under ``plan="auto"``: the planner chooses the layout."""
-        if self.plan is not None:
-            raise ValueError(f"{self.keys.named('plan', self.plan)}: the planner chooses the layout at start-up")
-        depth = self.num_stages or world_size
-        rules.check_pipeline(self.mode, depth, world_size, self.keys)
-        microbatches = self.num_microbatches or depth
-        return rules.Layout(depth, microbatches, self.mode, self.layers_per_stage, self.lookahead)
+    def resolve(self, world_size: int, precision: str | None = None) -> Run:
+        """The ``Run`` these options give on ``world_size`` processes under a Lightning ``precision`` (depth: the
+        world, by default; microbatches: the depth; ``"auto"`` dtypes: bfloat16 under ``"bf16-mixed"``, else the
+        tensors' own). Not under ``plan="auto"``: the planner chooses the layout."""
+        return Run.of(self, world_size, precision)
 
     def replace(self, **changes: Any) -> PipelineOptions:
         """A copy with ``changes`` (checked again), e.g. the planner's depth and recomputation."""
@@ -232,3 +235,74 @@ def dtype_option(
             "dtype (torch.bfloat16 or 'bfloat16', 'float16', 'float32')"
         )
     return dtype
+
+
+# ------------------------------------------------------------------ the run the options give
+MIXED_DTYPES = {"bf16-mixed": torch.bfloat16}  # the precisions whose "auto" dtypes are not the tensors' own
+
+
+def autocast_dtype(precision: str | None) -> torch.dtype | None:
+    """The 16-bit dtype a Lightning precision computes in under autocast (``"bf16-mixed"``: bfloat16), else None:
+    what ``weight_dtype="auto"`` and ``boundary_dtype="auto"`` become (as Lightning's
+    ``FSDPStrategy.mixed_precision_config`` maps a precision to its dtypes)."""
+    return MIXED_DTYPES.get(str(precision)) if precision is not None else None
+
+
+def resolved_dtypes(options: PipelineOptions, precision: str | None) -> dict[str, torch.dtype | None]:
+    """``weight_dtype`` and ``boundary_dtype`` with ``"auto"`` resolved under ``precision``."""
+    return {
+        name: autocast_dtype(precision) if getattr(options, name) == "auto" else getattr(options, name)
+        for name in ("weight_dtype", "boundary_dtype")
+    }
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run resolved on ``world_size`` processes: the options (with the depth, the microbatches and the ``"auto"``
+    dtypes resolved), the layout and the width (``options.weight_dtype``: the weight versions' dtype over a float32 master, None: the weights' own;
+    ``options.boundary_dtype``: what floating activations cross stages in, None: each tensor's own)."""
+
+    options: PipelineOptions
+    layout: rules.Layout
+    world_size: int
+    precision: str | None = None
+
+    @classmethod
+    def of(cls, options: PipelineOptions, world_size: int, precision: str | None = None) -> Run:
+        if options.plan is not None:
+            raise ValueError(f"{options.keys.named('plan', options.plan)}: the planner chooses the layout at start-up")
+        keys = options.keys
+        depth = options.num_stages or world_size
+        rules.width_of(world_size, depth, keys)
+        rules.check_pipeline(options.mode, depth, world_size, keys)
+        microbatches = options.num_microbatches or depth
+        layout = rules.Layout(depth, microbatches, options.mode, options.layers_per_stage, options.lookahead)
+        resolved = options.replace(
+            num_stages=depth, num_microbatches=microbatches, **resolved_dtypes(options, precision)
+        )
+        return cls(resolved, layout, world_size, precision)
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        return self.options.weight_dtype  # type: ignore[return-value]
+
+    @property
+    def boundary_dtype(self) -> torch.dtype | None:
+        return self.options.boundary_dtype  # type: ignore[return-value]
+
+    @property
+    def width(self) -> int:
+        """Data-parallel replicas of the pipeline: world / depth."""
+        return self.world_size // self.layout.num_stages
+
+    @property
+    def num_stages(self) -> int:
+        return self.layout.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.layout.num_microbatches  # type: ignore[return-value]
+
+    @property
+    def mode(self) -> rules.Mode:
+        return self.layout.mode

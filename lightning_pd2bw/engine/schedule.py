@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from .layout import MODES, Layout, Mode, check_schedule
+from .layout import MODES, Layout, Mode
 
-__all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update", "validate"]
+__all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update"]
 
 
 class Kind(str, Enum):
@@ -340,8 +340,3 @@ def stream(layout: Layout, stage: int, num_batches: int) -> list[Action]:
 def _of(layout: Layout) -> tuple[Mode, int, int, int]:
     """The layout's schedule facts (a ``Layout`` is valid by construction: nothing is checked per step)."""
     return layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead  # type: ignore[return-value]
-
-
-def validate(mode: str, num_stages: int, num_microbatches: int, lookahead: int = 0) -> None:
-    """Reject schedule parameters that the modes cannot run, naming the fix (``layout.check_schedule``)."""
-    check_schedule(mode, num_stages, num_microbatches, lookahead=lookahead)

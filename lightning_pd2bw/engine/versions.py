@@ -58,9 +58,6 @@ class WeightVersions:
         else:
             self.master = [p.data for p in self.parameters]
             self._storages = {0: [torch.empty_like(t, dtype=self.compute_dtype) for t in self.master]}
-            for param in self.parameters:  # a float32 .grad may be set on a bfloat16 version (torch >= 2.10;
-                if hasattr(param, "grad_dtype"):  # before: the engine attaches .grad only on the master)
-                    param.grad_dtype = None
             self._active = MASTER
         # versions whose compute copy the master may have moved past (at rest anything may write it: a load)
         self._stale: set[int] = {0} if self.master is not None else set()

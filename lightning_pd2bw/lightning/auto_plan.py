@@ -10,8 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..engine.options import PipelineOptions
-from .checks import autocast_dtype
+from ..engine.options import PipelineOptions, resolved_dtypes
 from .compat import train_dataloader
 
 
@@ -32,7 +31,7 @@ def choose(
     if not global_batch:
         raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
     module, precision = trainer.lightning_module, trainer.precision_plugin
-    weight_dtype = autocast_dtype(precision) if options.weight_dtype == "auto" else options.weight_dtype
+    dtypes = resolved_dtypes(options, str(precision.precision))  # "auto": bfloat16 under bf16-mixed
     best, cluster, ranked = plan_on_world(
         layers,
         sample,
@@ -41,10 +40,11 @@ def choose(
         device=device,
         num_nodes=num_nodes,
         global_batch=global_batch,
-        options=options,
+        options=options.replace(**dtypes),
         weight_bytes=bytes_per_element(str(precision.precision))[0],
-        version_bytes=version_bytes(str(precision.precision), options.weight_dtype),
-        weight_dtype=weight_dtype,  # the layers profiled on weight versions in it, as they will run
+        version_bytes=version_bytes(str(precision.precision), dtypes["weight_dtype"]),
+        weight_dtype=dtypes["weight_dtype"],  # the layers profiled on weight versions in it, as they will run
+        boundary_dtype=dtypes["boundary_dtype"],  # and their outputs counted as they cross
         autocast=precision.train_step_context,
     )
     chosen = best.candidate

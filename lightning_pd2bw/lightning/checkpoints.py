@@ -120,11 +120,10 @@ class StageCheckpoints:
         for key, value in self.module.hparams.items():
             if key.endswith("steps") and (value is None or isinstance(value, int)):
                 out[f"model.{key}"] = value
-        for callback in trainer.callbacks:
-            if type(callback).__module__.startswith("lightning_pd2bw.sparsity"):
-                for key, value in vars(callback).items():
-                    if key.endswith(("_step", "_steps", "_interval")) and isinstance(value, int):
-                        out[f"{type(callback).__name__}.{key}"] = value
+        for callback in trainer.callbacks:  # those with a schedule (the sparsity callbacks) say what it was made for
+            horizon = getattr(callback, "horizon", None)
+            if callable(horizon):
+                out.update(horizon())
         return out
 
     def _data_position(self) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision,
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from ..engine.options import Run
 from ..engine.partition import layer_parameter_counts
 
 
@@ -34,12 +35,6 @@ def check_precision(plugin: Precision | None) -> None:
         )
 
 
-def autocast_dtype(plugin: Precision | None) -> torch.dtype | None:
-    """``boundary_dtype="auto"``, ``weight_dtype="auto"``: bfloat16 under ``bf16-mixed``, else None (their own)."""
-    precision = str(getattr(plugin, "precision", ""))
-    return torch.bfloat16 if isinstance(plugin, MixedPrecision) and precision == "bf16-mixed" else None
-
-
 def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
@@ -49,6 +44,20 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
         )
     if not module.automatic_optimization:
         raise ValueError("strategy='pd2bw' runs the optimizer itself; set automatic_optimization=True")
+
+
+def check_callbacks(trainer: pl.Trainer, run: Run) -> None:
+    """A callback that reads every gradient (``reads_gradients``: RigL's regrowth) needs them whole on each replica;
+    ``shard_gradients`` leaves each replica the gradients of the parameters it owns only."""
+    if not (run.options.shard_gradients and run.width > 1):
+        return
+    for callback in trainer.callbacks:
+        if getattr(callback, "reads_gradients", False):
+            raise ValueError(
+                f"{type(callback).__name__} {callback.reads_gradients}, and with "
+                f"{run.options.keys.named('shard_gradients', True)} each replica holds only the gradients of the "
+                "parameters it owns: set shard_gradients=False"
+            )
 
 
 def warn_unused_steps(module: pl.LightningModule) -> None:

@@ -28,7 +28,7 @@ from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
 from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
-from ..engine.options import DEFAULT_CORRECTION, PipelineOptions
+from ..engine.options import DEFAULT_CORRECTION, PipelineOptions, Run
 from . import auto_plan, checks
 from .checkpoints import StageCheckpoints
 from .compat import (
@@ -104,20 +104,27 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.planned_batch: int | None = None  # and each replica's batch size
         self.grid: ProcessGrid | None = None  # built once, after the plan
         self.engine: PipelineEngine | None = None  # this stage's pipeline engine (built in setup)
+        self.run: Run | None = None  # the options resolved on the world and the precision (``_run``)
         self._interrupted = False  # on_exception ran: teardown leaves the engine's groups alone
 
     # ------------------------------------------------------------------ the layout and the engine's state
     @property
     def num_stages(self) -> int:
-        return self.options.num_stages or self.world_size
+        return self._run().num_stages
 
     @property
     def num_microbatches(self) -> int:
-        return self.options.num_microbatches or self.num_stages
+        return self._run().num_microbatches
 
     @property
     def data_parallel_size(self) -> int:
-        return rules.width_of(self.world_size, self.num_stages, STRATEGY_KEYS)
+        return self._run().width
+
+    def _run(self) -> Run:
+        """The run resolved on this world and precision (once the world is known, and after a plan)."""
+        if self.run is None or self.run.world_size != self.world_size:
+            self.run = self.options.resolve(self.world_size, str(self.precision_plugin.precision))
+        return self.run
 
     @property
     def stage_layers(self) -> list[range]:
@@ -140,16 +147,13 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        options = self.options
-        if options.plan is None:  # bad layouts fail before any process group exists
-            rules.check_schedule(options.mode, self.num_stages, self.num_microbatches, STRATEGY_KEYS)
-            rules.width_of(self.world_size, self.num_stages, STRATEGY_KEYS)
-            rules.check_pipeline(options.mode, self.num_stages, self.world_size, STRATEGY_KEYS)
+        if self.options.plan is None:  # bad layouts fail before any process group exists
+            self._run()
         super().setup_environment()
         self.init_process_group()
         self.checkpoints.create_group()
         checks.check_host_groups([host_group(), self.checkpoints.group])  # bounded: names GLOO_SOCKET_IFNAME
-        if options.plan is None:  # under plan="auto" the grid waits for the plan (setup)
+        if self.options.plan is None:  # under plan="auto" the grid waits for the plan (setup)
             self._build_grid()
 
     def _build_grid(self) -> None:
@@ -180,15 +184,14 @@ class PipeDream2BWStrategy(PipelineProcesses):
         checks.check_trainer(trainer, module)
         if self.options.plan == "auto":
             self._adopt_plan(trainer, layers)
+        checks.check_callbacks(trainer, self._run())
         assert self.grid is not None
         options = self.options
         fitting = trainer.state.fn == TrainerFn.FITTING
         algorithm = trainer.gradient_clip_algorithm
         self.engine = PipelineEngine(
             layers,
-            options.replace(
-                boundary_dtype=self._resolved("boundary_dtype"), weight_dtype=self._resolved("weight_dtype")
-            ),
+            self._run(),
             module.pipeline_inputs,
             module.pipeline_loss,
             device=self.root_device,
@@ -225,12 +228,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
             recompute=best.candidate.recompute,
             layers_per_stage=tuple(len(r) for r in best.stages),
         )
+        self.run = None  # resolved again with the plan's layout
         self._build_grid()
-
-    def _resolved(self, name: str) -> torch.dtype | None:
-        """``boundary_dtype`` or ``weight_dtype``: ``"auto"`` is bfloat16 under ``bf16-mixed``."""
-        dtype = getattr(self.options, name)
-        return checks.autocast_dtype(self.precision_plugin) if dtype == "auto" else dtype
 
     # ------------------------------------------------------------------ checkpoints (checkpoints.py)
     @property

@@ -59,7 +59,7 @@ class PipelineTrace(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.strategy.barrier("pipeline_trace")  # a common time origin for all ranks
         self.recorder = Recorder(time.perf_counter(), trainer.strategy.root_device)
-        trainer.strategy.engine.executor.recorder = self.recorder
+        trainer.strategy.engine.observe(recorder=self.recorder)
         self._last = self.recorder.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -97,7 +97,7 @@ class PipelineTrace(Callback):
         if self.recorder is None:
             return
         strategy = trainer.strategy
-        strategy.engine.executor.recorder = None
+        strategy.engine.observe()
         self.recorder = None
         mine = StageTimeline(strategy.global_rank, strategy.grid.stage, strategy.grid.replica, self.kept).to_dict()
         gathered: list[Any] = [None] * strategy.world_size if strategy.global_rank == 0 else []

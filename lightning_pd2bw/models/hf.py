@@ -165,13 +165,6 @@ class HFCausalLM(PipelineLanguageModel):
 
         return getattr(transformers, self.auto_model).from_config(self.config)
 
-    def hf_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The Hugging Face model's own loss on ``batch`` (what ``pipeline_loss`` reproduces)."""
-        labels = batch.get("labels", batch["input_ids"])
-        return self.hf_model(
-            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels
-        ).loss
-
     def save_pretrained(self, directory: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the model in Hugging Face's own format (config + safetensors), which ``AutoModelFor*.from_pretrained``
         loads. ``state_dict``: this module's weights by its names, e.g. ``lightning_pd2bw.checkpoint.consolidate(ckpt)``

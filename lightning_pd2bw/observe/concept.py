@@ -16,8 +16,8 @@ VERSION_COLOURS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2"]  # version 0, 1, 
 
 def version_of(mode: str, batch: int) -> int:
     """The weight version a batch's microbatches compute on: flush, the newest (one per batch); 2BW, the one before
-    (the first batch, version 0), so that two versions are held and none is waited for."""
-    return batch if mode == "flush" else max(batch - 1, 0)
+    (the first batch, version 0), so that two versions are held and none is waited for (``schedule.weight_version``)."""
+    return S.weight_version(S.Mode(mode), batch)
 
 
 def draw(path: str, num_stages: int = 4, num_microbatches: int = 4, num_batches: int = 3) -> None:

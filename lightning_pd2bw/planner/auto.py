@@ -93,6 +93,7 @@ def plan_on_world(
     weight_bytes: int = 4,
     version_bytes: int | None = None,
     weight_dtype: torch.dtype | None = None,
+    boundary_dtype: torch.dtype | None = None,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
     max_micro_sizes: int = 6,
@@ -128,6 +129,7 @@ def plan_on_world(
                 loss_fn=lambda out: loss_fn(out, batch),
                 autocast=autocast,
                 weight_dtype=weight_dtype,
+                boundary_dtype=boundary_dtype,
             )
             nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
             fused = 0.0 if device.type == "cuda" else None  # models/optim.py: fused AdamW on CUDA, no temporaries

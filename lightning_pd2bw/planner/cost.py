@@ -95,7 +95,8 @@ class ModelProfile:
 @dataclass(frozen=True)
 class Candidate:
     """One configuration the planner weighs: width, depth, microbatch size and recomputation (the dimensions it
-    searches) for the run ``options`` describes (its mode, lookahead and delay correction; ``Candidate.of``)."""
+    searches) for the run ``options`` describes, kept whole (its mode, lookahead, delay correction, sharding and
+    dtypes; ``Candidate.of``)."""
 
     width: int
     depth: int
@@ -110,14 +111,8 @@ class Candidate:
         """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
         of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
         recompute = options.recompute if recompute is None else recompute
-        planned = PipelineOptions(
-            mode=options.mode,
-            lookahead=options.lookahead,
-            delay_correction=options.delay_correction,
-            shard_optimizer=options.shard_optimizer,
-            shard_gradients=options.shard_gradients,
-        )
-        return cls(width, depth, micro_batch_size, recompute, planned)  # what the plan depends on, nothing else
+        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None, plan=None, global_batch_size=None)
+        return cls(width, depth, micro_batch_size, recompute, options.replace(**layout, recompute=recompute))
 
     @property
     def mode(self) -> Mode:
@@ -182,9 +177,8 @@ def stage_memory(
     memory = memory_of(
         profile, params, activations, span.start, stage, candidate, num_microbatches, largest, profile.states_of(span)
     )
-    output = layers[-1].output_bytes if stage < candidate.depth - 1 else 0.0
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
-    return memory | boundary_memory(profile, stage, candidate, num_microbatches, output, given, span)
+    return memory | boundary_memory(profile, stage, candidate, num_microbatches, layers[-1], given, span)
 
 
 def boundary_memory(
@@ -192,18 +186,22 @@ def boundary_memory(
     stage: int,
     candidate: Candidate,
     num_microbatches: int,
-    output: float,
+    last: LayerProfile,
     given: float,
     span: range | None = None,
 ) -> dict[str, float]:
     """The stage's outputs kept for the backward, its messages in flight and NCCL's buffers (see the module's
-    docstring). ``output``: bytes the stage sends per microbatch (0 on the last), ``given``: bytes it receives;
-    ``span``: the stage's layers (which tied parameters it shares with another stage)."""
+    docstring). ``last``: the stage's last layer (what it sends and keeps per microbatch; nothing on the last
+    stage), ``given``: bytes it receives; ``span``: the stage's layers (which tied parameters it shares with
+    another stage)."""
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     warmup = stash - 1
     depth, width = candidate.depth, candidate.width
+    sends = stage < depth - 1
+    output = last.output_bytes if sends else 0.0
+    kept = last.kept_output_bytes if last.kept_output_bytes is not None else output * profile.output_factor
     return {
-        "outputs": stash * output * profile.output_factor,
+        "outputs": stash * kept if sends else 0.0,
         "transport": (warmup + 2) * output + 2 * given if depth > 1 else 0.0,
         "communication": communicators(profile, stage, candidate, span) * profile.communicator_bytes
         if depth * width > 1

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.executor import as_tuple
+from ..engine.executor import as_tuple, wire_bytes
 from ..engine.materialize import materialize
 from ..observe.activations import ActivationMeter
 from .profile import LayerProfile
@@ -83,6 +83,7 @@ def measure_layers(
     repeats: int = 3,
     autocast: Callable[[], Any] | None = None,
     weight_dtype: torch.dtype | None = None,
+    boundary_dtype: torch.dtype | None = None,
 ) -> list[LayerProfile]:
     """Profile ``layers`` on ``device`` for one microbatch whose first-layer input is ``first_input``.
 
@@ -90,7 +91,8 @@ def measure_layers(
     as in the pipeline. ``optimizer(params)`` builds the optimizer whose step is timed per layer
     (default AdamW). ``weight_dtype`` (``PipelineOptions.weight_dtype``, resolved): the forward and backward run
     on a copy of the weights in that dtype, as the pipeline's versions are (no cast per microbatch, none kept for
-    the backward); the optimizer steps the float32 weights.
+    the backward); the optimizer steps the float32 weights. ``boundary_dtype`` (resolved): what floating outputs
+    cross stages in (each profile's ``output_bytes``; ``kept_output_bytes`` is the output in its own dtype).
     """
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-4))
     autocast = autocast or (lambda: torch.autocast(device.type, enabled=False))
@@ -148,7 +150,8 @@ def measure_layers(
                 forward_s=forward_s,
                 backward_s=max(both_s - forward_s, 0.0),
                 activation_bytes=float(saved),
-                output_bytes=0.0 if is_last else float(_nbytes(output)),
+                output_bytes=0.0 if is_last else float(wire_bytes(output, boundary_dtype)),  # as it crosses
+                kept_output_bytes=0.0 if is_last else float(_nbytes(output)),
                 parameters=sum(p.numel() for p in params),
                 optimizer_s=step_s,
             )

@@ -22,10 +22,9 @@ class LayerProfile:
     output_bytes: float  # sent to the next stage per microbatch (the gradient coming back is as large)
     parameters: int
     optimizer_s: float = 0.0  # one optimizer step over this layer's parameters
-
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
+    # the output as the stage keeps it for its backward, in its own dtype (None: ``output_bytes`` x the profile's
+    # ``output_factor``); e.g. float32 under bf16-mixed while bfloat16 crosses (``boundary_dtype``)
+    kept_output_bytes: float | None = None
 
 
 def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activation_bytes: int) -> float:
@@ -34,10 +33,10 @@ def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activa
 
 
 def version_bytes(precision: str, weight_dtype: str | torch.dtype | None) -> int | None:
-    """Bytes per parameter of each weight version held apart from a float32 master (``PipelineOptions.weight_dtype``:
-    ``"auto"`` is bfloat16 under ``bf16-mixed``), or None where the versions are the weights themselves."""
+    """Bytes per parameter of each weight version held apart from a float32 master (``weight_dtype``: the run's,
+    resolved: ``engine/options.py``), or None where the versions are the weights themselves."""
     if weight_dtype == "auto":
-        return 2 if precision == "bf16-mixed" else None
+        raise ValueError("version_bytes takes a resolved weight_dtype (PipelineOptions.resolve or run.resolved_dtypes)")
     if weight_dtype is None or precision.startswith(("bf16-true", "16-true")):
         return None
     dtype = getattr(torch, weight_dtype) if isinstance(weight_dtype, str) else weight_dtype

@@ -28,14 +28,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from ..engine.executor import as_tuple
+from ..engine.executor import as_tuple, wire_bytes
 
 
 @dataclass(frozen=True)
 class LayerBytes:
     saved: int  # kept for the backward of one microbatch, the layer's input included
-    output: int  # the layer's output (what crosses to the next stage when a cut follows it)
+    output: int  # the layer's output in its own dtype (what a stage keeps of it for its backward)
     input: int  # the layer's floating-point input (what a recomputed layer keeps)
+    sent: int = 0  # the output as it crosses to the next stage when a cut follows it (``boundary_dtype``)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -136,6 +137,7 @@ def count_layers(
     autocast_dtype: torch.dtype | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     fake: bool = True,
+    boundary_dtype: torch.dtype | None = None,
 ) -> list[LayerBytes]:
     """``LayerBytes`` of every layer, in pipeline order (layer i's input is layer i-1's output).
 
@@ -143,7 +145,8 @@ def count_layers(
     ``fake``). ``weight_dtype``: the dtype the forward's weights are in (the pipeline's bf16 versions), None: as
     built. ``autocast_dtype``: the precision plugin's autocast (``bf16-mixed``) with CUDA's op lists
     (``CudaAutocastPolicy``: the GPU the plan is for, also where the tensors are real CPU ones), None: off. ``loss_fn(output)``:
-    the last layer's loss, counted with it as the pipeline runs it. ``fake=False`` runs the real layers (a
+    the last layer's loss, counted with it as the pipeline runs it. ``boundary_dtype``: what floating outputs cross
+    in (the run's resolved ``boundary_dtype``; None: their own). ``fake=False`` runs the real layers (a
     reference for tests; the layers must then be materialised)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     cache: dict[tuple, LayerBytes] = {}
@@ -170,6 +173,7 @@ def count_layers(
                 cache[key] = LayerBytes(
                     saved=counter.total,
                     output=0 if is_last else _nbytes(output),
+                    sent=0 if is_last else wire_bytes(output, boundary_dtype),
                     input=_nbytes(tuple(t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point())),
                 )
             counted.append(cache[key])

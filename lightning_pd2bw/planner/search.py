@@ -47,9 +47,8 @@ def pack(
             widest = max(largest, layer.activation_bytes)
             states = profile.states_of(range(start, end + 1))
             memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states)
-            output = layer.output_bytes if s < d - 1 else 0.0
             given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
-            memory |= boundary_memory(profile, s, candidate, num_microbatches, output, given, range(start, end + 1))
+            memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
             if sum(memory.values()) > capacity:
                 break
             time, (params, activations), largest = time + step, grown, widest

@@ -51,7 +51,7 @@ class SparsityCallback(Callback):
         log_per_layer: log each layer's density (grouped under ``sparsity_per_layer``).
     """
 
-    reads_gradients = False  # mask changes read the gradients (RigL's regrowth), not only the weights
+    reads_gradients: str | bool = False  # mask changes read every gradient (RigL's: why, said in messages)
 
     def __init__(
         self,
@@ -119,15 +119,17 @@ class SparsityCallback(Callback):
         self.sparsifier.apply(optimizers)
         self.step += 1
 
+    def horizon(self) -> dict[str, int]:
+        """The step settings this callback's schedule was computed for (a checkpoint records them and a resume
+        compares them: ``lightning/checkpoints.py``)."""
+        return {
+            f"{type(self).__name__}.{key}": value
+            for key, value in vars(self).items()
+            if key.endswith(("_step", "_steps", "_interval")) and isinstance(value, int)
+        }
+
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        options = getattr(trainer.strategy, "options", None)
-        width = getattr(trainer.strategy, "data_parallel_size", 1)
-        if self.reads_gradients and getattr(options, "shard_gradients", False) and width > 1:
-            raise ValueError(
-                f"{type(self).__name__} grows connections by gradient, and with strategy.shard_gradients=True each "
-                "replica holds only the gradients of the parameters it owns: set shard_gradients=False"
-            )
         reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
         self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
         engine = getattr(trainer.strategy, "engine", None)  # pd2bw: a mask change restarts the correction's history
@@ -332,7 +334,7 @@ class RigL(SparsityCallback):
             ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
     """
 
-    reads_gradients = True  # the regrowth ranks |gradient|
+    reads_gradients = "grows connections by gradient"  # the regrowth ranks |gradient| (why, for messages)
 
     def __init__(
         self,

@@ -147,15 +147,15 @@ def test_steady_state_steps_make_no_host_sync(inject_sync, monkeypatch):
     ``stop`` policy reads its non-finite flags from pinned host memory a step later). The positive control makes
     the update read one gradient norm with ``.item()``: the counter must see it and attribute it to pd2bw."""
     if inject_sync:
-        from lightning_pd2bw.engine.update import UpdateRule
+        from lightning_pd2bw.engine.stepper import Stepper
 
-        original = UpdateRule.step
+        original = Stepper.step
 
-        def step_with_a_sync(self, batch):
-            original(self, batch)
-            self.params[0].detach().norm().item()  # a host sync, called from the engine's update
+        def step_with_a_sync(self, batch, aside):
+            original(self, batch, aside)
+            aside.params[0].detach().norm().item()  # a host sync, called from the engine's update
 
-        monkeypatch.setattr(UpdateRule, "step", step_with_a_sync)
+        monkeypatch.setattr(Stepper, "step", step_with_a_sync)
     case = Case("gpu_sync", mode="2bw", num_stages=1, num_microbatches=2, steps=6, precision="bf16-mixed")
     counter = SyncCounter()
     pl.seed_everything(0)

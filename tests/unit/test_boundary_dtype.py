@@ -63,8 +63,10 @@ def test_no_boundary_dtype_sends_the_tensor_as_computed():
 )
 @pytest.mark.parametrize("name", ["boundary_dtype", "weight_dtype"])
 def test_auto_is_bf16_under_bf16_mixed_only(plugin, option, expected, name):
-    strategy = PipeDream2BWStrategy(num_stages=1, precision_plugin=plugin, **{name: option})
-    assert strategy._resolved(name) == expected
+    """The one rule (``PipelineOptions.resolve``) the strategy resolves its dtypes by, from its precision plugin."""
+    options = PipeDream2BWStrategy(num_stages=1, precision_plugin=plugin, **{name: option}).options
+    run = options.resolve(1, str(plugin.precision))
+    assert getattr(run, name) == getattr(run.options, name) == expected
 
 
 @pytest.mark.parametrize("name", ["boundary_dtype", "weight_dtype"])

@@ -111,3 +111,28 @@ def test_the_markdown_lint_finds_what_the_strict_build_does_not(tmp_path):
 def test_every_docs_page_passes_the_markdown_lint():
     lint = _lint()
     assert [f for page in sorted((ROOT / "docs").glob("*.md")) for f in lint.faults(page)] == []
+
+
+def test_every_action_the_docs_name_is_a_kind_of_the_ir():
+    """An action written as the IR prints it (``REDUCE(b1)``, ``SEND_F(m4,v1)``) names a ``schedule.Kind``: a
+    renamed or removed kind cannot linger in the prose (issue 61)."""
+    import re
+
+    from lightning_pd2bw.engine.schedule import Kind
+
+    kinds = {kind.value for kind in Kind}
+    named: dict[str, set[str]] = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name in re.findall(r"\b([A-Z][A-Z_]*)\((?:b|m)[\d+a-z ,-]*\)", page.read_text()):
+            named.setdefault(name, set()).add(page.name)
+    assert named, "the docs show the IR's actions (docs/architecture.md)"
+    unknown = {name: sorted(pages) for name, pages in named.items() if name not in kinds}
+    assert not unknown, f"actions the IR does not have: {unknown}"
+
+
+def test_every_engine_module_is_in_the_architecture_page():
+    """``docs/architecture.md``'s map names every module of ``engine/`` (issue 61: it lacked ``sharding.py``)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "lightning_pd2bw" / "engine").glob("*.py") if p.name != "__init__.py")
+    missing = [name for name in modules if name not in page]
+    assert not missing, f"docs/architecture.md does not name {missing}"

@@ -125,9 +125,9 @@ def test_2bw_at_depth_one_over_several_processes_is_refused_with_the_fix():
     from .test_config import load
 
     with pytest.raises(ValueError, match=r"mode='2bw' with num_stages=1 on 2 processes .* use mode='flush'"):
-        PipelineOptions(num_stages=1).layout(2)
-    assert PipelineOptions(num_stages=1, mode="flush").layout(2).num_stages == 1
-    assert PipelineOptions().layout(1).num_stages == 1  # one process: nothing else to run
+        PipelineOptions(num_stages=1).resolve(2)
+    assert PipelineOptions(num_stages=1, mode="flush").resolve(2).num_stages == 1
+    assert PipelineOptions().resolve(1).num_stages == 1  # one process: nothing else to run
     with pytest.raises(ConfigError, match=r"strategy.mode='2bw' with strategy.num_stages=1 on 2 processes"):
         check_run(load("tiny", ("strategy.num_stages=1",)))
     depths = {c.depth for c in candidates(8, 10, 64, PipelineOptions())}

@@ -383,7 +383,7 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     a, b = stage_memory(mixed, range(1, 3), 1, candidate, 2), stage_memory(plain, range(1, 3), 1, candidate, 2)
     assert a["weights"] == versions * 200 * 2 + 200 * 4 and b["weights"] == versions * 200 * 4
     assert {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"}
-    assert version_bytes("bf16-mixed", "auto") == 2 and version_bytes("32-true", "auto") is None
+    assert version_bytes("bf16-mixed", torch.bfloat16) == 2 and version_bytes("32-true", torch.float32) is None
     assert version_bytes("bf16-mixed", None) is None and version_bytes("32-true", "bfloat16") == 2
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pd2bw.engine import schedule as S
-from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.layout import Layout, check_schedule
 
 LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
 # (mode, lookahead): lookahead applies to the 1F1B schedules
@@ -193,7 +193,7 @@ def test_invalid_parameters_name_the_fix():
     with pytest.raises(ValueError, match="num_microbatches=2 is smaller than num_stages=4"):
         segment("2bw", 0, 4, 2, 0)
     with pytest.raises(ValueError, match="valid: 2bw, flush, gpipe"):
-        S.validate("pipedream", 2, 2)
+        check_schedule("pipedream", 2, 2)
 
 
 @pytest.mark.parametrize("mode", S.MODES)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import schedule as S
-from ..layout import Layout
+from ..layout import Layout, check_schedule
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 
@@ -355,7 +355,7 @@ _SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
 
 def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:
     """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
-    S.validate(layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead)
+    check_schedule(layout.mode, layout.num_stages, layout.num_microbatches, lookahead=layout.lookahead)
     ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights

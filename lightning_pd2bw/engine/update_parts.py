@@ -1,0 +1,253 @@
+"""The update's parts that reduce, check and clip gradients (``update.py`` says what each does and when; the
+optimizers' step is ``stepper.py``). Each part keeps its own state per batch, from the action that starts it to
+the one that ends it, and reads and writes the batch's gradients in its ``SetAside``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import gradients
+from . import schedule as S
+from .build import TiedParameter
+from .grad_buckets import GradientBuckets, Launched
+from .layout import Keys
+from .ledger import BatchLedger
+from .update import Handler, SetAside, UpdatePart
+
+
+class BucketReducer(UpdatePart):
+    """The replicated gradients' buckets: all-reduced over the replicas (or, ``sharded``, each owner's part reduced
+    to it) during the batch's last backward, handed over in flight at REDUCE, waited for and averaged at CHECK."""
+
+    def __init__(self, buckets: GradientBuckets, params: Sequence[nn.Parameter], double_buffered: bool) -> None:
+        self.buckets, self.double_buffered = buckets, double_buffered
+        self.params = list(params)
+        self.launched: dict[int, Launched] = {}
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.REDUCE: self.reduce, S.CHECK: self.check}
+
+    def reduce(self, batch: int, aside: SetAside) -> None:
+        self.launched[batch] = self.buckets.launch(self.double_buffered)  # in flight until CHECK
+
+    def check(self, batch: int, aside: SetAside) -> None:
+        averaged = self.buckets.complete(self.launched.pop(batch))
+        aside.grads = [averaged.get(id(p), g) for p, g in zip(self.params, aside.grads)]
+
+    def pending_bytes(self) -> int:
+        return sum(
+            b.views[0].element_size() * sum(v.numel() for v in b.views)
+            for launched in self.launched.values()
+            for b in launched.buckets
+        )
+
+
+class TiedSums(UpdatePart):
+    """A tied parameter's gradient (e.g. the embedding the first and last stages share): averaged over the replicas
+    (apart from the buckets, waited for at REDUCE), then summed over the stages holding it (launched at REDUCE on
+    the tied group, waited for at CHECK). Every holder joins the sum, with zeros where no gradient arrived."""
+
+    def __init__(
+        self, shared: Sequence[TiedParameter], params: Sequence[nn.Parameter], replica_group: Any, width: int
+    ) -> None:
+        self.shared, self.replica_group, self.width = list(shared), replica_group, width
+        position = {id(p): i for i, p in enumerate(params)}
+        self.positions = [position[id(s.param)] for s in self.shared]
+        self.works: dict[int, list[Any]] = {}
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.REDUCE: self.reduce, S.CHECK: self.check}
+
+    def reduce(self, batch: int, aside: SetAside) -> None:
+        present = [aside.grads[i] for i in self.positions if aside.grads[i] is not None]
+        gradients.average_over_replicas(present, self.replica_group, self.width)
+        for i, shared in zip(self.positions, self.shared):
+            if aside.grads[i] is None:
+                aside.grads[i] = torch.zeros_like(shared.param)
+        self.works[batch] = [
+            dist.all_reduce(aside.grads[i], group=s.group, async_op=True)  # type: ignore[arg-type]
+            for i, s in zip(self.positions, self.shared)
+        ]
+
+    def check(self, batch: int, aside: SetAside) -> None:
+        for work in self.works.pop(batch):
+            work.wait()
+
+
+class StageNorm:
+    """This stage's squared gradient norm (a tied parameter counted on the first stage holding it only). Sharded
+    gradients: the owners' parts summed over the replicas (on ``shard``'s communicator, where nothing of the next
+    batch is queued), the tied parameters, whole on every replica, added after."""
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], shared: Sequence[TiedParameter], device: torch.device, shard_group: Any
+    ) -> None:
+        tied = {id(s.param) for s in shared}
+        not_counted = {id(s.param) for s in shared if not s.counts_for_norm}
+        self.counted = [id(p) not in not_counted for p in params]
+        self.is_tied = [id(p) in tied for p in params]
+        self.device, self.shard_group = device, shard_group  # shard_group: None unless gradients are sharded
+
+    def squares(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        counted = [(g, t) for g, c, t in zip(grads, self.counted, self.is_tied) if c and g is not None]
+        if self.shard_group is None:
+            return gradients.squared_norm([g for g, _ in counted], self.device)
+        owned = gradients.squared_norm([g for g, tied in counted if not tied], self.device)
+        dist.all_reduce(owned, group=self.shard_group)
+        return owned + gradients.squared_norm([g for g, tied in counted if tied], self.device)
+
+
+class StopOnNonFinite(UpdatePart):
+    """``on_nonfinite="stop"``: CHECK computes one flag per gradient and copies them to the host without a sync
+    (``gradients.FiniteWatch``); the first update that reads a non-finite one raises, naming its parameters, and
+    every drain waits for them all (nothing is saved or evaluated after a non-finite update)."""
+
+    def __init__(
+        self,
+        ledger: BatchLedger,
+        names: Callable[[], dict[int, list[str]]],
+        describe: Callable[[], str],
+        keys: Keys,
+    ) -> None:
+        self.ledger, self.names, self.describe, self.keys = ledger, names, describe, keys
+        self.watch = gradients.FiniteWatch()
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.CHECK: self.check}
+
+    def check(self, batch: int, aside: SetAside) -> None:
+        with aside.in_grad():
+            self.watch.push(self.ledger.global_step(batch), aside.params)
+        self.raise_if_nonfinite()
+
+    def at_drain(self) -> None:
+        self.raise_if_nonfinite(wait=True)
+
+    def raise_if_nonfinite(self, wait: bool = False) -> None:
+        found = self.watch.poll(wait)
+        if found is None:
+            return
+        step, bad = found
+        names = self.names()
+        shown = [names.get(id(p), ["?"])[0] for p in bad]
+        raise FloatingPointError(
+            f"non-finite gradients in the batch of step {step} on {self.describe()}"
+            f" (e.g. {', '.join(shown[:3])}). Lower the learning rate or clip gradients, check the data, or let the "
+            f"pipeline skip such updates: {self.keys.named('on_nonfinite', 'skip')}"
+        )
+
+
+class SkipNonFinite(UpdatePart):
+    """``on_nonfinite="skip"``: CHECK launches one flag over the pipeline (with sharded gradients the replicas agree
+    on the owners' flags first); HOOKS reads it (the one host sync per update of this policy) and, if any stage saw
+    a non-finite gradient, every stage skips the batch's update alike (``ledger.skip``)."""
+
+    def __init__(
+        self, ledger: BatchLedger, groups: Any, device: torch.device, sharded: bool, info: Callable[[str], None]
+    ) -> None:
+        self.ledger, self.groups, self.device, self.sharded, self.info = ledger, groups, device, sharded, info
+        self.flags: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.CHECK: self.check, S.HOOKS: self.verdict}
+
+    def check(self, batch: int, aside: SetAside) -> None:
+        flag = gradients.nonfinite_flag([g for g in aside.grads if g is not None], self.device)
+        if self.sharded:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.shard)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline, async_op=True)
+        self.flags[batch] = (flag, work)
+
+    def verdict(self, batch: int, aside: SetAside) -> None:
+        flag, work = self.flags.pop(batch)
+        work.wait()
+        if flag.item() == 0:
+            return
+        step = self.ledger.global_step(batch)
+        self.ledger.skip(batch)
+        self.ledger.skipped_updates.append(step)
+        self.info(
+            f"pd2bw: non-finite gradients in the batch of step {step}: its update is skipped on "
+            f"every stage ({len(self.ledger.skipped_updates)} skipped so far)"
+        )
+
+
+class BeforeStepHooks(UpdatePart):
+    """HOOKS: ``before_step(optimizer)`` once per optimizer with the batch's gradients in ``.grad`` (Lightning:
+    ``on_before_optimizer_step`` of the callbacks, then of the module; e.g. the sparsity masks), unless skipped."""
+
+    def __init__(
+        self, ledger: BatchLedger, optimizers: Sequence[torch.optim.Optimizer], before_step: Callable[..., None]
+    ) -> None:
+        self.ledger, self.optimizers, self.before_step = ledger, list(optimizers), before_step
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.HOOKS: self.hooks}
+
+    def hooks(self, batch: int, aside: SetAside) -> None:
+        if self.ledger.is_skipped(batch):
+            return
+        with aside.in_grad():
+            for optimizer in self.optimizers:
+                self.before_step(optimizer)
+
+
+class GlobalNormClip(UpdatePart):
+    """Clipping by the norm over the whole pipeline: NORM launches this stage's squared norm as a sum over the
+    pipeline (every stage skips alike, so the collective is issued by all or none); CLIP waits and scales."""
+
+    def __init__(self, ledger: BatchLedger, norm: StageNorm, pipeline_group: Any, max_norm: float) -> None:
+        self.ledger, self.norm, self.pipeline_group, self.max_norm = ledger, norm, pipeline_group, max_norm
+        self.launched: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.NORM: self.launch, S.CLIP: self.clip}
+
+    def launch(self, batch: int, aside: SetAside) -> None:
+        if self.ledger.is_skipped(batch):
+            return
+        squares = self.norm.squares(aside.grads)
+        self.launched[batch] = (squares, dist.all_reduce(squares, group=self.pipeline_group, async_op=True))
+
+    def clip(self, batch: int, aside: SetAside) -> None:
+        if batch not in self.launched:
+            return
+        squares, work = self.launched.pop(batch)
+        work.wait()
+        gradients.scale_to_norm([g for g in aside.grads if g is not None], squares, self.max_norm)
+
+
+class StageNormClip(UpdatePart):
+    """``clip_mode="stage"``: CLIP scales by this stage's own gradient norm."""
+
+    def __init__(self, ledger: BatchLedger, norm: StageNorm, max_norm: float) -> None:
+        self.ledger, self.norm, self.max_norm = ledger, norm, max_norm
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.CLIP: self.clip}
+
+    def clip(self, batch: int, aside: SetAside) -> None:
+        if not self.ledger.is_skipped(batch):
+            squares = self.norm.squares(aside.grads)
+            gradients.scale_to_norm([g for g in aside.grads if g is not None], squares, self.max_norm)
+
+
+class ClipByValue(UpdatePart):
+    """``gradient_clip_algorithm="value"``: CLIP clamps every gradient entry to [-value, value]."""
+
+    def __init__(self, ledger: BatchLedger, value: float) -> None:
+        self.ledger, self.value = ledger, value
+
+    def handlers(self) -> dict[S.Kind, Handler]:
+        return {S.CLIP: self.clip}
+
+    def clip(self, batch: int, aside: SetAside) -> None:
+        if not self.ledger.is_skipped(batch):
+            for grad in aside.grads:
+                if grad is not None:
+                    grad.clamp_(min=-self.value, max=self.value)
