@@ -27,10 +27,10 @@ WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS)
 
 test: lint docs  ## the contributor's tier: lint, the docs build, unit tests and distributed smoke cases
-	$(PYTEST) -m "not slow and not full"
+	PD2BW_DURATIONS=fast $(PYTEST) -m "not slow and not full"
 
-test-full: lint docs  ## what CI runs: lint, the docs build and every test but the slow ones
-	$(PYTEST)
+test-full: lint docs  ## what CI runs: lint, the docs build and every test but the slow ones (durations: tests/durations.json)
+	PD2BW_DURATIONS=full $(PYTEST)
 
 test-slow: venv  ## the slow tests alone (longer runs kept out of both tiers)
 	$(PYTEST) -m slow

@@ -5,7 +5,11 @@ in os.environ; a later test's subprocesses would inherit the port and fail with 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import time
+from datetime import date
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,21 +42,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: start_order(scope_of(item.nodeid)))  # stable: a file's tests keep their order
 
 
-LONGEST_FIRST = (  # files measured longest (2026-11-24, serial seconds on 2 cores): started first, so that the last
-    # file a worker takes is a short one (largest-first scheduling); then the other distributed files, then the unit
-    "tests/distributed/test_equivalence.py",  # ~110 with test_nccl_traces and test_sparsity
-    "tests/distributed/test_faults.py",  # ~110
-    "tests/distributed/test_no_spikes.py",  # ~95
-    "tests/distributed/test_preemption.py",  # ~65
-    "tests/distributed/test_memory.py",  # ~60
-    "tests/distributed/test_launchers.py",  # ~60
-    "tests/unit/test_nccl_model.py",  # ~50
-    "tests/distributed/test_examples.py",  # ~50
-    "tests/distributed/test_hf_models.py",  # ~50
-    "tests/distributed/test_reshard.py",  # ~45
-    "tests/distributed/test_compile.py",  # ~40
-    "tests/distributed/test_soak.py",  # ~40
-)
+DURATIONS = Path(__file__).with_name("durations.json")  # what `make test-full` (CI's `.ci/run`) measured last
+
+
+def recorded_durations() -> dict[str, Any]:
+    """The last record ``make test`` / ``make test-full`` wrote (``PD2BW_DURATIONS=<tier>``): per tier its wall
+    time, the tests passed, the date, and each file's serial seconds (setup, call and teardown of its tests)."""
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def longest_first(count: int = 12) -> tuple[str, ...]:
+    """The files the full tier measured longest: started first, so that the last file a worker takes is a short one
+    (largest-first scheduling); then the other distributed files, then the unit tests. Read from the record, not
+    typed (issue 61)."""
+    files = recorded_durations().get("full", {}).get("files", {})
+    return tuple(sorted(files, key=lambda name: -files[name])[:count])
+
+
+LONGEST_FIRST = longest_first()
 
 
 def start_order(scope: str) -> tuple[int, int]:
@@ -100,3 +107,36 @@ if importlib.util.find_spec("xdist") is not None:
                 return scope_of(nodeid)
 
         return ByFile(config, log)
+
+
+class DurationRecord:
+    """Writes ``tests/durations.json``'s entry for one tier (``PD2BW_DURATIONS=fast|full``, set by the Makefile):
+    on the controller, from every test's report (xdist's workers send theirs there)."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier, self.started = tier, time.monotonic()
+        self.files: dict[str, float] = {}
+        self.passed = 0
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        path = report.nodeid.split("::", 1)[0]
+        self.files[path] = self.files.get(path, 0.0) + report.duration
+        self.passed += report.when == "call" and report.passed
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if exitstatus != 0 or hasattr(session.config, "workerinput"):  # a failed run or an xdist worker: no record
+            return
+        record = recorded_durations()
+        record[self.tier] = {
+            "date": date.today().isoformat(),
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "passed": self.passed,
+            "files": {name: round(seconds, 1) for name, seconds in sorted(self.files.items())},
+        }
+        DURATIONS.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tier = os.environ.get("PD2BW_DURATIONS")
+    if tier and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecord(tier), "pd2bw-durations")

@@ -71,13 +71,20 @@ def plan(cfg, limit: int = 10) -> str:
     return "\n".join(lines)
 
 
+def recompute_value(recompute: bool | tuple[int, ...]) -> str:
+    """``strategy.recompute``'s value as typed: ``true``, ``false`` or ``[3,1,0,0]``."""
+    if isinstance(recompute, bool):
+        return str(recompute).lower()
+    return f"[{','.join(map(str, recompute))}]"
+
+
 def train_overrides(cluster, best) -> str:
     """The ``pd2bw-train`` overrides that run prediction ``best`` on ``cluster`` (beside the plan's own)."""
     chosen = best.candidate
     return (
         f"trainer.num_nodes={cluster.num_nodes} trainer.devices={cluster.devices_per_node} "
         f"strategy.num_stages={chosen.depth} micro_batch_size={chosen.micro_batch_size} "
-        f"strategy.recompute={str(chosen.recompute).lower()} "
+        f"'strategy.recompute={recompute_value(chosen.recompute)}' "
         f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'"
     )
 

@@ -43,6 +43,7 @@ def stage_counters(
         "peak_pending_gradient_bytes": update.peak_pending_bytes,
         "optimizer_state_bytes": nbytes(state),
         "correction_bytes": correction.held_bytes if correction is not None else 0,
+        "recomputed_layers": executor.recomputed,  # this stage's first layers that keep only their input
         "stashed_microbatches": executor.stashed_microbatches,
         "max_stashed_microbatches": executor.max_stashed,
         "stash_bytes": executor.stash_bytes,

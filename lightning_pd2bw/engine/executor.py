@@ -22,11 +22,9 @@ from . import schedule as S
 from .layout import Layout
 from .ledger import BatchLedger
 from .observer import ActionRecorder, SavedTensorMeter
-from .options import PipelineOptions
+from .options import PipelineOptions, recomputed_layers
 from .transport import StageLink, carries_gradient, input_signature
 from .versions import WeightVersions
-
-_SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -105,7 +103,7 @@ class StageExecutor:
         self.versions = versions
         self.input_fn = input_fn
         self.loss_fn = loss_fn
-        self.recompute = options.recompute
+        self.recomputed = recomputed_layers(options.recompute, stage, len(self.layers))  # its first layers
         self.keys = options.keys  # how messages name the options
         self.is_first = stage == 0
         self.is_last = stage == layout.num_stages - 1
@@ -165,10 +163,13 @@ class StageExecutor:
         return bool(self._stash or self._received or self._to_send or self._grads_in or self._keys)
 
     # ----------------------------------------------------------------- compute
-    def run_layers(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        """The stage's layers in order: a tuple a layer returns is the next layer's positional arguments."""
+    def run_layers(self, inputs: tuple[torch.Tensor, ...], start: int = 0, stop: int | None = None) -> Any:
+        """The stage's layers ``start`` to ``stop`` in order: a tuple a layer returns is the next layer's positional
+        arguments."""
         value: Any = inputs if len(inputs) > 1 else inputs[0]
-        for index, layer in enumerate(self.layers):
+        stop = len(self.layers) if stop is None else stop
+        for index in range(start, stop):
+            layer = self.layers[index]
             if isinstance(value, tuple):
                 self._check_takes(index, len(value))
                 value = layer(*value)
@@ -229,8 +230,9 @@ class StageExecutor:
         else:
             inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(k))
         with self._saved_tensor_hooks():
-            if self.recompute:
-                outputs = checkpoint(self.run_layers, inputs, use_reentrant=False)
+            if self.recomputed:  # the first layers keep only their input; the rest their activations
+                value = checkpoint(self.run_layers, inputs, 0, self.recomputed, use_reentrant=False)
+                outputs = self.run_layers(value if isinstance(value, tuple) else (value,), self.recomputed)
             else:
                 outputs = self.run_layers(inputs)
             if self.is_last:
@@ -286,12 +288,13 @@ class StageExecutor:
         compute and transport, plus the update's parts and the loss it was built with); a failure is marked in the
         listing of the actions."""
         recorder, progress, handlers = self.recorder, self.progress, self.handlers
+        fused = S.fuse_receives(actions)
         for index, action in enumerate(actions):
             if progress is not None:
                 progress.tick(action)
             start = recorder.now() if recorder is not None else 0.0
             try:
-                self._fused = S.fused_receive(actions, index) if action.kind in _SENDS else None
+                self._fused = fused.get(index)
                 handler = handlers.get(action.kind)
                 if handler is None:
                     raise ValueError(f"no handler for {action}: the update registers its parts (engine.start)")
@@ -314,7 +317,7 @@ class StageExecutor:
         """The sent outputs of microbatch ``k`` that get a gradient back (the shapes of its RECV_B)."""
         return [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
 
-    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fused_receive``)
+    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fuse_receives``)
     def _recv_forward(self, action: S.Action) -> None:
         k = action.microbatch
         key = self._keys.pop(k) if self.is_last else self._keys[k]

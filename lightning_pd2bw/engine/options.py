@@ -16,7 +16,7 @@ lookahead) with its width w = world / d, and the weight and boundary dtypes with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,11 @@ class PipelineOptions:
         global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
             (default: the dataloader's batch size x world size, as DDP would use).
 
-        recompute: recompute each stage's activations in the backward (stash only stage inputs).
+        recompute: recompute activations in the backward instead of stashing them. ``True``: every layer of every
+            stage (a stage stashes only its input per microbatch); ``False``: none; per stage, the number of its
+            first layers to recompute (e.g. ``[3, 1, 0, 0]``: Megatron's ``recompute_num_layers`` chosen per stage,
+            since stage s stashes min(d - s, m) microbatches: the first stages need it most). The planner
+            (``plan="auto"``, ``pd2bw-plan``) chooses the fewest that fit.
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
             ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
             receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
@@ -123,7 +127,7 @@ class PipelineOptions:
     layers_per_stage: tuple[int, ...] | None = None
     plan: str | None = None
     global_batch_size: int | None = None
-    recompute: bool = False
+    recompute: bool | tuple[int, ...] = False
     boundary_dtype: str | torch.dtype | None = "auto"
     weight_dtype: str | torch.dtype | None = "auto"
     compile: Any = False
@@ -148,6 +152,7 @@ class PipelineOptions:
         if self.num_stages is not None and self.num_microbatches is not None:
             rules.check_microbatches(self.num_stages, self.num_microbatches, keys)
         self._check_plan()
+        self._check_recompute()
         self._check_choice("clip_mode", CLIP_MODES)
         self._check_choice("on_nonfinite", NONFINITE_POLICIES)
         if self.delay_correction not in (None, *DELAY_CORRECTIONS):
@@ -179,6 +184,23 @@ class PipelineOptions:
     def _check_choice(self, name: str, valid: tuple[str, ...]) -> None:
         if getattr(self, name) not in valid:
             raise ValueError(f"{self.keys.named(name, getattr(self, name))} is invalid; valid: {', '.join(valid)}")
+
+    def _check_recompute(self) -> None:
+        value = self.recompute
+        if isinstance(value, bool):
+            return
+        counts = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
+        if counts is None or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise ValueError(
+                f"{self.keys.named('recompute', value)} is invalid; valid: true, false, or per stage the number of "
+                "its first layers to recompute (e.g. [2, 1, 0, 0])"
+            )
+        if self.num_stages is not None and len(counts) != self.num_stages:
+            raise ValueError(
+                f"{self.keys.named('recompute', list(counts))} needs one entry per stage ({self.keys.num_stages}="
+                f"{self.num_stages})"
+            )
+        self._set("recompute", counts)
 
     def _check_plan(self) -> None:
         keys = self.keys
@@ -276,6 +298,10 @@ class Run:
         rules.width_of(world_size, depth, keys)
         rules.check_pipeline(options.mode, depth, world_size, keys)
         microbatches = options.num_microbatches or depth
+        if isinstance(options.recompute, tuple) and len(options.recompute) != depth:
+            raise ValueError(
+                f"{keys.named('recompute', list(options.recompute))} needs one entry per stage: {depth} stages here"
+            )
         layout = rules.Layout(depth, microbatches, options.mode, options.layers_per_stage, options.lookahead)
         resolved = options.replace(
             num_stages=depth, num_microbatches=microbatches, **resolved_dtypes(options, precision)
@@ -306,3 +332,10 @@ class Run:
     @property
     def mode(self) -> rules.Mode:
         return self.layout.mode
+
+
+def recomputed_layers(recompute: bool | tuple[int, ...], stage: int, num_layers: int) -> int:
+    """How many of ``stage``'s first layers (of its ``num_layers``) recompute their activations in the backward."""
+    if isinstance(recompute, bool):
+        return num_layers if recompute else 0
+    return min(recompute[stage], num_layers)

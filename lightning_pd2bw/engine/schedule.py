@@ -133,6 +133,24 @@ def fused_receive(actions: Sequence[Action], index: int) -> Action | None:
     return None
 
 
+def fuse_receives(actions: Sequence[Action]) -> dict[int, Action]:
+    """The pass both the executor and the NCCL verifier read: for each send in ``actions``, by its index, the receive
+    issued in one batch with it (``fused_receive``), where there is one. One backward scan of the list."""
+    fused: dict[int, Action] = {}
+    ahead: dict[tuple[Kind, ...], Action | None] = {_WITH_NEXT: None, _WITH_PREVIOUS: None}  # the next exchange
+    for index in range(len(actions) - 1, -1, -1):
+        action = actions[index]
+        if action.kind in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
+            peer = _WITH_NEXT if action.kind == Kind.SEND_FORWARD else _WITH_PREVIOUS
+            following = ahead[peer]
+            if following is not None and following.kind in RECEIVES:
+                fused[index] = following
+        for peer in (_WITH_NEXT, _WITH_PREVIOUS):
+            if action.kind in peer:
+                ahead[peer] = action
+    return fused
+
+
 def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, lookahead: int = 0) -> int:
     """1F1B warm-up depth of ``stage``: forwards run before the first backward.
 

@@ -16,9 +16,10 @@ from .compat import train_dataloader
 
 def choose(
     trainer: pl.Trainer, layers: list[nn.Module], options: PipelineOptions, device: torch.device, num_nodes: int
-) -> tuple[Any, int]:
+) -> tuple[PipelineOptions, Any, int]:
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
-    planner's best prediction and the global batch size it was planned for. Logged to rank 0 and the logger."""
+    options that run it (the planner's depth, microbatches, recomputation and cut), the planner's best prediction
+    and each replica's batch size. Logged to rank 0 and the logger."""
     from ..planner.auto import plan_on_world
     from ..planner.profile import bytes_per_element, version_bytes
     from ..planner.search import format_table
@@ -67,4 +68,12 @@ def choose(
                 }
             }
         )
-    return best, global_batch
+    planned = options.replace(
+        plan=None,
+        global_batch_size=None,
+        num_stages=chosen.depth,
+        num_microbatches=best.num_microbatches,
+        recompute=chosen.recompute,
+        layers_per_stage=tuple(len(r) for r in best.stages),
+    )
+    return planned, best, global_batch // chosen.width

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from ..engine.grid import device_barrier
+from ..engine.options import PipelineOptions, Run
 from ..observe import watchdog
 from . import checks
 from .compat import (
@@ -28,10 +29,11 @@ from .compat import (
 
 
 class PipelineProcesses(ParallelStrategy):
-    """The base of ``PipeDream2BWStrategy``: the ``ParallelStrategy`` duties that are not the pipeline's."""
+    """The base of ``PipeDream2BWStrategy``: the ``ParallelStrategy`` duties that are not the pipeline's, and the
+    run its ``options`` resolve to on this world and precision (``_run``: depth and width for the launcher and the
+    samplers)."""
 
-    num_stages: int
-    data_parallel_size: int
+    options: PipelineOptions
 
     def __init__(
         self, *args: Any, process_group_backend: str | None = None, timeout: timedelta = timedelta(minutes=30)
@@ -40,6 +42,25 @@ class PipelineProcesses(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
+        self.run: Run | None = None  # the options resolved on the world and the precision (``_run``)
+
+    def _run(self) -> Run:
+        """The run resolved on this world and precision (once the world is known, and again after a plan)."""
+        if self.run is None or self.run.world_size != self.world_size:
+            self.run = self.options.resolve(self.world_size, str(self.precision_plugin.precision))
+        return self.run
+
+    @property
+    def num_stages(self) -> int:
+        return self._run().num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._run().num_microbatches
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._run().width
 
     @property
     def is_distributed(self) -> bool:

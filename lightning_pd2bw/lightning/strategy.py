@@ -28,7 +28,7 @@ from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
 from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
-from ..engine.options import DEFAULT_CORRECTION, PipelineOptions, Run
+from ..engine.options import DEFAULT_CORRECTION, PipelineOptions
 from . import auto_plan, checks
 from .checkpoints import StageCheckpoints
 from .compat import (
@@ -64,7 +64,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         num_stages: int | None = None,
         num_microbatches: int | None = None,
         mode: str = rules.DEFAULT_MODE,
-        recompute: bool = False,
+        recompute: bool | list[int] = False,
         clip_mode: str = "global",
         plan: str | None = None,
         global_batch_size: int | None = None,
@@ -91,10 +91,32 @@ class PipeDream2BWStrategy(PipelineProcesses):
         shard_optimizer: bool = True,
         shard_gradients: bool = False,
     ) -> None:
-        given = dict(locals())
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(*lightning_args, process_group_backend=process_group_backend, timeout=timeout)
-        self.options = PipelineOptions(**{k: given[k] for k in PipelineOptions.names()}, keys=STRATEGY_KEYS)
+        self.options = PipelineOptions(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            mode=mode,
+            lookahead=lookahead,
+            layers_per_stage=layers_per_stage,
+            plan=plan,
+            global_batch_size=global_batch_size,
+            recompute=recompute,
+            boundary_dtype=boundary_dtype,
+            weight_dtype=weight_dtype,
+            compile=compile,
+            clip_mode=clip_mode,
+            on_nonfinite=on_nonfinite,
+            delay_correction=delay_correction,
+            delay_correction_strength=delay_correction_strength,
+            shard_optimizer=shard_optimizer,
+            shard_gradients=shard_gradients,
+            failure_timeout=failure_timeout,
+            hang_timeout=hang_timeout,
+            async_checkpoint=async_checkpoint,
+            requeue=requeue,
+            keys=STRATEGY_KEYS,
+        )
         if async_checkpoint:
             checks.check_async_checkpoint()
         self.checkpoints = StageCheckpoints(async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
@@ -104,28 +126,9 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.planned_batch: int | None = None  # and each replica's batch size
         self.grid: ProcessGrid | None = None  # built once, after the plan
         self.engine: PipelineEngine | None = None  # this stage's pipeline engine (built in setup)
-        self.run: Run | None = None  # the options resolved on the world and the precision (``_run``)
         self._interrupted = False  # on_exception ran: teardown leaves the engine's groups alone
 
     # ------------------------------------------------------------------ the layout and the engine's state
-    @property
-    def num_stages(self) -> int:
-        return self._run().num_stages
-
-    @property
-    def num_microbatches(self) -> int:
-        return self._run().num_microbatches
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self._run().width
-
-    def _run(self) -> Run:
-        """The run resolved on this world and precision (once the world is known, and after a plan)."""
-        if self.run is None or self.run.world_size != self.world_size:
-            self.run = self.options.resolve(self.world_size, str(self.precision_plugin.precision))
-        return self.run
-
     @property
     def stage_layers(self) -> list[range]:
         return self.engine.stage_layers if self.engine is not None else []
@@ -218,16 +221,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     def _adopt_plan(self, trainer: pl.Trainer, layers: list[nn.Module]) -> None:
         """``plan="auto"``: the planner's depth, microbatches, recomputation and cut become this run's options."""
-        best, global_batch = auto_plan.choose(trainer, layers, self.options, self.root_device, self.num_nodes)
-        self.planned, self.planned_batch = best, global_batch // best.candidate.width
-        self.options = self.options.replace(
-            plan=None,
-            global_batch_size=None,
-            num_stages=best.candidate.depth,
-            num_microbatches=best.num_microbatches,
-            recompute=best.candidate.recompute,
-            layers_per_stage=tuple(len(r) for r in best.stages),
-        )
+        plan = auto_plan.choose(trainer, layers, self.options, self.root_device, self.num_nodes)
+        self.options, self.planned, self.planned_batch = plan
         self.run = None  # resolved again with the plan's layout
         self._build_grid()
 

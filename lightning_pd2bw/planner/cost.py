@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from ..engine.delay_correction import buffers as correction_buffers
 from ..engine.layout import Mode
-from ..engine.options import PipelineOptions
+from ..engine.options import PipelineOptions, recomputed_layers
 from ..engine.schedule import warmup_forwards
 from .hardware import ClusterSpec
 from .profile import LayerProfile
@@ -101,12 +101,21 @@ class Candidate:
     width: int
     depth: int
     micro_batch_size: int
-    recompute: bool
+    recompute: bool | tuple[int, ...]  # all, none, or per stage its first layers (``PipelineOptions.recompute``)
     options: PipelineOptions = PipelineOptions(delay_correction=None)
+
+    def recomputed(self, stage: int, span: range) -> range:
+        """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""
+        return range(span.start, span.start + recomputed_layers(self.recompute, stage, len(span)))
 
     @classmethod
     def of(
-        cls, options: PipelineOptions, width: int, depth: int, micro_batch_size: int, recompute: bool | None = None
+        cls,
+        options: PipelineOptions,
+        width: int,
+        depth: int,
+        micro_batch_size: int,
+        recompute: bool | tuple[int, ...] | None = None,
     ) -> Candidate:
         """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
         of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
@@ -174,8 +183,18 @@ def stage_memory(
     params -= sum(n for a, b, n in profile.shared if a in span and b in span)  # one tensor on this stage
     activations = sum(p.activation_bytes for p in layers)
     largest = max(p.activation_bytes for p in layers)
+    recomputed = sum(profile.layers[i].activation_bytes for i in candidate.recomputed(stage, span))
     memory = memory_of(
-        profile, params, activations, span.start, stage, candidate, num_microbatches, largest, profile.states_of(span)
+        profile,
+        params,
+        activations,
+        span.start,
+        stage,
+        candidate,
+        num_microbatches,
+        largest,
+        profile.states_of(span),
+        recomputed,
     )
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
     return memory | boundary_memory(profile, stage, candidate, num_microbatches, layers[-1], given, span)
@@ -234,6 +253,7 @@ def memory_of(
     num_microbatches: int,
     largest_layer: float = 0.0,
     states: float | None = None,
+    recomputed: float | None = None,
 ) -> dict[str, float]:
     """Peak bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch.
 
@@ -242,14 +262,20 @@ def memory_of(
     temporaries (a parameter-sized buffer for Adam's foreach step), because 2BW updates while
     microbatches are stashed. Flush and GPipe clear the gradients at each batch, so when the whole
     stash is taken before the first backward (m <= 1F1B's stash) the gradients meet one microbatch fewer.
+    ``recomputed``: the activations of the stage's recomputed layers (None: all of them under ``recompute=True``,
+    none otherwise); a stashed microbatch keeps their input instead, and the backward rebuilds them one microbatch
+    at a time.
     """
     versions = 2 if candidate.mode.double_buffered else 1
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     weights = params * profile.weight_bytes
     per_micro = activations
-    if candidate.recompute:
+    if recomputed is None:
+        recomputed = activations if candidate.recompute is True else 0.0
+    if recomputed:
         stage_input = profile.layers[first_layer - 1].output_bytes if first_layer > 0 else 0.0
-        stashed, per_micro = stash * stage_input + activations, stage_input
+        per_micro = stage_input + activations - recomputed
+        stashed = stash * per_micro + recomputed
     else:
         stashed = stash * activations
     warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
@@ -326,9 +352,8 @@ def predict(
     for s, span in enumerate(stages):
         layers = [profile.layers[i] for i in span]
         forward = sum(p.forward_s for p in layers)
-        compute = (
-            forward + sum(p.backward_s for p in layers) + (RECOMPUTE_FACTOR * forward if candidate.recompute else 0)
-        )
+        again = sum(profile.layers[i].forward_s for i in candidate.recomputed(s, span))  # recomputed in the backward
+        compute = forward + sum(p.backward_s for p in layers) + RECOMPUTE_FACTOR * again
         messages = 0.0
         for boundary, crosses in ((s - 1, s > 0), (s, s < d - 1)):
             if crosses:  # activation one way, gradient the other; the sender waits on neither

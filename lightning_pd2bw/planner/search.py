@@ -9,11 +9,12 @@ the feasibility test: exact for contiguous cuts with per-stage monotone limits).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from ..engine.layout import Mode
 from ..engine.options import PipelineOptions
 from ..errors import Refusal
-from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict
+from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict, stage_memory
 from .hardware import ClusterSpec, GiB
 
 MEMORY_HEADROOM = 0.9  # allocator fragmentation, CUDA context, communication buffers
@@ -32,21 +33,24 @@ def pack(
 ) -> list[range] | None:
     """Greedy contiguous cut: each stage takes as many layers as fit ``limit_s`` and ``capacity``."""
     n, d = len(profile.layers), candidate.depth
-    factor = 2 if candidate.recompute else 1
     stages, start = [], 0
     for s in range(d):
         last = n if s == d - 1 else n - (d - 1 - s)  # leave a layer for each later stage
         end, time, params, activations, largest = start, 0.0, 0, 0.0, 0.0
         while end < last:
             layer = profile.layers[end]
-            step = layer.forward_s * factor + layer.backward_s
+            again = end in candidate.recomputed(s, range(start, end + 1))  # one of the stage's first, recomputed
+            step = layer.forward_s * (2 if again else 1) + layer.backward_s
             if end > start and time + step > limit_s:
                 break
             shared = sum(k for a, b, k in profile.shared if b == end and start <= a < end)
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
             widest = max(largest, layer.activation_bytes)
             states = profile.states_of(range(start, end + 1))
-            memory = memory_of(profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states)
+            rebuilt = sum(profile.layers[i].activation_bytes for i in candidate.recomputed(s, range(start, end + 1)))
+            memory = memory_of(
+                profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states, rebuilt
+            )
             given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
             memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
             if sum(memory.values()) > capacity:
@@ -64,7 +68,7 @@ def partition(
     profile: ModelProfile, candidate: Candidate, num_microbatches: int, capacity: float
 ) -> list[range] | None:
     """Contiguous stages minimising the slowest stage's compute time within ``capacity`` bytes."""
-    factor = 2 if candidate.recompute else 1
+    factor = 2 if candidate.recompute else 1  # the bounds of the search (per-stage recomputation lies within)
     steps = [p.forward_s * factor + p.backward_s for p in profile.layers]
     low, high = max(steps) * (1 - 1e-9), sum(steps) * (1 + 1e-9)
     best = pack(profile, candidate, num_microbatches, high, capacity)
@@ -78,6 +82,24 @@ def partition(
         else:
             high, best = middle, stages
     return best
+
+
+def fewest_recomputed(
+    profile: ModelProfile, candidate: Candidate, num_microbatches: int, capacity: float, stages: Sequence[range]
+) -> Candidate | None:
+    """``candidate`` on the cut ``stages`` with, per stage, the fewest of its first layers recomputed that make it fit
+    ``capacity`` (None: some stage does not fit even recomputing all of its layers). Stage s stashes
+    min(d - s + lookahead, m) microbatches, so the first stages need it most and the last ones often not at all."""
+    counts = []
+    for s, span in enumerate(stages):
+        for count in range(len(span) + 1):
+            trial = replace(candidate, recompute=tuple([0] * s + [count] + [0] * (len(stages) - s - 1)))
+            if sum(stage_memory(profile, span, s, trial, num_microbatches).values()) <= capacity:
+                counts.append(count)
+                break
+        else:
+            return None
+    return replace(candidate, recompute=tuple(counts), options=candidate.options.replace(recompute=tuple(counts)))
 
 
 def candidates(
@@ -139,9 +161,13 @@ def search(
         stages = partition(profile, candidate, m, capacity)
         if stages is not None:
             fits.append(predict(profile, candidate, cluster, global_batch, stages))
-        else:  # for the table and the refusal: the time-balanced cut and how much it needs
-            stages = partition(profile, candidate, m, float("inf"))
-            too_big.append(predict(profile, candidate, cluster, global_batch, stages))
+            continue
+        stages = partition(profile, candidate, m, float("inf"))  # the time-balanced cut
+        fewest = fewest_recomputed(profile, candidate, m, capacity, stages) if candidate.recompute is False else None
+        if fewest is not None:  # recomputing some blocks of some stages is enough (Megatron's recompute_num_layers)
+            fits.append(predict(profile, fewest, cluster, global_batch, stages))
+        # for the table and the refusal: the time-balanced cut and how much it needs
+        too_big.append(predict(profile, candidate, cluster, global_batch, stages))
     fits.sort(key=lambda p: -p.throughput)
     too_big.sort(key=lambda p: p.peak_memory)
     if not fits:
@@ -192,7 +218,15 @@ def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool 
             per_stage = f"{memories[0]:.1f} ... {memories[-1]:.1f} ({len(memories)} stages)"
         rows.append(
             f"{rank if fits else '-':>4} {c.width:>5} {c.depth:>5} {c.micro_batch_size:>5} {p.num_microbatches:>4} "
-            f"{'on' if c.recompute else 'off':>9} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
+            f"{recompute_text(c.recompute):>9} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
             f"{p.peak_memory / GiB:>13.1f}  {per_stage}"
         )
     return "\n".join(rows)
+
+
+def recompute_text(recompute: bool | tuple[int, ...]) -> str:
+    """``on``, ``off``, or the layers each stage recomputes (``3,1,0,0``; long ones shortened)."""
+    if isinstance(recompute, bool):
+        return "on" if recompute else "off"
+    text = ",".join(map(str, recompute))
+    return text if len(text) <= 9 else f"{text[:8]}+"

@@ -34,7 +34,7 @@ class Case:
     steps: int = 4
     clip: float | None = None
     schedule: bool = False  # warm-up + cosine learning-rate schedule
-    recompute: bool = False
+    recompute: bool | tuple[int, ...] = False  # per stage: its first layers recomputed
     checkpoint_every: int | None = None  # drain + checkpoint every N steps (2BW restarts its versions)
     mask: bool = False  # a fixed sparsity mask applied by an optimizer step post-hook
     steps_per_epoch: int | None = None  # limit_train_batches: epochs restart the sampler's shuffle
@@ -154,6 +154,7 @@ CASES = {
         Case("gpt_2bw_adamw_clip_sched", mode="2bw", num_microbatches=4, clip=0.5, schedule=True, steps=5),
         Case("bert_2bw_adamw", mode="2bw", model="bert", steps=5),
         Case("gpt_2bw_recompute", mode="2bw", recompute=True, steps=5),
+        Case("gpt_2bw_recompute_per_stage", mode="2bw", recompute=(2, 1), steps=5, clip=0.5),
         Case("gpt_2bw_mask", mode="2bw", optimizer="sgd", momentum=0.9, mask=True, steps=5),
         Case("gpt_2bw_drain", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3),
         Case("gpt_flush_d4_sgd", num_stages=4, num_microbatches=4, optimizer="sgd"),

@@ -139,6 +139,12 @@ def test_memory_bounds(trained, name):
         assert counters["max_stashed"] == case.num_stages - stage + extra
         assert counters["peak_pending_sends"] <= case.num_stages - stage + extra + 1
         assert counters["global_step"] == case.steps
+        recompute = case.recompute
+        expected = recompute[stage] if isinstance(recompute, tuple) else (None if recompute else 0)
+        if expected is not None:  # True: all of the stage's layers (their number depends on the cut)
+            assert counters["recomputed_layers"] == expected
+        else:
+            assert counters["recomputed_layers"] > 0
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].checkpoint_every])

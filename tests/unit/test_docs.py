@@ -136,3 +136,18 @@ def test_every_engine_module_is_in_the_architecture_page():
     modules = sorted(p.name for p in (ROOT / "lightning_pd2bw" / "engine").glob("*.py") if p.name != "__init__.py")
     missing = [name for name in modules if name not in page]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_the_readmes_test_times_are_the_recorded_ones():
+    """The README's tier times are read from ``tests/durations.json`` (what ``make test`` and ``make test-full``,
+    CI's command, wrote last), not typed: each row's pytest seconds, tests passed and date are the record's."""
+    from tests.conftest import recorded_durations
+
+    record = recorded_durations()
+    readme = (ROOT / "README.md").read_text()
+    for command, tier in (("make test", "fast"), ("make test-full", "full")):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{command}` |"))
+        found = re.search(r"pytest (\d+) s, (\d+) passed; (\d{4}-\d\d-\d\d)", row)
+        assert found, f"the README's {command} row gives no 'pytest N s, N passed; DATE'"
+        entry = record[tier]
+        assert (int(found[1]), int(found[2]), found[3]) == (round(entry["wall_s"]), entry["passed"], entry["date"])

@@ -270,3 +270,21 @@ def test_no_backward_between_a_batchs_last_backward_and_its_reduce(mode, lookahe
             assert len(backwards) == num_microbatches
             reduce = actions.index(S.Action(S.REDUCE, b))
             assert not [a for a in actions[backwards[-1] + 1 : reduce] if a.kind == S.BACKWARD]
+
+
+@pytest.mark.parametrize("mode", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("num_stages, num_microbatches, lookahead", [(2, 2, 0), (3, 5, 1), (4, 8, 2), (4, 4, 0)])
+def test_the_fused_receives_pass_is_the_per_send_rule(mode, num_stages, num_microbatches, lookahead):
+    """``fuse_receives`` (the one pass the executor and the NCCL verifier read) pairs each send with exactly the
+    receive ``fused_receive`` names for it, over whole runs of every stage (issue 61)."""
+    if mode == "gpipe":
+        lookahead = 0
+    for stage in range(num_stages):
+        for segment in (
+            *(S.segment(Layout(num_stages, num_microbatches, mode, lookahead=lookahead), stage, b) for b in range(4)),
+            S.drain(Layout(num_stages, num_microbatches, mode, lookahead=lookahead), stage, 3),
+            stream(mode, stage, num_stages, num_microbatches, 4, lookahead),
+        ):
+            sends = [i for i, a in enumerate(segment) if a.kind in (S.SEND_FORWARD, S.SEND_BACKWARD)]
+            expected = {i: S.fused_receive(segment, i) for i in sends}
+            assert S.fuse_receives(segment) == {i: r for i, r in expected.items() if r is not None}

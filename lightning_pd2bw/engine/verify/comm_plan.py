@@ -231,8 +231,9 @@ class RankProgram:
 
     def run(self, actions: list[S.Action]) -> None:
         self.before_segment(actions)
+        fused = S.fuse_receives(actions)  # the executor's own pass
         for index, action in enumerate(actions):
-            self._fused = S.fused_receive(actions, index) if action.kind in _SENDS else None
+            self._fused = fused.get(index)
             self.table[action.kind](action)
             if action.kind in S.RECEIVES:
                 self.after_receive(actions, index)
@@ -348,9 +349,6 @@ class RankProgram:
                 self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
         if layout.eval_batches:
             self.collective("all_reduce", "default_pg", self.world, "val metrics (sync_dist)")
-
-
-_SENDS = (S.SEND_FORWARD, S.SEND_BACKWARD)
 
 
 def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:
