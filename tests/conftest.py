@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from datetime import date
 from pathlib import Path
@@ -109,9 +110,29 @@ if importlib.util.find_spec("xdist") is not None:
         return ByFile(config, log)
 
 
+README = Path(__file__).parents[1] / "README.md"
+TIER_ROWS = {"fast": "| `make test` |", "full": "| `make test-full` |"}
+
+
+def readme_with_times(text: str, record: dict[str, Any]) -> str:
+    """The README with each tier's row giving the record's pytest time, tests passed and date."""
+    lines = text.splitlines(keepends=True)
+    for tier, start in TIER_ROWS.items():
+        entry = record.get(tier)
+        if entry is None:
+            continue
+        for index, line in enumerate(lines):
+            if line.startswith(start):
+                times = f"pytest {round(entry['wall_s'])} s, {entry['passed']} passed; {entry['date']}"
+                line = re.sub(r"pytest \d+ s, \d+ passed; \d{4}-\d\d-\d\d", times, line)
+                lines[index] = re.sub(r"~\d+ min", f"~{max(1, round(entry['wall_s'] / 60))} min", line)
+    return "".join(lines)
+
+
 class DurationRecord:
     """Writes ``tests/durations.json``'s entry for one tier (``PD2BW_DURATIONS=fast|full``, set by the Makefile):
-    on the controller, from every test's report (xdist's workers send theirs there)."""
+    on the controller, from every test's report (xdist's workers send theirs there); and the README's test times
+    from it (``readme_with_times``)."""
 
     def __init__(self, tier: str) -> None:
         self.tier, self.started = tier, time.monotonic()
@@ -134,6 +155,7 @@ class DurationRecord:
             "files": {name: round(seconds, 1) for name, seconds in sorted(self.files.items())},
         }
         DURATIONS.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        README.write_text(readme_with_times(README.read_text(), record))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -42,14 +42,13 @@ class Kind(str, Enum):
     RECV_FORWARD = "RECV_F"
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
-    # the update of batch b, in this order (engine/update.py runs each part)
-    REDUCE = "REDUCE"  # the update begins: the next weight version made writable; gradients averaged over the
-    #                    replicas and set aside; the tied sums and the pipeline's norm and flag launched
-    CHECK = "CHECK"  # the tied sums waited for; the non-finite policy ("skip": its flag launched over the pipeline)
-    HOOKS = "HOOKS"  # the before-step hooks, once per optimizer (Lightning: on_before_optimizer_step)
-    NORM = "NORM"  # the clip norm: this stage's part, summed over the pipeline (launched; global clipping)
-    CLIP = "CLIP"  # clipping (global: by the norm NORM launched)
-    STEP = "STEP"  # every optimizer's step with batch b's hyper-parameters, the delay correction, post-hooks
+    # the update of batch b, in this order (what each part does: engine/update.py's docstring)
+    REDUCE = "REDUCE"  # the update begins: the next weight version writable, the gradients set aside
+    CHECK = "CHECK"  # the reductions waited for; the non-finite policy
+    HOOKS = "HOOKS"  # the before-step hooks (Lightning: on_before_optimizer_step)
+    NORM = "NORM"  # the global clip norm launched over the pipeline
+    CLIP = "CLIP"  # clipping
+    STEP = "STEP"  # the optimizers' step, the delay correction, the sharded optimizer's broadcasts
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
 

@@ -1,8 +1,9 @@
 """The communication program each rank of a pipeline issues, lowered from the schedules' action lists.
 
 ``programs(layout)`` walks the real action lists (``schedule.segment`` / ``schedule.drain``) of every
-stage and replica and emits, for each action (the update's parts included: REDUCE, CHECK, HOOKS, CLIP, STEP),
-the calls the transport (``transport.py``) and the update (``update.py``, ``gradients.py``) make, in the engine's order: the per-step SIGTERM flag and loss
+stage and replica and emits, for each action (the update's included: REDUCE, CHECK, HOOKS, NORM, CLIP, STEP),
+the calls the transport (``transport.py``) and the update's parts (``update_parts.py``, ``stepper.py``) make, in the
+engine's order (sends fused with receives by the executor's own pass, ``schedule.fuse_receives``): the per-step SIGTERM flag and loss
 broadcast, drains, evaluation. ``nccl_model.simulate`` then decides whether the layout can deadlock
 under NCCL. The distributed tests record the calls of real runs and check that this lowering issues
 the same ones on the pipeline's own process groups, so the model cannot drift from the code.
@@ -192,8 +193,9 @@ class RankProgram:
             ]
 
     def reduce(self, batch: int) -> None:
-        """``UpdateRule.reduce``: the buckets' replica average handed over in flight and the tied sum launched
-        (both waited at CHECK); the tied parameters' replica average, apart from the buckets, waited here."""
+        """REDUCE (``update_parts.BucketReducer``, ``TiedSums``): the buckets' replica average handed over in flight
+        and the tied sum launched (both waited at CHECK); the tied parameters' replica average, apart from the
+        buckets, waited here."""
         layout, label = self.layout, f"REDUCE(b{batch})"
         if layout.data_parallel_size > 1:
             self.launched[batch] = self.bucket_handles.pop(batch)
@@ -208,7 +210,8 @@ class RankProgram:
     # -------------------------------------------------------------- the interpreter (executor.StageExecutor.run)
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
         """The lowering's ``{Kind: handler}`` table, built as the engine builds its own: the executor's compute and
-        transport handlers, the update's parts (``UpdateRule.handlers``) and the loss (``PipelineEngine.start``).
+        transport handlers, the update's parts (``UpdateRule.handlers``, ``update_build.build_update``) and the loss
+        (``PipelineEngine.start``).
         ``tests/unit/test_comm_plan.py`` checks it covers the same kinds as a started engine's table."""
         transport = {
             S.RECV_FORWARD: lambda action: self.recv_forward("train", str(action)),
