@@ -28,7 +28,15 @@ def test_every_relative_link_of_the_readme_exists():
 
 def test_every_docs_page_is_in_the_site_navigation():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-    listed = {next(iter(entry.values())) for entry in config["nav"]}
+
+    def pages_of(entries: list) -> set[str]:  # the nav's sections (Learn, How-to, ...) hold pages
+        found: set[str] = set()
+        for entry in entries:
+            value = next(iter(entry.values()))
+            found |= pages_of(value) if isinstance(value, list) else {value}
+        return found
+
+    listed = pages_of(config["nav"])
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert pages == listed, (
         f"pages not in mkdocs.yml's nav: {pages - listed}; nav entries without a page: {listed - pages}"
