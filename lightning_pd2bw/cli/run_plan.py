@@ -33,6 +33,7 @@ def plan_text(cfg, layout, model) -> str:
     Stages are cut as the planner cuts them (balanced by estimated time, not parameter count) and
     memory per stage comes from its cost model with the analytic transformer profile.
     """
+    from ..engine.options import recomputed_layers
     from ..lightning.contract import pipeline_layers_of
     from ..planner.hardware import GiB
 
@@ -51,11 +52,14 @@ def plan_text(cfg, layout, model) -> str:
     lines.append(data_text(cfg))
     if (sparsity := sparsity_config(cfg)) is not None:
         lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
+    recompute = layout.run.options.recompute
     for stage, (span, memory) in enumerate(zip(stages, memories)):
         params = sum(profile.layers[i].parameters for i in span)
         terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
+        again = recomputed_layers(recompute, stage, len(span))
+        rebuilt = f", the first {again} recomputed" if again and not isinstance(recompute, bool) else ""
         lines.append(
-            f"  stage {stage}: layers {span.start}..{span.stop - 1}, {params:,} parameters, est. memory "
+            f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
     lines += memory_warnings(cfg, memories)

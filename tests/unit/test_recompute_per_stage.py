@@ -35,6 +35,9 @@ def test_recompute_takes_true_false_or_a_count_per_stage():
         with pytest.raises(ValueError, match="per stage the number of its first layers"):
             PipelineOptions(recompute=bad)
     assert [recomputed_layers(r, 1, 3) for r in (True, False, (0, 2), (0, 9))] == [3, 0, 2, 3]
+    from omegaconf import OmegaConf  # what pd2bw-train's `strategy.recompute=[2,1]` hands the strategy
+
+    assert PipelineOptions(recompute=OmegaConf.create([2, 1])).recompute == (2, 1)
 
 
 def run_stage(recompute: bool | tuple[int, ...]) -> tuple[list[torch.Tensor], int]:
