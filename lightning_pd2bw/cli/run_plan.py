@@ -16,6 +16,25 @@ def sparsity_config(cfg):
     return node if node and "_target_" in node else None
 
 
+def mask_bytes(cfg, model) -> tuple[float, ...]:
+    """Each pipeline layer's sparsity masks, in bytes: one ``bool`` per weight the run's sparsity callback targets
+    (``sparsity/masks.py``); empty without one."""
+    from hydra.utils import instantiate
+
+    from ..lightning.contract import pipeline_layers_of
+    from ..sparsity.masks import select_targets
+
+    sparsity = sparsity_config(cfg)
+    if sparsity is None:
+        return ()
+    callback = instantiate(sparsity)
+    targets = {id(p) for p in select_targets(model, callback.targets, callback.exclude).values()}
+    return tuple(
+        float(sum(p.numel() for p in dict.fromkeys(layer.parameters()) if id(p) in targets))
+        for layer in pipeline_layers_of(model)
+    )
+
+
 def build_model_on_meta(cfg):
     """The whole model on the meta device: shapes and parameter counts, no memory."""
     import torch
@@ -51,7 +70,12 @@ def plan_text(cfg, layout, model) -> str:
     ]
     lines.append(data_text(cfg))
     if (sparsity := sparsity_config(cfg)) is not None:
-        lines.append(f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets")
+        masks = [memory.get("masks", 0.0) for memory in memories]
+        lines.append(
+            f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets; masks "
+            f"{max(masks) / 2**20:,.1f} MiB on the fullest stage (one byte per targeted weight); unstructured: fewer "
+            "FLOPs on paper, no GPU time saved (dense kernels multiply the zeros)"
+        )
     recompute = layout.run.options.recompute
     for stage, (span, memory) in enumerate(zip(stages, memories)):
         params = sum(profile.layers[i].parameters for i in span)
@@ -290,6 +314,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
+        layer_masks=mask_bytes(cfg, model),
     )
 
 

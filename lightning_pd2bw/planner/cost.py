@@ -77,6 +77,8 @@ class ModelProfile:
     # mixed-precision weights (PipelineOptions.weight_dtype): bytes per parameter of each weight version, held apart
     # from the weights the optimizer steps (one float32 master); None: the versions are those weights
     version_bytes: int | None = None
+    # per layer, the bytes of its sparsity masks (one bool per targeted weight; none without sparsity)
+    layer_masks: tuple[float, ...] = ()
 
     def states_of(self, span: range) -> float | None:
         """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
@@ -197,7 +199,10 @@ def stage_memory(
         recomputed,
     )
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
-    return memory | boundary_memory(profile, stage, candidate, num_microbatches, layers[-1], given, span)
+    memory |= boundary_memory(profile, stage, candidate, num_microbatches, layers[-1], given, span)
+    if profile.layer_masks:
+        memory["masks"] = sum(profile.layer_masks[i] for i in span)
+    return memory
 
 
 def boundary_memory(

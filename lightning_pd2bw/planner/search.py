@@ -53,6 +53,8 @@ def pack(
             )
             given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
             memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
+            if profile.layer_masks:  # sparsity masks, one byte per targeted weight
+                memory["masks"] = sum(profile.layer_masks[start : end + 1])
             if sum(memory.values()) > capacity:
                 break
             time, (params, activations), largest = time + step, grown, widest
