@@ -230,6 +230,10 @@ class PipelineOptions:
         tensors' own). Not under ``plan="auto"``: the planner chooses the layout."""
         return Run.of(self, world_size, precision)
 
+    def layout(self, world_size: int) -> rules.Layout:
+        """The ``Layout`` these options give on ``world_size`` processes (``resolve(world_size).layout``)."""
+        return self.resolve(world_size).layout
+
     def replace(self, **changes: Any) -> PipelineOptions:
         """A copy with ``changes`` (checked again), e.g. the planner's depth and recomputation."""
         return dataclasses.replace(self, **changes)

@@ -128,6 +128,7 @@ def test_2bw_at_depth_one_over_several_processes_is_refused_with_the_fix():
         PipelineOptions(num_stages=1).resolve(2)
     assert PipelineOptions(num_stages=1, mode="flush").resolve(2).num_stages == 1
     assert PipelineOptions().resolve(1).num_stages == 1  # one process: nothing else to run
+    assert PipelineOptions(num_stages=2).layout(4) == PipelineOptions(num_stages=2).resolve(4).layout == Layout(2, 2)
     with pytest.raises(ConfigError, match=r"strategy.mode='2bw' with strategy.num_stages=1 on 2 processes"):
         check_run(load("tiny", ("strategy.num_stages=1",)))
     depths = {c.depth for c in candidates(8, 10, 64, PipelineOptions())}
