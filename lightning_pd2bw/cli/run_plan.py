@@ -86,7 +86,7 @@ def plan_text(cfg, layout, model) -> str:
             f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
-    lines += memory_warnings(cfg, memories)
+    lines += memory_warnings(cfg, memories, fewest_recomputed_for(cfg, layout, profile, stages, memories))
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s))
@@ -169,8 +169,24 @@ def stage_plan(cfg, layout, model):
     return profile, stages, memories
 
 
-def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
-    """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers."""
+def fewest_recomputed_for(cfg, layout, profile, stages, memories) -> tuple[int, ...] | None:
+    """Where a stage of this run does not fit its cluster's device and nothing recomputes: per stage, the fewest of
+    its first layers to recompute that make every stage fit (``planner.search.fewest_recomputed``), or None."""
+    from ..planner.hardware import DEVICES
+    from ..planner.search import MEMORY_HEADROOM, fewest_recomputed
+
+    if not cfg.get("cluster") or layout.run.options.recompute is not False:
+        return None
+    usable = DEVICES[cfg.cluster.device].memory_bytes * MEMORY_HEADROOM
+    if all(sum(memory.values()) <= usable for memory in memories):
+        return None
+    chosen = fewest_recomputed(profile, candidate_of(cfg, layout), layout.num_microbatches, usable, stages)
+    return chosen.recompute if chosen is not None else None  # type: ignore[return-value]
+
+
+def memory_warnings(cfg, memories: list[dict[str, float]], per_stage: tuple[int, ...] | None = None) -> list[str]:
+    """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers
+    (``per_stage``: the fewest first layers per stage whose recomputation makes every stage fit, where some do)."""
     from ..engine.delay_correction import buffers as correction_buffers
     from ..planner.hardware import DEVICES, GiB
     from ..planner.search import MEMORY_HEADROOM
@@ -186,6 +202,9 @@ def memory_warnings(cfg, memories: list[dict[str, float]]) -> list[str]:
             held = correction_buffers(cfg.strategy.get("delay_correction"))
             buffer = memory.get("correction", 0.0) / held if held else 0.0
             fixes = ["more stages (strategy.num_stages)"]
+            if per_stage is not None:  # the fewest that fit, first: recomputing less costs less time
+                counts = ",".join(map(str, per_stage))
+                fixes.append(f"'strategy.recompute=[{counts}]' (per stage, the fewest first layers that make it fit)")
             fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
             fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
             if held > 1:

@@ -384,3 +384,27 @@ def test_the_documented_wandb_switch_sets_the_loggers_mode(monkeypatch, tmp_path
     cfg = load("tiny", ("logger=wandb", f"paths.output_dir={tmp_path}", *override))
     logger = instantiate(cfg.logger)
     assert logger._offline is offline
+
+
+def test_the_dry_run_proposes_the_fewest_layers_to_recompute_per_stage(tmp_path):
+    """Issue 62, 2: gpt13b at micro-batch 2 on 8 x 8 H100 does not fit without recomputation (stages 0 and 1); the
+    warning names, per stage, the fewest first layers whose recomputation makes every stage fit, and that run fits."""
+    import re
+
+    base = (
+        "recipe=gpt13b",
+        "micro_batch_size=2",
+        "+cluster=h100_80g_8x8",
+        "dry_run=true",
+        f"paths.output_dir={tmp_path}",
+    )
+    over = run_cli(*base, cwd=tmp_path)
+    assert over.returncode == 0, over.stderr[-3000:]
+    warnings = [line for line in over.stdout.splitlines() if line.startswith("WARNING: stage")]
+    proposed = re.search(r"'strategy\.recompute=(\[[\d,]+\])' \(per stage, the fewest", warnings[0])
+    assert warnings and proposed, over.stdout[-3000:]
+    counts = [int(c) for c in proposed[1].strip("[]").split(",")]
+    assert counts[0] > 0 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
+    fits = run_cli(*base, f"strategy.recompute={proposed[1]}", cwd=tmp_path)
+    assert fits.returncode == 0 and "WARNING: stage" not in fits.stdout, fits.stdout[-3000:]
+    assert "the first" in fits.stdout and "recomputed" in fits.stdout  # each stage line says how many
