@@ -349,19 +349,34 @@ class StageExecutor:
     def evaluate(
         self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
     ) -> list[dict]:
-        """Forward-only pass of ``microbatches`` on the newest weights; metrics on the last stage."""
+        """Forward-only pass of ``microbatches`` on the newest weights (``schedule.evaluation``'s actions); metrics
+        on the last stage."""
         self.versions.use_latest()
-        results = []
-        for microbatch in microbatches:
-            key = ("eval", input_signature(microbatch))
-            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else tuple(self.link.recv_forward(key))
+        results: list[dict] = []
+        values: dict[int, tuple] = {}  # microbatch -> what was received, then what was computed
+
+        def key(action: S.Action) -> tuple:
+            return ("eval", input_signature(microbatches[action.microbatch]))
+
+        def receive(action: S.Action) -> None:
+            values[action.microbatch] = tuple(self.link.recv_forward(key(action)))
+
+        def run(action: S.Action) -> None:
+            microbatch = microbatches[action.microbatch]
+            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else values.pop(action.microbatch)
             outputs = self.run_layers(inputs)
             if self.is_last:
                 results.append(metrics_fn(outputs, microbatch))
             else:
-                self.link.send_forward(self._wire(as_tuple(outputs)), key)
-                self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
-        self.link.wait_sends()
+                values[action.microbatch] = as_tuple(outputs)
+
+        def send(action: S.Action) -> None:
+            self.link.send_forward(self._wire(values.pop(action.microbatch)), key(action))
+            self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
+
+        table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.WAIT_SENDS: self.handlers[S.WAIT_SENDS]}
+        for action in S.evaluation(self.stage, self.layout.num_stages, len(microbatches)):
+            table[action.kind](action)
         self.versions.rest()
         return results
 

@@ -30,7 +30,7 @@ from enum import Enum
 
 from .layout import MODES, Layout, Mode
 
-__all__ = ["MODES", "Action", "Kind", "drain", "listing", "segment", "stream", "update"]
+__all__ = ["MODES", "Action", "Kind", "drain", "evaluation", "listing", "segment", "stream", "update"]
 
 
 class Kind(str, Enum):
@@ -51,6 +51,7 @@ class Kind(str, Enum):
     STEP = "STEP"  # the optimizers' step, the delay correction, the sharded optimizer's broadcasts
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
+    EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
 
     def __str__(self) -> str:
         return self.value
@@ -63,13 +64,15 @@ FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
-WAIT_SENDS, LOSS = Kind.WAIT_SENDS, Kind.LOSS
+WAIT_SENDS, LOSS, EVAL = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL
 UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
 PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
 FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: at the head of step b + 2)
 BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
+TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
+EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
 _TEXT = re.compile(
-    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+),v(?P<version>\d+)\))$"
+    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?\))$"
 )
 
 
@@ -89,6 +92,8 @@ class Action:
     def __str__(self) -> str:
         if self.kind in BATCH_KINDS:
             return f"{self.kind.value}(b{self.batch})"
+        if self.weight_version < 0:  # evaluation: the newest weights
+            return f"{self.kind.value}(m{self.microbatch})"
         return f"{self.kind.value}(m{self.microbatch},v{self.weight_version})"
 
     @classmethod
@@ -99,8 +104,10 @@ class Action:
             raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
         if found["batch"] is not None:
             return cls(Kind(found["batch_kind"]), int(found["batch"]))
-        microbatch = int(found["microbatch"])
-        return cls(Kind(found["kind"]), microbatch // num_microbatches, microbatch, int(found["version"]))
+        microbatch, version = int(found["microbatch"]), found["version"]
+        return cls(
+            Kind(found["kind"]), microbatch // num_microbatches, microbatch, -1 if version is None else int(version)
+        )
 
 
 def listing(actions: Sequence[Action], marked: int | None = None) -> str:
@@ -344,6 +351,21 @@ def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
     _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, last_batch, lookahead))
     # the previous step may have left this stage's REDUCE of `last_batch` pending (warm-up 0)
     return carried + before + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
+
+
+def evaluation(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """An evaluation's (or prediction's) actions on ``stage``: each microbatch received from the stage before (past
+    the first), run forward-only on the newest weights, sent on (before the last); then the sends waited for. No
+    weight version: evaluation follows a drain. The executor (``StageExecutor.evaluate``) and the NCCL lowering
+    (``verify/comm_plan.py``) both run this list."""
+    actions: list[Action] = []
+    for microbatch in range(num_microbatches):
+        if stage > 0:
+            actions.append(Action(RECV_FORWARD, 0, microbatch))
+        actions.append(Action(EVAL, 0, microbatch))
+        if stage < num_stages - 1:
+            actions.append(Action(SEND_FORWARD, 0, microbatch))
+    return actions + [Action(WAIT_SENDS, 0)]
 
 
 def stream(layout: Layout, stage: int, num_batches: int) -> list[Action]:

@@ -14,7 +14,7 @@ from .delay_correction import ErrorFeedback
 from .ledger import BatchLedger
 from .sharding import OptimizerShards
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
-from .update import Handler, SetAside, UpdatePart
+from .update import Collective, Handler, SetAside, UpdatePart, UpdateShape
 from .versions import WeightVersions
 
 
@@ -42,6 +42,14 @@ class Stepper(UpdatePart):
 
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.STEP: self.step}
+
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        """The sharded optimizer: one broadcast per owner, replica 0's first (``OptimizerShards.broadcast_weights``;
+        an owner with no tensor skips its own everywhere, so a stage with fewer tensors than replicas has fewer)."""
+        if not shape.shard_optimizer:
+            return []
+        return [Collective("broadcast", "shard", f"weights of {owner}", S.STEP) for owner in range(shape.width)]
 
     def step(self, batch: int, aside: SetAside) -> None:
         hparams = self.ledger.take_hparams(batch)

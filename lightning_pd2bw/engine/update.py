@@ -79,11 +79,50 @@ class SetAside:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
 
 
+@dataclass(frozen=True)
+class UpdateShape:
+    """What decides one stage's update: which parts it has (``update_build.choose_parts``) and which collectives
+    they issue (``UpdatePart.collectives``). The engine's builder and the NCCL lowering (``verify/comm_plan.py``)
+    both read it, so the collectives are described once."""
+
+    double_buffered: bool  # 2BW: a batch's update runs beside the next batch's compute
+    width: int = 1  # replicas of this stage
+    buckets: int = 0  # replicated gradient buckets (0: no reducer)
+    tied: bool = False  # this stage holds a parameter another stage holds too
+    sharded: bool = False  # shard_gradients in effect: each bucket's owners' parts reduced to them
+    shard_optimizer: bool = False  # width > 1 and the optimizer sharded: owners broadcast their weights after STEP
+    on_nonfinite: str = "stop"  # "stop" or "skip"
+    hooks: bool = True  # before-step hooks (Lightning: on_before_optimizer_step)
+    clip: str | None = None  # None, "value", "stage" (this stage's norm) or "global" (the pipeline's norm)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective an update part issues for every batch, as data. ``issued``: the action issuing it (BACKWARD:
+    during the batch's last backward on the stage); ``waited``: the action of the same batch that waits for it
+    (None: waited as issued). ``group``: the stage's communicator (``grid.Groups``: ``replica``, ``pipeline``,
+    ``shard``, or ``tied``, the stages holding the tied parameter). ``repeat``: issued that many times in a row (one
+    per bucket, per bucket and owner). ``verify/comm_plan.py`` lowers exactly these; the recorded-trace tests
+    (``tests/distributed/test_nccl_traces.py``) check the parts issue exactly them."""
+
+    op: str  # "all_reduce", "reduce" (to each owner in turn) or "broadcast"
+    group: str
+    what: str
+    issued: S.Kind
+    waited: S.Kind | None = None
+    repeat: int = 1
+
+
 class UpdatePart:
-    """One job of the update: ``handlers`` maps each action kind it acts at to its ``(batch, aside)`` handler."""
+    """One job of the update: ``handlers`` maps each action kind it acts at to its ``(batch, aside)`` handler;
+    ``collectives`` declares, for a stage of that shape, the collectives those handlers issue (in their order)."""
 
     def handlers(self) -> dict[S.Kind, Handler]:
         return {}
+
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        return []
 
     def pending_bytes(self) -> int:
         """Gradient bytes this part holds for batches between REDUCE and STEP (e.g. buckets in flight)."""

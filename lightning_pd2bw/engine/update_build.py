@@ -1,5 +1,6 @@
-"""The update's parts chosen once, from the run, for one stage: ``build_update`` (``update.py`` describes each).
-A new feature of the update is one part and one line here."""
+"""The update's parts chosen once, from the run, for one stage: ``choose_parts`` picks them from the stage's
+``UpdateShape``, ``build_update`` builds them (``update.py`` describes each). A new feature of the update is one part,
+one line in ``choose_parts`` and one in ``build_update``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .ledger import BatchLedger
 from .options import PipelineOptions
 from .sharding import OptimizerShards
 from .stepper import Stepper
-from .update import UpdatePart, UpdateRule
+from .update import Collective, UpdatePart, UpdateRule, UpdateShape
 from .update_parts import (
     BeforeStepHooks,
     BucketReducer,
@@ -31,6 +32,28 @@ from .update_parts import (
     TiedSums,
 )
 from .versions import WeightVersions
+
+
+def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
+    """The parts of a stage's update of ``shape``, in the order their handlers run (one line per feature)."""
+    parts: list[type[UpdatePart]] = []
+    if shape.buckets:
+        parts.append(BucketReducer)
+    if shape.tied:
+        parts.append(TiedSums)
+    parts.append(StopOnNonFinite if shape.on_nonfinite == "stop" else SkipNonFinite)
+    if shape.hooks:
+        parts.append(BeforeStepHooks)
+    clippers = {"value": ClipByValue, "global": GlobalNormClip, "stage": StageNormClip}
+    if shape.clip is not None:
+        parts.append(clippers[shape.clip])
+    parts.append(Stepper)
+    return parts
+
+
+def collectives(shape: UpdateShape) -> list[tuple[type[UpdatePart], list[Collective]]]:
+    """Each part of ``shape``'s update with the collectives it declares (what ``verify/comm_plan.py`` lowers)."""
+    return [(part, part.collectives(shape)) for part in choose_parts(shape)]
 
 
 def build_update(
@@ -64,26 +87,30 @@ def build_update(
         owners = shards if options.shard_gradients else None  # each owner's gradients reduced to it
         buckets = GradientBuckets(replicated, groups.replica, width, shards=owners)
     sharded = buckets is not None and buckets.sharded
-    parts: list[UpdatePart] = []
-    if buckets is not None:
-        parts.append(BucketReducer(buckets, params, double_buffered))
-    if shared:
-        parts.append(TiedSums(shared, params, groups.replica, width))
-    if options.on_nonfinite == "stop":
-        parts.append(StopOnNonFinite(ledger, names, describe, options.keys))
-    else:
-        parts.append(SkipNonFinite(ledger, groups, device, sharded, info))
-    if before_step is not None:
-        parts.append(BeforeStepHooks(ledger, optimizers, before_step))
-    if clip_val:
-        if clip_algorithm == "value":
-            parts.append(ClipByValue(ledger, clip_val))
-        else:
-            norm = StageNorm(params, shared, device, groups.shard if sharded else None)
-            if options.clip_mode == "global":
-                parts.append(GlobalNormClip(ledger, norm, groups.pipeline, clip_val))
-            else:
-                parts.append(StageNormClip(ledger, norm, clip_val))
-    parts.append(Stepper(optimizers, ledger, versions, correction if double_buffered else None, shards))
+    clip = None if not clip_val else "value" if clip_algorithm == "value" else options.clip_mode
+    shape = UpdateShape(
+        double_buffered,
+        width,
+        buckets=0 if buckets is None else buckets.num_buckets,
+        tied=bool(shared),
+        sharded=sharded,
+        shard_optimizer=shards is not None,
+        on_nonfinite=options.on_nonfinite,
+        hooks=before_step is not None,
+        clip=clip,
+    )
+    norm = StageNorm(params, shared, device, groups.shard if sharded else None)
+    build: dict[type[UpdatePart], Callable[[], UpdatePart]] = {
+        BucketReducer: lambda: BucketReducer(buckets, params, double_buffered),  # type: ignore[arg-type]
+        TiedSums: lambda: TiedSums(shared, params, groups.replica, width),
+        StopOnNonFinite: lambda: StopOnNonFinite(ledger, names, describe, options.keys),
+        SkipNonFinite: lambda: SkipNonFinite(ledger, groups, device, sharded, info),
+        BeforeStepHooks: lambda: BeforeStepHooks(ledger, optimizers, before_step),  # type: ignore[arg-type]
+        ClipByValue: lambda: ClipByValue(ledger, clip_val),  # type: ignore[arg-type]
+        GlobalNormClip: lambda: GlobalNormClip(ledger, norm, groups.pipeline, clip_val),  # type: ignore[arg-type]
+        StageNormClip: lambda: StageNormClip(ledger, norm, clip_val),  # type: ignore[arg-type]
+        Stepper: lambda: Stepper(optimizers, ledger, versions, correction if double_buffered else None, shards),
+    }
+    parts = [build[kind]() for kind in choose_parts(shape)]
     store = GradientStore(params, tied, buckets, versions.mixed)
     return UpdateRule(params, versions, store, parts, double_buffered)

@@ -17,7 +17,7 @@ from .build import TiedParameter
 from .grad_buckets import GradientBuckets, Launched
 from .layout import Keys
 from .ledger import BatchLedger
-from .update import Handler, SetAside, UpdatePart
+from .update import Collective, Handler, SetAside, UpdatePart, UpdateShape
 
 
 class BucketReducer(UpdatePart):
@@ -31,6 +31,14 @@ class BucketReducer(UpdatePart):
 
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.REDUCE: self.reduce, S.CHECK: self.check}
+
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        """Per bucket, in bucket order: one all-reduce, or (sharded) one reduce to each owner in turn."""
+        if shape.width == 1:
+            return []
+        op, per_bucket = ("reduce", shape.width) if shape.sharded else ("all_reduce", 1)
+        return [Collective(op, "replica", "replica average", S.BACKWARD, S.CHECK, shape.buckets * per_bucket)]
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         self.launched[batch] = self.buckets.launch(self.double_buffered)  # in flight until CHECK
@@ -62,6 +70,11 @@ class TiedSums(UpdatePart):
 
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.REDUCE: self.reduce, S.CHECK: self.check}
+
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        average = Collective("all_reduce", "replica", "replica average of tied parameters", S.REDUCE)
+        return [average] * (shape.width > 1) + [Collective("all_reduce", "tied", "tied sum", S.REDUCE, S.CHECK)]
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         present = [aside.grads[i] for i in self.positions if aside.grads[i] is not None]
@@ -156,6 +169,11 @@ class SkipNonFinite(UpdatePart):
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.CHECK: self.check, S.HOOKS: self.verdict}
 
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        owners = Collective("all_reduce", "shard", "owners' non-finite flags", S.CHECK)
+        return [owners] * shape.sharded + [Collective("all_reduce", "pipeline", "non-finite flag", S.CHECK, S.HOOKS)]
+
     def check(self, batch: int, aside: SetAside) -> None:
         flag = gradients.nonfinite_flag([g for g in aside.grads if g is not None], self.device)
         if self.sharded:
@@ -208,6 +226,11 @@ class GlobalNormClip(UpdatePart):
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.NORM: self.launch, S.CLIP: self.clip}
 
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        owners = Collective("all_reduce", "shard", "owners' clip norm", S.NORM)  # ``StageNorm.squares``
+        return [owners] * shape.sharded + [Collective("all_reduce", "pipeline", "clip norm", S.NORM, S.CLIP)]
+
     def launch(self, batch: int, aside: SetAside) -> None:
         if self.ledger.is_skipped(batch):
             return
@@ -230,6 +253,10 @@ class StageNormClip(UpdatePart):
 
     def handlers(self) -> dict[S.Kind, Handler]:
         return {S.CLIP: self.clip}
+
+    @staticmethod
+    def collectives(shape: UpdateShape) -> list[Collective]:
+        return [Collective("all_reduce", "shard", "owners' clip norm", S.CLIP)] * shape.sharded  # ``StageNorm``
 
     def clip(self, batch: int, aside: SetAside) -> None:
         if not self.ledger.is_skipped(batch):

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from lightning_pd2bw.engine import schedule as S
-from lightning_pd2bw.engine.verify.comm_plan import CommLayout, programs
+from lightning_pd2bw.engine.verify.comm_plan import CommLayout, RankProgram, programs
 from lightning_pd2bw.engine.verify.nccl_model import (
     COLLECTIVE,
     RECV,
@@ -297,7 +297,6 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
 
     from lightning_pd2bw import PipelineEngine
     from lightning_pd2bw.engine import PipelineOptions
-    from lightning_pd2bw.engine.verify.comm_plan import RankProgram
 
     from ..distributed.launch import free_port
 
@@ -311,4 +310,29 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
     finally:
         dist.destroy_process_group()
     lowering = RankProgram(CommLayout("2bw", 2, 2), replica=0, stage=0)
-    assert set(lowering.table) == engine_kinds == set(S.Kind)
+    assert set(lowering.table) == engine_kinds == set(S.TRAIN_KINDS)
+    for stage in range(3):  # evaluation's actions: the kinds both interpreters' evaluation tables hold
+        assert {a.kind for a in S.evaluation(stage, 3, 2)} <= set(S.EVAL_KINDS)
+
+
+def test_every_declared_collective_is_waited_after_it_is_issued_on_a_group_the_lowering_knows():
+    """Each update part's collectives, for every shape a run can have: issued at an action of the update (or the
+    batch's last backward) and waited at the same or a later one, on a communicator the lowering names."""
+    from lightning_pd2bw.engine.update import UpdateShape
+    from lightning_pd2bw.engine.update_build import collectives
+
+    order = [S.BACKWARD, *S.UPDATE_PARTS, S.STEP]
+    lowering = RankProgram(CommLayout("2bw", 2, 2, 2, tied=True), replica=1, stage=1)
+    seen = set()
+    for double, width, sharded, nonfinite, clip in itertools.product(
+        (False, True), (1, 2, 3), (False, True), ("stop", "skip"), (None, "value", "stage", "global")
+    ):
+        shape = UpdateShape(double, width, 2, True, sharded and width > 1, width > 1, nonfinite, True, clip)
+        for part, declared in collectives(shape):
+            for collective in declared:
+                seen.add(part.__name__)
+                lowering.group(collective.group)  # a KeyError names a group the lowering does not know
+                waited = collective.issued if collective.waited is None else collective.waited
+                assert order.index(collective.issued) <= order.index(waited), (part, collective)
+                assert collective.repeat >= 1
+    assert seen == {"BucketReducer", "TiedSums", "SkipNonFinite", "GlobalNormClip", "StageNormClip", "Stepper"}

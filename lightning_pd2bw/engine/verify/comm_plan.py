@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import schedule as S
-from ..layout import Layout, check_schedule
+from ..layout import Layout, Mode, check_schedule
+from ..update import Collective, UpdateShape
+from ..update_build import collectives
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 
@@ -60,13 +62,10 @@ class RankProgram:
         self.fused: dict[str, list[tuple[list[int], list[int]]]] = {"forward": [], "backward": []}
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
-        self.deferred: dict[int, list[int]] = {}  # batch -> its tied sum in flight (waited at CHECK)
-        self.norms: dict[int, int] = {}  # batch -> its clip norm's all-reduce in flight (waited at CLIP)
-        self.flags: dict[int, int] = {}  # batch -> its non-finite flag's all-reduce in flight (waited at CHECK)
         self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
+        self.parts = collectives(self.update_shape())  # the update's parts and the collectives each declares
+        self.inflight: dict[tuple[int, Collective], list[int]] = {}  # (batch, declared) -> handles to wait for
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
-        self.bucket_handles: dict[int, list[int]] = {}
-        self.launched: dict[int, list[int]] = {}  # batch -> its buckets' all-reduces handed over by REDUCE
         self.waited: set[int] = set()
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
@@ -167,45 +166,55 @@ class RankProgram:
         for peer in list(self.unsettled):
             self.settle(peer, label="wait_sends")
 
-    # -------------------------------------------------------------- the update (update.py)
+    # -------------------------------------------------------------- the update (update_build.py)
     def _shared(self) -> bool:
         return self.layout.tied and self.layout.num_stages > 1 and self.stage in (0, self.layout.num_stages - 1)
 
-    def _replicas(self) -> tuple[str, tuple[int, ...]]:
-        layout = self.layout
-        replicas = tuple(r * layout.num_stages + self.stage for r in range(layout.data_parallel_size))
-        return f"pd2bw/replica/stage{self.stage}", replicas
+    def update_shape(self) -> UpdateShape:
+        """This stage's update as ``update_build.build_update`` sees it in a run of this layout."""
+        layout, width = self.layout, self.layout.data_parallel_size
+        return UpdateShape(
+            Mode(layout.mode).double_buffered,
+            width,
+            buckets=layout.gradient_buckets,
+            tied=self._shared(),
+            sharded=layout.shard_gradients and layout.shard_optimizer and width > 1,
+            shard_optimizer=layout.shard_optimizer and width > 1,
+            on_nonfinite="skip" if layout.skip_nonfinite else "stop",
+            clip=layout.clip,
+        )
 
-    def backward(self, batch: int) -> None:
-        """The batch's last backward on this stage starts the replica all-reduce of each gradient bucket
-        (``grad_buckets.py``); CHECK waits for them."""
-        done = self.backwards.pop(batch, 0) + 1
-        if done < self.layout.num_microbatches:
-            self.backwards[batch] = done
-        elif self.layout.data_parallel_size > 1:
-            channel, replicas = self._replicas()
-            label = f"B(b{batch}) replica average"
-            per_bucket = ["reduce"] * len(replicas) if self._sharded() else ["all_reduce"]  # every replica owns some
-            self.bucket_handles[batch] = [
-                self.collective(name, channel, replicas, label, block=False)
-                for _ in range(self.layout.gradient_buckets)
-                for name in per_bucket
-            ]
+    def group(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """A ``grid.Groups`` communicator of this stage: its channel and members."""
+        layout, d = self.layout, self.layout.num_stages
+        replicas = tuple(r * d + self.stage for r in range(layout.data_parallel_size))
+        groups = {
+            "replica": (f"pd2bw/replica/stage{self.stage}", replicas),
+            "shard": (f"pd2bw/shard/stage{self.stage}", replicas),
+            "pipeline": (f"pd2bw/pipeline/replica{self.replica}", self.pipeline),
+            "tied": (f"pd2bw/shared/replica{self.replica}/stages0-{d - 1}", (self.pipeline[0], self.pipeline[-1])),
+        }
+        return groups[name]
 
-    def reduce(self, batch: int) -> None:
-        """REDUCE (``update_parts.BucketReducer``, ``TiedSums``): the buckets' replica average handed over in flight
-        and the tied sum launched (both waited at CHECK); the tied parameters' replica average, apart from the
-        buckets, waited here."""
-        layout, label = self.layout, f"REDUCE(b{batch})"
-        if layout.data_parallel_size > 1:
-            self.launched[batch] = self.bucket_handles.pop(batch)
-            if self._shared():  # the tied parameters are averaged apart from the buckets
-                channel, replicas = self._replicas()
-                self.collective("all_reduce", channel, replicas, f"{label} replica average of tied parameters")
-        if self._shared():
-            channel = f"pd2bw/shared/replica{self.replica}/stages0-{layout.num_stages - 1}"
-            members = (self.pipeline[0], self.pipeline[-1])
-            self.deferred[batch] = [self.collective("all_reduce", channel, members, f"{label} tied sum", block=False)]
+    def update(self, kind: S.Kind, batch: int) -> None:
+        """What the update's parts issue and wait for at ``kind`` of ``batch``, part by part in the builder's order,
+        each part's declared collectives in their order (``UpdatePart.collectives``)."""
+        at = f"{kind.value}(b{batch})"
+        for _, declared in self.parts:
+            for collective in declared:
+                if collective.waited == kind:
+                    for handle in self.inflight.pop((batch, collective)):
+                        self.wait(handle, f"{at} {collective.what}")
+                if collective.issued == kind:
+                    channel, members = self.group(collective.group)
+                    block = collective.waited is None
+                    label = f"{at} {collective.what}"
+                    handles = [
+                        self.collective(collective.op, channel, members, label, block=block)
+                        for _ in range(collective.repeat)
+                    ]
+                    if not block:
+                        self.inflight[(batch, collective)] = handles
 
     # -------------------------------------------------------------- the interpreter (executor.StageExecutor.run)
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
@@ -222,14 +231,8 @@ class RankProgram:
             S.SEND_BACKWARD: lambda action: self.send_backward(str(action), self._fused),
             S.WAIT_SENDS: lambda action: self.wait_sends(),
         }
-        update = {
-            S.REDUCE: lambda action: self.reduce(action.batch),
-            S.CHECK: self._check,
-            S.HOOKS: self._hooks,  # and the before-step hooks: the sparsity callback's collectives are its own steps'
-            S.NORM: self._norm,
-            S.CLIP: self._clip,
-            S.STEP: self._step,  # each optimizer's step, the correction: local; then the shards' broadcasts
-        }
+        # the before-step hooks at HOOKS: the sparsity callback's collectives are its own steps'
+        update = {kind: self._update_action for kind in (*S.UPDATE_PARTS, S.STEP)}
         return {**transport, **update, S.LOSS: self._loss}
 
     def run(self, actions: list[S.Action]) -> None:
@@ -252,55 +255,17 @@ class RankProgram:
         self.settle(self.rank + 1, keep=1, label="eval send")
 
     def _backward(self, action: S.Action) -> None:
+        """The batch's last backward on this stage starts the replica all-reduce of each gradient bucket
+        (``grad_buckets.py``); CHECK waits for them."""
         self.stashed.discard(action.microbatch)
-        self.backward(action.batch)
+        done = self.backwards.pop(action.batch, 0) + 1
+        if done < self.layout.num_microbatches:
+            self.backwards[action.batch] = done
+        else:
+            self.update(S.BACKWARD, action.batch)
 
-    def _sharded(self) -> bool:
-        layout = self.layout
-        return layout.shard_gradients and layout.shard_optimizer and layout.data_parallel_size > 1
-
-    def _over_replicas(self, label: str) -> None:
-        """Sharded gradients: the owners' parts of a norm or flag summed over the replicas (``shard``), waited for."""
-        if self._sharded():
-            _, replicas = self._replicas()
-            self.collective("all_reduce", f"pd2bw/shard/stage{self.stage}", replicas, label)
-
-    def _check(self, action: S.Action) -> None:
-        for handle in self.launched.pop(action.batch, []):
-            self.wait(handle, f"{action} replica average")
-        for handle in self.deferred.pop(action.batch, []):
-            self.wait(handle, f"{action} tied sum")
-        if self.layout.skip_nonfinite:
-            self._over_replicas(f"{action} owners' non-finite flags")
-            self.flags[action.batch] = self._over_pipeline(f"{action} non-finite flag")
-
-    def _hooks(self, action: S.Action) -> None:
-        if action.batch in self.flags:
-            self.wait(self.flags.pop(action.batch), f"{action} non-finite flag")
-
-    def _norm(self, action: S.Action) -> None:
-        if self.layout.clip == "global":
-            self._over_replicas(f"{action} owners' clip norm")
-            self.norms[action.batch] = self._over_pipeline(f"{action} clip norm")
-
-    def _over_pipeline(self, label: str) -> int:
-        """An all-reduce over this replica's pipeline, launched now and waited for by a later part."""
-        return self.collective("all_reduce", f"pd2bw/pipeline/replica{self.replica}", self.pipeline, label, block=False)
-
-    def _clip(self, action: S.Action) -> None:
-        if action.batch in self.norms:
-            self.wait(self.norms.pop(action.batch), f"{action} clip norm")
-        elif self.layout.clip == "stage":
-            self._over_replicas(f"{action} owners' clip norm")
-
-    def _step(self, action: S.Action) -> None:
-        """``OptimizerShards.broadcast_weights``: one broadcast per owner, replica 0's first (every replica owns a
-        tensor: the lowering's stages have more tensors than replicas)."""
-        layout = self.layout
-        if layout.shard_optimizer and layout.data_parallel_size > 1:
-            _, replicas = self._replicas()
-            for owner in range(layout.data_parallel_size):
-                self.collective("broadcast", f"pd2bw/shard/stage{self.stage}", replicas, f"{action} weights of {owner}")
+    def _update_action(self, action: S.Action) -> None:
+        self.update(action.kind, action.batch)
 
     def _loss(self, action: S.Action) -> None:
         loss_group = f"pd2bw/loss/replica{self.replica}"
@@ -338,15 +303,15 @@ class RankProgram:
 
     def evaluate(self) -> None:
         layout = self.layout
+        table = {
+            S.RECV_FORWARD: lambda label: self.recv_forward("eval", label),
+            S.EVAL: lambda label: None,
+            S.SEND_FORWARD: lambda label: (self.send_forward("eval", label), self.after_eval_send()),
+            S.WAIT_SENDS: lambda label: self.wait_sends(),
+        }
         for batch in range(layout.eval_batches):
-            for micro in range(layout.num_microbatches):
-                label = f"EVAL(b{batch},m{micro})"
-                if self.stage > 0:
-                    self.recv_forward("eval", label)
-                if self.stage < layout.num_stages - 1:
-                    self.send_forward("eval", label)
-                    self.after_eval_send()
-            self.wait_sends()
+            for action in S.evaluation(self.stage, layout.num_stages, layout.num_microbatches):
+                table[action.kind](f"EVAL(b{batch},m{action.microbatch})")
             pipeline = f"pd2bw/pipeline/replica{self.replica}"
             for part in ("size", "data"):  # broadcast_object_list of the last stage's metrics
                 self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
