@@ -51,7 +51,7 @@ class StepTimer(pl.Callback):
 
 
 def main() -> None:
-    width, depth, micro, recompute, mode = json.loads(sys.argv[1])
+    width, depth, micro, recompute, mode, clip = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -81,6 +81,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[timer],
         limit_val_batches=0,
+        gradient_clip_val=1.0 if clip else None,
     )
     before = rss()
     trainer.fit(model, train_dataloaders=DataLoader(data, batch_size=GLOBAL_BATCH // width, shuffle=True))
@@ -93,7 +94,15 @@ def main() -> None:
     cluster = ClusterSpec(DeviceSpec("cpu", 0.0, 8 * 2**30, 0.0), 1, 2, bandwidth, bandwidth, latency, name="2 x cpu")
     prediction = predict(profile, candidate, cluster, GLOBAL_BATCH, stages)
     record = {
-        "config": {"width": width, "depth": depth, "micro": micro, "recompute": recompute, "mode": mode, "m": m},
+        "config": {
+            "width": width,
+            "depth": depth,
+            "micro": micro,
+            "recompute": recompute,
+            "mode": mode,
+            "m": m,
+            "clip": clip,
+        },
         "stage": stage,
         "measured_samples_per_sec": GLOBAL_BATCH * TIMED / elapsed,
         "predicted_samples_per_sec": prediction.throughput,

@@ -114,7 +114,7 @@ def throughput_text(cfg, layout, model, step_s: float) -> str:
         achieved = samples * layout.seq_len * flops()
         mfu = f", {achieved / (layout.world_size * cluster.device.peak_flops):.1%} MFU"
     return (
-        f"plan: {samples:.1f} samples/s ({step_s:.2f} s per step{mfu}) on {cluster.name}, the planner's closed formula "
+        f"plan: {samples:.1f} samples/s ({step_s:.2f} s per step{mfu}) on {cluster.name}, the engine's actions simulated "
         f"at the device's measured efficiency {cluster.device.efficiency:.0%} (pd2bw-plan ranks the alternatives)"
     )
 

@@ -100,7 +100,7 @@ class Action:
     def parse(cls, text: str, num_microbatches: int) -> Action:
         """The action ``str(action)`` wrote (its batch is ``microbatch // num_microbatches``)."""
         found = _TEXT.match(text.strip())
-        if found is None:
+        if found is None or (found["kind"] not in (None, EVAL.value) and found["version"] is None):
             raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
         if found["batch"] is not None:
             return cls(Kind(found["batch_kind"]), int(found["batch"]))
@@ -284,6 +284,17 @@ def _insert_steps(
     return out, pending
 
 
+def prepare_after(num_stages: int, num_microbatches: int, lookahead: int = 0) -> int:
+    """Under 2BW, CHECK, HOOKS and NORM of batch b run after the forward of microbatch ``(b + 1) m + prepare_after``
+    on every stage: half a batch after REDUCE(b), so that the replica all-reduce of b's gradient buckets, started in
+    b's last backward and waited for at CHECK, has half a batch of compute to hide behind (at 13B, 482 buckets of
+    25 MiB over 16 replicas: about 0.5 s, where one forward is 45 ms); and never before the first stage's warm-up
+    forwards, so that every stage has reached REDUCE(b) (the tied sum's members) when any stage waits at CHECK(b).
+    The norm launched at NORM(b) then has the batch's second half to complete before CLIP(b) reads it at the head
+    of step b + 2."""
+    return max(warmup_forwards(0, num_stages, num_microbatches, lookahead), num_microbatches // 2)
+
+
 def _pending_before(
     mode: Mode, stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
 ) -> int | None:
@@ -304,8 +315,9 @@ def _segment(
     order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     pending = _pending_before(mode, stage, num_stages, num_microbatches, batch, lookahead)
-    first_warmup = warmup_forwards(0, num_stages, num_microbatches, lookahead)
-    actions, _ = _insert_steps(actions, num_microbatches, pending, first_warmup)
+    actions, _ = _insert_steps(
+        actions, num_microbatches, pending, prepare_after(num_stages, num_microbatches, lookahead)
+    )
     return (finish(batch - 2) if batch >= 2 else []) + actions
 
 

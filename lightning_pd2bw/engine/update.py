@@ -2,7 +2,8 @@
 
 ``schedule.update(b)`` places the update's actions (``engine/schedule.py``): REDUCE, CHECK, HOOKS, NORM, CLIP and
 STEP of batch b. Under 2BW the update of batch b is first read by batch b + 2's first forward, so it runs while batch
-b + 1 computes: REDUCE(b) right after b's last backward on the stage, CHECK/HOOKS/NORM(b) beside batch b + 1, CLIP
+b + 1 computes: REDUCE(b) right after b's last backward on the stage, CHECK/HOOKS/NORM(b) half a batch later, beside
+batch b + 1 (``schedule.prepare_after``: the buckets' all-reduce has that long to finish), CLIP
 and STEP(b) at the head of step b + 2 (flush and gpipe run them back to back). The rule is unchanged,
 W(t+1) = W(t) - lr * grad f(W(t-1)): only when the work is done moved.
 
@@ -11,15 +12,16 @@ writable and batch b's gradients are taken out of ``.grad`` into a ``SetAside`` 
 accumulate afresh); a part that needs them in ``.grad`` (the optimizers, the hooks) runs ``with aside.in_grad():``,
 which puts them there on the writable weights and the next batch's back afterwards. Every other part reads and
 writes ``aside.grads`` directly. ``update_build.build_update`` picks, once, from the resolved run, the parts; each
-registers a handler only at the actions it acts at (``UpdatePart.handlers``), run in the builder's order:
+registers a handler only at the actions it acts at (``UpdatePart.handlers``), run in the builder's order, and declares
+the collectives it issues as data (``UpdatePart.collectives``, read by the NCCL lowering and the planner's simulator):
 
 - the gradient store (``gradient_store.py``): where every stage parameter's gradient accumulates (the float32 main
   gradients of bf16 weight versions, tied parameters included); it takes them aside at REDUCE;
 - the reducer (``update_parts.py``): ``BucketReducer`` (width > 1, or mixed weights at width 1 with no collective):
   the buckets' replica all-reduces (``shard_gradients``: reduces to the owners), started during the last backward,
   handed over in flight at REDUCE and waited for at CHECK; no part at width 1 with unmixed weights;
-- ``TiedSums``: a tied parameter's gradient averaged over the replicas and summed over the stages holding it
-  (launched at REDUCE, waited for at CHECK);
+- ``TiedSums``: a tied parameter's gradient summed over the stages holding it (launched at REDUCE, waited for at
+  CHECK), then averaged over the replicas at CHECK, behind the buckets on the replica group;
 - the non-finite policy: ``StopOnNonFinite`` (CHECK: flags copied to the host without a sync, raised at the first
   update that reads them and at every drain) or ``SkipNonFinite`` (CHECK: one flag summed over the pipeline,
   launched; HOOKS: read, and the batch's update skipped on every stage alike);

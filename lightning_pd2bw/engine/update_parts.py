@@ -56,9 +56,11 @@ class BucketReducer(UpdatePart):
 
 
 class TiedSums(UpdatePart):
-    """A tied parameter's gradient (e.g. the embedding the first and last stages share): averaged over the replicas
-    (apart from the buckets, waited for at REDUCE), then summed over the stages holding it (launched at REDUCE on
-    the tied group, waited for at CHECK). Every holder joins the sum, with zeros where no gradient arrived."""
+    """A tied parameter's gradient (e.g. the embedding the first and last stages share): summed over the stages
+    holding it (launched at REDUCE on the tied group, waited for at CHECK), then averaged over the replicas (at
+    CHECK, once the buckets' all-reduces ahead of it on the replica group are done: issued at REDUCE it would wait
+    behind all of them, exposed). Every holder joins the sum, with zeros where no gradient arrived. The sum and the
+    average are linear, so their order does not change the value (only its rounding)."""
 
     def __init__(
         self, shared: Sequence[TiedParameter], params: Sequence[nn.Parameter], replica_group: Any, width: int
@@ -73,12 +75,10 @@ class TiedSums(UpdatePart):
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        average = Collective("all_reduce", "replica", "replica average of tied parameters", S.REDUCE)
-        return [average] * (shape.width > 1) + [Collective("all_reduce", "tied", "tied sum", S.REDUCE, S.CHECK)]
+        average = Collective("all_reduce", "replica", "replica average of tied parameters", S.CHECK)
+        return [Collective("all_reduce", "tied", "tied sum", S.REDUCE, S.CHECK)] + [average] * (shape.width > 1)
 
     def reduce(self, batch: int, aside: SetAside) -> None:
-        present = [aside.grads[i] for i in self.positions if aside.grads[i] is not None]
-        gradients.average_over_replicas(present, self.replica_group, self.width)
         for i, shared in zip(self.positions, self.shared):
             if aside.grads[i] is None:
                 aside.grads[i] = torch.zeros_like(shared.param)
@@ -90,6 +90,8 @@ class TiedSums(UpdatePart):
     def check(self, batch: int, aside: SetAside) -> None:
         for work in self.works.pop(batch):
             work.wait()
+        tied = [aside.grads[i] for i in self.positions]
+        gradients.average_over_replicas(tied, self.replica_group, self.width)  # type: ignore[arg-type]
 
 
 class StageNorm:

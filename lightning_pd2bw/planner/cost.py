@@ -1,24 +1,13 @@
 """The cost model: time per batch and memory per stage of one configuration (PipeDream-2BW, 3.3).
 
-A configuration (``Candidate``) is width w, depth d, microbatch size b and recomputation, with
-``m = global_batch / (w * b)`` microbatches per batch and replica. Stage s runs one microbatch in
-
-    t_s = F_s + B_s (+ F_s again with recomputation) + boundary messages (latency + bytes / link)
-
-where the link is NVLink inside a server and the network where consecutive ranks straddle servers.
-A batch takes, in the steady state,
-
-    2BW:          m * max_s t_s                       (no bubble: the pipeline never drains)
-                  + the wait for the clip norm where 3(d - 1) > 2m (``norm_wait``)
-    Flush/GPipe:  (m - 1) * max_s t_s + sum_s t_s     (= (m + d - 1) t for equal stages)
-
-plus the update. Flush: the all-reduce of the stage's gradients over its w replicas (ring, on the level of the
-topology the replicas span), the sum of shared (tied) parameters' gradients between the stages holding them, and
-the optimizer step. 2BW runs its update beside the next batch (``engine/update.py``): only the optimizer's work and
-the part of the replica all-reduce longer than a microbatch slot remain. With ``shard_optimizer`` (ZeRO-1) each
-replica steps 1/w of the stage's parameters and the owners then broadcast the new weights (an all-gather's bytes,
-before the next forward); with ``shard_gradients`` too, the gradients are reduced to their owners (half an
-all-reduce's bytes). Memory per stage s:
+A configuration (``Candidate``, ``candidate.py``) is width w, depth d, microbatch size b and recomputation, with
+``m = global_batch / (w * b)`` microbatches per batch and replica. Its time per batch is the engine's own per-stage
+action lists simulated with a cost per action (``timing.py``, ``simulate.py``): the schedule's forwards, backwards
+and boundary messages, the update's parts where the schedule places them, each collective they declare by its
+group's topology and bytes. With equal stages and free messages that is m t for 2BW (no bubble) and (m + d - 1) t
+for Flush and GPipe, t = F + B (+ F again with recomputation); the simulator also sees what no closed form does:
+where the update's collectives wait (the replica all-reduce's cover, the clip norm over the pipeline, the owners'
+broadcasts before the next forward), uneven stages, messages on slower links. Memory per stage s:
 
     weights x versions (2 for 2BW) + gradients x versions (2BW: batch b's set aside until its STEP)
     + optimizer states (of the weights this replica steps: about 1/w of the stage's with ``shard_optimizer``)
@@ -46,107 +35,21 @@ from dataclasses import dataclass, field
 
 from ..engine.delay_correction import buffers as correction_buffers
 from ..engine.layout import Mode
-from ..engine.options import PipelineOptions, recomputed_layers
 from ..engine.schedule import warmup_forwards
+from .candidate import NCCL_BYTES_PER_COMMUNICATOR, Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .profile import LayerProfile
+from .timing import allreduce_time, compute_time, message_time, timing
 
-RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
-MiB = 1 << 20
-# NCCL's own device buffers per communicator: NCCL_BUFFSIZE (4 MiB) for each direction of each of its channels,
-# allocated when the communicator is first used. 64 MiB is an estimate (8 channels x 2 x 4 MiB), to be checked
-# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: docs/gpus.md).
-NCCL_BYTES_PER_COMMUNICATOR = 64 * MiB
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """The layers' profiles at one microbatch size, and what the layers share."""
-
-    layers: Sequence[LayerProfile]
-    weight_bytes: int = 4  # per parameter of the weights the optimizer steps (and of the gradients)
-    optimizer_states: float = 2  # weight-sized state tensors per parameter (AdamW 2, SGD with momentum 1)
-    shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
-    output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
-    communicator_bytes: float = NCCL_BYTES_PER_COMMUNICATOR  # per communicator (0: gloo, on a CPU)
-    # per layer, where optimizers differ by layer (Muon: 1 state for the blocks' matrices, AdamW's 2 for the rest)
-    layer_states: tuple[float, ...] = ()
-    # weight-sized temporaries of one optimizer step: 1 for foreach AdamW (the CPU), 0 for fused AdamW (CUDA),
-    # Muon (one matrix at a time) and SGD; None: 1 for a two-state optimizer
-    optimizer_temporaries: float | None = None
-    # mixed-precision weights (PipelineOptions.weight_dtype): bytes per parameter of each weight version, held apart
-    # from the weights the optimizer steps (one float32 master); None: the versions are those weights
-    version_bytes: int | None = None
-    # per layer, the bytes of its sparsity masks (one bool per targeted weight; none without sparsity)
-    layer_masks: tuple[float, ...] = ()
-
-    def states_of(self, span: range) -> float | None:
-        """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
-        if not self.layer_states:
-            return None
-        params = sum(self.layers[i].parameters for i in span)
-        return sum(self.layers[i].parameters * self.layer_states[i] for i in span) / params if params else 0.0
-
-    @property
-    def temporaries(self) -> float:
-        if self.optimizer_temporaries is not None:
-            return self.optimizer_temporaries
-        return 1.0 if self.optimizer_states == 2 else 0.0
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration the planner weighs: width, depth, microbatch size and recomputation (the dimensions it
-    searches) for the run ``options`` describes, kept whole (its mode, lookahead, delay correction, sharding and
-    dtypes; ``Candidate.of``)."""
-
-    width: int
-    depth: int
-    micro_batch_size: int
-    recompute: bool | tuple[int, ...]  # all, none, or per stage its first layers (``PipelineOptions.recompute``)
-    options: PipelineOptions = PipelineOptions(delay_correction=None)
-
-    def recomputed(self, stage: int, span: range) -> range:
-        """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""
-        return range(span.start, span.start + recomputed_layers(self.recompute, stage, len(span)))
-
-    @classmethod
-    def of(
-        cls,
-        options: PipelineOptions,
-        width: int,
-        depth: int,
-        micro_batch_size: int,
-        recompute: bool | tuple[int, ...] | None = None,
-    ) -> Candidate:
-        """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
-        of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
-        recompute = options.recompute if recompute is None else recompute
-        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None, plan=None, global_batch_size=None)
-        return cls(width, depth, micro_batch_size, recompute, options.replace(**layout, recompute=recompute))
-
-    @property
-    def mode(self) -> Mode:
-        return Mode(self.options.mode)
-
-    @property
-    def lookahead(self) -> int:
-        """More forwards in flight on every stage (the strategy's ``lookahead``)."""
-        return self.options.lookahead
-
-    @property
-    def optimizer_share(self) -> float:
-        """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
-        ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
-        return 1 / self.width if self.options.shard_optimizer and self.width > 1 else 1.0
-
-    @property
-    def delay_correction(self) -> str | None:
-        """2BW's correction (``engine/delay_correction.py``): its buffers of weights."""
-        return self.options.delay_correction if self.mode.double_buffered else None
-
-    def num_microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.width * self.micro_batch_size)
+__all__ = [  # the candidate and the timing's pieces are read from here too
+    "NCCL_BYTES_PER_COMMUNICATOR",
+    "Candidate",
+    "ModelProfile",
+    "Prediction",
+    "allreduce_time",
+    "predict",
+    "stage_memory",
+]
 
 
 @dataclass(frozen=True)
@@ -155,7 +58,7 @@ class Prediction:
     num_microbatches: int
     stages: tuple[range, ...]
     stage_times: tuple[float, ...]  # one microbatch, compute and boundary messages
-    update_time: float  # all-reduce + shared sum + optimizer, slowest stage
+    update_time: float  # per step, the update's compute and its time blocked on collectives, slowest stage
     batch_time: float
     stage_memory: tuple[dict[str, float], ...] = field(default_factory=tuple)
     samples_per_batch: int = 0
@@ -304,45 +207,6 @@ def memory_of(
     }
 
 
-def _crosses_servers(candidate: Candidate, cluster: ClusterSpec, stage: int) -> bool:
-    """Does the boundary after ``stage`` join ranks on two servers? (pipelines are consecutive ranks)"""
-    per_node = cluster.devices_per_node
-    return any(
-        (r * candidate.depth + stage) // per_node != (r * candidate.depth + stage + 1) // per_node
-        for r in range(candidate.width)
-    )
-
-
-def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec) -> float:
-    """Ring all-reduce of one stage's gradients over its w replicas (ranks s, s+d, s+2d, ...).
-
-    Replicas on one server reduce over NVLink; across servers the ring's traffic goes through each
-    server's network link, which the stages on that server share (hierarchical all-reduce).
-    """
-    w = candidate.width
-    if w == 1:
-        return 0.0
-    per_node = cluster.devices_per_node
-    nodes = -(-w * candidate.depth // per_node)
-    if nodes == 1:
-        return 2 * (w - 1) / w * num_bytes / cluster.intra_node_bandwidth + 2 * (w - 1) * cluster.latency
-    local = max(1, per_node // candidate.depth)  # replicas of one stage per server
-    stages_per_node = min(candidate.depth, per_node)
-    intra = 2 * (local - 1) / local * num_bytes / cluster.intra_node_bandwidth if local > 1 else 0.0
-    span = -(-w // local)  # servers the ring crosses
-    inter = 2 * (span - 1) / span * num_bytes * stages_per_node / cluster.inter_node_bandwidth
-    return intra + inter + 2 * (w - 1) * cluster.latency
-
-
-def norm_wait(depth: int, num_microbatches: int, slowest: float) -> float:
-    """2BW's one remaining wait at an update: the first stage clips batch b at the head of step b + 2 by a norm
-    the last stage launches once batch b + 1's forward of microbatch (b + 1) m + w0 reached it
-    (``schedule.py``); in unit slots (a forward or a backward each) the first stage is there 2m slots after
-    b + 1 began, the last stage's launch 3(d - 1) slots after, so it waits where 3(d - 1) > 2m (e.g. d = m = 4:
-    one slot). Counted always: the recipes clip by the global norm."""
-    return max(0, 3 * (depth - 1) - 2 * num_microbatches) * slowest / 2
-
-
 def predict(
     profile: ModelProfile,
     candidate: Candidate,
@@ -350,58 +214,23 @@ def predict(
     global_batch: int,
     stages: Sequence[range],
 ) -> Prediction:
-    """Time and memory of ``candidate`` with the given partition."""
+    """Time (``timing.py``: the engine's actions simulated) and memory of ``candidate`` with the given partition."""
     m = candidate.num_microbatches(global_batch)
-    d = candidate.depth
-    times, updates, memory = [], [], []
+    times, memory = [], []
     for s, span in enumerate(stages):
-        layers = [profile.layers[i] for i in span]
-        forward = sum(p.forward_s for p in layers)
-        again = sum(profile.layers[i].forward_s for i in candidate.recomputed(s, span))  # recomputed in the backward
-        compute = forward + sum(p.backward_s for p in layers) + RECOMPUTE_FACTOR * again
-        messages = 0.0
-        for boundary, crosses in ((s - 1, s > 0), (s, s < d - 1)):
-            if crosses:  # activation one way, gradient the other; the sender waits on neither
-                link = (
-                    cluster.inter_node_bandwidth / min(d, cluster.devices_per_node)
-                    if _crosses_servers(candidate, cluster, boundary)
-                    else cluster.intra_node_bandwidth
-                )
-                messages += 2 * cluster.latency + profile.layers[stages[boundary].stop - 1].output_bytes / link
-        times.append(compute + messages)
-        mem = stage_memory(profile, span, s, candidate, m)
-        memory.append(mem)
-        grad_bytes = mem["weights"] / (2 if candidate.mode.double_buffered else 1)  # one gradient buffer's bytes
-        shared_sum = sum(
-            2 * n * profile.weight_bytes / cluster.intra_node_bandwidth
-            for a, b, n in profile.shared
-            if (a in span) != (b in span) and (a in span or b in span)
-        )
-        optimizer = sum(p.optimizer_s for p in layers) * candidate.optimizer_share
-        replicas = allreduce_time(grad_bytes, candidate, cluster)
-        # sharded: the owners' new weights to every replica after the step (an all-gather: half an all-reduce's
-        # bytes), before the next forward reads them
-        gather = replicas / 2 if candidate.optimizer_share < 1 else 0.0
-        if candidate.options.shard_gradients and candidate.optimizer_share < 1:
-            replicas /= 2  # each part reduced to its owner alone: a reduce-scatter's bytes, half an all-reduce's
-        if candidate.mode.double_buffered:  # beside the next batch: the replica average overlaps the last backward and
-            # the next forward, the tied sum a whole partial step; the optimizer's work stays on the device
-            updates.append(optimizer + gather + max(0.0, replicas - compute - messages))
-        else:
-            updates.append(replicas + shared_sum + optimizer + gather)
-    slowest = max(times)
-    if candidate.mode.double_buffered:
-        pipeline = m * slowest + norm_wait(d, m, slowest)
-    else:
-        pipeline = (m - 1) * slowest + sum(times)
-    update = max(updates)
+        forward, backward = compute_time(profile, candidate, s, span)
+        inward = message_time(profile, candidate, cluster, stages, s - 1) if s > 0 else 0.0
+        times.append(forward + backward + inward + message_time(profile, candidate, cluster, stages, s))
+        memory.append(stage_memory(profile, span, s, candidate, m))
+    clock = timing(profile, candidate, cluster, stages, m)
+    update = max(e + b for e, b in zip(clock.exposed, clock.update_compute))
     return Prediction(
         candidate,
         m,
         tuple(stages),
         tuple(times),
         update,
-        pipeline + update,
+        clock.step_time,
         tuple(memory),
         samples_per_batch=global_batch,
     )

@@ -1,0 +1,108 @@
+"""What the planner weighs: a model's profile (``ModelProfile``: its layers' times and bytes, what they share) and
+one configuration of a run (``Candidate``: width, depth, microbatch size and recomputation, with the run's options).
+``cost.py`` predicts a candidate's memory and, through ``timing.py``, its time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..engine.layout import Mode
+from ..engine.options import PipelineOptions, recomputed_layers
+from .profile import LayerProfile
+
+MiB = 1 << 20
+# NCCL's own device buffers per communicator: NCCL_BUFFSIZE (4 MiB) for each direction of each of its channels,
+# allocated when the communicator is first used. 64 MiB is an estimate (8 channels x 2 x 4 MiB), to be checked
+# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: docs/gpus.md).
+NCCL_BYTES_PER_COMMUNICATOR = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The layers' profiles at one microbatch size, and what the layers share."""
+
+    layers: Sequence[LayerProfile]
+    weight_bytes: int = 4  # per parameter of the weights the optimizer steps (and of the gradients)
+    optimizer_states: float = 2  # weight-sized state tensors per parameter (AdamW 2, SGD with momentum 1)
+    shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
+    output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
+    communicator_bytes: float = NCCL_BYTES_PER_COMMUNICATOR  # per communicator (0: gloo, on a CPU)
+    # per layer, where optimizers differ by layer (Muon: 1 state for the blocks' matrices, AdamW's 2 for the rest)
+    layer_states: tuple[float, ...] = ()
+    # weight-sized temporaries of one optimizer step: 1 for foreach AdamW (the CPU), 0 for fused AdamW (CUDA),
+    # Muon (one matrix at a time) and SGD; None: 1 for a two-state optimizer
+    optimizer_temporaries: float | None = None
+    # mixed-precision weights (PipelineOptions.weight_dtype): bytes per parameter of each weight version, held apart
+    # from the weights the optimizer steps (one float32 master); None: the versions are those weights
+    version_bytes: int | None = None
+    # per layer, the bytes of its sparsity masks (one bool per targeted weight; none without sparsity)
+    layer_masks: tuple[float, ...] = ()
+
+    def states_of(self, span: range) -> float | None:
+        """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
+        if not self.layer_states:
+            return None
+        params = sum(self.layers[i].parameters for i in span)
+        return sum(self.layers[i].parameters * self.layer_states[i] for i in span) / params if params else 0.0
+
+    @property
+    def temporaries(self) -> float:
+        if self.optimizer_temporaries is not None:
+            return self.optimizer_temporaries
+        return 1.0 if self.optimizer_states == 2 else 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner weighs: width, depth, microbatch size and recomputation (the dimensions it
+    searches) for the run ``options`` describes, kept whole (its mode, lookahead, delay correction, sharding and
+    dtypes; ``Candidate.of``)."""
+
+    width: int
+    depth: int
+    micro_batch_size: int
+    recompute: bool | tuple[int, ...]  # all, none, or per stage its first layers (``PipelineOptions.recompute``)
+    options: PipelineOptions = PipelineOptions(delay_correction=None)
+
+    def recomputed(self, stage: int, span: range) -> range:
+        """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""
+        return range(span.start, span.start + recomputed_layers(self.recompute, stage, len(span)))
+
+    @classmethod
+    def of(
+        cls,
+        options: PipelineOptions,
+        width: int,
+        depth: int,
+        micro_batch_size: int,
+        recompute: bool | tuple[int, ...] | None = None,
+    ) -> Candidate:
+        """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
+        of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
+        recompute = options.recompute if recompute is None else recompute
+        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None, plan=None, global_batch_size=None)
+        return cls(width, depth, micro_batch_size, recompute, options.replace(**layout, recompute=recompute))
+
+    @property
+    def mode(self) -> Mode:
+        return Mode(self.options.mode)
+
+    @property
+    def lookahead(self) -> int:
+        """More forwards in flight on every stage (the strategy's ``lookahead``)."""
+        return self.options.lookahead
+
+    @property
+    def optimizer_share(self) -> float:
+        """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
+        ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
+        return 1 / self.width if self.options.shard_optimizer and self.width > 1 else 1.0
+
+    @property
+    def delay_correction(self) -> str | None:
+        """2BW's correction (``engine/delay_correction.py``): its buffers of weights."""
+        return self.options.delay_correction if self.mode.double_buffered else None
+
+    def num_microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.width * self.micro_batch_size)

@@ -1,0 +1,334 @@
+"""The planner's clock: the engine's own per-stage action lists, timed.
+
+``simulate`` lowers what every stage of one pipeline replica executes for a few training steps into timed
+operations and runs them: ``schedule.segment`` of each step (and its fused receives, ``schedule.fuse_receives``),
+the update's parts with the collectives each declares (``update_build.collectives``: what ``verify/comm_plan.py``
+lowers for the NCCL model), and the strategy's per step: the SIGTERM flag over the world and the loss broadcast it
+waits for (``lightning/preemption.py``, ``LOSS``). Dependencies are the engine's:
+
+- an operation starts when the one before it on its stage is done (compute: a forward, a backward with its
+  recomputation, the optimizer's step, the gradients read for the norm and the flags);
+- a message travels once it is sent and its receive is posted (at the receive, or earlier at the send it is
+  batched with), one at a time per link and direction, in ``latency + bytes / bandwidth``; a receive waits for it;
+  a drain (``WAIT_SENDS``) waits for every message its stage sent;
+- a collective starts when every member has issued it and the one before it on its communicator is done; a part
+  that waits for it blocks its stage until it ends. Replicas run alike, so a replica group's collective starts as
+  soon as its stage issues it.
+
+The step time is the steady state's (2BW: after its first two steps); ``exposed`` is, per stage, the time a step
+spends blocked on the update's collectives. Costs come from ``cost.py`` (``StageCosts``); the simulator knows no
+formula of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..engine import schedule as S
+from ..engine.layout import Layout
+from ..engine.update import Collective, UpdateShape
+from ..engine.update_build import choose_parts, collectives
+
+COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds of one stage's work: per microbatch its forward, its backward (with any recomputation) and one
+    boundary message to the next stage (latency + bytes / link; the gradient back is as large); per update the
+    optimizer's step and one read of the gradients (the norm, the non-finite flags); ``shape``: its update."""
+
+    forward: float
+    backward: float
+    send: float = 0.0
+    step: float = 0.0
+    read_gradients: float = 0.0
+    shape: UpdateShape = UpdateShape(double_buffered=True)
+
+
+@dataclass(frozen=True)
+class Timing:
+    step_time: float  # seconds per training step, steady state, the slowest stage's
+    exposed: tuple[float, ...]  # per stage: seconds per step blocked on the update's collectives
+    busy: tuple[float, ...]  # per stage: seconds per step of compute
+    update_compute: tuple[float, ...] = ()  # per stage: seconds per step of the update's compute (step, reads)
+
+
+def _reads(costs: StageCosts) -> float:
+    return costs.read_gradients
+
+
+# the update's parts that compute on the device, where, and how long (``update_parts.py``, ``stepper.py``)
+PART_COMPUTE: dict[str, tuple[S.Kind, Callable[[StageCosts], float]]] = {
+    "StopOnNonFinite": (S.CHECK, _reads),  # one flag per gradient
+    "SkipNonFinite": (S.CHECK, _reads),
+    "GlobalNormClip": (S.NORM, _reads),  # the squared norm
+    "StageNormClip": (S.CLIP, _reads),
+    "ClipByValue": (S.CLIP, _reads),
+    "Stepper": (S.STEP, lambda costs: costs.step),
+}
+
+
+class _Lowering:
+    """One stage's timed operations: ``(op, *arguments)`` tuples in the stage's order."""
+
+    def __init__(self, layout: Layout, stage: int, costs: Sequence[StageCosts], cost_of: CollectiveCost) -> None:
+        self.layout, self.stage, self.costs, self.cost_of = layout, stage, costs, cost_of
+        self.mine = costs[stage]
+        self.parts = collectives(self.mine.shape)
+        self.ops: list[tuple] = []
+        self.issued: dict[str, int] = {}  # channel -> collectives issued on it so far
+        self.inflight: dict[tuple[int, Collective], list[tuple[str, int]]] = {}
+        self.backwards: dict[int, int] = {}
+        self.loss: dict[int, tuple[str, int]] = {}
+
+    def issue(self, channel: str, members: tuple[int, ...], seconds: float) -> tuple[str, int]:
+        number = self.issued.get(channel, 0)
+        self.issued[channel] = number + 1
+        self.ops.append((ISSUE, channel, number, members, seconds))
+        return channel, number
+
+    def wait(self, handle: tuple[str, int], update: bool = False) -> None:
+        self.ops.append((WAIT, *handle, update))
+
+    def group(self, name: str) -> tuple[str, tuple[int, ...]]:
+        d, s = self.layout.num_stages, self.stage
+        return {
+            "replica": (f"replica{s}", (s,)),
+            "shard": (f"shard{s}", (s,)),
+            "pipeline": ("pipeline", tuple(range(d))),
+            "tied": ("tied", (0, d - 1)),
+        }[name]
+
+    def update(self, kind: S.Kind, batch: int) -> None:
+        """The update's parts at ``kind`` (``verify/comm_plan.py``'s ``RankProgram.update``, timed): each part waits
+        for what it launched before, computes, then issues its collectives."""
+        for part, declared in self.parts:
+            for collective in declared:
+                if collective.waited == kind:
+                    for handle in self.inflight.pop((batch, collective)):
+                        self.wait(handle, update=True)
+            if PART_COMPUTE.get(part.__name__, (None,))[0] == kind:
+                self.ops.append((COMPUTE, PART_COMPUTE[part.__name__][1](self.mine)))
+            for collective in declared:
+                if collective.issued == kind:
+                    channel, members = self.group(collective.group)
+                    seconds = self.cost_of(self.stage, collective)
+                    handles = [self.issue(channel, members, seconds) for _ in range(collective.repeat)]
+                    if collective.waited is None:
+                        for handle in handles:
+                            self.wait(handle, update=True)
+                    else:
+                        self.inflight[(batch, collective)] = handles
+
+    def segment(self, actions: list[S.Action]) -> None:
+        s, d = self.stage, self.layout.num_stages
+        fused = S.fuse_receives(actions)
+        for index, action in enumerate(actions):
+            kind, micro = action.kind, action.microbatch
+            if kind == S.FORWARD:
+                self.ops.append((COMPUTE, self.mine.forward))
+            elif kind == S.BACKWARD:
+                self.ops.append((COMPUTE, self.mine.backward))
+                done = self.backwards.pop(action.batch, 0) + 1
+                if done < self.layout.num_microbatches:
+                    self.backwards[action.batch] = done
+                else:
+                    self.update(S.BACKWARD, action.batch)
+            elif kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
+                forward = kind == S.SEND_FORWARD
+                peer = s + 1 if forward else s - 1
+                seconds = self.mine.send if forward else self.costs[peer].send
+                self.ops.append((SEND, (s, peer), (s, kind, micro), seconds))
+                if index in fused:  # the receive batched with this send is posted now
+                    received = fused[index]
+                    sender = S.SEND_FORWARD if received.kind == S.RECV_FORWARD else S.SEND_BACKWARD
+                    self.ops.append((POST, (peer, sender, received.microbatch)))
+            elif kind == S.RECV_FORWARD:
+                self.ops.append((RECV, (s - 1, S.SEND_FORWARD, micro)))
+            elif kind == S.RECV_BACKWARD:
+                self.ops.append((RECV, (s + 1, S.SEND_BACKWARD, micro)))
+            elif kind == S.WAIT_SENDS:
+                self.ops.append((WAIT_SENDS,))
+            elif kind == S.LOSS:
+                self.loss[action.batch] = self.issue("loss", tuple(range(d)), 0.0)  # a scalar: its latency
+            else:
+                self.update(kind, action.batch)
+
+    def take_loss(self, batch: int) -> None:
+        if batch in self.loss:
+            self.wait(self.loss.pop(batch))
+
+
+CollectiveCost = Callable[[int, Collective], float]  # (stage, declared collective) -> seconds of one issue
+
+
+def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int) -> list[list[tuple]]:
+    """Every stage's timed operations for ``steps`` training steps, as the strategy drives them."""
+    programs = []
+    for stage in range(layout.num_stages):
+        lowering = _Lowering(layout, stage, costs, cost_of)
+        sigterm = None
+        for step in range(steps):
+            if sigterm is not None:
+                lowering.wait(sigterm)
+            sigterm = lowering.issue("world", tuple(range(layout.num_stages)), 0.0)
+            lowering.segment(S.segment(layout, stage, step))
+            if layout.mode.double_buffered:
+                lowering.take_loss(step - 1)
+            else:
+                lowering.ops.append((WAIT_SENDS,))
+                lowering.take_loss(step)
+            lowering.ops.append((MARK, step))
+        programs.append(lowering.ops)
+    return programs
+
+
+class Stuck(RuntimeError):
+    """No stage can go on: the lowering waits for something no stage issues (a bug in the lowering)."""
+
+
+def run(programs: list[list[tuple]]) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """Run the stages' operations; per stage, the time at each step's end, and per step the time blocked on the
+    update's collectives and the compute."""
+    d = len(programs)
+    clock = [0.0] * d
+    at = [0] * d
+    marks: list[list[float]] = [[] for _ in range(d)]
+    exposed: list[list[float]] = [[0.0] for _ in range(d)]
+    busy: list[list[float]] = [[0.0] for _ in range(d)]
+    sent: dict[tuple, tuple[float, float]] = {}  # message -> (sent at, seconds on the link)
+    posted: dict[tuple, float] = {}
+    arrived: dict[tuple, float] = {}
+    links: dict[tuple[int, int], list[tuple]] = {}  # link -> its messages in send order
+    link_done: dict[tuple[int, int], int] = {}  # link -> messages delivered so far
+    link_free: dict[tuple[int, int], float] = {}
+    mine: list[list[tuple]] = [[] for _ in range(d)]  # each stage's messages sent
+    issues: dict[tuple[str, int], dict[int, tuple[float, float]]] = {}  # collective -> member -> (issued, seconds)
+    members_of: dict[tuple[str, int], tuple[int, ...]] = {}
+    ended: dict[str, list[float]] = {}  # channel -> the end of each collective on it, in issue order
+
+    def deliver(link: tuple[int, int]) -> None:
+        queue, done = links.get(link, []), link_done.get(link, 0)
+        while done < len(queue) and queue[done] in posted:
+            message = queue[done]
+            at_, seconds = sent[message]
+            arrived[message] = max(at_, posted[message], link_free.get(link, 0.0)) + seconds
+            link_free[link] = arrived[message]
+            done += 1
+        link_done[link] = done
+
+    def end_of(handle: tuple[str, int]) -> float | None:
+        """When collective ``handle`` ends, once it and every one before it on its communicator can be timed."""
+        channel, number = handle
+        while ended.get(channel, ()).__len__() <= number:
+            done = ended.setdefault(channel, [])
+            members, issued = members_of.get((channel, len(done))), issues.get((channel, len(done)), {})
+            if members is None or len(issued) < len(members):
+                return None
+            previous = done[-1] if done else 0.0
+            done.append(max(previous, *(t for t, _ in issued.values())) + max(s for _, s in issued.values()))
+        return ended[channel][number]
+
+    def step(stage: int, op: tuple) -> bool:
+        t = clock[stage]
+        code = op[0]
+        if code == COMPUTE:
+            clock[stage] = t + op[1]
+            busy[stage][-1] += op[1]
+        elif code == SEND:
+            _, link, message, seconds = op
+            sent[message] = (t, seconds)
+            links.setdefault(link, []).append(message)
+            mine[stage].append(message)
+            deliver(link)
+        elif code == POST:
+            posted.setdefault(op[1], t)
+            deliver((op[1][0], stage))
+        elif code == RECV:
+            message = op[1]
+            posted.setdefault(message, t)
+            if message in sent:
+                deliver((message[0], stage))
+            if message not in arrived:
+                return False
+            clock[stage] = max(t, arrived[message])
+        elif code == WAIT_SENDS:
+            if any(message not in arrived for message in mine[stage]):
+                return False
+            clock[stage] = max([t, *(arrived[m] for m in mine[stage])])
+            mine[stage].clear()
+        elif code == ISSUE:
+            _, channel, number, members, seconds = op
+            handle = (channel, number)
+            members_of[handle] = members
+            issues.setdefault(handle, {})[stage] = (t, seconds)
+        elif code == WAIT:
+            end = end_of((op[1], op[2]))
+            if end is None:
+                return False
+            clock[stage] = max(t, end)
+            if op[3]:
+                exposed[stage][-1] += clock[stage] - t
+        elif code == MARK:
+            marks[stage].append(t)
+            exposed[stage].append(0.0)
+            busy[stage].append(0.0)
+        return True
+
+    while any(at[s] < len(programs[s]) for s in range(d)):
+        progressed = False
+        for stage in range(d):
+            program = programs[stage]
+            while at[stage] < len(program) and step(stage, program[at[stage]]):
+                at[stage] += 1
+                progressed = True
+        if not progressed:
+            waiting = {s: programs[s][at[s]] for s in range(d) if at[s] < len(programs[s])}
+            raise Stuck(f"no stage can go on; each waits at {waiting}")
+    return marks, exposed, busy
+
+
+SIMULATED_MICROBATCHES = 32  # per stage and more: beyond, the steady state's period is added per microbatch
+
+
+def simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int | None = None) -> Timing:
+    """The steady-state step of ``layout`` with ``costs`` per stage (``cost_of``: seconds of one declared
+    collective of a stage). 2BW's first two steps fill the pipeline and are left out; flush's steps are all alike.
+
+    Beyond ``max(2 d, SIMULATED_MICROBATCHES)`` microbatches the batch is simulated at that many and each further
+    microbatch adds the steady state's period, the slowest stage's forward and backward (or its link's message,
+    where longer): 1F1B's steady state repeats it, and the update's collectives only gain cover with more
+    microbatches, so what was exposed at the simulated count is an upper bound."""
+    m, d = layout.num_microbatches, layout.num_stages
+    simulated = max(2 * d, SIMULATED_MICROBATCHES)
+    if m <= simulated:
+        return _simulate(layout, costs, cost_of, steps)
+    timing = _simulate(dataclasses.replace(layout, num_microbatches=simulated), costs, cost_of, steps)
+    period = max(max(c.forward + c.backward, c.send) for c in costs)
+    extra = (m - simulated) * period
+    busy = tuple(b + (m - simulated) * (c.forward + c.backward) for b, c in zip(timing.busy, costs))
+    return dataclasses.replace(timing, step_time=timing.step_time + extra, busy=busy)
+
+
+def _simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int | None) -> Timing:
+    double = layout.mode.double_buffered
+    steps = steps or (4 if double else 1)
+    marks, exposed, busy = run(lower(layout, costs, cost_of, steps))
+    ends = [max(marks[s][k] for s in range(layout.num_stages)) for k in range(steps)]
+    first = 2 if double and steps > 3 else 0
+    start = ends[first - 1] if first else 0.0
+    counted = steps - first
+    per_step = (ends[-1] - start) / counted
+    update_compute = [
+        sum(PART_COMPUTE[part.__name__][1](c) for part in choose_parts(c.shape) if part.__name__ in PART_COMPUTE)
+        for c in costs
+    ]
+    return Timing(
+        per_step,
+        tuple(sum(e[first:steps]) / counted for e in exposed),
+        tuple(sum(b[first:steps]) / counted for b in busy),
+        tuple(update_compute),
+    )

@@ -1,0 +1,154 @@
+"""What each of the engine's actions costs on a cluster, and the step time of a candidate: the simulator
+(``simulate.py``) run over the engine's own action lists with these costs.
+
+Per stage: a forward and a backward per microbatch (with the recomputed layers' forward again), one boundary message
+each way per microbatch (latency + bytes over NVLink inside a server, or the server's network link shared by the
+stages on it), the optimizer's step over the weights this replica steps, and the gradients read once each for the
+non-finite flags and the clip norm (at the device's memory bandwidth). Per collective the update's parts declare
+(``update_parts.py``): the replica all-reduce of the gradients (ring, on the level of the topology the replicas
+span; split in ``gradients.BUCKET_BYTES`` buckets; with ``shard_gradients`` each bucket reduced to its owners, half
+the bytes), the tied parameters' replica average and their sum between the stages holding them, the scalar sums
+over the pipeline and the shard group, and the sharded optimizer's owners' broadcasts (an all-gather's bytes in
+all). The planner assumes the recipes' clipping by the global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..engine import schedule as S
+from ..engine.gradients import BUCKET_BYTES
+from ..engine.layout import Layout
+from ..engine.update import Collective, UpdateShape
+from .candidate import Candidate, ModelProfile
+from .hardware import ClusterSpec
+from .simulate import CollectiveCost, StageCosts, Timing, simulate
+
+RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
+
+
+def crosses_servers(candidate: Candidate, cluster: ClusterSpec, stage: int) -> bool:
+    """Does the boundary after ``stage`` join ranks on two servers? (pipelines are consecutive ranks)"""
+    per_node = cluster.devices_per_node
+    return any(
+        (r * candidate.depth + stage) // per_node != (r * candidate.depth + stage + 1) // per_node
+        for r in range(candidate.width)
+    )
+
+
+def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec) -> float:
+    """Ring all-reduce of one stage's gradients over its w replicas (ranks s, s+d, s+2d, ...).
+
+    Replicas on one server reduce over NVLink; across servers the ring's traffic goes through each
+    server's network link, which the stages on that server share (hierarchical all-reduce).
+    """
+    w = candidate.width
+    if w == 1:
+        return 0.0
+    per_node = cluster.devices_per_node
+    nodes = -(-w * candidate.depth // per_node)
+    if nodes == 1:
+        return 2 * (w - 1) / w * num_bytes / cluster.intra_node_bandwidth + 2 * (w - 1) * cluster.latency
+    local = max(1, per_node // candidate.depth)  # replicas of one stage per server
+    stages_per_node = min(candidate.depth, per_node)
+    intra = 2 * (local - 1) / local * num_bytes / cluster.intra_node_bandwidth if local > 1 else 0.0
+    span = -(-w // local)  # servers the ring crosses
+    inter = 2 * (span - 1) / span * num_bytes * stages_per_node / cluster.inter_node_bandwidth
+    return intra + inter + 2 * (w - 1) * cluster.latency
+
+
+def link_bandwidth(candidate: Candidate, cluster: ClusterSpec, boundary: int) -> float:
+    """Bytes/s of the link after stage ``boundary``: NVLink inside a server, else the server's network link shared
+    by the stages on it."""
+    if crosses_servers(candidate, cluster, boundary):
+        return cluster.inter_node_bandwidth / min(candidate.depth, cluster.devices_per_node)
+    return cluster.intra_node_bandwidth
+
+
+def compute_time(profile: ModelProfile, candidate: Candidate, stage: int, span: range) -> tuple[float, float]:
+    """(forward, backward with recomputation) of one microbatch on ``stage``."""
+    forward = sum(profile.layers[i].forward_s for i in span)
+    again = sum(profile.layers[i].forward_s for i in candidate.recomputed(stage, span))
+    return forward, sum(profile.layers[i].backward_s for i in span) + RECOMPUTE_FACTOR * again
+
+
+def message_time(
+    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], s: int
+) -> float:
+    """One boundary message from stage ``s`` to ``s + 1`` (its output; the gradient back is as large)."""
+    if s >= candidate.depth - 1:
+        return 0.0
+    output = profile.layers[stages[s].stop - 1].output_bytes
+    return cluster.latency + output / link_bandwidth(candidate, cluster, s)
+
+
+def tied_parameters(profile: ModelProfile, span: range) -> int:
+    """Parameters of ``span`` another stage holds too (a tied embedding)."""
+    return sum(n for a, b, n in profile.shared if (a in span) != (b in span) and (a in span or b in span))
+
+
+def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> UpdateShape:
+    """The update of a stage holding ``span`` in ``candidate`` (``update_build.choose_parts`` reads it)."""
+    options, width = candidate.options, candidate.width
+    replicated = (
+        sum(profile.layers[i].parameters for i in span) - tied_parameters(profile, span)
+    ) * profile.weight_bytes
+    sharded_optimizer = options.shard_optimizer and width > 1
+    return UpdateShape(
+        candidate.mode.double_buffered,
+        width,
+        buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),
+        tied=tied_parameters(profile, span) > 0,
+        sharded=options.shard_gradients and sharded_optimizer,
+        shard_optimizer=sharded_optimizer,
+        on_nonfinite=options.on_nonfinite,
+        clip=options.clip_mode,  # the recipes clip by the norm
+    )
+
+
+def collective_cost(
+    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range]
+) -> CollectiveCost:
+    """Seconds of one issue of each collective a stage's update declares."""
+
+    def cost(stage: int, collective: Collective) -> float:
+        span = stages[stage]
+        shape = update_shape(profile, candidate, span)
+        params = sum(profile.layers[i].parameters for i in span)
+        tied = tied_parameters(profile, span) * profile.weight_bytes
+        replicated = (params * profile.weight_bytes - tied) / max(1, shape.buckets)
+        if collective.group == "replica" and collective.issued == S.BACKWARD:  # one bucket (or an owner's part)
+            whole = allreduce_time(replicated, candidate, cluster)
+            return whole / 2 / shape.width if collective.op == "reduce" else whole
+        if collective.group == "replica":  # the tied parameters' replica average
+            return allreduce_time(tied, candidate, cluster)
+        if collective.group == "tied":  # between the first and the last stage
+            return cluster.latency + tied / link_bandwidth(candidate, cluster, candidate.depth - 1 if stage else 0)
+        if collective.op == "broadcast":  # one owner's new weights to every replica
+            return allreduce_time(params * profile.weight_bytes, candidate, cluster) / 2 / shape.width
+        return 2 * cluster.latency  # a scalar: a flag, a norm
+
+    return cost
+
+
+def timing(
+    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], num_microbatches: int
+) -> Timing:
+    """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions."""
+    costs, bandwidth = [], cluster.device.memory_bandwidth  # 0: unknown (a CPU), the reads not counted
+    for s, span in enumerate(stages):
+        forward, backward = compute_time(profile, candidate, s, span)
+        params = sum(profile.layers[i].parameters for i in span)
+        costs.append(
+            StageCosts(
+                forward,
+                backward,
+                send=message_time(profile, candidate, cluster, stages, s),
+                step=sum(profile.layers[i].optimizer_s for i in span) * candidate.optimizer_share,
+                read_gradients=params * profile.weight_bytes / bandwidth if bandwidth else 0.0,
+                shape=update_shape(profile, candidate, span),
+            )
+        )
+    layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)
+    return simulate(layout, costs, collective_cost(profile, candidate, cluster, stages))
