@@ -2,7 +2,7 @@
 
     python benchmarks/planner_accuracy.py
 
-Each configuration runs ``benchmarks/planner_run.py`` under torchrun (2 CPU processes, one thread
+Each configuration runs ``benchmarks/planner_run.py`` (``REPEATS`` times, interleaved, medians reported) under torchrun (2 CPU processes, one thread
 each): the planner's measured profile and link timings give the prediction, then pd2bw trains the
 same configuration and is timed (steady-state steps) and its resident-memory growth per rank read.
 Prints the table, whether the planner's ranking equals the measured one, and the largest errors.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,14 +50,23 @@ def run(config: tuple, out: Path) -> list[dict]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
+REPEATS = 2  # every configuration run this many times, interleaved; the medians are reported
+
+
 def main() -> None:
-    rows = []
+    runs: dict[int, list[tuple[float, float, dict]]] = {i: [] for i in range(len(CONFIGS))}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, config in enumerate(CONFIGS):
-            ranks = run(config, Path(tmp) / str(i))
-            zero = ranks[0]
-            memory = {r["stage"]: (zero["predicted_memory"][r["stage"]], r["measured_memory"]) for r in ranks}
-            rows.append((config, zero["predicted_samples_per_sec"], zero["measured_samples_per_sec"], memory))
+        for repeat in range(REPEATS):
+            for i, config in enumerate(CONFIGS):
+                ranks = run(config, Path(tmp) / f"{i}-{repeat}")
+                zero = ranks[0]
+                memory = {r["stage"]: (zero["predicted_memory"][r["stage"]], r["measured_memory"]) for r in ranks}
+                runs[i].append((zero["predicted_samples_per_sec"], zero["measured_samples_per_sec"], memory))
+    rows = []
+    for i, config in enumerate(CONFIGS):
+        predicted = statistics.median(p for p, _, _ in runs[i])
+        measured = statistics.median(m for _, m, _ in runs[i])
+        rows.append((config, predicted, measured, runs[i][-1][2]))
     print(
         f"{'width':>5} {'depth':>5} {'micro':>5} {'recompute':>9} {'mode':>5} {'clip':>4} | {'predicted':>9} "
         f"{'measured':>9} "

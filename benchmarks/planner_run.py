@@ -130,7 +130,7 @@ def measured_profile(micro: int, data: LMDataset, repeats: int = 5) -> ModelProf
         loss_fn=lambda output: model.pipeline_loss(output, batch),
         repeats=repeats,
     )
-    return ModelProfile(profiles, 4, 2, shared_layers(layers))
+    return ModelProfile(profiles, 4, 2, shared_layers(layers), communicator_bytes=0.0)  # gloo: no NCCL buffers
 
 
 def planned_cut(candidate: Candidate, m: int, data: LMDataset) -> list[range]:

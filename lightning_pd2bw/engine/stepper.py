@@ -47,7 +47,7 @@ class Stepper(UpdatePart):
     def collectives(shape: UpdateShape) -> list[Collective]:
         """The sharded optimizer: one broadcast per owner, replica 0's first (``OptimizerShards.broadcast_weights``;
         an owner with no tensor skips its own everywhere, so a stage with fewer tensors than replicas has fewer)."""
-        if not shape.shard_optimizer:
+        if not shape.owners_broadcast:
             return []
         return [Collective("broadcast", "shard", f"weights of {owner}", S.STEP) for owner in range(shape.width)]
 

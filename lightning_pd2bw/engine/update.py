@@ -92,8 +92,8 @@ class UpdateShape:
     buckets: int = 0  # replicated gradient buckets (0: no reducer)
     tied: bool = False  # this stage holds a parameter another stage holds too
     sharded: bool = False  # shard_gradients in effect: each bucket's owners' parts reduced to them
-    shard_optimizer: bool = False  # width > 1 and the optimizer sharded: owners broadcast their weights after STEP
-    on_nonfinite: str = "stop"  # "stop" or "skip"
+    owners_broadcast: bool = False  # width > 1, the optimizer sharded: each owner broadcasts its weights after STEP
+    nonfinite: str = "stop"  # the non-finite policy: "stop" or "skip"
     hooks: bool = True  # before-step hooks (Lightning: on_before_optimizer_step)
     clip: str | None = None  # None, "value", "stage" (this stage's norm) or "global" (the pipeline's norm)
 

@@ -41,7 +41,7 @@ def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
         parts.append(BucketReducer)
     if shape.tied:
         parts.append(TiedSums)
-    parts.append(StopOnNonFinite if shape.on_nonfinite == "stop" else SkipNonFinite)
+    parts.append(StopOnNonFinite if shape.nonfinite == "stop" else SkipNonFinite)
     if shape.hooks:
         parts.append(BeforeStepHooks)
     clippers = {"value": ClipByValue, "global": GlobalNormClip, "stage": StageNormClip}
@@ -94,8 +94,8 @@ def build_update(
         buckets=0 if buckets is None else buckets.num_buckets,
         tied=bool(shared),
         sharded=sharded,
-        shard_optimizer=shards is not None,
-        on_nonfinite=options.on_nonfinite,
+        owners_broadcast=shards is not None,
+        nonfinite=options.on_nonfinite,
         hooks=before_step is not None,
         clip=clip,
     )

@@ -59,11 +59,17 @@ def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec)
 
 
 def link_bandwidth(candidate: Candidate, cluster: ClusterSpec, boundary: int) -> float:
-    """Bytes/s of the link after stage ``boundary``: NVLink inside a server, else the server's network link shared
-    by the stages on it."""
-    if crosses_servers(candidate, cluster, boundary):
-        return cluster.inter_node_bandwidth / min(candidate.depth, cluster.devices_per_node)
-    return cluster.intra_node_bandwidth
+    """Bytes/s of the link after stage ``boundary``: NVLink inside a server, else the server's network link, shared
+    by every pipeline boundary that leaves the same server (pipelines are consecutive ranks: a pipeline deeper than a
+    server leaves each of its servers once)."""
+    if not crosses_servers(candidate, cluster, boundary):
+        return cluster.intra_node_bandwidth
+    per_node, depth = cluster.devices_per_node, candidate.depth
+    node_of = lambda rank: rank // per_node  # noqa: E731
+    leaving = [(r * depth + s) for r in range(candidate.width) for s in range(depth - 1)]
+    leaving = [rank for rank in leaving if node_of(rank) != node_of(rank + 1)]
+    node = next(node_of(rank) for rank in leaving if rank % depth == boundary)
+    return cluster.inter_node_bandwidth / sum(node_of(rank) == node for rank in leaving)
 
 
 def compute_time(profile: ModelProfile, candidate: Candidate, stage: int, span: range) -> tuple[float, float]:
@@ -101,8 +107,8 @@ def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> Up
         buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),
         tied=tied_parameters(profile, span) > 0,
         sharded=options.shard_gradients and sharded_optimizer,
-        shard_optimizer=sharded_optimizer,
-        on_nonfinite=options.on_nonfinite,
+        owners_broadcast=sharded_optimizer,
+        nonfinite=options.on_nonfinite,
         clip=options.clip_mode,  # the recipes clip by the norm
     )
 
@@ -124,7 +130,10 @@ def collective_cost(
         if collective.group == "replica":  # the tied parameters' replica average
             return allreduce_time(tied, candidate, cluster)
         if collective.group == "tied":  # between the first and the last stage
-            return cluster.latency + tied / link_bandwidth(candidate, cluster, candidate.depth - 1 if stage else 0)
+            same_server = (candidate.depth - 1) // cluster.devices_per_node == 0
+            return cluster.latency + tied / (
+                cluster.intra_node_bandwidth if same_server else cluster.inter_node_bandwidth
+            )
         if collective.op == "broadcast":  # one owner's new weights to every replica
             return allreduce_time(params * profile.weight_bytes, candidate, cluster) / 2 / shape.width
         return 2 * cluster.latency  # a scalar: a flag, a norm

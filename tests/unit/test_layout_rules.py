@@ -190,7 +190,7 @@ VIEWS = {  # where an option's name is also declared, and why: each a resolved o
     "comm_plan.py:CommLayout": "the NCCL model's hypothetical run (layout sweeps without options)",
     "checks.py:RunLayout": "pd2bw-train's batch layout derived from the config (global, micro and per-replica batches)",
     "cost.py:Prediction": "the planner's output: the microbatches it chose",
-    "cost.py:Candidate": "the dimension the planner searches (recompute); the rest come from its options",
+    "candidate.py:Candidate": "the dimension the planner searches (recompute); the rest come from its options",
     "grid.py:ProcessGrid": "the process grid's geometry (world = depth x width)",
     "callbacks.py:RunMetrics.__init__": "the throughput callback's samples per step, given by pd2bw-train",
     "resilience.py:Resilience.__init__": "the strategy's failure and hang listeners, given the resolved timeouts",

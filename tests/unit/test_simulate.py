@@ -74,7 +74,7 @@ def test_the_global_clip_norm_waits_for_the_last_stage():
 
 def test_the_lowering_issues_what_the_update_declares():
     """Every stage's timed program issues each declared collective once per batch and waits for each issue."""
-    shape = UpdateShape(True, 2, buckets=3, tied=True, sharded=True, shard_optimizer=True, on_nonfinite="skip",
+    shape = UpdateShape(True, 2, buckets=3, tied=True, sharded=True, owners_broadcast=True, nonfinite="skip",
                         clip="global")  # fmt: skip
     costs = [StageCosts(1.0, 2.0, shape=shape)] * 2
     programs = lower(Layout(2, 2, "2bw"), costs, free, steps=4)

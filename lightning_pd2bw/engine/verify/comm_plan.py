@@ -179,8 +179,8 @@ class RankProgram:
             buckets=layout.gradient_buckets,
             tied=self._shared(),
             sharded=layout.shard_gradients and layout.shard_optimizer and width > 1,
-            shard_optimizer=layout.shard_optimizer and width > 1,
-            on_nonfinite="skip" if layout.skip_nonfinite else "stop",
+            owners_broadcast=layout.shard_optimizer and width > 1,
+            nonfinite="skip" if layout.skip_nonfinite else "stop",
             clip=layout.clip,
         )
 
