@@ -38,7 +38,9 @@ COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
 class StageCosts:
     """Seconds of one stage's work: per microbatch its forward, its backward (with any recomputation) and one
     boundary message to the next stage (latency + bytes / link; the gradient back is as large); per update the
-    optimizer's step and one read of the gradients (the norm, the non-finite flags); ``shape``: its update."""
+    optimizer's step and one read of the gradients (the norm, the non-finite flags); ``shape``: its update; the
+    host's work per action and per step (0 for the planner, which plans devices; measured where a run is replayed:
+    ``benchmarks/simulator_check.py``)."""
 
     forward: float
     backward: float
@@ -46,6 +48,8 @@ class StageCosts:
     step: float = 0.0
     read_gradients: float = 0.0
     shape: UpdateShape = UpdateShape(double_buffered=True)
+    dispatch: float = 0.0  # the host's work per action (the executor's dispatch, a kernel launch's share)
+    per_step: float = 0.0  # the host's work between two steps (the training loop's, outside the actions)
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,8 @@ class _Lowering:
         fused = S.fuse_receives(actions)
         for index, action in enumerate(actions):
             kind, micro = action.kind, action.microbatch
+            if self.mine.dispatch:
+                self.ops.append((COMPUTE, self.mine.dispatch))
             if kind == S.FORWARD:
                 self.ops.append((COMPUTE, self.mine.forward))
             elif kind == S.BACKWARD:
@@ -175,6 +181,8 @@ def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, 
             if sigterm is not None:
                 lowering.wait(sigterm)
             sigterm = lowering.issue("world", tuple(range(layout.num_stages)), 0.0)
+            if costs[stage].per_step:
+                lowering.ops.append((COMPUTE, costs[stage].per_step))
             lowering.segment(S.segment(layout, stage, step))
             if layout.mode.double_buffered:
                 lowering.take_loss(step - 1)
