@@ -4,12 +4,13 @@ one line in ``choose_parts`` and one in ``build_update``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import schedule as S
 from .build import TiedParameter
 from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets, release
@@ -54,6 +55,26 @@ def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
 def collectives(shape: UpdateShape) -> list[tuple[type[UpdatePart], list[Collective]]]:
     """Each part of ``shape``'s update with the collectives it declares (what ``verify/comm_plan.py`` lowers)."""
     return [(part, part.collectives(shape)) for part in choose_parts(shape)]
+
+
+WAIT, RUN, ISSUE = "wait", "run", "issue"
+
+
+def at_action(
+    parts: Sequence[tuple[type[UpdatePart], list[Collective]]], kind: S.Kind
+) -> Iterator[tuple[str, type[UpdatePart], Collective | None]]:
+    """What the update does at ``kind``, in the engine's order (the lowering the NCCL model and the planner's
+    simulator both read): part by part, each part first waits for the collectives it launched before (``WAIT``),
+    then runs its handler's own work (``RUN``), then issues its collectives (``ISSUE``; waited as issued where
+    ``waited`` is None)."""
+    for part, declared in parts:
+        for collective in declared:
+            if collective.waited == kind and collective.issued != kind:
+                yield WAIT, part, collective
+        yield RUN, part, None
+        for collective in declared:
+            if collective.issued == kind:
+                yield ISSUE, part, collective
 
 
 def build_update(

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine import schedule as S
+from ..engine import update_build as U
 from ..engine.layout import Layout
 from ..engine.update import Collective, UpdateShape
-from ..engine.update_build import choose_parts, collectives
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
 
@@ -81,7 +81,7 @@ class _Lowering:
     def __init__(self, layout: Layout, stage: int, costs: Sequence[StageCosts], cost_of: CollectiveCost) -> None:
         self.layout, self.stage, self.costs, self.cost_of = layout, stage, costs, cost_of
         self.mine = costs[stage]
-        self.parts = collectives(self.mine.shape)
+        self.parts = U.collectives(self.mine.shape)
         self.ops: list[tuple] = []
         self.issued: dict[str, int] = {}  # channel -> collectives issued on it so far
         self.inflight: dict[tuple[int, Collective], list[tuple[str, int]]] = {}
@@ -109,23 +109,21 @@ class _Lowering:
     def update(self, kind: S.Kind, batch: int) -> None:
         """The update's parts at ``kind`` (``verify/comm_plan.py``'s ``RankProgram.update``, timed): each part waits
         for what it launched before, computes, then issues its collectives."""
-        for part, declared in self.parts:
-            for collective in declared:
-                if collective.waited == kind:
-                    for handle in self.inflight.pop((batch, collective)):
-                        self.wait(handle, update=True)
-            if PART_COMPUTE.get(part.__name__, (None,))[0] == kind:
+        for step, part, collective in U.at_action(self.parts, kind):
+            if step == U.WAIT:
+                for handle in self.inflight.pop((batch, collective)):
+                    self.wait(handle, update=True)
+            elif step == U.RUN and part.__name__ in PART_COMPUTE and PART_COMPUTE[part.__name__][0] == kind:
                 self.ops.append((COMPUTE, PART_COMPUTE[part.__name__][1](self.mine)))
-            for collective in declared:
-                if collective.issued == kind:
-                    channel, members = self.group(collective.group)
-                    seconds = self.cost_of(self.stage, collective)
-                    handles = [self.issue(channel, members, seconds) for _ in range(collective.repeat)]
-                    if collective.waited is None:
-                        for handle in handles:
-                            self.wait(handle, update=True)
-                    else:
-                        self.inflight[(batch, collective)] = handles
+            elif step == U.ISSUE:
+                channel, members = self.group(collective.group)
+                seconds = self.cost_of(self.stage, collective)
+                handles = [self.issue(channel, members, seconds) for _ in range(collective.repeat)]
+                if collective.waited is None:
+                    for handle in handles:
+                        self.wait(handle, update=True)
+                else:
+                    self.inflight[(batch, collective)] = handles
 
     def segment(self, actions: list[S.Action]) -> None:
         s, d = self.stage, self.layout.num_stages
@@ -331,7 +329,7 @@ def _simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCo
     counted = steps - first
     per_step = (ends[-1] - start) / counted
     update_compute = [
-        sum(PART_COMPUTE[part.__name__][1](c) for part in choose_parts(c.shape) if part.__name__ in PART_COMPUTE)
+        sum(PART_COMPUTE[part.__name__][1](c) for part in U.choose_parts(c.shape) if part.__name__ in PART_COMPUTE)
         for c in costs
     ]
     return Timing(

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import schedule as S
+from .. import update_build as U
 from ..layout import Layout, Mode, check_schedule
 from ..update import Collective, UpdateShape
-from ..update_build import collectives
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 
@@ -63,7 +63,7 @@ class RankProgram:
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
         self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
-        self.parts = collectives(self.update_shape())  # the update's parts and the collectives each declares
+        self.parts = U.collectives(self.update_shape())  # the update's parts and the collectives each declares
         self.inflight: dict[tuple[int, Collective], list[int]] = {}  # (batch, declared) -> handles to wait for
         self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.waited: set[int] = set()
@@ -200,21 +200,20 @@ class RankProgram:
         """What the update's parts issue and wait for at ``kind`` of ``batch``, part by part in the builder's order,
         each part's declared collectives in their order (``UpdatePart.collectives``)."""
         at = f"{kind.value}(b{batch})"
-        for _, declared in self.parts:
-            for collective in declared:
-                if collective.waited == kind:
-                    for handle in self.inflight.pop((batch, collective)):
-                        self.wait(handle, f"{at} {collective.what}")
-                if collective.issued == kind:
-                    channel, members = self.group(collective.group)
-                    block = collective.waited is None
-                    label = f"{at} {collective.what}"
-                    handles = [
-                        self.collective(collective.op, channel, members, label, block=block)
-                        for _ in range(collective.repeat)
-                    ]
-                    if not block:
-                        self.inflight[(batch, collective)] = handles
+        for step, _, collective in U.at_action(self.parts, kind):
+            if step == U.WAIT:
+                for handle in self.inflight.pop((batch, collective)):
+                    self.wait(handle, f"{at} {collective.what}")
+            elif step == U.ISSUE:
+                channel, members = self.group(collective.group)
+                block = collective.waited is None
+                label = f"{at} {collective.what}"
+                handles = [
+                    self.collective(collective.op, channel, members, label, block=block)
+                    for _ in range(collective.repeat)
+                ]
+                if not block:
+                    self.inflight[(batch, collective)] = handles
 
     # -------------------------------------------------------------- the interpreter (executor.StageExecutor.run)
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
