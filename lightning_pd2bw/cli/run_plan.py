@@ -86,7 +86,7 @@ def plan_text(cfg, layout, model) -> str:
             f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
-    lines += memory_warnings(cfg, memories, fewest_recomputed_for(cfg, layout, profile, stages, memories))
+    lines += memory_warnings(cfg, memories, fewest_recomputed_for(cfg, layout, profile, stages, memories), stages)
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s))
@@ -147,7 +147,14 @@ def checkpoint_cost(cfg, layout, profile, stages, memories, step_s: float | None
         sum(profile.layers[i].parameters for i in span) * weight_bytes + m["optimizer"]
         for span, m in zip(stages, memories)
     ]
-    total = sum(r - m["optimizer"] + m["optimizer"] * layout.data_parallel_size for r, m in zip(ranks, memories))
+    # the optimizer's bytes over a stage's replicas: each holds its owners' share (the fullest holds ``replica_share``
+    # of the stage, whole tensors; ``optimizer_share`` is 1/w when sharded), or, unsharded, each a whole copy
+    candidate = candidate_of(cfg, layout)
+    total = sum(
+        r - m["optimizer"] + m["optimizer"] / candidate.replica_share(profile, span) * candidate.optimizer_share
+        * layout.data_parallel_size
+        for r, m, span in zip(ranks, memories, stages)
+    )  # fmt: skip
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     interval = node.get("every_n_train_steps") if node and cfg.trainer.get("enable_checkpointing", True) else None
     accelerator = cfg.trainer.get("accelerator", "auto")
@@ -184,9 +191,12 @@ def fewest_recomputed_for(cfg, layout, profile, stages, memories) -> tuple[int, 
     return chosen.recompute if chosen is not None else None  # type: ignore[return-value]
 
 
-def memory_warnings(cfg, memories: list[dict[str, float]], per_stage: tuple[int, ...] | None = None) -> list[str]:
+def memory_warnings(
+    cfg, memories: list[dict[str, float]], per_stage: tuple[int, ...] | None = None, stages: list[range] | None = None
+) -> list[str]:
     """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers
-    (``per_stage``: the fewest first layers per stage whose recomputation makes every stage fit, where some do)."""
+    (``per_stage``: the fewest first layers per stage whose recomputation makes every stage fit with this cut,
+    ``stages``, where some do; the fix names the cut too, since with recomputation the planner would cut anew)."""
     from ..engine.delay_correction import buffers as correction_buffers
     from ..planner.hardware import DEVICES, GiB
     from ..planner.search import MEMORY_HEADROOM
@@ -204,7 +214,10 @@ def memory_warnings(cfg, memories: list[dict[str, float]], per_stage: tuple[int,
             fixes = ["more stages (strategy.num_stages)"]
             if per_stage is not None:  # the fewest that fit, first: recomputing less costs less time
                 counts = ",".join(map(str, per_stage))
-                fixes.append(f"'strategy.recompute=[{counts}]' (per stage, the fewest first layers that make it fit)")
+                cut = f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in stages)}]' " if stages else ""
+                fixes.append(
+                    f"{cut}'strategy.recompute=[{counts}]' (per stage, the fewest first layers that make it fit)"
+                )
             fixes += [] if cfg.strategy.recompute else ["strategy.recompute=true"]
             fixes += ["a smaller micro_batch_size"] if cfg.get("micro_batch_size", 1) > 1 else []
             if held > 1:
@@ -282,7 +295,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
 
     from ..engine.partition import layer_parameter_counts
     from ..lightning.contract import pipeline_layers_of
-    from ..planner.auto import shared_layers
+    from ..planner.auto import layer_tensors, shared_layers
     from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
     from ..planner.hardware import DEVICES
     from ..planner.profile import analytic_profile, bytes_per_element, version_bytes
@@ -334,6 +347,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
         layer_masks=mask_bytes(cfg, model),
+        layer_tensors=layer_tensors(layers),
     )
 
 

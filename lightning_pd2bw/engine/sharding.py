@@ -32,13 +32,19 @@ from .grid import ProcessGrid
 
 def assign_owners(params: Sequence[nn.Parameter], width: int) -> list[int]:
     """The replica owning each parameter: whole tensors, the largest first, each to the least-loaded replica."""
+    return owners_of([p.numel() for p in params], width)[0]
+
+
+def owners_of(sizes: Sequence[int], width: int) -> tuple[list[int], list[int]]:
+    """(the owner of each tensor of ``sizes`` elements, each replica's load): ``assign_owners`` on sizes alone (the
+    planner's view: the fullest replica holds more than 1/w where one tensor is large, e.g. an embedding)."""
     load = [0] * width
-    owners = [0] * len(params)
-    for index in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         replica = min(range(width), key=lambda r: (load[r], r))
         owners[index] = replica
-        load[replica] += params[index].numel()
-    return owners
+        load[replica] += sizes[index]
+    return owners, load
 
 
 @dataclass

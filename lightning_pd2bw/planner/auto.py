@@ -37,6 +37,12 @@ def shared_layers(layers: Sequence[nn.Module]) -> tuple[tuple[int, int, int], ..
     return tuple(out)
 
 
+def layer_tensors(layers: Sequence[nn.Module]) -> tuple[tuple[int, ...], ...]:
+    """Each layer's parameter tensors, in elements (``ModelProfile.layer_tensors``; a tied tensor in each layer holding
+    it, as each stage holding it steps its own copy)."""
+    return tuple(tuple(p.numel() for p in dict.fromkeys(layer.parameters()) if p.requires_grad) for layer in layers)
+
+
 def sample_microbatch(sample_batch: Any, micro_batch_size: int, device: torch.device) -> Any:
     """A profiling microbatch of ``micro_batch_size`` samples with every tensor (inputs *and* targets) on ``device``."""
     return to_device(resize_batch(sample_batch, micro_batch_size), device)
@@ -141,6 +147,7 @@ def plan_on_world(
                 version_bytes=version_bytes,
                 communicator_bytes=nccl,
                 optimizer_temporaries=fused,
+                layer_tensors=layer_tensors(layers),
             )
 
         try:

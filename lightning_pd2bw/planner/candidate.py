@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..engine.layout import Mode
 from ..engine.options import PipelineOptions, recomputed_layers
+from ..engine.sharding import owners_of
 from .profile import LayerProfile
 
 MiB = 1 << 20
@@ -38,6 +39,9 @@ class ModelProfile:
     version_bytes: int | None = None
     # per layer, the bytes of its sparsity masks (one bool per targeted weight; none without sparsity)
     layer_masks: tuple[float, ...] = ()
+    # per layer, the elements of each parameter tensor (the sharded optimizer's owners take whole tensors: the fullest
+    # replica may step more than 1/w of a stage); none: assumed balanced
+    layer_tensors: tuple[tuple[int, ...], ...] = ()
 
     def states_of(self, span: range) -> float | None:
         """The optimizer states per parameter of the layers in ``span`` (None: ``optimizer_states``)."""
@@ -98,6 +102,16 @@ class Candidate:
         """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
         ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
         return 1 / self.width if self.options.shard_optimizer and self.width > 1 else 1.0
+
+    def replica_share(self, profile: ModelProfile, span: range) -> float:
+        """The part of the stage holding ``span`` that its fullest replica steps: ``optimizer_share``, or with the
+        profile's tensor sizes the largest owner's load as the engine assigns owners (``sharding.owners_of``)."""
+        share = self.optimizer_share
+        if share == 1.0 or not profile.layer_tensors:
+            return share
+        sizes = [n for i in span for n in profile.layer_tensors[i]]
+        _, load = owners_of(sizes, self.width)
+        return max(load) / sum(sizes) if sizes else share
 
     @property
     def delay_correction(self) -> str | None:

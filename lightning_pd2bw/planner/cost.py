@@ -100,6 +100,7 @@ def stage_memory(
         largest,
         profile.states_of(span),
         recomputed,
+        candidate.replica_share(profile, span),
     )
     given = profile.layers[span.start - 1].output_bytes if stage > 0 else 0.0
     memory |= boundary_memory(profile, stage, candidate, num_microbatches, layers[-1], given, span)
@@ -162,6 +163,7 @@ def memory_of(
     largest_layer: float = 0.0,
     states: float | None = None,
     recomputed: float | None = None,
+    share: float | None = None,
 ) -> dict[str, float]:
     """Peak bytes of a stage holding ``params`` parameters whose layers keep ``activations`` per microbatch.
 
@@ -172,7 +174,7 @@ def memory_of(
     stash is taken before the first backward (m <= 1F1B's stash) the gradients meet one microbatch fewer.
     ``recomputed``: the activations of the stage's recomputed layers (None: all of them under ``recompute=True``,
     none otherwise); a stashed microbatch keeps their input instead, and the backward rebuilds them one microbatch
-    at a time.
+    at a time. ``share``: the part of the stage this replica steps (None: ``candidate.optimizer_share``).
     """
     versions = 2 if candidate.mode.double_buffered else 1
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
@@ -189,7 +191,8 @@ def memory_of(
     warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
     if candidate.mode.flushes and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves
-    share = candidate.optimizer_share * weights  # the weights this replica steps (sharded: about 1/w)
+    # the weights this replica steps (sharded: about 1/w; the fullest replica's, ``Candidate.replica_share``)
+    share = (candidate.optimizer_share if share is None else share) * weights
     states = profile.optimizer_states if states is None else states  # per parameter (``ModelProfile.states_of``)
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0

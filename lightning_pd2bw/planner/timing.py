@@ -154,7 +154,7 @@ def timing(
                 forward,
                 backward,
                 send=message_time(profile, candidate, cluster, stages, s),
-                step=sum(profile.layers[i].optimizer_s for i in span) * candidate.optimizer_share,
+                step=sum(profile.layers[i].optimizer_s for i in span) * candidate.replica_share(profile, span),
                 read_gradients=params * profile.weight_bytes / bandwidth if bandwidth else 0.0,
                 shape=update_shape(profile, candidate, span),
             )

@@ -214,11 +214,15 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
     for stage, (a, b, c, unsharded) in enumerate(stages):
         assert {"correction", "outputs", "transport", "communication"} <= set(a)
         weights = a["weights"] / 2  # two weight versions
-        share = weights / 8  # the optimizer sharded over the 8 replicas of each stage (shard_optimizer, the default)
+        # the optimizer sharded over the 8 replicas of each stage (shard_optimizer, the default), by whole tensors:
+        # the fullest replica steps at least 1/8 of the stage; on the first and the last stage (the tied embedding's
+        # owner there) more
+        fraction = a["optimizer"] / unsharded["optimizer"]
+        assert fraction >= 1 / 8 - 1e-3 and (fraction > 1 / 8 + 0.01) == (stage in (0, len(with_correction) - 1))
+        share = weights * fraction
         assert a["correction"] == pytest.approx(2 * share, abs=0.01) and b["correction"] == 0.0
         assert c["correction"] == pytest.approx(share, abs=0.01)
         assert unsharded["correction"] == pytest.approx(2 * weights, abs=0.01)
-        assert unsharded["optimizer"] == pytest.approx(8 * a["optimizer"], abs=0.05)
         assert unsharded["weights"] == a["weights"] and unsharded["gradients"] == a["gradients"]
         assert a["transport"] > 0 and a["communication"] > 0
         assert (a["outputs"] > 0) == (stage < len(with_correction) - 1)
@@ -401,10 +405,14 @@ def test_the_dry_run_proposes_the_fewest_layers_to_recompute_per_stage(tmp_path)
     over = run_cli(*base, cwd=tmp_path)
     assert over.returncode == 0, over.stderr[-3000:]
     warnings = [line for line in over.stdout.splitlines() if line.startswith("WARNING: stage")]
-    proposed = re.search(r"'strategy\.recompute=(\[[\d,]+\])' \(per stage, the fewest", warnings[0])
+    proposed = re.search(
+        r"'strategy\.layers_per_stage=(\[[\d,]+\])' 'strategy\.recompute=(\[[\d,]+\])' \(per stage, the fewest",
+        warnings[0],
+    )
     assert warnings and proposed, over.stdout[-3000:]
-    counts = [int(c) for c in proposed[1].strip("[]").split(",")]
+    counts = [int(c) for c in proposed[2].strip("[]").split(",")]
     assert counts[0] > 0 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
-    fits = run_cli(*base, f"strategy.recompute={proposed[1]}", cwd=tmp_path)
+    # the cut it was computed for goes with it (recomputation changes the planner's time-balanced cut)
+    fits = run_cli(*base, f"strategy.layers_per_stage={proposed[1]}", f"strategy.recompute={proposed[2]}", cwd=tmp_path)
     assert fits.returncode == 0 and "WARNING: stage" not in fits.stdout, fits.stdout[-3000:]
     assert "the first" in fits.stdout and "recomputed" in fits.stdout  # each stage line says how many

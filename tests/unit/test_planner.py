@@ -415,3 +415,22 @@ def test_the_profile_of_bfloat16_weight_versions_keeps_no_cast_of_the_weights():
         assert cast.activation_bytes - version.activation_bytes == layer.weight.numel() * 2
         assert cast.parameters == version.parameters == sum(p.numel() for p in layer.parameters())
     assert all(p.dtype == torch.float32 for layer in layers for p in layer.parameters()), "the model is untouched"
+
+
+def test_the_fullest_replica_steps_the_largest_tensor_whole():
+    """Issue 62: the sharded optimizer's owners take whole tensors (``sharding.assign_owners``), so a stage whose
+    largest tensor exceeds 1/w of it (GPT's embedding on stage 0) has a replica stepping more than 1/w. By hand:
+    tensors of 100, 20 and 20 elements on 2 replicas: 100 to one, both 20s to the other; the fullest steps 100/140."""
+    layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100), LayerProfile(1.0, 2.0, 0.0, 0.0, 40)]
+    balanced = ModelProfile(layers, weight_bytes=4)
+    whole = ModelProfile(layers, weight_bytes=4, layer_tensors=((100,), (20, 20)))
+    candidate = Candidate(2, 1, 1, False, PipelineOptions(mode="flush"))
+    assert candidate.replica_share(balanced, range(0, 2)) == pytest.approx(1 / 2)
+    assert candidate.replica_share(whole, range(0, 2)) == pytest.approx(100 / 140)
+    even, fullest = (
+        stage_memory(balanced, range(0, 2), 0, candidate, 2),
+        stage_memory(whole, range(0, 2), 0, candidate, 2),
+    )
+    assert fullest["optimizer"] == pytest.approx(even["optimizer"] * (100 / 140) / (1 / 2))
+    unsharded = Candidate(2, 1, 1, False, PipelineOptions(mode="flush", shard_optimizer=False))
+    assert unsharded.replica_share(whole, range(0, 2)) == 1.0
