@@ -28,8 +28,10 @@ from dataclasses import dataclass
 
 from ..engine import schedule as S
 from ..engine import update_build as U
+from ..engine import update_parts as P
 from ..engine.layout import Layout
-from ..engine.update import Collective, UpdateShape
+from ..engine.stepper import Stepper
+from ..engine.update import Collective, UpdatePart, UpdateShape
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
 
@@ -65,13 +67,13 @@ def _reads(costs: StageCosts) -> float:
 
 
 # the update's parts that compute on the device, where, and how long (``update_parts.py``, ``stepper.py``)
-PART_COMPUTE: dict[str, tuple[S.Kind, Callable[[StageCosts], float]]] = {
-    "StopOnNonFinite": (S.CHECK, _reads),  # one flag per gradient
-    "SkipNonFinite": (S.CHECK, _reads),
-    "GlobalNormClip": (S.NORM, _reads),  # the squared norm
-    "StageNormClip": (S.CLIP, _reads),
-    "ClipByValue": (S.CLIP, _reads),
-    "Stepper": (S.STEP, lambda costs: costs.step),
+PART_COMPUTE: dict[type[UpdatePart], tuple[S.Kind, Callable[[StageCosts], float]]] = {
+    P.StopOnNonFinite: (S.CHECK, _reads),  # one flag per gradient
+    P.SkipNonFinite: (S.CHECK, _reads),
+    P.GlobalNormClip: (S.NORM, _reads),  # the squared norm
+    P.StageNormClip: (S.CLIP, _reads),
+    P.ClipByValue: (S.CLIP, _reads),
+    Stepper: (S.STEP, lambda costs: costs.step),
 }
 
 
@@ -113,8 +115,8 @@ class _Lowering:
             if step == U.WAIT:
                 for handle in self.inflight.pop((batch, collective)):
                     self.wait(handle, update=True)
-            elif step == U.RUN and part.__name__ in PART_COMPUTE and PART_COMPUTE[part.__name__][0] == kind:
-                self.ops.append((COMPUTE, PART_COMPUTE[part.__name__][1](self.mine)))
+            elif step == U.RUN and part in PART_COMPUTE and PART_COMPUTE[part][0] == kind:
+                self.ops.append((COMPUTE, PART_COMPUTE[part][1](self.mine)))
             elif step == U.ISSUE:
                 channel, members = self.group(collective.group)
                 seconds = self.cost_of(self.stage, collective)
@@ -329,8 +331,7 @@ def _simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCo
     counted = steps - first
     per_step = (ends[-1] - start) / counted
     update_compute = [
-        sum(PART_COMPUTE[part.__name__][1](c) for part in U.choose_parts(c.shape) if part.__name__ in PART_COMPUTE)
-        for c in costs
+        sum(PART_COMPUTE[part][1](c) for part in U.choose_parts(c.shape) if part in PART_COMPUTE) for c in costs
     ]
     return Timing(
         per_step,
