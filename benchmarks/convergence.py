@@ -26,7 +26,10 @@ per stage; more stages than cores share them).
 Corpora: ``stdlib`` (the embedded corpus: Python source), ``packages`` (the English descriptions of the
 Python packages installed next to this one: each ``*.dist-info/METADATA``; text no setting was tuned on) and
 ``copyrights`` (a Debian machine's ``/usr/share/doc/*/copyright`` files, each distinct text once: legal English held
-out from the sparsity sweep's tuning).
+out from the sparsity sweep's tuning) and ``fortunes`` (Debian's ``fortunes`` package: natural English, quotations,
+literature and poems, where the validation loss follows the training loss; issue 64's corpus). Each run's line and
+the table give the validation loss over the training loss (the mean of the last logs): near 0 where validation
+follows training, far above where a model memorises its corpus.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import random
 import re
 import shutil
 import statistics
@@ -55,6 +59,7 @@ from benchmarks.convergence_settings import (  # noqa: E402
 )
 
 FRACTION = re.compile(r"=@([0-9.]+)$")  # "key=@0.25": a step given as a fraction of the run's steps
+TRAIN_TAIL = 10  # the training loss a run ends at: the mean of its last 10 logs (the last 100 steps by default)
 SPIKE_WINDOW = (
     10  # a step's train loss over the median of the WINDOW logged before it (tests/distributed/test_no_spikes)
 )
@@ -91,7 +96,39 @@ def copyrights_corpus(out: Path, limit: int = 4 << 20) -> Path:
     return path
 
 
-CORPORA = {"packages": packages_corpus, "copyrights": copyrights_corpus}  # beside stdlib, the embedded corpus
+FORTUNES = Path("/usr/share/games/fortunes")  # Debian's `fortunes` package (main; BSD-style licence, see its copyright)
+
+
+def fortunes_corpus(out: Path) -> Path:
+    """Natural English text no setting was tuned on: Debian's ``fortunes`` package (quotations, literature, poems,
+    jokes and definitions; 2.5 MB, licence in its ``/usr/share/doc/fortunes/copyright``), read where it is installed
+    or unpacked from Debian's package registry (``apt-get download fortunes``) into ``out``. Every fortune once,
+    ASCII-art files left out, in one fixed shuffled order, so the held-out last 5% is drawn like the rest: on this
+    corpus the validation loss follows the training loss (the benchmark prints their gap per run)."""
+    path = out / "fortunes.txt"
+    if path.exists():
+        return path
+    folder = FORTUNES
+    if not folder.is_dir():
+        debs = out / "debs"
+        debs.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", "fortunes"], cwd=debs, check=True, capture_output=True)
+        subprocess.run(["dpkg-deb", "-x", next(debs.glob("fortunes_*.deb")), debs / "root"], check=True)
+        folder = debs / "root" / FORTUNES.relative_to("/")
+    texts = []
+    for file in sorted(f for f in folder.iterdir() if f.is_file() and not f.suffix and f.name != "ascii-art"):
+        texts += [t.strip("\n") for t in re.split(r"^%$", file.read_text(errors="replace"), flags=re.M) if t.strip()]
+    random.Random(0).shuffle(texts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(texts) + "\n")
+    return path
+
+
+CORPORA = {  # beside stdlib, the embedded corpus
+    "packages": packages_corpus,
+    "copyrights": copyrights_corpus,
+    "fortunes": fortunes_corpus,
+}
 
 
 def run(
@@ -297,16 +334,23 @@ def collect(args: argparse.Namespace) -> dict[str, dict]:
                     runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
                     curves = [curve(f) for f in runs]
                     finals = [c[-1][1] for c in curves]
+                    trains = [statistics.mean(train_losses(f)[-TRAIN_TAIL:]) for f in runs]
                     name = setting if steps == args.steps else f"{setting}@{steps}"
                     results[f"{label}/{optimizer}/{name}"] = {
                         "final": finals,
+                        "train": trains,
                         "spike": max(worst_spike(train_losses(f)) for f in runs),
                         "flops": statistics.mean(flops_ratio(f) for f in runs),
                         "curves": curves,
                         "steps": steps,
                         "runs": [str(f) for f in runs],
                     }
-                    print(f"{label:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals), flush=True)
+                    tracks = " ".join(f"{100 * (v / t - 1):+.1f}%" for v, t in zip(finals, trains))
+                    print(
+                        f"{label:9s} {optimizer:6s} {name:12s} " + " ".join(f"{v:.4f}" for v in finals),
+                        f"(validation over training, per run: {tracks})",
+                        flush=True,
+                    )
     return results
 
 
@@ -314,8 +358,8 @@ def table(results: dict[str, dict], baseline: str | None = None) -> str:
     """One row per setting; the gap is to Flush at the same rate and warm-up, or to ``baseline`` (e.g. dense)."""
     lines = [
         f"| corpus | optimizer | setting | val loss (mean ± sd) | vs {baseline or 'Flush'} (same optimizer) "
-        "| train FLOPs vs dense | worst spike |",
-        "|---|---|---|---|---|---|---|",
+        "| per seed | validation over training | train FLOPs vs dense | worst spike |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, value in results.items():
         corpus, optimizer, setting = key.split("/")
@@ -328,9 +372,16 @@ def table(results: dict[str, dict], baseline: str | None = None) -> str:
         flush = results.get(f"{corpus}/{optimizer}/{reference}")
         gap = f"{100 * (mean / statistics.mean(flush['final']) - 1):+.2f}%" if flush else "-"
         gap += "" if not flush or baseline or reference == flush_of(setting) else " (vs flush)"
+        seeds = zip(finals, flush["final"]) if flush else []  # seed k against seed k (same init and data order)
+        per_seed = ", ".join(f"{100 * (v / f - 1):+.2f}%" for v, f in seeds) or "-"
+        trains = value.get("train")
+        tracks = f"{100 * statistics.mean(v / t - 1 for v, t in zip(finals, trains)):+.1f}%" if trains else "-"
         spike = f"{value['spike']:.2f}x" if "spike" in value else "-"
         flops = f"{value['flops']:.2f}" if "flops" in value else "-"
-        lines.append(f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {flops} | {spike} |")
+        lines.append(
+            f"| {corpus} | {optimizer} | {setting} | {mean:.4f} ± {spread:.4f} | {gap} | {per_seed} | {tracks} "
+            f"| {flops} | {spike} |"
+        )
     return "\n".join(lines)
 
 

@@ -31,11 +31,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.pipelines_run import CONFIG, MICRO, even_cut  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus
-from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
+from lightning_pd2bw.engine import Clipping, PipelineEngine, PipelineOptions
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTCore
 
-ENGINE_KEYS = ("clip_val", "clip_algorithm")  # the engine's own keywords; every other key is an option
+CLIP_KEYS = {"clip_val": "value", "clip_algorithm": "algorithm"}  # a setting's clipping -> Clipping's fields
 
 
 def engine_for(setting: dict, depth: int, m: int) -> PipelineEngine:
@@ -46,11 +46,11 @@ def engine_for(setting: dict, depth: int, m: int) -> PipelineEngine:
     options = PipelineOptions(
         num_stages=depth,
         layers_per_stage=tuple(even_cut(len(layers), depth)),
-        **{k: v for k, v in setting.items() if k not in ENGINE_KEYS},
+        clipping=Clipping(**{CLIP_KEYS[k]: v for k, v in setting.items() if k in CLIP_KEYS}),
+        **{k: v for k, v in setting.items() if k not in CLIP_KEYS},
     )
-    keywords = {k: v for k, v in setting.items() if k in ENGINE_KEYS}
     engine = PipelineEngine(
-        layers, options, model.pipeline_inputs, model.pipeline_loss, init_layer=model.init_pipeline_layer, **keywords
+        layers, options, model.pipeline_inputs, model.pipeline_loss, init_layer=model.init_pipeline_layer
     )
     engine.start(torch.optim.AdamW(engine.parameters(), lr=1e-4))
     return engine

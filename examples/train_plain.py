@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pd2bw.data import LMDataset, read_corpus, split
-from lightning_pd2bw.engine import PipelineEngine, PipelineOptions
+from lightning_pd2bw.engine import Clipping, PipelineEngine, PipelineOptions
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.models import GPTConfig, GPTCore
 
@@ -41,12 +41,16 @@ def main() -> None:
         model = GPTCore(config)
     engine = PipelineEngine(
         model.pipeline_layers(),
-        PipelineOptions(num_stages=stages, num_microbatches=args.microbatches, mode=args.mode),
+        PipelineOptions(
+            num_stages=stages,
+            num_microbatches=args.microbatches,
+            mode=args.mode,
+            clipping=Clipping(1.0),  # by the norm over the whole pipeline, as Trainer(gradient_clip_val=1.0)
+        ),
         model.pipeline_inputs,
         model.pipeline_loss,
         init_layer=model.init_pipeline_layer,  # the same weights as the model built on one device
         root=model,  # checkpoint entries by the module's names: the same as the Lightning strategy's
-        clip_val=1.0,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=3e-3, weight_decay=0.01)
     engine.start(optimizer)

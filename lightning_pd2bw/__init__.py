@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Layout", "PipeDream2BWStrategy", "PipelineEngine", "PipelineOptions", "checkpoint", "models"]
+__all__ = ["Clipping", "Layout", "PipeDream2BWStrategy", "PipelineEngine", "PipelineOptions", "checkpoint", "models"]
 __version__ = "0.8.0"
 
 
@@ -64,7 +64,7 @@ elif _lightning_installed():
 def __getattr__(name: str) -> Any:
     if name in ("models", "checkpoint", "data", "engine", "observe", "planner", "sparsity"):
         return importlib.import_module(f".{name}", __name__)
-    if name in ("PipelineEngine", "PipelineOptions", "Layout"):
+    if name in ("PipelineEngine", "PipelineOptions", "Clipping", "Layout"):
         return getattr(importlib.import_module(".engine", __name__), name)
     if name == "PipeDream2BWStrategy":
         try:

@@ -1,5 +1,6 @@
 """A griffe extension for the API reference (``mkdocs.yml``): ``PipeDream2BWStrategy``'s parameter table, written
-from ``PipelineOptions``' own (the options are documented once, there) and one line for each of Lightning's; and
+from ``PipelineOptions``' and ``StrategyOptions``' own (the options are documented once, there; ``clip_mode`` from
+``Clipping.mode``) and one line for each of Lightning's; and
 each default shown as its value (``"2bw"``, not the constant that holds it)."""
 
 from __future__ import annotations
@@ -55,9 +56,12 @@ class OptionsTables(griffe.Extension):
         if pkg.name != "lightning_pd2bw":
             return
         options, strategy = pkg["engine.options.PipelineOptions"], pkg["lightning.strategy.PipeDream2BWStrategy"]
-        for cls in (options, strategy):
+        own, clipping = pkg["lightning.options.StrategyOptions"], pkg["engine.options.Clipping"]
+        for cls in (options, own, clipping, strategy):
             _runtime_defaults(cls)
-        described = {p.name: _first_sentence(p.description) for p in _parameters(options)}
+        described = {p.name: _first_sentence(p.description) for cls in (options, own) for p in _parameters(cls)}
+        clip_mode = next(p for p in _parameters(clipping) if p.name == "mode")  # the flat key of Clipping.mode
+        described["clip_mode"] = _first_sentence(clip_mode.description)
         lines = []
         for parameter in strategy.members["__init__"].parameters:
             if parameter.name == "self":

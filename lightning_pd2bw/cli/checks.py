@@ -15,6 +15,7 @@ from typing import Any
 from ..engine import layout as rules
 from ..engine.options import PipelineOptions, Run
 from ..errors import Refusal
+from ..lightning.options import StrategyOptions
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def check_run(cfg: Any, num_layers: int | None = None) -> RunLayout:
     world = world_size_of(cfg.trainer)
     options = check_options(cfg.strategy)
     check_values(cfg)
-    if options.plan == "auto":
+    if cfg.strategy.get("plan") == "auto":
         return _check_auto(cfg, world)
     precision = str(cfg.trainer.precision)
     width = _resolved(options, world, precision).width  # the depth's own checks, m not known yet
@@ -174,11 +175,13 @@ def check_text_files(paths: Any) -> None:
 
 
 def check_options(strategy: Any) -> PipelineOptions:
-    """Every ``strategy.*`` option, by the strategy's own rules (``PipelineOptions``), before any process starts."""
+    """Every ``strategy.*`` option, by the strategy's own rules (``PipelineOptions`` and ``StrategyOptions``), before
+    any process starts; returns the pipeline's."""
     from omegaconf import OmegaConf
 
     values = OmegaConf.to_container(strategy, resolve=True) if OmegaConf.is_config(strategy) else dict(strategy)
     try:
+        StrategyOptions.from_mapping(values, CONFIG_KEYS)
         return PipelineOptions.from_mapping(values, CONFIG_KEYS)
     except ValueError as error:
         raise ConfigError(str(error)) from None

@@ -2,7 +2,8 @@
 
 Each group's YAML files start from a schema stored here (``defaults: [<group>_schema, _self_]``), so
 a misspelt key or a value of the wrong type in a recipe or on the command line fails when Hydra
-composes, naming the key. The strategy's schema is generated from ``PipelineOptions``; the others take their
+composes, naming the key. The strategy's schema is generated from ``PipelineOptions`` and ``StrategyOptions``; the
+others take their
 defaults from the classes they configure. What no single group can check is ``checks.py``'s.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from ..engine.options import PipelineOptions
+from ..lightning.options import StrategyOptions
 
 
 def defaults_of(cls: Any) -> dict[str, Any]:
@@ -103,14 +105,21 @@ STRATEGY_YAML_TYPES: dict[str, Any] = {
 
 
 def strategy_schema() -> type:
-    """``strategy.*``: generated from ``PipelineOptions``' fields (names, types, defaults; each documented there),
-    so an option is declared once, in the options, and the strategy's signature (a unit test keeps that equal)."""
+    """``strategy.*``: generated from the fields of ``PipelineOptions`` (the engine's) and ``StrategyOptions`` (the
+    Lightning strategy's own), names, types and defaults, each documented there, so an option is declared once and
+    the strategy's signature stays the flat union users type (a unit test keeps them equal). ``clipping`` is typed
+    as its ``clip_mode`` (the value and the algorithm are the Trainer's)."""
     import typing
 
-    hints = typing.get_type_hints(PipelineOptions)
     fields: list[Any] = [("_target_", str, field(default="lightning_pd2bw.PipeDream2BWStrategy"))]
-    for option in dataclasses.fields(PipelineOptions):
-        if option.name != "keys":
+    for options in (PipelineOptions, StrategyOptions):
+        hints = typing.get_type_hints(options)
+        for option in dataclasses.fields(options):
+            if option.name == "keys":
+                continue
+            if option.name == "clipping":
+                fields.append(("clip_mode", str, field(default=option.default.mode)))
+                continue
             kind = STRATEGY_YAML_TYPES.get(option.name, hints[option.name])
             fields.append((option.name, kind, field(default=option.default)))
     return dataclasses.make_dataclass("StrategySchema", fields)

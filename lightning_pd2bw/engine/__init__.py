@@ -3,6 +3,6 @@
 
 from .engine import PipelineEngine
 from .layout import Layout
-from .options import PipelineOptions
+from .options import Clipping, PipelineOptions
 
-__all__ = ["Layout", "PipelineEngine", "PipelineOptions"]
+__all__ = ["Clipping", "Layout", "PipelineEngine", "PipelineOptions"]

@@ -57,7 +57,7 @@ class PipelineEngine:
         layers: the model's ordered pipeline layers (layer ``i``'s output is layer ``i + 1``'s input); layers of
             other stages are released to the meta device here, this stage's are materialised on ``device``.
         options: how the pipeline runs (``PipelineOptions``: depth, microbatches, mode, cut, lookahead, recompute,
-            boundary dtype, compile, clipping mode, non-finite policy, delay correction), resolved once into
+            boundary dtype, compile, clipping, non-finite policy, delay correction), resolved once into
             ``engine.layout`` on this world; the width is ``world_size // num_stages``. ``boundary_dtype="auto"``
             is each tensor's own dtype here (the strategy resolves it from Lightning's precision).
         input_fn: ``batch -> inputs`` of the first layer (first stage).
@@ -70,8 +70,6 @@ class PipelineEngine:
         root: the module the layers belong to: its names name every tensor in messages and checkpoints (so
             ``engine.save`` and the Lightning strategy write the same entries for the same module), and Hugging Face
             models are initialised through it. Default: ``nn.ModuleList(layers)`` (``"<layer index>.<name>"``).
-        clip_val: clip gradients at this value (``None``: no clipping).
-        clip_algorithm: ``"norm"`` or ``"value"``.
         before_step: called with each optimizer before its step (after the gradient reductions).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
             neighbours (default ``transport.StageLink``: one process group per pair, sends batched with receives); a
@@ -91,8 +89,6 @@ class PipelineEngine:
         grid: ProcessGrid | None = None,
         init_layer: Callable[[int], None] | None = None,
         root: nn.Module | None = None,
-        clip_val: float | None = None,
-        clip_algorithm: str = "norm",
         before_step: Callable[[torch.optim.Optimizer], None] | None = None,
         transport: Callable[..., StageLink] = StageLink,
         progress: Progress | None = None,
@@ -120,7 +116,6 @@ class PipelineEngine:
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
-        self.clip_val, self.clip_algorithm = clip_val, clip_algorithm
         self.before_step = before_step
         self.transport = transport
         self.progress = progress or Progress()
@@ -230,8 +225,6 @@ class PipelineEngine:
             versions,
             shards=shards,
             correction=self.correction,
-            clip_val=self.clip_val,
-            clip_algorithm=self.clip_algorithm,
             before_step=self.before_step,
             names=self.parameter_names,
             describe=lambda: describe_rank(self.grid.rank, self.num_stages),

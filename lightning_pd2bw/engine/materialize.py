@@ -120,7 +120,8 @@ def run_init_weights(owner: nn.Module) -> None:
         raise RuntimeError(
             f"pd2bw: {type(owner).__name__}.init_weights() (torchtitan's initialisation protocol) failed on this stage, "
             f"which holds only its own layers ({type(error).__name__}: {error}). Define init_pipeline_layer(self, "
-            "index) on the LightningModule to initialise layer `index` the way init_weights() does (docs/models.md, "
+            "index) on the LightningModule (PipelineEngine's init_layer=) to initialise layer `index` the way "
+            "init_weights() does (docs/models.md, "
             "'Meta initialisation and the rules')"
         ) from error
 
@@ -175,8 +176,9 @@ def _refuse_reads(func: Any, args: Any, kwargs: dict) -> None:
     if name in _READS or real or moved:
         raise RuntimeError(
             f"pd2bw: {name or func}() on a parameter of a layer another pipeline stage runs: this process holds only "
-            "its own stage's layers (the others are meta placeholders). In a callback, iterate "
-            "trainer.strategy.stage_parameters() (this stage's (name, parameter) pairs) instead of pl_module.parameters()"
+            "its own stage's layers (the others are meta placeholders). Iterate this stage's parameters instead: "
+            "engine.parameters(), or in a Lightning callback trainer.strategy.stage_parameters() (its (name, "
+            "parameter) pairs) instead of pl_module.parameters()"
         )
 
 
@@ -258,6 +260,7 @@ def check_initialized(layers: Sequence[nn.Module], indices: Sequence[int], by_in
             f"pd2bw: {name!r} of pipeline layer {index} ({type(layer).__name__}) was not initialised after the model "
             f"was built on the meta device ({how}; {len(bad)} tensor(s): {', '.join(bad[:4])}). Fix: give {owner} a "
             "reset_parameters() that writes every parameter and buffer it owns, or define "
-            "init_pipeline_layer(self, index) on the LightningModule to initialise layer `index` (see docs/models.md, "
+            "init_pipeline_layer(self, index) on the LightningModule (PipelineEngine's init_layer=) to initialise "
+            "layer `index` (see docs/models.md, "
             "'Meta initialisation and the rules')"
         )

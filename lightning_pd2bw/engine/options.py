@@ -1,9 +1,12 @@
 """One validated options object for how the pipeline runs, ``PipelineOptions``, and the run it resolves to, ``Run``.
 
-The strategy (``PipeDream2BWStrategy(**options)``), the Hydra schema (generated from its fields) and its checks
-(``pd2bw-train``'s ``strategy.*`` keys, before any process starts) and the engine (``PipelineEngine(layers,
-options, ...)``) all build or take this one frozen object, so each option is checked here only, and each error names the option as that caller's
-users write it (``Keys``: ``PipeDream2BWStrategy(clip_mode=...)``, ``strategy.clip_mode=...``).
+The strategy (``PipeDream2BWStrategy(...)``), the Hydra schema (generated from its fields and the strategy's own,
+``lightning/options.py``) and its checks (``pd2bw-train``'s ``strategy.*`` keys, before any process starts) and the
+engine (``PipelineEngine(layers, options, ...)``) all build or take this one frozen object, so each option is checked
+here only, and each error names the option as that caller's users write it (``Keys``:
+``PipeDream2BWStrategy(clip_mode=...)``, ``strategy.clip_mode=...``). These are the engine's options only: the
+layout, the compute and the update (its ``Clipping`` included); what the Lightning strategy alone reads (the plan
+at start-up, failure timeouts, checkpoints) is ``lightning/options.py``'s ``StrategyOptions``.
 
 ``PipelineOptions.resolve(world_size, precision) -> Run`` is the value every reader of a run takes: the options say
 what a user asked for (``None``: the default, ``"auto"``: from the precision); a ``Run`` is what runs on
@@ -16,7 +19,7 @@ lookahead) with its width w = world / d, and the weight and boundary dtypes with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +29,8 @@ from . import layout as rules
 from .compiled import compile_options
 from .delay_correction import METHODS as DELAY_CORRECTIONS
 
-PLANS = (None, "auto")
 CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
+CLIP_ALGORITHMS = ("norm", "value")  # Lightning's gradient_clip_algorithm
 NONFINITE_POLICIES = ("stop", "skip")
 DEFAULT_CORRECTION = (
     "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
@@ -36,12 +39,61 @@ DEFAULT_KEYS = rules.Keys(where="PipelineOptions: ", call="PipelineOptions")  # 
 
 
 @dataclass(frozen=True)
+class Clipping:
+    """How gradients are clipped before each update (``UpdateShape.clip``: the clipper part the update runs).
+
+    Args:
+        value: the threshold; ``None`` or 0: no clipping (Lightning's ``gradient_clip_val``).
+        algorithm: ``"norm"`` scales every gradient by ``value / norm`` where the norm exceeds it; ``"value"`` clamps
+            each entry to [-value, value] (Lightning's ``gradient_clip_algorithm``).
+        mode: for the norm, ``"global"``: the norm over all stages (the single-device model's, one scalar all-reduce
+            over the pipeline per update); ``"stage"``: each stage's own (no collective). The strategy's and
+            ``pd2bw-train``'s ``clip_mode``.
+    """
+
+    value: float | None = None
+    algorithm: str = "norm"
+    mode: str = "global"
+
+    def __post_init__(self) -> None:
+        check_clipping(self.value, self.algorithm, self.mode, lambda name, value: f"Clipping({name}={value!r})")
+
+    @property
+    def kind(self) -> str | None:
+        """The clipper the update runs: None (off), ``"value"``, or the norm's mode (``"global"``, ``"stage"``)."""
+        return None if not self.value else "value" if self.algorithm == "value" else self.mode
+
+    @classmethod
+    def of(
+        cls, keys: rules.Keys, value: float | None = None, algorithm: str = "norm", mode: str = "global"
+    ) -> Clipping:
+        """A ``Clipping`` from the flat keys users type: ``clip_mode`` (named as ``keys`` writes it) and the
+        Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``."""
+        trainer = {"value": "gradient_clip_val", "algorithm": "gradient_clip_algorithm"}
+
+        def named(name: str, given: Any) -> str:
+            return keys.named("clip_mode", given) if name == "mode" else f"Trainer({trainer[name]}={given!r})"
+
+        check_clipping(value, algorithm, mode, named)
+        return cls(value, algorithm, mode)
+
+
+def check_clipping(value: float | None, algorithm: str, mode: str, named: Callable[[str, Any], str]) -> None:
+    """Refuse a bad clipping field; ``named(field, value)`` is how the caller's users write it."""
+    if value is not None and not value >= 0:
+        raise ValueError(f"{named('value', value)} must be >= 0 (None or 0: no clipping)")
+    for name, given, valid in (("algorithm", algorithm, CLIP_ALGORITHMS), ("mode", mode, CLIP_MODES)):
+        if given not in valid:
+            raise ValueError(f"{named(name, given)} is invalid; valid: {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
 class PipelineOptions:
     """How the pipeline runs. Every field is checked when the object is built; a bad one raises ``ValueError``
-    naming it, what is wrong and what is valid. The fields come in four groups: the layout (``num_stages`` to
-    ``global_batch_size``; the depth and the cut may instead come from the planner, ``plan="auto"``), the compute
-    (``recompute`` to ``compile``), the update (``clip_mode`` to ``shard_optimizer``), and failures and
-    checkpoints (the Lightning strategy's: ``failure_timeout`` to ``requeue``).
+    naming it, what is wrong and what is valid. The fields come in three groups: the layout (``num_stages`` to
+    ``layers_per_stage``; under the Lightning strategy the depth and the cut may instead come from the planner,
+    ``plan="auto"``), the compute (``recompute`` to ``compile``) and the update (``clipping`` to
+    ``shard_gradients``).
 
     Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
@@ -52,11 +104,6 @@ class PipelineOptions:
             uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
         layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
             time); default: balanced by parameter count.
-        plan: ``"auto"``: at start-up, profile the model on this device, measure the links and choose
-            depth, microbatch size and recomputation with the planner (``lightning_pd2bw.planner``);
-            ``num_stages`` and ``num_microbatches`` are then chosen, not given.
-        global_batch_size: with ``plan="auto"``, the samples per optimizer step over all replicas
-            (default: the dataloader's batch size x world size, as DDP would use).
 
         recompute: recompute activations in the backward instead of stashing them. ``True``: every layer of every
             stage (a stage stashes only its input per microbatch); ``False``: none; per stage, the number of its
@@ -79,7 +126,10 @@ class PipelineOptions:
             ``fullgraph``, ``dynamic``, ``options``). CUDA-graph modes are refused under 2BW. Held as ``None``
             (off) or the keyword arguments.
 
-        clip_mode: ``"global"`` clips by the norm over all stages, ``"stage"`` by each stage's own.
+        clipping: how gradients are clipped (``Clipping(value, algorithm, mode)``; default: not at all). The
+            Lightning strategy takes the value and the algorithm from the Trainer (``gradient_clip_val``,
+            ``gradient_clip_algorithm``) and the mode from its ``clip_mode``; ``from_mapping`` reads the flat
+            ``clip_mode`` key.
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
@@ -105,17 +155,6 @@ class PipelineOptions:
             ``on_before_optimizer_step`` hooks of the others see None there (a gradient-norm logger sees its
             replica's share; RigL's regrowth, which reads every gradient, is refused).
 
-        failure_timeout: seconds without a heartbeat after which a rank counts as dead; every other rank
-            then exits (code 75) naming it, instead of waiting in a collective (``None``: off).
-        hang_timeout: seconds without progress (no action executed by a rank and the ranks it watches) during
-            training after which the job counts as stuck: every rank prints where it is and its Python stack,
-            and exits (code 75). Must exceed the longest single action or checkpoint write (``None``: off;
-            needs ``failure_timeout``).
-        async_checkpoint: save checkpoints asynchronously (``torch.distributed.checkpoint.async_save``): training
-            waits only while each rank copies its state to host memory; the files are written, and the checkpoint
-            published, in the background over a gloo group of its own.
-        requeue: under SLURM, a preempted or timed-out job (SIGTERM) requeues itself with its own job ID
-            (``scontrol requeue``) once ``last.ckpt`` is written (``lightning/slurm.py``); False: it only exits 75.
         keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
             ``pd2bw-train``'s ``strategy.*``).
     """
@@ -125,22 +164,16 @@ class PipelineOptions:
     mode: str = rules.DEFAULT_MODE
     lookahead: int = 0
     layers_per_stage: tuple[int, ...] | None = None
-    plan: str | None = None
-    global_batch_size: int | None = None
     recompute: bool | tuple[int, ...] = False
     boundary_dtype: str | torch.dtype | None = "auto"
     weight_dtype: str | torch.dtype | None = "auto"
     compile: Any = False
-    clip_mode: str = "global"
+    clipping: Clipping = Clipping()
     on_nonfinite: str = "stop"
     delay_correction: str | None = DEFAULT_CORRECTION
     delay_correction_strength: float = 1.0
     shard_optimizer: bool = True
     shard_gradients: bool = False
-    failure_timeout: float | None = 180.0
-    hang_timeout: float | None = 600.0
-    async_checkpoint: bool = False
-    requeue: bool = True
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,9 +184,13 @@ class PipelineOptions:
             rules.check_depth(self.num_stages, keys)
         if self.num_stages is not None and self.num_microbatches is not None:
             rules.check_microbatches(self.num_stages, self.num_microbatches, keys)
-        self._check_plan()
+        self._check_cut()
         self._check_recompute()
-        self._check_choice("clip_mode", CLIP_MODES)
+        if not isinstance(self.clipping, Clipping):
+            raise ValueError(
+                f"{keys.named('clipping', self.clipping)} is invalid; valid: Clipping(value, algorithm, mode) from "
+                "lightning_pd2bw.engine.options"
+            )
         self._check_choice("on_nonfinite", NONFINITE_POLICIES)
         if self.delay_correction not in (None, *DELAY_CORRECTIONS):
             raise ValueError(
@@ -170,10 +207,6 @@ class PipelineOptions:
                 f"{keys.named('shard_gradients', True)} needs the optimizer sharded (the owners the gradients are "
                 f"reduced to): set {keys.named('shard_optimizer', True)}, or shard_gradients=False"
             )
-        for name, what in (("failure_timeout", "failure detection"), ("hang_timeout", "progress checks")):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{keys.named(name, value)} must be > 0 seconds, or None to turn {what} off")
         for name in ("boundary_dtype", "weight_dtype"):
             self._set(name, dtype_option(name, getattr(self, name), keys))
         self._set("compile", compile_options(self.compile, self.mode, keys.option("compile")))
@@ -202,32 +235,19 @@ class PipelineOptions:
             )
         self._set("recompute", counts)
 
-    def _check_plan(self) -> None:
-        keys = self.keys
-        if self.plan not in PLANS:
-            raise ValueError(f"{keys.named('plan', self.plan)} is invalid; valid: None (give num_stages) or 'auto'")
-        if self.plan == "auto" and (self.num_stages is not None or self.num_microbatches is not None):
-            raise ValueError(
-                f"{keys.named('plan', 'auto')} chooses num_stages and num_microbatches itself; leave both unset "
-                "(or drop plan='auto' to set them by hand)"
-            )
-        if self.global_batch_size is not None and self.plan != "auto":
-            raise ValueError(
-                f"{keys.named('global_batch_size', self.global_batch_size)} is used with plan='auto' only; otherwise "
-                "the dataloader's batch size is each replica's batch"
-            )
+    def _check_cut(self) -> None:
         if self.layers_per_stage is not None:
             self._set("layers_per_stage", tuple(self.layers_per_stage))
-            if self.plan == "auto" or len(self.layers_per_stage) != (self.num_stages or 0):
+            if len(self.layers_per_stage) != (self.num_stages or 0):
                 raise ValueError(
-                    f"{keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage: give "
-                    "num_stages=len(layers_per_stage) (and no plan='auto', which cuts the model itself)"
+                    f"{self.keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage: "
+                    "give num_stages=len(layers_per_stage)"
                 )
 
     def resolve(self, world_size: int, precision: str | None = None) -> Run:
         """The ``Run`` these options give on ``world_size`` processes under a Lightning ``precision`` (depth: the
         world, by default; microbatches: the depth; ``"auto"`` dtypes: bfloat16 under ``"bf16-mixed"``, else the
-        tensors' own). Not under ``plan="auto"``: the planner chooses the layout."""
+        tensors' own)."""
         return Run.of(self, world_size, precision)
 
     def layout(self, world_size: int) -> rules.Layout:
@@ -240,12 +260,19 @@ class PipelineOptions:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "keys")
+        """The flat keys users type (``clip_mode`` for ``clipping``'s mode), in the fields' order."""
+        return tuple(FLAT_KEYS.get(f.name, f.name) for f in dataclasses.fields(cls) if f.name != "keys")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], keys: rules.Keys = DEFAULT_KEYS) -> PipelineOptions:
-        """The options among ``values`` (e.g. a Hydra ``strategy`` node; other keys are left out)."""
-        return cls(**{name: values[name] for name in cls.names() if name in values}, keys=keys)
+        """The options among the flat ``values`` (e.g. a Hydra ``strategy`` node; other keys are left out)."""
+        given = {name: values[name] for name in cls.names() if name in values}
+        if "clip_mode" in given:
+            given["clipping"] = Clipping.of(keys, mode=given.pop("clip_mode"))
+        return cls(**given, keys=keys)
+
+
+FLAT_KEYS = {"clipping": "clip_mode"}  # a field held as a value -> the key users type for it
 
 
 def dtype_option(
@@ -295,8 +322,6 @@ class Run:
 
     @classmethod
     def of(cls, options: PipelineOptions, world_size: int, precision: str | None = None) -> Run:
-        if options.plan is not None:
-            raise ValueError(f"{options.keys.named('plan', options.plan)}: the planner chooses the layout at start-up")
         keys = options.keys
         depth = options.num_stages or world_size
         rules.width_of(world_size, depth, keys)

@@ -90,8 +90,6 @@ def build_update(
     *,
     shards: OptimizerShards | None = None,
     correction: ErrorFeedback | None = None,
-    clip_val: float | None = None,
-    clip_algorithm: str = "norm",
     before_step: Callable[[torch.optim.Optimizer], None] | None = None,
     names: Callable[[], dict[int, list[str]]] = dict,
     describe: Callable[[], str] = lambda: "this rank",
@@ -108,7 +106,7 @@ def build_update(
         owners = shards if options.shard_gradients else None  # each owner's gradients reduced to it
         buckets = GradientBuckets(replicated, groups.replica, width, shards=owners)
     sharded = buckets is not None and buckets.sharded
-    clip = None if not clip_val else "value" if clip_algorithm == "value" else options.clip_mode
+    clip_val = options.clipping.value
     shape = UpdateShape(
         double_buffered,
         width,
@@ -118,7 +116,7 @@ def build_update(
         owners_broadcast=shards is not None,
         nonfinite=options.on_nonfinite,
         hooks=before_step is not None,
-        clip=clip,
+        clip=options.clipping.kind,
     )
     norm = StageNorm(params, shared, device, groups.shard if sharded else None)
     build: dict[type[UpdatePart], Callable[[], UpdatePart]] = {

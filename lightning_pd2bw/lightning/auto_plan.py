@@ -15,7 +15,12 @@ from .compat import train_dataloader
 
 
 def choose(
-    trainer: pl.Trainer, layers: list[nn.Module], options: PipelineOptions, device: torch.device, num_nodes: int
+    trainer: pl.Trainer,
+    layers: list[nn.Module],
+    options: PipelineOptions,
+    global_batch: int | None,
+    device: torch.device,
+    num_nodes: int,
 ) -> tuple[PipelineOptions, Any, int]:
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
     options that run it (the planner's depth, microbatches, recomputation and cut), the planner's best prediction
@@ -26,7 +31,6 @@ def choose(
 
     loader = train_dataloader(trainer)
     sample = next(iter(loader))
-    global_batch = options.global_batch_size
     if global_batch is None:
         global_batch = getattr(loader, "batch_size", None) and loader.batch_size * trainer.world_size
     if not global_batch:
@@ -69,8 +73,6 @@ def choose(
             }
         )
     planned = options.replace(
-        plan=None,
-        global_batch_size=None,
         num_stages=chosen.depth,
         num_microbatches=best.num_microbatches,
         recompute=chosen.recompute,

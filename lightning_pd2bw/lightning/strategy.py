@@ -8,6 +8,7 @@ One Lightning training step is one segment of the pipeline schedule; the engine 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,7 +29,7 @@ from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
 from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
-from ..engine.options import DEFAULT_CORRECTION, PipelineOptions
+from ..engine.options import DEFAULT_CORRECTION, Clipping, PipelineOptions
 from . import auto_plan, checks
 from .checkpoints import StageCheckpoints
 from .compat import (
@@ -40,19 +41,19 @@ from .compat import (
 )
 from .contract import pipeline_layers_of
 from .drains import Drains
+from .options import STRATEGY_KEYS, StrategyOptions
 from .preemption import host_group
 from .processes import PipelineProcesses
 from .resilience import Resilience
-
-STRATEGY_KEYS = rules.Keys(where="PipeDream2BWStrategy: ", call="PipeDream2BWStrategy")  # how messages name options
 
 
 class PipeDream2BWStrategy(PipelineProcesses):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
     Its keywords are the pipeline's options, each documented and checked once, in
-    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options`` holds them; the API reference lists
-    them here from there), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options`` holds them; ``clip_mode`` is its
+    ``Clipping``'s mode), the strategy's own in ``lightning_pd2bw.lightning.options.StrategyOptions``
+    (``strategy.strategy_options``; the API reference lists both here from there), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend`` and ``timeout``, as for ``DDPStrategy``.
     Clipping comes from the Trainer (``gradient_clip_val``, ``gradient_clip_algorithm``).
     """
@@ -93,30 +94,27 @@ class PipeDream2BWStrategy(PipelineProcesses):
     ) -> None:
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(*lightning_args, process_group_backend=process_group_backend, timeout=timeout)
-        self.options = PipelineOptions(
+        self.options = PipelineOptions(  # the engine's
             num_stages=num_stages,
             num_microbatches=num_microbatches,
             mode=mode,
             lookahead=lookahead,
             layers_per_stage=layers_per_stage,
-            plan=plan,
-            global_batch_size=global_batch_size,
             recompute=recompute,
             boundary_dtype=boundary_dtype,
             weight_dtype=weight_dtype,
             compile=compile,
-            clip_mode=clip_mode,
+            clipping=Clipping.of(STRATEGY_KEYS, mode=clip_mode),  # the value and algorithm: the Trainer's, at setup
             on_nonfinite=on_nonfinite,
             delay_correction=delay_correction,
             delay_correction_strength=delay_correction_strength,
             shard_optimizer=shard_optimizer,
             shard_gradients=shard_gradients,
-            failure_timeout=failure_timeout,
-            hang_timeout=hang_timeout,
-            async_checkpoint=async_checkpoint,
-            requeue=requeue,
             keys=STRATEGY_KEYS,
         )
+        settings = (plan, global_batch_size, failure_timeout, hang_timeout, async_checkpoint, requeue)
+        self.strategy_options = StrategyOptions(*settings, keys=STRATEGY_KEYS)  # the strategy's own
+        self.strategy_options.check(self.options)
         if async_checkpoint:
             checks.check_async_checkpoint()
         self.checkpoints = StageCheckpoints(async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
@@ -150,13 +148,13 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        if self.options.plan is None:  # bad layouts fail before any process group exists
+        if self.strategy_options.plan is None:  # bad layouts fail before any process group exists
             self._run()
         super().setup_environment()
         self.init_process_group()
         self.checkpoints.create_group()
         checks.check_host_groups([host_group(), self.checkpoints.group])  # bounded: names GLOO_SOCKET_IFNAME
-        if self.options.plan is None:  # under plan="auto" the grid waits for the plan (setup)
+        if self.strategy_options.plan is None:  # under plan="auto" the grid waits for the plan (setup)
             self._build_grid()
 
     def _build_grid(self) -> None:
@@ -185,13 +183,16 @@ class PipeDream2BWStrategy(PipelineProcesses):
         module = self.lightning_module
         layers = pipeline_layers_of(module)
         checks.check_trainer(trainer, module)
-        if self.options.plan == "auto":
+        if self.strategy_options.plan == "auto":
             self._adopt_plan(trainer, layers)
         checks.check_callbacks(trainer, self._run())
         assert self.grid is not None
         options = self.options
         fitting = trainer.state.fn == TrainerFn.FITTING
-        algorithm = trainer.gradient_clip_algorithm
+        algorithm = trainer.gradient_clip_algorithm  # the Trainer's clipping, in the engine's options
+        algorithm = str(getattr(algorithm, "value", algorithm)) if algorithm else "norm"
+        clipping = Clipping.of(STRATEGY_KEYS, trainer.gradient_clip_val, algorithm, options.clipping.mode)
+        self.options, self.run = options.replace(clipping=clipping), None
         self.engine = PipelineEngine(
             layers,
             self._run(),
@@ -201,8 +202,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
             grid=self.grid,
             init_layer=getattr(module, "init_pipeline_layer", None),
             root=module,
-            clip_val=trainer.gradient_clip_val,
-            clip_algorithm=str(getattr(algorithm, "value", algorithm)) if algorithm else "norm",
             before_step=lambda optimizer: before_optimizer_step_hooks(trainer, optimizer),
             progress=self.progress,
             info=rank_zero_info,
@@ -221,8 +220,12 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     def _adopt_plan(self, trainer: pl.Trainer, layers: list[nn.Module]) -> None:
         """``plan="auto"``: the planner's depth, microbatches, recomputation and cut become this run's options."""
-        plan = auto_plan.choose(trainer, layers, self.options, self.root_device, self.num_nodes)
+        settings = self.strategy_options
+        plan = auto_plan.choose(
+            trainer, layers, self.options, settings.global_batch_size, self.root_device, self.num_nodes
+        )
         self.options, self.planned, self.planned_batch = plan
+        self.strategy_options = dataclasses.replace(settings, plan=None, global_batch_size=None)  # planned once
         self.run = None  # resolved again with the plan's layout
         self._build_grid()
 

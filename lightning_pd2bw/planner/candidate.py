@@ -85,7 +85,7 @@ class Candidate:
         """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
         of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
         recompute = options.recompute if recompute is None else recompute
-        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None, plan=None, global_batch_size=None)
+        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None)
         return cls(width, depth, micro_batch_size, recompute, options.replace(**layout, recompute=recompute))
 
     @property

@@ -109,7 +109,7 @@ def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> Up
         sharded=options.shard_gradients and sharded_optimizer,
         owners_broadcast=sharded_optimizer,
         nonfinite=options.on_nonfinite,
-        clip=options.clip_mode,  # the recipes clip by the norm
+        clip=options.clipping.kind or options.clipping.mode,  # no value given (the Trainer's): by the norm, as recipes
     )
 
 

@@ -27,7 +27,7 @@ sys.meta_path.insert(0, NoLightning())
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pd2bw.engine import PipelineEngine, PipelineOptions  # noqa: E402
+from lightning_pd2bw.engine import Clipping, PipelineEngine, PipelineOptions  # noqa: E402
 from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
 from lightning_pd2bw.engine.transport import StageLink  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
@@ -64,12 +64,12 @@ def build(
             mode=run["mode"],
             layers_per_stage=cut,
             delay_correction=None,  # the reference is the plain 2BW rule
+            clipping=Clipping(run["clip"]),
         ),
         model.pipeline_inputs,
         model.pipeline_loss,
         device="cpu",
         init_layer=model.init_pipeline_layer,
-        clip_val=run["clip"],
         transport=CountingLink,
     )
     params = engine.parameters()

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pd2bw.engine import PipelineEngine, PipelineOptions  # noqa: E402
+from lightning_pd2bw.engine import Clipping, PipelineEngine, PipelineOptions  # noqa: E402
 from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory  # noqa: E402
@@ -32,7 +32,7 @@ def train(shard: bool) -> dict:
     torch.manual_seed(0)
     with parameters_on_meta():
         core = GPTCore(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN))
-    options = PipelineOptions(num_stages=2, num_microbatches=2, shard_optimizer=shard)
+    options = PipelineOptions(num_stages=2, num_microbatches=2, shard_optimizer=shard, clipping=Clipping(0.5))
     engine = PipelineEngine(
         core.pipeline_layers(),
         options,
@@ -41,7 +41,6 @@ def train(shard: bool) -> dict:
         device="cpu",
         init_layer=core.init_pipeline_layer,
         root=core,
-        clip_val=0.5,
     )
     engine.start(torch.optim.AdamW(engine.parameters(), lr=3e-3, weight_decay=0.01))
     replica = engine.grid.replica

@@ -113,13 +113,11 @@ def test_hydra_strategy_keys_reach_the_strategy():
     overrides = ("strategy.on_nonfinite=skip", "strategy.failure_timeout=30", "strategy.hang_timeout=null")
     cfg = load("tiny", (*overrides, "strategy.lookahead=1"))
     strategy = instantiate(cfg.strategy, num_stages=2, num_microbatches=2)
-    assert (strategy.options.on_nonfinite, strategy.options.failure_timeout, strategy.options.hang_timeout) == (
-        "skip",
-        30,
-        None,
-    )
+    settings = strategy.strategy_options
+    assert (strategy.options.on_nonfinite, settings.failure_timeout, settings.hang_timeout) == ("skip", 30, None)
     assert strategy.options.lookahead == 1
-    assert instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2).options.hang_timeout == 600
+    default = instantiate(load("tiny", ()).strategy, num_stages=2, num_microbatches=2)
+    assert default.strategy_options.hang_timeout == 600
 
 
 def test_horizon_changes_names_each_changed_setting():

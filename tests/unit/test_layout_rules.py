@@ -183,7 +183,18 @@ def test_trainer_finds_the_strategy_whichever_is_imported_first(first):
     assert python(code).splitlines()[-1] == "PipeDream2BWStrategy"
 
 
-HOME = {"options.py:PipelineOptions", "strategy.py:PipeDream2BWStrategy.__init__"}  # the option and its keyword
+KEYWORD = "strategy.py:PipeDream2BWStrategy.__init__"  # where users type every option
+
+
+def home_of(option: str) -> set[str]:
+    """Where an option is defined (the engine's ``PipelineOptions``, its ``Clipping``, or the strategy's own
+    ``StrategyOptions``) and where users type it (the strategy's keyword)."""
+    from lightning_pd2bw.lightning.options import StrategyOptions
+
+    owner = "StrategyOptions" if option in StrategyOptions.names() else "Clipping" if option == "clip_mode" else ""
+    return {f"options.py:{owner or 'PipelineOptions'}", KEYWORD}
+
+
 VIEWS = {  # where an option's name is also declared, and why: each a resolved or derived view, never a copy of it
     "layout.py:Layout": "the resolved layout (options.resolve(world).layout): depth, microbatches, mode, cut, lookahead",
     "layout.py:Keys": "how messages name the layout's options, not the options",
@@ -199,19 +210,23 @@ VIEWS = {  # where an option's name is also declared, and why: each a resolved o
 
 
 def option_declarations() -> dict[str, set[str]]:
-    """Every dataclass field and ``__init__`` parameter in the package named like a ``PipelineOptions`` field."""
-    import dataclasses
-
+    """Every dataclass field and ``__init__`` parameter in the package named like an option's flat key (the keys
+    of ``PipelineOptions`` and ``StrategyOptions``; ``Clipping.mode`` declares ``clip_mode``)."""
     from lightning_pd2bw.engine.options import PipelineOptions
+    from lightning_pd2bw.lightning.options import StrategyOptions
 
-    names = {f.name for f in dataclasses.fields(PipelineOptions)} - {"keys"}
+    names = {*PipelineOptions.names(), *StrategyOptions.names()}
     found: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ClassDef):
                 continue
             for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.target.id in names:
+                if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                    pass
+                elif node.name == "Clipping" and item.target.id == "mode":
+                    found.setdefault("clip_mode", set()).add(f"{path.name}:{node.name}")
+                elif item.target.id in names:
                     found.setdefault(item.target.id, set()).add(f"{path.name}:{node.name}")
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
                     for arg in (*item.args.args, *item.args.kwonlyargs):
@@ -225,8 +240,9 @@ def test_each_option_is_declared_in_its_home_and_named_views_only():
     strategy's keyword); anything else that declares its name is one of the resolved or derived views named above,
     with the reason. The engine, the executor, the update and the schedules take the options or the ``Layout``."""
     declared = option_declarations()
-    assert all(HOME <= places for places in declared.values()), {k: v for k, v in declared.items() if not HOME <= v}
-    strays = {option: sorted(places - HOME - set(VIEWS)) for option, places in declared.items()}
+    homeless = {k: v for k, v in declared.items() if not home_of(k) <= v}
+    assert not homeless, homeless
+    strays = {option: sorted(places - home_of(option) - set(VIEWS)) for option, places in declared.items()}
     assert not any(strays.values()), {k: v for k, v in strays.items() if v}
     engine_views = {"layout.py:Layout", "layout.py:Keys", "grid.py:ProcessGrid", "comm_plan.py:CommLayout"}
     in_engine = {place for places in declared.values() for place in places if place in VIEWS}

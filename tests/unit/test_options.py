@@ -13,18 +13,55 @@ import torch.distributed as dist
 
 from lightning_pd2bw import Layout, PipeDream2BWStrategy, PipelineEngine
 from lightning_pd2bw.cli.checks import ConfigError, check_options
-from lightning_pd2bw.engine.options import PipelineOptions
+from lightning_pd2bw.engine.options import Clipping, PipelineOptions
+from lightning_pd2bw.lightning.options import STRATEGY_KEYS, StrategyOptions
 
 from ..distributed.launch import free_port
 
 
+def flat_defaults() -> dict[str, object]:
+    """Every option's flat key (what users type) and its default: the engine's ``PipelineOptions`` (its
+    ``Clipping`` by its ``clip_mode``) and the strategy's own ``StrategyOptions``."""
+    defaults = {}
+    for options in (PipelineOptions, StrategyOptions):
+        for option in dataclasses.fields(options):
+            if option.name == "clipping":
+                defaults["clip_mode"] = option.default.mode
+            elif option.name != "keys":
+                defaults[option.name] = option.default
+    return defaults
+
+
 def test_the_strategy_takes_every_option_with_the_options_default():
     signature = inspect.signature(PipeDream2BWStrategy.__init__).parameters
-    for option in dataclasses.fields(PipelineOptions):
-        if option.name == "keys":
-            continue
-        assert option.name in signature, f"PipeDream2BWStrategy does not take {option.name}"
-        assert signature[option.name].default == option.default, option.name
+    for name, default in flat_defaults().items():
+        assert name in signature, f"PipeDream2BWStrategy does not take {name}"
+        assert signature[name].default == default, name
+
+
+def test_options_by_layer_and_the_schema_walks_both():
+    """Issue 61, 4: the engine's options hold the layout, the compute and the update (clipping as one value); the
+    strategy's own (plan, batch, timeouts, checkpoints, requeue) live in ``lightning/`` and the engine never sees
+    them; the Hydra schema is the flat union users type, each default the owner's."""
+    from lightning_pd2bw.cli.schemas import StrategySchema
+
+    assert set(StrategyOptions.names()).isdisjoint(PipelineOptions.names())
+    assert set(StrategyOptions.names()) == {
+        "plan",
+        "global_batch_size",
+        "failure_timeout",
+        "hang_timeout",
+        "async_checkpoint",
+        "requeue",
+    }
+    schema = {f.name: f.default for f in dataclasses.fields(StrategySchema) if f.name != "_target_"}
+    assert schema == flat_defaults()
+    strategy = PipeDream2BWStrategy(clip_mode="stage", hang_timeout=30)
+    assert strategy.options.clipping == Clipping(None, "norm", "stage")  # the value: the Trainer's, at setup
+    assert strategy.strategy_options == StrategyOptions(hang_timeout=30)
+    assert Clipping(1.0, "value").kind == "value" and Clipping(1.0).kind == "global" and Clipping().kind is None
+    with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=-1.0\) must be >= 0"):
+        Clipping.of(STRATEGY_KEYS, value=-1.0)
 
 
 def test_the_strategy_holds_its_options_and_reads_them_by_name():
@@ -86,16 +123,22 @@ def test_the_engine_takes_the_options_and_resolves_them_once(one_process):
     def build(options):
         return PipelineEngine(layers, options, lambda b: b, lambda o, b: o.sum())
 
-    engine = build(PipelineOptions(mode="flush", num_microbatches=2, recompute=True, clip_mode="stage"))
-    assert engine.options.recompute and engine.options.clip_mode == "stage" and engine.executor is None
+    engine = build(
+        PipelineOptions(mode="flush", num_microbatches=2, recompute=True, clipping=Clipping(1.0, mode="stage"))
+    )
+    assert engine.options.recompute and engine.options.clipping.kind == "stage" and engine.executor is None
     assert engine.layout == Layout(1, 2, "flush")  # resolved on this world: depth 1, the microbatches given
     assert engine.options.boundary_dtype is None  # "auto" without Lightning's precision: each tensor's own dtype
     engine.close()
     assert build(PipelineOptions()).layout == Layout(1, 1, "2bw")  # the defaults: depth = world, m = depth
     with pytest.raises(TypeError, match="PipelineEngine takes PipelineOptions"):
         build(Layout(1, 2, "flush"))
+    with pytest.raises(ValueError, match=r"Clipping\(mode='all'\) is invalid; valid: global, stage"):
+        PipelineOptions(clipping=Clipping(mode="all"))
     with pytest.raises(ValueError, match=r"PipelineOptions\(clip_mode='all'\) is invalid"):
-        PipelineOptions(clip_mode="all")
+        PipelineOptions.from_mapping({"clip_mode": "all"})
+    with pytest.raises(TypeError, match="clip_val"):  # the clipping is an option now, not an engine keyword
+        PipelineEngine(layers, PipelineOptions(), lambda b: b, lambda o, b: o.sum(), clip_val=1.0)
 
 
 def test_one_default_correction_everywhere():
