@@ -33,6 +33,7 @@ class Case:
     momentum: float = 0.0
     steps: int = 4
     clip: float | None = None
+    clip_algorithm: str = "norm"  # Lightning's gradient_clip_algorithm: "norm" (over the whole model) or "value"
     schedule: bool = False  # warm-up + cosine learning-rate schedule
     recompute: bool | tuple[int, ...] = False  # per stage: its first layers recomputed
     checkpoint_every: int | None = None  # drain + checkpoint every N steps (2BW restarts its versions)

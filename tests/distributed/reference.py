@@ -183,7 +183,9 @@ def _reference_run(
             p.grad = grads[n]
         if sparsity is not None:
             sparsity.before_step(optimizers)
-        if case.clip:
+        if case.clip and case.clip_algorithm == "value":  # each entry clamped to [-clip, clip]
+            torch.nn.utils.clip_grad_value_(model.parameters(), case.clip)
+        elif case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         factor = sparsity.lr_factor(sparsity.step) if sparsity is not None else 1.0
         for optimizer in optimizers:

@@ -135,6 +135,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         max_steps=steps,
         precision=case.precision,
         gradient_clip_val=case.clip,
+        gradient_clip_algorithm=case.clip_algorithm if case.clip else None,
         limit_val_batches=2 if case.val_every else 0,
         val_check_interval=case.val_every,
         num_sanity_val_steps=0,

@@ -64,7 +64,7 @@ def build(
             mode=run["mode"],
             layers_per_stage=cut,
             delay_correction=None,  # the reference is the plain 2BW rule
-            clipping=Clipping(run["clip"]),
+            clipping=Clipping(run["clip"], run["clip_algorithm"]),
         ),
         model.pipeline_inputs,
         model.pipeline_loss,

@@ -19,6 +19,8 @@ from .reference import assert_within_rounding, outside_rounding, reference_weigh
 RUNS = [
     Case("engine_2bw_schedule", mode="2bw", steps=5, schedule=True),  # tied sums deferred, per-batch lr
     Case("engine_flush_clip", mode="flush", steps=4, clip=0.5),
+    # Clipping(value, "value"): every gradient entry clamped, tied ones after their sum over the stages
+    Case("engine_2bw_clip_value", mode="2bw", steps=4, clip=0.002, clip_algorithm="value"),
     # width 2; global clipping; save, rebuild and load at step 3 (a drain): the run goes on as if uninterrupted
     Case("engine_2bw_w2_clip_restart", mode="2bw", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
     # engine.save at step 3, a new engine with another cut, engine.load (resharding): the run goes on as before
@@ -39,6 +41,7 @@ def spec_of(case: Case, width: int) -> dict:
         "lr": 3e-3,
         "weight_decay": 0.01,
         "clip": case.clip,
+        "clip_algorithm": case.clip_algorithm,
         "warmup_steps": 2 if case.schedule else 0,
         "max_steps": case.steps if case.schedule else None,
         "restart_at": list(case.drains),
@@ -76,6 +79,9 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
     assert max((exact[k] - initial[k]).abs().max().item() for k in exact) > 1e-3, "training moved the weights"
     other = reference_weights(replace(case, mode="flush" if case.mode == "2bw" else "2bw"), width)
     assert outside_rounding(other, exact, bounds), "the bound tells the rules apart"
+    if case.clip:
+        unclipped = reference_weights(replace(case, clip=None), width)
+        assert outside_rounding(unclipped, exact, bounds), "the clipping changed the update"
     losses = [r["losses"] for r in results]
     assert all(x == losses[0] for x in losses[: case.num_stages]), "every stage of a pipeline reports its loss"
     # what train_batch and drain() returned, in order: every batch's loss exactly once, in its order; 2BW: one
