@@ -91,7 +91,32 @@ def plan_text(cfg, layout, model) -> str:
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s))
     lines.append(checkpoint_cost(cfg, layout, profile, stages, memories, step_s).describe())
+    lines.append(training_cost_text(cfg, layout, step_s))
     return "\n".join(lines)
+
+
+def training_cost_text(cfg, layout, step_s: float | None) -> str:
+    """``cost:`` the whole run at ``trainer.max_steps``: its tokens, the tokenized corpus one epoch of them needs
+    (``pd2bw-prepare-data``'s ids: uint16 up to 65,536 words, else uint32) and, with a cluster, the planned days and
+    GPU-hours."""
+    from .checks import vocab_of
+
+    steps = cfg.trainer.get("max_steps")
+    if not steps or steps < 0:
+        return "cost: trainer.max_steps is not set (epochs): the run's length, and so its cost, is the data's"
+    tokens = steps * layout.tokens_per_step
+    data = f"{tokens / 1e9:,.2f}B tokens" if tokens >= 1e9 else f"{tokens:,} tokens"
+    if str(cfg.data.get("_target_", "")).endswith("TokenDataModule"):
+        corpus = tokens * (2 if vocab_of(cfg.model) <= 1 << 16 else 4)
+        data += f", {corpus / 1e9:,.1f} GB tokenized for one epoch" if corpus >= 1e9 else f", {corpus / 1e6:,.1f} MB"
+    if step_s is None:
+        return f"cost: {steps:,} steps (trainer.max_steps) = {data}; the time needs a cluster (+cluster=NAME)"
+    seconds = steps * step_s
+    return (
+        f"cost: {steps:,} steps (trainer.max_steps) x {step_s:.2f} s = {seconds / 86400:,.1f} days on "
+        f"{layout.world_size} devices, {seconds * layout.world_size / 3600:,.0f} device-hours (planned, never run); "
+        f"{data}"
+    )
 
 
 def planned_step_s(cfg, layout, profile, stages) -> float | None:

@@ -171,6 +171,8 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
     assert "64 processes = 4 stages x 16 replicas" in out and "64 microbatches" in out
     assert "tokens per step = 1024 x 2048 = 2,097,152" in out
     assert out.count("est. memory") == 4 and "stage 3: layers 31..41" in out
+    # issue 63, 4: what the run costs. 143,052 steps x 2,097,152 tokens, in uint16 ids (vocabulary 50,304)
+    assert "cost: 143,052 steps (trainer.max_steps) = 300.00B tokens, 600.0 GB tokenized for one epoch" in out
 
 
 def test_dry_run_with_a_lookahead_counts_its_stash(tmp_path):
@@ -404,6 +406,12 @@ def test_the_dry_run_proposes_the_fewest_layers_to_recompute_per_stage(tmp_path)
     )
     over = run_cli(*base, cwd=tmp_path)
     assert over.returncode == 0, over.stderr[-3000:]
+    step = float(re.search(r"\(([\d.]+) s per step", over.stdout)[1])  # the plan's, on the cluster
+    days, hours = re.search(
+        r"cost: 143,052 steps .* = ([\d.]+) days on 64 devices, ([\d,]+) device-hours", over.stdout
+    ).groups()
+    assert abs(float(days) - 143_052 * step / 86_400) <= 0.05 + 143_052 * 0.005 / 86_400  # the step is printed rounded
+    assert abs(int(hours.replace(",", "")) - 143_052 * step * 64 / 3600) <= 1 + 143_052 * 0.005 * 64 / 3600
     warnings = [line for line in over.stdout.splitlines() if line.startswith("WARNING: stage")]
     proposed = re.search(
         r"'strategy\.layers_per_stage=(\[[\d,]+\])' 'strategy\.recompute=(\[[\d,]+\])' \(per stage, the fewest",
