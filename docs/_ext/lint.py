@@ -1,7 +1,9 @@
 """Markdown faults the strict MkDocs build does not catch (``make docs`` runs this first; ``tests/unit/test_docs.py``).
 
-- A list right after a paragraph line, without a blank line between: Python-Markdown then renders the items as
-  run-on text of the paragraph.
+- A list item right after a line that is not its list's own paragraph (a paragraph, a table row, a closing code
+  fence, or an item's later paragraph), without a blank line between: Python-Markdown then renders the items as
+  run-on text of that paragraph, or as rows of the table.
+- A table row whose number of cells differs from its header's: the site drops or pads cells silently.
 - A code line longer than ``CODE_WIDTH`` characters: the site shows about that many before clipping at the right
   edge (Material's content column at a laptop's width).
 - A page longer than about a screen (``SCREEN_WORDS``) without ``##`` subheadings: no table of contents to
@@ -23,26 +25,44 @@ ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
 
 def faults(path: Path) -> list[str]:
     lines = path.read_text().splitlines()
-    found, fenced, previous, in_list = [], False, "", False
+    found, fenced, previous = [], False, ""
+    chained = False  # the previous line continues a list item's first paragraph (an item may follow it directly)
+    header_cells = None  # the cells of the table being read
     for number, line in enumerate(lines, 1):
         if line.lstrip().startswith("```"):
-            fenced, previous = not fenced, ""
+            fenced, previous, chained = not fenced, "```", False
             continue
         if fenced:
             if len(line) > CODE_WIDTH:
                 found.append(f"{path}:{number}: code line of {len(line)} characters (> {CODE_WIDTH}): it is clipped")
             continue
+        is_row = line.lstrip().startswith("|")
+        if is_row:
+            cells = _cells(line)
+            if header_cells is None:
+                header_cells = cells
+            elif cells != header_cells:
+                found.append(f"{path}:{number}: a table row of {cells} cells under a header of {header_cells}")
+        else:
+            header_cells = None
         if ITEM.match(line):
-            if previous and not in_list and not previous.lstrip().startswith(("#", "|", ">", "<")):
-                found.append(f"{path}:{number}: a list right after a paragraph line: put a blank line before it")
-            in_list = True
-        elif line.strip() and not previous and _indent(line) == 0:
-            in_list = False  # a paragraph after a blank line: the list (if any) has ended
+            if previous and not chained and not previous.lstrip().startswith(("#", "<")):
+                found.append(f"{path}:{number}: a list item right after a paragraph, table or code block: put a blank "
+                             "line before it")  # fmt: skip
+            chained = True
+        elif not line.strip() or is_row:
+            chained = False
         previous = line if line.strip() else ""
     words = sum(len(line.split()) for line in lines)
     if words > SCREEN_WORDS and not any(line.startswith("## ") for line in lines):
         found.append(f"{path}:1: {words} words and no ## subheading: split the page into sections")
     return found
+
+
+def _cells(row: str) -> int:
+    """The cells of a table row: its pipes outside inline code, less the one that closes the row."""
+    text = re.sub(r"`[^`]*`", "", row.strip().replace("\\|", ""))
+    return text.count("|") - (1 if text.endswith("|") else 0)
 
 
 def _indent(line: str) -> int:

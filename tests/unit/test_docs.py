@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,8 +113,45 @@ def test_the_markdown_lint_finds_what_the_strict_build_does_not(tmp_path):
     page.write_text(f"# T\n\nText:\n- item\n\nText.\n\n- fine\n  continued\n- next\n\n```\n{code}\n```\n" + "w " * 500)
     found = lint.faults(page)
     assert len(found) == 3, found
-    assert ":4: a list right after a paragraph line" in found[0] and ":13: code line of 121" in found[1]
+    assert ":4: a list item right after a paragraph" in found[0] and ":13: code line of 121" in found[1]
     assert "no ## subheading" in found[2]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "- a\n\n  ```\n  x\n  ```\n- b\n- c\n",  # after a code block inside an item
+        "| a | b |\n|---|---|\n| 1 | 2 |\n- b\n- c\n",  # after a table: the items become its rows
+        "- a\n\n  | a | b |\n  |---|---|\n  | 1 | 2 |\n- b\n",  # after an indented table
+        "- a\n\n    a later paragraph\n- b\n- c\n",  # after an item's second paragraph
+        "1. a\n\n   more\n2. b\n",
+        "## H\n- a\n- b\n",  # fine: a heading is a block of its own
+        "- a\n  continued\n- b\n",  # fine: the item's own paragraph
+        "Text:\n\n- a\n- b\n\n  later\n\n- c\n",  # fine: a blank line before each
+    ],
+)
+def test_the_lint_flags_a_list_exactly_where_markdown_runs_it_on(tmp_path, page):
+    """Issue 63, 2: the lint flags a list item exactly where Python-Markdown (the site's renderer, with the site's
+    extensions) does not render it as one: its items counted against the ``<li>`` it renders."""
+    import re
+
+    import markdown
+
+    path = tmp_path / "page.md"
+    path.write_text(page)
+    items = sum(bool(_lint().ITEM.match(line)) for line in page.splitlines())
+    rendered = markdown.markdown(page, extensions=["tables", "admonition", "pymdownx.superfences"])
+    run_on = len(re.findall(r"<li>", rendered)) < items
+    assert bool(_lint().faults(path)) == run_on, (rendered, _lint().faults(path))
+
+
+def test_the_lint_counts_each_table_rows_cells(tmp_path):
+    """A row with more or fewer cells than its header (the site drops or pads them); escaped pipes and pipes in
+    inline code are not cell borders."""
+    path = tmp_path / "page.md"
+    path.write_text("| a | b |\n|---|---|\n| `x|y` | a \\| b |\n| 1 | 2 | 3 |\n\n| c |\n|---|\n| 1 |\n")
+    found = _lint().faults(path)
+    assert len(found) == 1 and ":4: a table row of 3 cells under a header of 2" in found[0], found
 
 
 def test_every_docs_page_passes_the_markdown_lint():
