@@ -37,7 +37,7 @@ test-slow: venv  ## the slow tests alone (longer runs kept out of both tiers)
 
 docs: venv  ## the documentation site from docs/ into build/site (strict: a broken link or reference fails)
 	$(BIN)/python docs/_ext/lint.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 soak: venv  ## a long 2BW run with validation and checkpoints: memory and engine counters stay bounded
 	OMP_NUM_THREADS=1 PD2BW_SOAK_STEPS=$${PD2BW_SOAK_STEPS:-3000} $(BIN)/python -m pytest -q tests/distributed/test_soak.py

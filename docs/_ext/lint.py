@@ -4,6 +4,9 @@
   fence, or an item's later paragraph), without a blank line between: Python-Markdown then renders the items as
   run-on text of that paragraph, or as rows of the table.
 - A table row whose number of cells differs from its header's: the site drops or pads cells silently.
+- A table cell over ``CELL_CHARS`` characters (a few lines of the site's column): a paragraph in a cell is read
+  by no one; make it a list.
+- A page over ``PAGE_WORDS`` words: too long to read; split what holds today from the dated results log.
 - A code line longer than ``CODE_WIDTH`` characters: the site shows about that many before clipping at the right
   edge (Material's content column at a laptop's width).
 - A page longer than about a screen (``SCREEN_WORDS``) without ``##`` subheadings: no table of contents to
@@ -20,6 +23,8 @@ from pathlib import Path
 
 CODE_WIDTH = 120
 SCREEN_WORDS = 400
+CELL_CHARS = 400
+PAGE_WORDS = 3000
 ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
 
 
@@ -43,6 +48,9 @@ def faults(path: Path) -> list[str]:
                 header_cells = cells
             elif cells != header_cells:
                 found.append(f"{path}:{number}: a table row of {cells} cells under a header of {header_cells}")
+            widest = max(len(cell.strip()) for cell in re.sub(r"`[^`]*`", _code, line.strip()).strip("|").split("|"))
+            if widest > CELL_CHARS:
+                found.append(f"{path}:{number}: a table cell of {widest} characters (> {CELL_CHARS}): make it a list")
         else:
             header_cells = None
         if ITEM.match(line):
@@ -56,7 +64,13 @@ def faults(path: Path) -> list[str]:
     words = sum(len(line.split()) for line in lines)
     if words > SCREEN_WORDS and not any(line.startswith("## ") for line in lines):
         found.append(f"{path}:1: {words} words and no ## subheading: split the page into sections")
+    if words > PAGE_WORDS and path.name != "CHANGELOG.md":  # read by release, never end to end
+        found.append(f"{path}:1: {words} words (> {PAGE_WORDS}): split what holds today from a dated results log")
     return found
+
+
+def _code(match: re.Match) -> str:
+    return "x" * len(match.group())  # inline code: its length counts, its pipes do not
 
 
 def _cells(row: str) -> int:

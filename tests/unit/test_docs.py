@@ -154,6 +154,16 @@ def test_the_lint_counts_each_table_rows_cells(tmp_path):
     assert len(found) == 1 and ":4: a table row of 3 cells under a header of 2" in found[0], found
 
 
+def test_the_lint_refuses_paragraphs_in_cells_and_pages_too_long_to_read(tmp_path):
+    lint = _lint()
+    path = tmp_path / "page.md"
+    path.write_text(
+        "## S\n\n| a | b |\n|---|---|\n| 1 | " + "w" * (lint.CELL_CHARS + 1) + " |\n\n" + "w " * lint.PAGE_WORDS
+    )
+    found = lint.faults(path)
+    assert len(found) == 2 and ":5: a table cell of 401 characters" in found[0] and "words (> 3000)" in found[1], found
+
+
 def test_every_docs_page_passes_the_markdown_lint():
     lint = _lint()
     pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
