@@ -95,7 +95,7 @@ def newton_schulz(
 class Muon(torch.optim.Muon):
     """``torch.optim.Muon``, with its Newton-Schulz iteration in ``ns_dtype``: default bfloat16 (torch's choice) on
     accelerators and float32 on the CPU, where bfloat16 matmuls have no fast kernels (30-37x slower than float32 on
-    this project's CPU machine, one thread: docs/quality.md). ``ns_dtype=torch.bfloat16`` steps exactly
+    this project's CPU machine, one thread: docs/muon-log.md). ``ns_dtype=torch.bfloat16`` steps exactly
     as torch's Muon does (tests/unit/test_optim.py); the state (``momentum_buffer``) and the options are torch's."""
 
     def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
