@@ -130,7 +130,19 @@ PRECISIONS = ("32-true", "32", "bf16-mixed", "64-true", "64")  # what the strate
 
 
 def check_values(cfg: Any) -> None:
-    """Single values no schema type can refuse: sizes, the learning rate, the steps, the precision."""
+    """Single values no schema type can refuse: sizes, the learning rate, the steps, the precision; and the keys a
+    recipe ``requires`` (``recipe=prune``: ``init_from``)."""
+    for key in cfg.get("requires") or []:
+        if cfg.get(key) in (None, ""):
+            raise ConfigError(
+                f"{key} is required by this recipe (requires: {list(cfg.requires)}): add {key}=..."
+                + (
+                    " (the trained weights it starts from: a pd2bw checkpoint directory, a consolidated file from "
+                    "pd2bw-consolidate, or a Hugging Face model directory)"
+                    if key == "init_from"
+                    else ""
+                )
+            )
     positive = {
         "global_batch_size": cfg.get("global_batch_size"),
         "micro_batch_size": cfg.get("micro_batch_size"),

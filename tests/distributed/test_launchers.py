@@ -3,6 +3,7 @@ logging to an offline wandb run whose on-disk records are checked."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -137,3 +138,33 @@ def test_ckpt_path_last_resumes_the_runs_newest_checkpoint(tmp_path):
     assert "ckpt_path=last: resuming from" in second.stdout and "step=6" in second.stdout.split("resuming from")[1]
     assert "trainer.max_steps 6 -> 9" in second.stderr, "the changed horizon is said"
     assert json.loads((tmp_path / "outputs" / "job" / "summary.json").read_text())["global_step"] == 9
+
+
+def first_train_loss(out: Path) -> float:
+    rows = [r for f in out.glob("csv/*/metrics.csv") for r in csv.DictReader(f.open()) if r.get("train_loss")]
+    return float(min(rows, key=lambda r: int(r["step"]))["train_loss"])
+
+
+def test_the_prune_recipe_prunes_a_trained_run_while_fine_tuning_it(tmp_path):
+    """``recipe=prune`` (issue 65, 3): a trained run's checkpoint directory, pruned to 50% while fine-tuning, with a
+    fresh step count; it starts from the trained weights (its first loss is the trained model's, not a fresh
+    one's). Without ``init_from`` it refuses to start, naming the key."""
+    train = [sys.executable, "-m", "lightning_pd2bw.cli.train", *SMALL_RUN, "model.warmup_steps=1", "model.lr=3e-3"]
+    dense = tmp_path / "dense"
+    run([*train, "sparsity=none", f"paths.output_dir={dense}"], tmp_path)
+    checkpoint = dense / "checkpoints" / "last.ckpt"
+    assert (checkpoint / "manifest.json").exists()
+    refused = subprocess.run(
+        [*train, "recipe=prune", f"paths.output_dir={tmp_path / 'none'}"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert refused.returncode != 0 and "init_from is required by this recipe" in refused.stderr + refused.stdout
+    pruned = tmp_path / "pruned"
+    run([*train, "recipe=prune", f"init_from={checkpoint}", f"paths.output_dir={pruned}"], tmp_path)
+    summary = json.loads((pruned / "summary.json").read_text())
+    assert summary["global_step"] == 6  # a fresh step count: 6 more steps, not resumed at 6
+    assert abs(summary["sparsity/density"] - 0.5) < 0.01, summary
+    assert first_train_loss(pruned) < first_train_loss(dense) - 0.5, "it starts from the trained weights"

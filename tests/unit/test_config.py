@@ -30,7 +30,11 @@ def test_the_five_recipes_exist():
 
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_every_recipe_composes_and_passes_the_checks(recipe):
-    cfg = load(recipe)
+    required = list(load(recipe).requires)  # recipe=prune: init_from, refused by name without it
+    if required:
+        with pytest.raises(ConfigError, match=f"{required[0]} is required by this recipe"):
+            check_run(load(recipe))
+    cfg = load(recipe, tuple(f"{key}={RECIPES / 'tiny.yaml'}" for key in required))  # a path that exists
     model = build_model_on_meta(cfg)
     layout = check_run(cfg, num_layers=len(model.pipeline_layers()))
     assert layout.num_microbatches >= layout.num_stages
