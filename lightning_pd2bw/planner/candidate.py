@@ -15,7 +15,7 @@ from .profile import LayerProfile
 MiB = 1 << 20
 # NCCL's own device buffers per communicator: NCCL_BUFFSIZE (4 MiB) for each direction of each of its channels,
 # allocated when the communicator is first used. 64 MiB is an estimate (8 channels x 2 x 4 MiB), to be checked
-# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: docs/gpus.md).
+# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: docs/planner.md).
 NCCL_BYTES_PER_COMMUNICATOR = 64 * MiB
 
 

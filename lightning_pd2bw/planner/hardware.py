@@ -30,7 +30,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100_80g": DeviceSpec("a100_80g", 312e12, 80 * GiB, 2039 * GB),
     # measured: a GPT-13B stage slice (embedding, 5 blocks of 5120, head; micro 1, m = 8, recomputation off, eager)
     # trained by the engine at 45.8% MFU under 2BW and 48.0% under Flush, the whole step with its update, on one
-    # H200 (the H100 SXM's tensor cores and clocks) on 2026-11-27 (docs/gpus.md; benchmarks/gpu_stage.py --model
+    # H200 (the H100 SXM's tensor cores and clocks) on 2026-11-27 (docs/gpus-log.md; benchmarks/gpu_stage.py --model
     # gpt13b --layers 5 --micro 1 --m 8 --lookahead 7 --runs 2bw,flush)
     "h100_80g": DeviceSpec("h100_80g", 989e12, 80 * GiB, 3350 * GB, efficiency=0.46),
 }
