@@ -51,11 +51,11 @@ class PipeDream2BWStrategy(PipelineProcesses):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
     Its keywords are the pipeline's options, each documented and checked once, in
-    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options`` holds them; ``clip_mode`` is its
-    ``Clipping``'s mode), the strategy's own in ``lightning_pd2bw.lightning.options.StrategyOptions``
-    (``strategy.strategy_options``; the API reference lists both here from there), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options``; ``clip_mode`` is its ``Clipping``'s
+    mode, the value and algorithm the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``), the
+    strategy's own in ``lightning_pd2bw.lightning.options.StrategyOptions`` (``strategy.strategy_options``; the API
+    reference lists both here), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend`` and ``timeout``, as for ``DDPStrategy``.
-    Clipping comes from the Trainer (``gradient_clip_val``, ``gradient_clip_algorithm``).
     """
 
     strategy_name = "pd2bw"
@@ -112,13 +112,20 @@ class PipeDream2BWStrategy(PipelineProcesses):
             shard_gradients=shard_gradients,
             keys=STRATEGY_KEYS,
         )
-        settings = (plan, global_batch_size, failure_timeout, hang_timeout, async_checkpoint, requeue)
-        self.strategy_options = StrategyOptions(*settings, keys=STRATEGY_KEYS)  # the strategy's own
-        self.strategy_options.check(self.options)
-        if async_checkpoint:
+        self.strategy_options = own = StrategyOptions(  # the strategy's own
+            plan=plan,
+            global_batch_size=global_batch_size,
+            failure_timeout=failure_timeout,
+            hang_timeout=hang_timeout,
+            async_checkpoint=async_checkpoint,
+            requeue=requeue,
+            keys=STRATEGY_KEYS,
+        )
+        own.check(self.options)
+        if own.async_checkpoint:
             checks.check_async_checkpoint()
-        self.checkpoints = StageCheckpoints(async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
-        self.resilience = Resilience(failure_timeout, hang_timeout, requeue)
+        self.checkpoints = StageCheckpoints(own.async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
+        self.resilience = Resilience(own.failure_timeout, own.hang_timeout, own.requeue)
         self.drains = Drains(self.drain)
         self.planned: Any = None  # the planner's Prediction under plan="auto"
         self.planned_batch: int | None = None  # and each replica's batch size
@@ -220,12 +227,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     def _adopt_plan(self, trainer: pl.Trainer, layers: list[nn.Module]) -> None:
         """``plan="auto"``: the planner's depth, microbatches, recomputation and cut become this run's options."""
-        settings = self.strategy_options
-        plan = auto_plan.choose(
-            trainer, layers, self.options, settings.global_batch_size, self.root_device, self.num_nodes
-        )
+        own = self.strategy_options
+        plan = auto_plan.choose(trainer, layers, self.options, own.global_batch_size, self.root_device, self.num_nodes)
         self.options, self.planned, self.planned_batch = plan
-        self.strategy_options = dataclasses.replace(settings, plan=None, global_batch_size=None)  # planned once
+        self.strategy_options = dataclasses.replace(own, plan=None, global_batch_size=None)  # planned once
         self.run = None  # resolved again with the plan's layout
         self._build_grid()
 
