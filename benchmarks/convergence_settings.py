@@ -140,4 +140,4 @@ def flush_of(setting: str) -> str:
     ``flush+dense``)."""
     parts = setting.split("@")[0].split("+")
     schedule = [p for p in parts[1:] if (suffix := SUFFIX.fullmatch(p)) and suffix[1] in ("lr", "wu")]
-    return "+".join(["flush", *(["dense"] if "dense" in parts[1:] else []), *schedule])
+    return "+".join(["flush", *(["dense"] if "dense" in parts else []), *schedule])  # "dense": 2BW, dense

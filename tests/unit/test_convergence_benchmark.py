@@ -67,6 +67,7 @@ def test_each_setting_is_compared_with_flush_at_its_own_rate_and_warm_up():
     assert flush_of("2bw+pef+lr6e-4+wu60") == "flush+lr6e-4+wu60"
     assert flush_of("2bw+ef+strength2") == flush_of("2bw+ef@330") == "flush"  # Flush has no correction to strengthen
     assert flush_of("2bw+dense") == flush_of("2bw+ef+dense") == "flush+dense"  # dense against dense
+    assert flush_of("dense") == flush_of("dense+strength0.5") == "flush+dense"  # the default 2BW, dense (was "flush")
     results = {
         "stdlib/muon/flush": {"final": [2.0, 2.0]},
         "stdlib/muon/flush+lr6e-4": {"final": [2.5, 2.5]},
