@@ -193,8 +193,10 @@ def check_options(strategy: Any) -> PipelineOptions:
 
     values = OmegaConf.to_container(strategy, resolve=True) if OmegaConf.is_config(strategy) else dict(strategy)
     try:
-        StrategyOptions.from_mapping(values, CONFIG_KEYS)
-        return PipelineOptions.from_mapping(values, CONFIG_KEYS)
+        own = StrategyOptions.from_mapping(values, CONFIG_KEYS)
+        pipeline = PipelineOptions.from_mapping(values, CONFIG_KEYS)
+        own.check(pipeline)
+        return pipeline
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -88,8 +88,6 @@ class StrategyOptions:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], keys: rules.Keys = STRATEGY_KEYS) -> StrategyOptions:
-        """The strategy's options among the flat ``values`` (e.g. a Hydra ``strategy`` node), checked against the
-        pipeline's options among them."""
-        options = cls(**{name: values[name] for name in cls.names() if name in values}, keys=keys)
-        options.check(PipelineOptions.from_mapping(values, keys))
-        return options
+        """The strategy's options among the flat ``values`` (e.g. a Hydra ``strategy`` node; other keys are left
+        out). ``check`` them against the pipeline's."""
+        return cls(**{name: values[name] for name in cls.names() if name in values}, keys=keys)
