@@ -15,7 +15,7 @@ def local_update(versions: WeightVersions, step_fn: Callable[[int], None]) -> di
     """The update's handlers for a stage driven alone (one process, no collectives: unit tests, measurements): an
     update begins at REDUCE (the next weight version made writable, the batch's gradients set aside), and at STEP
     ``step_fn(batch)`` runs on the newest weights with that batch's gradients in ``.grad`` (the next batch's,
-    accumulated meanwhile, back afterwards); the other parts and LOSS do nothing.
+    accumulated meanwhile, back afterwards); the other parts, PUBLISH and LOSS do nothing.
     ``StageExecutor(..., versions, ..., handlers=local_update(versions, step_fn))``."""
     params = versions.parameters
     aside: dict[int, list[torch.Tensor | None]] = {}
@@ -45,5 +45,6 @@ def local_update(versions: WeightVersions, step_fn: Callable[[int], None]) -> di
         S.NORM: nothing,
         S.CLIP: nothing,
         S.STEP: step,
+        S.PUBLISH: nothing,
         S.LOSS: nothing,
     }

@@ -14,7 +14,11 @@ Modes (DESIGN.md):
   (its gradients set aside, the tied sums launched); CHECK, HOOKS and NORM(t) (the clip norm launched over the
   pipeline) once batch t + 1's forward of microbatch ``(t + 1) m + w0`` has passed the stage (``w0``: the first
   stage's warm-up), by which every stage has reached REDUCE(t), so none waits for another's tied sum; CLIP and
-  STEP(t) at the head of step t + 2. Flush and GPipe run the parts back to back at the end of their batch.
+  STEP(t) ``d - 1`` forwards later (every stage has launched the norm by then; ``finish_after``: where batch t + 1
+  has no such forward, at the end of step t + 1), and PUBLISH(t) at the end of step t + 1, before batch t + 2's
+  first forward reads W(t + 1): the sharded optimizer's broadcasts of the new weights run in between, behind batch
+  t + 1's compute. A step's end therefore holds every update but the last batch's, whatever the layout. Flush and
+  GPipe run the parts back to back at the end of their batch.
 
 ``segment(...)`` returns the actions of one training step (what the strategy runs per Lightning
 step); ``drain(...)`` returns what is left in flight after a step; ``stream(...)`` is the
@@ -48,7 +52,8 @@ class Kind(str, Enum):
     HOOKS = "HOOKS"  # the before-step hooks (Lightning: on_before_optimizer_step)
     NORM = "NORM"  # the global clip norm launched over the pipeline
     CLIP = "CLIP"  # clipping
-    STEP = "STEP"  # the optimizers' step, the delay correction, the sharded optimizer's broadcasts
+    STEP = "STEP"  # the optimizers' step, the delay correction; the sharded optimizer's broadcasts launched
+    PUBLISH = "PUBLISH"  # the new weights in place on every replica: the sharded optimizer's broadcasts waited for
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
     EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
@@ -60,15 +65,16 @@ class Kind(str, Enum):
         return format(self.value, spec)
 
 
-FORWARD, BACKWARD, STEP = Kind.FORWARD, Kind.BACKWARD, Kind.STEP
+FORWARD, BACKWARD, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.STEP, Kind.PUBLISH
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
 WAIT_SENDS, LOSS, EVAL = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL
 UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
 PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
-FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: at the head of step b + 2)
-BATCH_KINDS = (*UPDATE_PARTS, STEP, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
+FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 where it has room, ``finish_after``)
+UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
+BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
 TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
 EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
 _TEXT = re.compile(
@@ -248,7 +254,7 @@ def _twobw_order(
 
 def update(batch: int) -> list[Action]:
     """The parts of batch ``batch``'s update, in order, back to back (flush, gpipe, and 2BW's drain)."""
-    return [Action(REDUCE, batch), *prepare(batch), *finish(batch)]
+    return [Action(REDUCE, batch), *prepare(batch), *finish(batch), Action(PUBLISH, batch)]
 
 
 def prepare(batch: int) -> list[Action]:
@@ -257,15 +263,17 @@ def prepare(batch: int) -> list[Action]:
 
 
 def finish(batch: int) -> list[Action]:
-    """The completion of batch ``batch``'s update: what 2BW runs at the head of step ``batch + 2``."""
+    """The completion of batch ``batch``'s update: what 2BW runs beside batch ``batch + 1`` (``finish_after``) or at
+    the end of step ``batch + 1``; PUBLISH ends that step."""
     return [Action(kind, batch) for kind in FINISH_PARTS]
 
 
 def _insert_steps(
-    actions: list[Action], num_microbatches: int, pending: int | None, prepare_after: int
+    actions: list[Action], num_microbatches: int, pending: int | None, prepare_after: int, finish_after: int | None
 ) -> tuple[list[Action], int | None]:
     """Place REDUCE(b), the beginning of batch b's update, right before the first F that follows b's last backward,
-    and its CHECK, HOOKS and NORM right after the forward of microbatch ``(b + 1) m + prepare_after`` and its send.
+    its CHECK, HOOKS and NORM right after the forward of microbatch ``(b + 1) m + prepare_after`` and its send, and
+    its CLIP and STEP after that of ``(b + 1) m + finish_after`` (None: not in this step).
 
     Returns the actions and the batch whose REDUCE is still pending at the end (or None).
     """
@@ -278,9 +286,10 @@ def _insert_steps(
         if action.kind == BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
             pending = action.batch
         sent = index + 1 == len(actions) or actions[index + 1].kind != SEND_FORWARD  # the forward's send is out
-        if action.kind in (FORWARD, SEND_FORWARD) and sent and action.microbatch % num_microbatches == prepare_after:
-            if action.batch >= 1:
-                out += prepare(action.batch - 1)
+        if action.kind in (FORWARD, SEND_FORWARD) and sent and action.batch >= 1:
+            position = action.microbatch % num_microbatches
+            out += prepare(action.batch - 1) if position == prepare_after else []
+            out += finish(action.batch - 1) if position == finish_after else []
     return out, pending
 
 
@@ -290,9 +299,20 @@ def prepare_after(num_stages: int, num_microbatches: int, lookahead: int = 0) ->
     b's last backward and waited for at CHECK, has half a batch of compute to hide behind (at 13B, 482 buckets of
     25 MiB over 16 replicas: about 0.5 s, where one forward is 45 ms); and never before the first stage's warm-up
     forwards, so that every stage has reached REDUCE(b) (the tied sum's members) when any stage waits at CHECK(b).
-    The norm launched at NORM(b) then has the batch's second half to complete before CLIP(b) reads it at the head
-    of step b + 2."""
+    The norm launched at NORM(b) then has ``d - 1`` forwards to complete before CLIP(b) reads it
+    (``finish_after``)."""
     return max(warmup_forwards(0, num_stages, num_microbatches, lookahead), num_microbatches // 2)
+
+
+def finish_after(num_stages: int, num_microbatches: int, lookahead: int = 0) -> int | None:
+    """Under 2BW, CLIP and STEP of batch b run after the forward of microbatch ``(b + 1) m + finish_after``: ``d - 1``
+    forwards after NORM(b) on the first stage, by which the last stage has run that forward too (1F1B puts it at
+    most ``d - 1`` forwards behind the first), so CLIP(b) finds the pipeline's norm launched everywhere; PUBLISH(b)
+    follows at the end of step b + 1, so the sharded optimizer's broadcasts of the new weights have the rest of batch
+    b + 1 to hide behind (at 13B, 8 x 8, m = 128: 56 microbatches, where they take about 3). None where batch b + 1
+    has no such forward (then CLIP and STEP(b) run at the end of step b + 1, right before PUBLISH(b))."""
+    after = prepare_after(num_stages, num_microbatches, lookahead) + num_stages - 1
+    return after if after < num_microbatches else None
 
 
 def _pending_before(
@@ -315,10 +335,21 @@ def _segment(
     order = _twobw_order(stage, num_stages, num_microbatches, batch, lookahead)
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
     pending = _pending_before(mode, stage, num_stages, num_microbatches, batch, lookahead)
+    after = finish_after(num_stages, num_microbatches, lookahead)
     actions, _ = _insert_steps(
-        actions, num_microbatches, pending, prepare_after(num_stages, num_microbatches, lookahead)
+        actions, num_microbatches, pending, prepare_after(num_stages, num_microbatches, lookahead), after
     )
-    return (finish(batch - 2) if batch >= 2 else []) + actions
+    return actions
+
+
+def _completion(layout: Layout, batch: int) -> list[Action]:
+    """The end of step ``batch``'s compute under 2BW: PUBLISH(b - 1), after CLIP and STEP(b - 1) where the step had no
+    room for them beside its forwards (``finish_after`` None)."""
+    _, num_stages, num_microbatches, lookahead = _of(layout)
+    if batch < 1:
+        return []
+    fits = finish_after(num_stages, num_microbatches, lookahead) is not None
+    return [*([] if fits else finish(batch - 1)), Action(PUBLISH, batch - 1)]
 
 
 def _carried(actions: list[Action]) -> tuple[list[Action], list[Action]]:
@@ -331,8 +362,9 @@ def _carried(actions: list[Action]) -> tuple[list[Action], list[Action]]:
 def segment(layout: Layout, stage: int, batch: int) -> list[Action]:
     """Actions of training step ``batch`` (0-based since the last drain) on ``stage`` of ``layout``.
 
-    Under 2BW a step begins with the completion of batch ``batch - 2``'s update (CHECK .. STEP: before this batch's
-    first forward reads the weights it makes), and batch b's REDUCE follows its last backward on this stage.
+    Under 2BW step ``batch`` completes batch ``batch - 1``'s update (CLIP and STEP at ``finish_after``, or at its end
+    where it has no room; PUBLISH at its end: before the next batch's first forward reads the weights it makes), and
+    batch b's REDUCE follows its last backward on this stage.
     A segment's last action on a stage after the first is a SEND_B whose neighbour takes it only in its next
     segment, fused with the first activations of the next batch (``fused_receive``): it is sent at the head of the
     next segment (or drain), in one batch with the receive of those activations, so both ends of the pair batch
@@ -346,12 +378,12 @@ def segment(layout: Layout, stage: int, batch: int) -> list[Action]:
     if batch == 0:
         return [*actions, Action(LOSS, batch)]
     _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, batch - 1, lookahead))
-    return [*carried, *actions, Action(LOSS, batch)]
+    return [*carried, *actions, *_completion(layout, batch), Action(LOSS, batch)]
 
 
 def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
-    """What remains in flight on ``stage`` after step ``last_batch``: the completion of the update before it, its
-    last backwards and its whole update (nothing may stay pending after a drain), then the wait for its sends."""
+    """What remains in flight on ``stage`` after step ``last_batch``: its last backwards and its whole update (nothing
+    may stay pending after a drain), then the wait for its sends."""
     mode, num_stages, num_microbatches, lookahead = _of(layout)
     if mode.flushes or last_batch < 0:
         return []
@@ -359,10 +391,9 @@ def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
     end = (last_batch + 1) * num_microbatches
     order = [(BACKWARD, k) for k in range(end - warmup, end)]
     actions = _expand(order, stage, num_stages, num_microbatches, mode)
-    before = finish(last_batch - 1) if last_batch >= 1 else []
     _, carried = _carried(_segment(mode, stage, num_stages, num_microbatches, last_batch, lookahead))
     # the previous step may have left this stage's REDUCE of `last_batch` pending (warm-up 0)
-    return carried + before + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
+    return carried + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
 
 
 def evaluation(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:

@@ -13,20 +13,21 @@ computes what all of them computed before). ``shard_gradients=True`` reduces eac
 (``grad_buckets.py``; the norm and the flags then sum the owners' parts over the replicas, ``update.py``): the
 exchange drops from all-reduce plus broadcast to DDP's bytes.
 
-The broadcasts run on a group of their own (``grid.Groups.shard``), one per owning replica, each the bytes of the
-owner's parameters in one message (``gradients.broadcast_flat``, any dtypes); every replica issues them in the same
-order (replica 0 first).
+The broadcasts run on a group of their own (``grid.Groups.shard``), asynchronously: launched at STEP, each owner's
+tensors in turn (replica 0's first, the same order on every replica), each straight into the receivers' storage of
+the new version (no buffer: a flat copy of every owner's bytes would hold a whole stage's weights again at once), and
+waited for at PUBLISH, before the first forward that reads them (``stepper.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from . import gradients
 from .grid import ProcessGrid
 
 
@@ -88,9 +89,24 @@ class OptimizerShards:
         return self.by_owner[self.replica]
 
     @torch.no_grad()
-    def broadcast_weights(self) -> None:
-        """After the step: each owner's new weights to every other replica, one message of their bytes per owner
-        (``gradients.broadcast_flat``), into the weight version the step wrote (the parameters' current storage).
-        Every replica holds the same owner lists, so an owner with nothing skips its broadcast everywhere."""
+    def launch_broadcasts(self) -> Callable[[], None]:
+        """After the step, the parameters pointing at the weights it wrote: each owner's new weights to every other
+        replica, tensor by tensor, asynchronously, into those storages. Returns what waits for them all (and copies
+        back a tensor that had to travel as a contiguous copy). Every replica holds the same owner lists, so all
+        issue the same broadcasts in the same order."""
+        works, copies = [], []
         for owner, params in enumerate(self.by_owner):
-            gradients.broadcast_flat([p.data for p in params], self.ranks[owner], self.group)
+            for param in params:
+                target = param.data
+                message = target if target.is_contiguous() else target.contiguous()
+                works.append(dist.broadcast(message, src=self.ranks[owner], group=self.group, async_op=True))
+                if message is not target:
+                    copies.append((target, message))
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+            for target, message in copies:
+                target.copy_(message)
+
+        return wait

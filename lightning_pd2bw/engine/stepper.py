@@ -1,9 +1,10 @@
-"""The update's last part, STEP: the stage's optimizers, 2BW's delay correction and the sharded optimizer's
-broadcasts (``update.py`` says when it runs); and the optimizers' view of one stage (``local_optimizers``)."""
+"""The update's last part, STEP and PUBLISH: the stage's optimizers, 2BW's delay correction and the sharded
+optimizer's broadcasts (``update.py`` says when they run); and the optimizers' view of one stage
+(``local_optimizers``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ class Stepper(UpdatePart):
     """STEP(b), on the weight version REDUCE(b) made writable: every optimizer's ``step()`` with the hyper-parameters
     batch b was fed with (unless the batch is skipped); 2BW's delay correction (``correction``, built under 2BW only)
     and then the optimizers' post-hooks; with the optimizer sharded (``shards``), the owners' broadcasts of the new
-    weights, on every replica, skipped or not (the same broadcasts in the same order)."""
+    weights launched, on every replica, skipped or not (the same broadcasts in the same order). PUBLISH(b) waits for
+    them: nothing reads the new version before (its first reader is batch b + 2's first forward, and a step's end,
+    where callbacks and checkpoints read the weights, follows PUBLISH)."""
 
     def __init__(
         self,
@@ -39,17 +42,21 @@ class Stepper(UpdatePart):
     ) -> None:
         self.optimizers, self.ledger, self.versions = list(optimizers), ledger, versions
         self.correction, self.shards = correction, shards
+        self.publishing: dict[int, Callable[[], None]] = {}  # batch -> the wait for its owners' broadcasts
 
     def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.STEP: self.step}
+        return {S.STEP: self.step, S.PUBLISH: self.publish}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        """The sharded optimizer: one broadcast per owner, replica 0's first (``OptimizerShards.broadcast_weights``;
-        an owner with no tensor skips its own everywhere, so a stage with fewer tensors than replicas has fewer)."""
+        """The sharded optimizer: one broadcast per owner, replica 0's first, launched at STEP and waited for at
+        PUBLISH (``OptimizerShards.launch_broadcasts``: an owner's tensors back to back, one message each; an owner
+        with no tensor issues none, so a stage with fewer tensors than replicas has fewer)."""
         if not shape.owners_broadcast:
             return []
-        return [Collective("broadcast", "shard", f"weights of {owner}", S.STEP) for owner in range(shape.width)]
+        return [
+            Collective("broadcast", "shard", f"weights of {owner}", S.STEP, S.PUBLISH) for owner in range(shape.width)
+        ]
 
     def step(self, batch: int, aside: SetAside) -> None:
         hparams = self.ledger.take_hparams(batch)
@@ -57,7 +64,17 @@ class Stepper(UpdatePart):
             with aside.in_grad():
                 self._step(batch, hparams)
         if self.shards is not None:
-            self.shards.broadcast_weights()
+            aside.writable()  # the storages the step wrote (a skipped step: the new version, a copy of the last)
+            self.publishing[batch] = self.shards.launch_broadcasts()
+
+    def publish(self, batch: int, aside: SetAside | None) -> None:
+        wait = self.publishing.pop(batch, None)
+        if wait is not None:
+            wait()
+
+    def at_drain(self) -> None:
+        for batch in sorted(self.publishing):
+            self.publish(batch, None)
 
     def _step(self, batch: int, hparams: list[list[dict[str, Any]]]) -> None:
         correction = self.correction

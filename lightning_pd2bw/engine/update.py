@@ -1,11 +1,13 @@
 """The update of one batch, identical on every stage, made of parts with one job each (the one home of this text).
 
-``schedule.update(b)`` places the update's actions (``engine/schedule.py``): REDUCE, CHECK, HOOKS, NORM, CLIP and
-STEP of batch b. Under 2BW the update of batch b is first read by batch b + 2's first forward, so it runs while batch
-b + 1 computes: REDUCE(b) right after b's last backward on the stage, CHECK/HOOKS/NORM(b) half a batch later, beside
-batch b + 1 (``schedule.prepare_after``: the buckets' all-reduce has that long to finish), CLIP
-and STEP(b) at the head of step b + 2 (flush and gpipe run them back to back). The rule is unchanged,
-W(t+1) = W(t) - lr * grad f(W(t-1)): only when the work is done moved.
+``schedule.update(b)`` places the update's actions (``engine/schedule.py``): REDUCE, CHECK, HOOKS, NORM, CLIP,
+STEP and PUBLISH of batch b. Under 2BW the update of batch b is first read by batch b + 2's first forward, so it runs
+while batch b + 1 computes: REDUCE(b) right after b's last backward on the stage, CHECK/HOOKS/NORM(b) half a batch
+later, beside batch b + 1 (``schedule.prepare_after``: the buckets' all-reduce has that long to finish), CLIP and
+STEP(b) ``d - 1`` forwards after that, PUBLISH(b) at the end of step b + 1 (``schedule.finish_after``: the owners'
+broadcasts have the rest of the batch to finish; without room, all three at the end of step b + 1; flush and gpipe
+run them back to back). The rule is unchanged, W(t+1) = W(t) - lr * grad f(W(t-1)): only when the work is done
+moved.
 
 ``UpdateRule`` (here) keeps the dispatch and the set-aside ledger: at REDUCE(b) the next weight version is made
 writable and batch b's gradients are taken out of ``.grad`` into a ``SetAside`` (the next batch's backwards then
@@ -30,7 +32,7 @@ the collectives it issues as data (``UpdatePart.collectives``, read by the NCCL 
   for, every gradient scaled), ``StageNormClip`` or ``ClipByValue`` (CLIP), or none;
 - the ``Stepper`` (``stepper.py``, STEP): every optimizer's ``step()`` with the hyper-parameters batch b was fed
   with, 2BW's delay correction (``delay_correction.py``), the optimizers' post-hooks, and with the optimizer sharded
-  the owners' broadcasts of the new weights (every replica, skipped or not).
+  the owners' broadcasts of the new weights launched (every replica, skipped or not), waited for at PUBLISH.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from .versions import WeightVersions
 if TYPE_CHECKING:
     from .gradient_store import GradientStore
 
-Handler = Callable[[int, "SetAside"], None]  # (batch, its set-aside update)
+Handler = Callable[[int, "SetAside"], None]  # (batch, its set-aside update; PUBLISH: after STEP released it, None)
 
 
 @dataclass
@@ -148,7 +150,7 @@ class UpdateRule:
 
     def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
         """The update's actions for the executor's table (``StageExecutor(handlers=)``)."""
-        table: dict[S.Kind, list[Handler]] = {kind: [] for kind in (*S.UPDATE_PARTS, S.STEP)}
+        table: dict[S.Kind, list[Handler]] = {kind: [] for kind in S.UPDATE_KINDS}
         for part in self.parts:
             for kind, handler in part.handlers().items():
                 table[kind].append(handler)
@@ -159,7 +161,7 @@ class UpdateRule:
             batch = action.batch
             if kind == S.REDUCE:
                 self._begin(batch)
-            aside = self.pending[batch]
+            aside = self.pending[batch] if kind != S.PUBLISH else None  # STEP released the batch's gradients
             for handler in handlers:
                 handler(batch, aside)
             if kind == S.REDUCE and self.double_buffered:

@@ -210,8 +210,8 @@ def refusal(too_big: list[Prediction], cluster: ClusterSpec, capacity: float, gl
 def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool = True) -> str:
     rows = [
         f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} "
-        f"{'samples/s':>10} {'batch s':>9} {'max stage GiB':>13}  stage memory GiB"
-    ]
+        f"{'samples/s':>10} {'batch s':>9} {'update':>6} {'max stage GiB':>13}  stage memory GiB"
+    ]  # update: the slowest stage's update (blocked on its collectives and its own compute), of the batch time
     for rank, p in enumerate(predictions[:limit], 1):
         c = p.candidate
         per_stage = " ".join(f"{sum(m.values()) / GiB:.1f}" for m in p.stage_memory)
@@ -221,7 +221,7 @@ def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool 
         rows.append(
             f"{rank if fits else '-':>4} {c.width:>5} {c.depth:>5} {c.micro_batch_size:>5} {p.num_microbatches:>4} "
             f"{recompute_text(c.recompute):>9} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
-            f"{p.peak_memory / GiB:>13.1f}  {per_stage}"
+            f"{100 * p.update_time / p.batch_time:>5.1f}% {p.peak_memory / GiB:>13.1f}  {per_stage}"
         )
     return "\n".join(rows)
 

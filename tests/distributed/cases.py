@@ -195,13 +195,15 @@ CASES = {
         Case("gpt_2bw_nonfinite_skip", mode="2bw", steps=6, poison_step=2, clip=0.5, checkpoint_every=4),
         # the weight swaps of 2BW inside one autocast region, with recomputation (autocast's cast cache)
         Case("gpt_2bw_bf16_recompute", mode="2bw", recompute=True, steps=5, precision="bf16-mixed"),
-        # bf16 weight versions over a float32 master: width 2 (sharded steps broadcasting the master), the predictive
-        # correction (from the master, not the rounded version), clipping, a drain and a checkpoint's resume;
+        # bf16 weight versions over a float32 master: width 2 (sharded steps broadcasting the master; m = 4: STEP
+        # beside the next batch, the broadcasts in flight until PUBLISH), the predictive correction (from the master,
+        # not the rounded version), clipping, a drain and a checkpoint's resume;
         # and the per-microbatch casts of weight_dtype=None under flush
         Case(
             "gpt_2bw_d2w2_bf16_pef",
             width=2,
             mode="2bw",
+            num_microbatches=4,
             steps=6,
             precision="bf16-mixed",
             correction=PREDICTIVE,
@@ -297,10 +299,12 @@ CASES = {
         ),
         # sharded gradients (shard_gradients=True): each bucket's parts reduced to their owners; the clip norm and
         # the non-finite agreement summed over the owners first; Muon's whole matrices and global-magnitude masks
+        # (m = 4: the owners' broadcasts in flight beside the next batch)
         Case(
             "gpt_2bw_d2w2_shard_grads",
             width=2,
             mode="2bw",
+            num_microbatches=4,
             steps=5,
             clip=0.5,
             correction=PREDICTIVE,

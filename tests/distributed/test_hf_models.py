@@ -62,11 +62,11 @@ def test_hf_model_matches_reference(trained, family, mode, width):
         torch.testing.assert_close(tensor, expected[name], rtol=1e-5, atol=1e-6, msg=name)
         moved = max(moved, (tensor - merged_initial[name]).abs().max().item())
     assert moved > 1e-3, "training changed the weights"
-    # callbacks see the newest weights at on_train_batch_end of step s: under flush W(s+1); under 2BW W(s-1) (the
-    # update of batch s-1 completes at the head of step s+1, beside nothing the callbacks could observe: issue 46)
+    # callbacks see the newest weights at on_train_batch_end of step s: under flush W(s+1); under 2BW W(s) (the
+    # update of batch s-1 is published at the end of step s, the last batch's is in flight: issues 46, 62)
     for rank in range(STAGES):
         seen = torch.load(out / f"batch-end-rank-{rank}.pt", weights_only=True)
         for step, weights in enumerate(seen):
-            version = versions[max(step - 1, 0) if mode == "2bw" else step + 1]
+            version = versions[step if mode == "2bw" else step + 1]
             for name, tensor in weights.items():
                 torch.testing.assert_close(tensor, version[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")

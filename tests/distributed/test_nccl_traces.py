@@ -60,7 +60,8 @@ def normalised(ops: list[Op]) -> list[tuple]:
     """The pipeline's own calls: issues by kind, channel, peer and collective, and which of them each wait
     awaits (waits on sends are left out: the transport forgets sends that completed by themselves). Sharded
     gradients: a bucket's reduces to its owners, issued back to back on one communicator and waited for together,
-    count as one (the lowering issues one per replica; a real bucket holds the parameters of some owners only)."""
+    count as one (the lowering issues one per replica; a real bucket holds the parameters of some owners only); so do
+    the sharded optimizer's broadcasts of one step (the lowering issues one per owner, a run one per tensor)."""
     ours = [op for op in ops if op.channel.startswith("pd2bw/") or op.kind == WAIT]
     index: dict[int, tuple[int, str]] = {}
     out: list[tuple] = []
@@ -70,7 +71,8 @@ def normalised(ops: list[Op]) -> list[tuple]:
                 out.append(("wait", index[op.handle][0]))
         else:
             entry = (op.kind, op.channel, op.peer, op.members, op.name)
-            if op.name == "reduce" and out and out[-1] == entry:  # one bucket's owners: one entry (below)
+            owners = op.name == "reduce" or (op.name == "broadcast" and op.channel.startswith("pd2bw/shard/"))
+            if owners and out and out[-1] == entry:  # one bucket's owners, one step's weights: one entry (below)
                 index[op.handle] = (len(out) - 1, op.kind)
                 continue
             index[op.handle] = (len(out), op.kind)

@@ -44,8 +44,9 @@ def test_trace_matches_the_schedule(traced, mode):
         for a, b in zip(actions, actions[1:]):  # one stage runs one action at a time
             assert b["ts"] >= a["ts"] + a["dur"] - 1.0
         kinds = {e["cat"] for e in mine}
-        if mode == "2bw":  # each update completes at the head of the step two batches later (issue 46)
-            assert sorted(e["args"]["batch"] for e in mine if e["cat"] == S.STEP) == list(range(STEPS - 2))
+        if mode == "2bw":  # each update is published at the end of the next step (issues 46, 62)
+            assert sorted(e["args"]["batch"] for e in mine if e["cat"] == S.STEP) == list(range(STEPS - 1))
+            assert sorted(e["args"]["batch"] for e in mine if e["cat"] == S.PUBLISH) == list(range(STEPS - 1))
             assert S.WAIT_SENDS not in kinds and S.REDUCE in kinds
         else:
             assert S.WAIT_SENDS in kinds and S.REDUCE in kinds

@@ -321,7 +321,7 @@ def test_every_declared_collective_is_waited_after_it_is_issued_on_a_group_the_l
     from lightning_pd2bw.engine.update import UpdateShape
     from lightning_pd2bw.engine.update_build import collectives
 
-    order = [S.BACKWARD, *S.UPDATE_PARTS, S.STEP]
+    order = [S.BACKWARD, *S.UPDATE_KINDS]
     lowering = RankProgram(CommLayout("2bw", 2, 2, 2, tied=True), replica=1, stage=1)
     seen = set()
     for double, width, sharded, nonfinite, clip in itertools.product(

@@ -161,22 +161,27 @@ def test_an_update_begins_after_its_last_backward_and_ends_before_it_is_read(
 ):
     """2BW (issue 46): REDUCE(t) follows batch t's last backward on the stage; CHECK, HOOKS and NORM(t) follow
     batch t + 1's forward of microbatch (t + 1) m + w0 (and its send) on every stage, which the first stage sends
-    only after its own REDUCE(t): no stage waits for another's tied sum; CLIP and STEP(t) precede the first forward
-    of batch t + 2, the first to read W(t + 1), and REDUCE(t + 1), which makes the next version; batch t + 1
-    computes in between (the overlap). Flush and GPipe run the parts back to back at the end of their batch."""
+    only after its own REDUCE(t): no stage waits for another's tied sum. Issue 62: CLIP and STEP(t) follow the forward
+    of microbatch (t + 1) m + w0' + d - 1 (``finish_after``, where batch t + 1 has it), by which the last stage has
+    launched the norm, and PUBLISH(t) ends step t + 1 with its broadcasts behind batch t + 1's compute; without room
+    all three end step t + 1. PUBLISH(t) precedes the first forward of batch t + 2, the first to read
+    W(t + 1), and REDUCE(t + 1), which makes the next version; batch t + 1 computes in between (the overlap). Flush and
+    GPipe run the parts back to back at the end of their batch."""
     batches = 5
     w0 = S.warmup_forwards(0, num_stages, num_microbatches, lookahead)
+    after = S.finish_after(num_stages, num_microbatches, lookahead)
+    kinds = (S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS, S.PUBLISH)
     for stage in range(num_stages):
         actions = stream(mode, stage, num_stages, num_microbatches, batches, lookahead)
         for t in range(batches):
-            at = {kind: actions.index(S.Action(kind, t)) for kind in (S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS)}
+            at = {kind: actions.index(S.Action(kind, t)) for kind in kinds}
             assert list(at.values()) == sorted(at.values())
             last_backward = max(i for i, a in enumerate(actions) if a.kind == S.BACKWARD and a.batch == t)
             assert last_backward < at[S.REDUCE]
             readers = [i for i, a in enumerate(actions) if a.kind == S.FORWARD and a.weight_version == t + 1]
-            assert all(at[S.STEP] < i for i in readers), "an update read before it is complete"
+            assert all(at[S.PUBLISH] < i for i in readers), "an update read before it is complete"
             if t + 1 < batches:
-                assert at[S.STEP] < actions.index(S.Action(S.REDUCE, t + 1))
+                assert at[S.PUBLISH] < actions.index(S.Action(S.REDUCE, t + 1))
             computed = [a for a in actions[at[S.REDUCE] : at[S.STEP]] if a.kind in (S.FORWARD, S.BACKWARD)]
             if mode == "2bw" and t < batches - 1:
                 assert {a.batch for a in computed} == {t + 1}, "batch t + 1 computes while t's update is in flight"
@@ -185,8 +190,27 @@ def test_an_update_begins_after_its_last_backward_and_ends_before_it_is_read(
                 assert forward < at[S.CHECK] and actions[at[S.CHECK] - 1].kind in (S.FORWARD, S.SEND_FORWARD)
                 assert actions[at[S.CHECK] : at[S.CHECK] + 3] == S.prepare(t)
                 assert actions[at[S.CLIP] : at[S.CLIP] + 2] == S.finish(t)
+                step_end = actions.index(S.Action(S.LOSS, t + 1))
+                assert at[S.PUBLISH] == step_end - 1, "PUBLISH ends the step: callbacks read published weights"
+                if after is None:  # no room beside batch t + 1: at the end of step t + 1, back to back
+                    assert at[S.PUBLISH] == at[S.STEP] + 1
+                    continue
+                trigger = (t + 1) * num_microbatches + after
+                forward = actions.index(S.Action(S.FORWARD, t + 1, trigger, t))
+                before = (S.FORWARD, S.SEND_FORWARD, S.NORM)  # NORM: one stage, at the same forward
+                assert forward < at[S.CLIP] and actions[at[S.CLIP] - 1].kind in before
+                behind = [a for a in actions[at[S.STEP] : at[S.PUBLISH]] if a.kind in (S.FORWARD, S.BACKWARD)]
+                assert behind and {a.batch for a in behind} <= {t + 1}, "the broadcasts hide behind batch t + 1"
             else:  # flush, gpipe, and 2BW's drain: back to back
-                assert actions[at[S.REDUCE] : at[S.STEP] + 1] == S.update(t)
+                assert actions[at[S.REDUCE] : at[S.PUBLISH] + 1] == S.update(t)
+
+
+def test_the_update_finishes_beside_the_next_batch_where_it_has_room():
+    """``finish_after``: d - 1 forwards after the prepare point, inside the batch (8 x 8 at 13B, m = 128: at 71,
+    57 microbatches of cover); None where the batch is too short."""
+    assert S.finish_after(8, 128) == 64 + 7
+    assert S.finish_after(2, 4) == 3 and S.finish_after(2, 2) is None and S.finish_after(4, 4) is None
+    assert S.finish_after(1, 2) == 1  # one stage: right after its own norm
 
 
 def test_invalid_parameters_name_the_fix():
@@ -236,19 +260,22 @@ def test_a_failing_action_is_shown_marked_in_the_stage_list():
 @pytest.mark.parametrize("mode,lookahead", SCHEDULES)
 @pytest.mark.parametrize("num_stages,num_microbatches", LAYOUTS)
 def test_each_update_is_its_parts_in_order(mode, lookahead, num_stages, num_microbatches):
-    """Every batch's update is REDUCE, CHECK, HOOKS, NORM, CLIP, STEP, each once; CLIP .. STEP back to back, under
-    2BW at the head of step b + 2 (after the SEND_B carried over) or in the drain, which completes everything;
+    """Every batch's update is REDUCE, CHECK, HOOKS, NORM, CLIP, STEP, PUBLISH, each once; under 2BW PUBLISH(b) ends
+    step b + 1 (CLIP and STEP right before it where the step has no room beside its forwards) or is in the drain,
+    which completes everything;
     flush batches and drains end with WAIT_SENDS, every step with LOSS(b)."""
     batches = 4
     for stage in range(num_stages):
         actions = stream(mode, stage, num_stages, num_microbatches, batches, lookahead)
         assert [S.Action.parse(str(a), num_microbatches) for a in actions] == actions
         for b in range(batches):
-            parts = [a.kind for a in actions if a.batch == b and a.kind in (*S.UPDATE_PARTS, S.STEP)]
-            assert parts == [S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS]
-            if mode == "2bw" and b + 2 < batches:
-                head = [a for a in segment(mode, stage, num_stages, num_microbatches, b + 2, lookahead)]
-                assert [a for a in head if a.kind != S.SEND_BACKWARD][:2] == S.finish(b)
+            parts = [a.kind for a in actions if a.batch == b and a.kind in S.UPDATE_KINDS]
+            assert parts == [S.REDUCE, *S.PREPARE_PARTS, *S.FINISH_PARTS, S.PUBLISH]
+            if mode == "2bw" and b + 1 < batches:  # PUBLISH(b) ends step b + 1, right before its LOSS
+                step = segment(mode, stage, num_stages, num_microbatches, b + 1, lookahead)
+                assert step[-2:] == [S.Action(S.PUBLISH, b), S.Action(S.LOSS, b + 1)]
+                if S.finish_after(num_stages, num_microbatches, lookahead) is None:
+                    assert step[-4:-2] == S.finish(b)
         waits = [a.batch for a in actions if a.kind == S.WAIT_SENDS]
         assert waits == (list(range(batches)) if mode != "2bw" else [batches - 1])
         assert [a.batch for a in actions if a.kind == S.LOSS] == list(range(batches))

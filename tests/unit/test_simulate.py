@@ -78,11 +78,12 @@ def test_the_lowering_issues_what_the_update_declares():
                         clip="global")  # fmt: skip
     costs = [StageCosts(1.0, 2.0, shape=shape)] * 2
     programs = lower(Layout(2, 2, "2bw"), costs, free, steps=4)
-    # in 4 steps of 2BW at d = 2: batches 0-2 reach REDUCE, CHECK and NORM, batches 0-1 STEP, and the last stage
+    # in 4 steps of 2BW at d = 2: batches 0-2 reach REDUCE, CHECK, NORM, STEP and PUBLISH (m = 2 leaves no room
+    # beside the next batch: CLIP .. PUBLISH(b) end step b + 1), and the last stage
     # runs batch 3's last backward too (stage 0 runs it in step 4). Per batch: 3 buckets x 2 owners reduced at the
     # last backward; at REDUCE the tied parameters' replica average and their sum; at CHECK the owners' flags (shard)
     # and the flag over the pipeline; at NORM the owners' norm and the norm over the pipeline; at STEP 2 owners'
-    # broadcasts; per step the SIGTERM flag and the loss.
+    # broadcasts, waited at PUBLISH; per step the SIGTERM flag and the loss.
     for stage, program in enumerate(programs):
         issued = Counter(op[1] for op in program if op[0] == 4)  # ISSUE
         waited = Counter(op[1] for op in program if op[0] == 5)  # WAIT
@@ -91,14 +92,14 @@ def test_the_lowering_issues_what_the_update_declares():
         shard = f"shard{stage}"
         assert issued == {
             replica: 6 * backwards + 3,
-            shard: 3 + 3 + 2 * 2,
+            shard: 3 + 3 + 3 * 2,
             "pipeline": 6,
             "tied": 3,
             "world": 4,
             "loss": 4,
         }
-        # CHECK(b3) and CLIP(b2) come in later steps; the flag and the loss of the last step are waited at the next
-        assert waited == {replica: 6 * 3 + 3, shard: 10, "pipeline": 5, "tied": 3, "world": 3, "loss": 3}
+        # CHECK(b3) comes in a later step; the flag and the loss of the last step are waited at the next
+        assert waited == {replica: 6 * 3 + 3, shard: 12, "pipeline": 6, "tied": 3, "world": 3, "loss": 3}
 
 
 def test_many_microbatches_extrapolate_by_the_steady_state_period():

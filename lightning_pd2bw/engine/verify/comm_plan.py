@@ -231,7 +231,7 @@ class RankProgram:
             S.WAIT_SENDS: lambda action: self.wait_sends(),
         }
         # the before-step hooks at HOOKS: the sparsity callback's collectives are its own steps'
-        update = {kind: self._update_action for kind in (*S.UPDATE_PARTS, S.STEP)}
+        update = {kind: self._update_action for kind in S.UPDATE_KINDS}
         return {**transport, **update, S.LOSS: self._loss}
 
     def run(self, actions: list[S.Action]) -> None:
