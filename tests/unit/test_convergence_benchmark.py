@@ -88,6 +88,7 @@ def test_every_sweep_setting_resolves_and_a_later_key_wins():
     assert "sparsity.start_step=@0.5" in window and "sparsity.end_step=@0.9" in window
     assert "sparsity.start_step=0" not in window and "sparsity.allocation=global" in window
     assert overrides("s75+win+global+rewarm25")[-1] == "sparsity.rewarmup_steps=25"
+    assert overrides("dense+b1_0.85") == ["sparsity=none", "model.betas=[0.85,0.95]"]  # AdamW's beta1 alone
 
 
 def test_training_flops_are_the_mean_logged_ratio(tmp_path):

@@ -1,0 +1,152 @@
+"""Sparse pre-training, then dense fine-tuning on text it never saw (SPDF's claim), and pruning a trained model
+while fine-tuning it (issue 65, items 2 and 3).
+
+    python benchmarks/transfer.py                       # the tiny GPT, 2 seeds (about 15 minutes here)
+    python benchmarks/transfer.py --model gpt_small --pretrain-steps 1000 --finetune-steps 300
+
+SPDF (Thangarasa et al. 2023) claims that a model pre-trained 75% sparse and then fine-tuned densely on a downstream
+task matches the dense-pretrained model after the same fine-tuning. Per seed, as a user runs it (``pd2bw-train``,
+2 CPU processes, the product's defaults: 2BW with its correction, AdamW):
+
+1. pre-training on ``--pretrain`` (``stdlib``: the embedded corpus, Python source) for ``--pretrain-steps``: dense,
+   75% sparse with the default gradual schedule (``sparsity=gradual``), and 75% static (random masks from step 0,
+   ``sparsity=static``, SPDF's own setting), each saving its checkpoint;
+2. dense fine-tuning of each on ``--finetune`` (``fortunes``: natural English none of them saw) for
+   ``--finetune-steps`` from its weights (``init_from=``: a fresh optimizer, schedule and step; the masks do not
+   come along, so the pruned weights grow back from zero), at a fine-tune's rate (a third of pre-training's, warmed
+   up over 2% of the run); the same fine-tune from scratch is the control that pre-training matters;
+3. pruning the dense pre-trained model to 50% and 75% while fine-tuning it (``recipe=prune``, the same steps and
+   rate): the common case of taking a trained model and making it sparse.
+
+Prints per run the final validation loss on the fine-tuning corpus, each seed against the dense-pretrained fine-tune
+of the same seed, and the pre-training's training FLOPs against dense (the masks counted). Runs already finished
+under ``--out`` are reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
+
+from benchmarks.convergence import CORPORA, curve, finished, flops_ratio, val_interval  # noqa: E402
+from benchmarks.convergence_settings import MODELS  # noqa: E402
+
+PRETRAINING = {  # name -> pd2bw-train overrides
+    "dense": ["sparsity=none"],
+    "sparse75": ["sparsity=gradual", "sparsity.sparsity=0.75"],  # the default schedule, at 75%
+    "static75": ["sparsity=static", "sparsity.sparsity=0.75"],  # SPDF's: a random mask from step 0
+}
+PRUNED = {"prune50": 0.5, "prune75": 0.75}  # recipe=prune from the dense pre-trained model, to this sparsity
+PEAK_LR = {"gpt_tiny": 1e-3, "gpt_small": 6e-4}  # conf/model: pre-training's peak rate (a fine-tune takes a third)
+
+
+def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus: str, extra: list[str]) -> Path:
+    """One ``pd2bw-train`` run into ``folder`` (reused where it finished)."""
+    if finished(folder):
+        return folder
+    data = [] if corpus == "stdlib" else [f"data.paths=[{CORPORA[corpus](args.out)}]"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_pd2bw.cli.train",
+        *[e for e in extra if e.startswith("recipe=")],
+        f"model={args.model}",
+        f"data.seq_len={MODELS[args.model]}",
+        f"trainer.max_steps={steps}",
+        "trainer.devices=2",
+        f"trainer.val_check_interval={val_interval(steps, args.val_every)}",
+        "trainer.limit_val_batches=16",
+        "trainer.log_every_n_steps=10",
+        "trainer.enable_progress_bar=false",
+        f"seed={seed}",
+        f"model.config.seed={1234 + seed}",
+        f"paths.output_dir={folder}",
+        *[e for e in extra if not e.startswith("recipe=")],
+        *data,
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return folder
+
+
+def fine_tune(args: argparse.Namespace) -> list[str]:
+    """A fine-tune's rate and warm-up (the prune recipe's rule: a third of pre-training's peak, 2% warm-up)."""
+    return [
+        f"model.lr={PEAK_LR[args.model] / 3:.3g}",
+        f"model.warmup_steps={max(1, round(0.02 * args.finetune_steps))}",
+    ]
+
+
+def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
+    """Every run of one seed: name -> its final fine-tuning validation loss and its pre-training's FLOPs ratio."""
+    out, results = args.out / args.model, {}
+    tune = (args.finetune_steps, args.finetune)
+    pretrained = {
+        name: train(out / f"pretrain-{name}-seed{seed}", args, seed, args.pretrain_steps, args.pretrain, overrides)
+        for name, overrides in PRETRAINING.items()
+    }
+    for name, folder in pretrained.items():
+        start = f"init_from={folder / 'checkpoints' / 'last.ckpt'}"
+        tuned = train(
+            out / f"finetune-{name}-seed{seed}", args, seed, *tune, ["sparsity=none", start, *fine_tune(args)]
+        )
+        results[name] = {"final": curve(tuned)[-1][1], "flops": flops_ratio(folder), "pretrain": curve(folder)[-1][1]}
+    scratch = train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)])
+    results["scratch"] = {"final": curve(scratch)[-1][1], "flops": 0.0, "pretrain": None}
+    dense = f"init_from={pretrained['dense'] / 'checkpoints' / 'last.ckpt'}"
+    for name, sparsity in PRUNED.items():
+        overrides = ["recipe=prune", dense, f"sparsity.sparsity={sparsity}", *fine_tune(args)]
+        pruned = train(out / f"finetune-{name}-seed{seed}", args, seed, *tune, overrides)
+        results[name] = {"final": curve(pruned)[-1][1], "flops": 1.0, "pretrain": results["dense"]["pretrain"]}
+    return results
+
+
+def table(per_seed: list[dict[str, dict]], args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.model}: pre-training {args.pretrain_steps} steps on {args.pretrain}, fine-tuning {args.finetune_steps} "
+        f"steps on {args.finetune}; validation loss on {args.finetune}, seeds {', '.join(map(str, range(args.seeds)))}",
+        "",
+        "| pre-training | pre-training val loss | pre-training FLOPs vs dense | fine-tuned val loss, per seed "
+        "| vs dense-pretrained, per seed | mean |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in per_seed[0]:
+        finals = [seed[name]["final"] for seed in per_seed]
+        gaps = [100 * (seed[name]["final"] / seed["dense"]["final"] - 1) for seed in per_seed]
+        pre = [seed[name]["pretrain"] for seed in per_seed]
+        pretrain = " / ".join(f"{p:.4f}" for p in pre) if pre[0] is not None else "-"
+        flops = statistics.mean(seed[name]["flops"] for seed in per_seed)
+        lines.append(
+            f"| {name} | {pretrain} | {flops:.2f} | {' / '.join(f'{f:.4f}' for f in finals)} "
+            f"| {' / '.join(f'{g:+.2f}%' for g in gaps)} | {statistics.mean(gaps):+.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt_tiny", choices=sorted(PEAK_LR))
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--pretrain", default="stdlib", choices=["stdlib", *CORPORA])
+    parser.add_argument("--finetune", default="fortunes", choices=["stdlib", *CORPORA])
+    parser.add_argument("--pretrain-steps", type=int, default=2000)
+    parser.add_argument("--finetune-steps", type=int, default=500)
+    parser.add_argument("--val-every", type=int, default=250)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer")
+    args = parser.parse_args()
+    per_seed = []
+    for seed in range(args.seeds):
+        per_seed.append(runs(args, seed))
+        print(f"seed {seed}: " + ", ".join(f"{k} {v['final']:.4f}" for k, v in per_seed[-1].items()), flush=True)
+    print(table(per_seed, args))
+
+
+if __name__ == "__main__":
+    main()
