@@ -141,25 +141,42 @@ def run(
     folder = out / corpus / f"{model}{optimizer}-{setting}{depth}{horizon}-seed{seed}"
     if finished(folder):
         return folder
+    settings = [f"model.optimizer={optimizer}", f"trainer.devices={args.stages}", "trainer.enable_checkpointing=false"]
+    settings += [FRACTION.sub(lambda m: f"={round(float(m[1]) * steps)}", o) for o in overrides(setting)]
+    return train(folder, args.model, corpus, out, steps, seed, settings, args.val_every, args.log_every)
+
+
+def train(
+    folder: Path,
+    model: str,
+    corpus: str,
+    out: Path,
+    steps: int,
+    seed: int,
+    settings: list[str],
+    val_every: int,
+    log_every: int = 10,
+) -> Path:
+    """One ``pd2bw-train`` run into ``folder`` as a user starts it (``settings``: Hydra overrides, a ``recipe=``
+    among them), the same data order and initialisation per seed; validation every ``val_every`` steps ending at
+    the last; ``corpus`` built under ``out``."""
     data = [] if corpus == "stdlib" else [f"data.paths=[{CORPORA[corpus](out)}]"]
     command = [
         sys.executable,
         "-m",
         "lightning_pd2bw.cli.train",
-        f"model={args.model}",
-        f"data.seq_len={MODELS[args.model]}",
-        f"model.optimizer={optimizer}",
+        *[s for s in settings if s.startswith("recipe=")],
+        f"model={model}",
+        f"data.seq_len={MODELS[model]}",
         f"trainer.max_steps={steps}",
-        f"trainer.devices={args.stages}",
-        f"trainer.val_check_interval={val_interval(steps, args.val_every)}",
+        f"trainer.val_check_interval={val_interval(steps, val_every)}",
         "trainer.limit_val_batches=16",
-        f"trainer.log_every_n_steps={args.log_every}",
+        f"trainer.log_every_n_steps={log_every}",
         "trainer.enable_progress_bar=false",
-        "trainer.enable_checkpointing=false",
         f"seed={seed}",
         f"model.config.seed={1234 + seed}",
         f"paths.output_dir={folder}",
-        *(FRACTION.sub(lambda m: f"={round(float(m[1]) * steps)}", o) for o in overrides(setting)),
+        *[s for s in settings if not s.startswith("recipe=")],
         *data,
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

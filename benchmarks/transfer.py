@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
-from benchmarks.convergence import CORPORA, curve, finished, flops_ratio, val_interval  # noqa: E402
-from benchmarks.convergence_settings import MODELS  # noqa: E402
+from benchmarks.convergence import CORPORA, curve, finished, flops_ratio  # noqa: E402
+from benchmarks.convergence import train as run_training  # noqa: E402
 
 PRETRAINING = {  # name -> pd2bw-train overrides
     "dense": ["sparsity=none"],
@@ -47,33 +46,12 @@ PEAK_LR = {"gpt_tiny": 1e-3, "gpt_small": 6e-4}  # conf/model: pre-training's pe
 
 
 def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus: str, extra: list[str]) -> Path:
-    """One ``pd2bw-train`` run into ``folder`` (reused where it finished)."""
+    """One ``pd2bw-train`` run into ``folder`` (reused where it finished; checkpoints on: a fine-tune starts there)."""
     if finished(folder):
         return folder
-    data = [] if corpus == "stdlib" else [f"data.paths=[{CORPORA[corpus](args.out)}]"]
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pd2bw.cli.train",
-        *[e for e in extra if e.startswith("recipe=")],
-        f"model={args.model}",
-        f"data.seq_len={MODELS[args.model]}",
-        f"trainer.max_steps={steps}",
-        "trainer.devices=2",
-        f"trainer.val_check_interval={val_interval(steps, args.val_every)}",
-        "trainer.limit_val_batches=16",
-        "trainer.log_every_n_steps=10",
-        "trainer.enable_progress_bar=false",
-        f"seed={seed}",
-        f"model.config.seed={1234 + seed}",
-        f"paths.output_dir={folder}",
-        *[e for e in extra if not e.startswith("recipe=")],
-        *data,
-    ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return folder
+    return run_training(
+        folder, args.model, corpus, args.out, steps, seed, ["trainer.devices=2", *extra], args.val_every
+    )
 
 
 def fine_tune(args: argparse.Namespace) -> list[str]:
