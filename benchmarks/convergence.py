@@ -222,14 +222,18 @@ def train_losses(folder: Path) -> list[float]:
 
 def flops_ratio(folder: Path) -> float:
     """Training FLOPs per token against dense, averaged over the run: the mean of the logged
-    ``sparsity/flops_ratio`` (the masks counted; attention scores and the head dense), 1.0 without sparsity. One value
-    per step, the last: the final measurement at the end of training repeats the last log's step."""
+    ``sparsity/flops_ratio`` (the masks counted; attention scores and the head dense), 1.0 without sparsity."""
+    return logged_mean(folder, "sparsity/flops_ratio")
+
+
+def logged_mean(folder: Path, key: str, default: float = 1.0) -> float:
+    """A logged metric averaged over a run's steps (``default`` where it was never logged). One value per step, the
+    last: the final measurement at the end of training repeats the last log's step."""
     values: dict[int, float] = {}
     for metrics in folder.glob("csv/*/metrics.csv"):
         with metrics.open() as f:
-            rows = csv.DictReader(f)
-            values |= {int(r["step"]): float(r["sparsity/flops_ratio"]) for r in rows if r.get("sparsity/flops_ratio")}
-    return statistics.mean(values.values()) if values else 1.0
+            values |= {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+    return statistics.mean(values.values()) if values else default
 
 
 def worst_spike(losses: list[float], window: int = SPIKE_WINDOW) -> float:

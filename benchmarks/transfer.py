@@ -16,7 +16,11 @@ task matches the dense-pretrained model after the same fine-tuning. Per seed, as
    come along, so the pruned weights grow back from zero), at a fine-tune's rate (a third of pre-training's, warmed
    up over 2% of the run); the same fine-tune from scratch is the control that pre-training matters;
 3. pruning the dense pre-trained model to 50% and 75% while fine-tuning it (``recipe=prune``, the same steps and
-   rate): the common case of taking a trained model and making it sparse.
+   rate): the common case of taking a trained model and making it sparse; at 75% also from the same model written as
+   a Hugging Face GPT-2 directory (``pd2bw-consolidate --format hf``: how a user starts from GPT-2's weights);
+4. the fair comparator of Jin et al. (ICLR 2025): per sparse pre-training, a dense GPT of equal average parameter
+   count (the non-embedding parameters, averaged over the pre-training steps from the logged density; the width
+   ``n_embd`` that matches it, the depth and heads kept), pre-trained and fine-tuned alike.
 
 Prints per run the final validation loss on the fine-tuning corpus, each seed against the dense-pretrained fine-tune
 of the same seed, and the pre-training's training FLOPs against dense (the masks counted). Runs already finished
@@ -27,14 +31,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
-from benchmarks.convergence import CORPORA, curve, finished, flops_ratio  # noqa: E402
+from benchmarks.convergence import CORPORA, curve, finished, flops_ratio, logged_mean  # noqa: E402
 from benchmarks.convergence import train as run_training  # noqa: E402
+from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
 
 PRETRAINING = {  # name -> pd2bw-train overrides
     "dense": ["sparsity=none"],
@@ -43,6 +49,29 @@ PRETRAINING = {  # name -> pd2bw-train overrides
 }
 PRUNED = {"prune50": 0.5, "prune75": 0.75}  # recipe=prune from the dense pre-trained model, to this sparsity
 PEAK_LR = {"gpt_tiny": 1e-3, "gpt_small": 6e-4}  # conf/model: pre-training's peak rate (a fine-tune takes a third)
+PRESET = {"gpt_tiny": "tiny", "gpt_small": "small"}  # conf/model's GPTConfig preset
+
+
+def non_embedding(config: GPTConfig, density: float = 1.0) -> float:
+    """Non-embedding parameters of a GPT whose block matrices (what the sparsity callbacks target) are at
+    ``density``: per block 12 c^2 matrix weights and 13 c biases and norm weights, plus the final norm."""
+    c = config.n_embd
+    return config.n_layer * (12 * c * c * density + 13 * c) + 2 * c
+
+
+def equal_params_width(model: str, density: float) -> int:
+    """The width (a multiple of the heads, depth kept) of the dense GPT whose non-embedding parameters are nearest
+    the sparse one's average (Jin et al.'s comparator)."""
+    base = GPTConfig.from_name(PRESET[model])
+    target = non_embedding(base, density)
+    widths = range(base.n_head, base.n_embd + 1, base.n_head)
+    return min(widths, key=lambda c: abs(non_embedding(GPTConfig.from_name(PRESET[model], n_embd=c)) - target))
+
+
+def dense_flops(model: str, width: int) -> float:
+    """Training FLOPs per token of the dense GPT at ``width`` over the preset's."""
+    flops = (GPT(GPTConfig.from_name(PRESET[model], n_embd=c)).flops_per_token() for c in (width, None))
+    return next(flops) / next(flops)
 
 
 def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus: str, extra: list[str]) -> Path:
@@ -63,26 +92,48 @@ def fine_tune(args: argparse.Namespace) -> list[str]:
 
 
 def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
-    """Every run of one seed: name -> its final fine-tuning validation loss and its pre-training's FLOPs ratio."""
+    """Every run of one seed: name -> its final fine-tuning validation loss, its pre-training's final validation loss
+    and FLOPs per token against dense."""
     out, results = args.out / args.model, {}
     tune = (args.finetune_steps, args.finetune)
-    pretrained = {
-        name: train(out / f"pretrain-{name}-seed{seed}", args, seed, args.pretrain_steps, args.pretrain, overrides)
-        for name, overrides in PRETRAINING.items()
-    }
-    for name, folder in pretrained.items():
+
+    def pretrain(name: str, overrides: list[str]) -> Path:
+        return train(out / f"pretrain-{name}-seed{seed}", args, seed, args.pretrain_steps, args.pretrain, overrides)
+
+    def record(name: str, tuned: Path, flops: float, pretrained: Path | None) -> None:
+        results[name] = {
+            "final": curve(tuned)[-1][1],
+            "flops": flops,
+            "pretrain": pretrained and curve(pretrained)[-1][1],
+        }
+
+    pretraining = dict(PRETRAINING)
+    for name in ("sparse75", "static75"):  # a dense comparator of equal average parameters each (Jin et al.)
+        width = equal_params_width(args.model, logged_mean(pretrain(name, PRETRAINING[name]), "sparsity/density"))
+        pretraining[f"dense{width}-{name}"] = ["sparsity=none", f"model.config.n_embd={width}"]
+    for name, overrides in pretraining.items():
+        folder, width = pretrain(name, overrides), [o for o in overrides if o.startswith("model.config.")]
         start = f"init_from={folder / 'checkpoints' / 'last.ckpt'}"
         tuned = train(
-            out / f"finetune-{name}-seed{seed}", args, seed, *tune, ["sparsity=none", start, *fine_tune(args)]
+            out / f"finetune-{name}-seed{seed}", args, seed, *tune, ["sparsity=none", start, *width, *fine_tune(args)]
         )
-        results[name] = {"final": curve(tuned)[-1][1], "flops": flops_ratio(folder), "pretrain": curve(folder)[-1][1]}
-    scratch = train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)])
-    results["scratch"] = {"final": curve(scratch)[-1][1], "flops": 0.0, "pretrain": None}
-    dense = f"init_from={pretrained['dense'] / 'checkpoints' / 'last.ckpt'}"
-    for name, sparsity in PRUNED.items():
-        overrides = ["recipe=prune", dense, f"sparsity.sparsity={sparsity}", *fine_tune(args)]
-        pruned = train(out / f"finetune-{name}-seed{seed}", args, seed, *tune, overrides)
-        results[name] = {"final": curve(pruned)[-1][1], "flops": 1.0, "pretrain": results["dense"]["pretrain"]}
+        record(
+            name, tuned, dense_flops(args.model, int(width[0].split("=")[1])) if width else flops_ratio(folder), folder
+        )
+    record(
+        "scratch",
+        train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)]),
+        0.0,
+        None,
+    )
+    dense = out / f"pretrain-dense-seed{seed}"
+    gpt2 = dense / "gpt2"  # the dense model written as a Hugging Face GPT-2 directory
+    if not (gpt2 / "config.json").is_file():
+        export = [sys.executable, "-m", "lightning_pd2bw.cli.consolidate", str(dense / "checkpoints" / "last.ckpt")]
+        subprocess.run([*export, str(gpt2), "--format", "hf"], check=True)
+    for name, source in [*((n, dense / "checkpoints" / "last.ckpt") for n in PRUNED), ("prune75-gpt2", gpt2)]:
+        overrides = ["recipe=prune", f"init_from={source}", f"sparsity.sparsity={PRUNED[name[:7]]}", *fine_tune(args)]
+        record(name, train(out / f"finetune-{name}-seed{seed}", args, seed, *tune, overrides), 1.0, dense)
     return results
 
 

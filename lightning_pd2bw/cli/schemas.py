@@ -49,6 +49,7 @@ class PresetSchema:
     block_size: int | None = None
     vocab_size: int | None = None
     seed: int | None = None
+    gelu: str | None = None  # exact | tanh (GPT-2's checkpoints: init_from a Hugging Face GPT-2 directory)
 
 
 @dataclass

@@ -8,7 +8,7 @@ the weights, from
   ``weights_only=True``),
 * a Hugging Face model directory (``config.json`` with ``model.safetensors``, its sharded index, or
   ``pytorch_model.bin``) for ``HFCausalLM`` / ``HFMaskedLM``, mapped onto the pipeline's names through the model's
-  own parameters.
+  own parameters; a GPT-2 directory also for our ``GPT`` (GPT-2's architecture: ``models/gpt2_export.py``).
 
 Every parameter of this stage must be there with its shape, or the run is refused naming the first missing or
 mismatched ones. Sparsity masks do not come along (a sparsity callback builds its own from the weights).
@@ -75,19 +75,8 @@ def _read(path: Path, module: Any, wanted: set[str]) -> dict[str, torch.Tensor]:
 def _hugging_face(path: Path, module: Any, wanted: set[str]) -> dict[str, torch.Tensor]:
     model = getattr(module, "hf_model", None)
     if model is None:
-        raise InitFromError(
-            f"init_from={str(path)!r} is a Hugging Face model directory; it initialises HFCausalLM / HFMaskedLM "
-            f"models, not {type(module).__name__}"
-        )
-    files = _hf_files(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            tensors.update(load_file(str(file)))
-        else:
-            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+        return _gpt2(path, module)
+    tensors = _hf_tensors(path)
     hf_names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         hf_names.setdefault(id(param), []).append(name)
@@ -103,6 +92,37 @@ def _hugging_face(path: Path, module: Any, wanted: set[str]) -> dict[str, torch.
             if found:
                 out[name] = tensors[found[0]]
     return out
+
+
+def _gpt2(path: Path, module: Any) -> dict[str, torch.Tensor]:
+    """A Hugging Face GPT-2 directory for our ``GPT`` (GPT-2's architecture; ``gpt2_export.from_gpt2`` maps it)."""
+    from ..models.core import GPTConfig
+
+    config = getattr(module, "config", None)
+    if type(config) is not GPTConfig:
+        raise InitFromError(
+            f"init_from={str(path)!r} is a Hugging Face model directory; it initialises HFCausalLM / HFMaskedLM "
+            f"models, and lightning_pd2bw.models.GPT from a GPT-2 directory, not {type(module).__name__}"
+        )
+    from ..models.gpt2_export import from_gpt2
+
+    try:
+        return from_gpt2(_hf_tensors(path), json.loads((path / "config.json").read_text()), config)
+    except ValueError as error:
+        raise InitFromError(str(error).replace("init_from:", f"init_from={str(path)!r}:", 1)) from None
+
+
+def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory (safetensors or ``pytorch_model.bin``, sharded or not)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _hf_files(path):
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors.update(load_file(str(file)))
+        else:
+            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
 
 
 def _hf_files(path: Path) -> list[Path]:

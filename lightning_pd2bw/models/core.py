@@ -17,6 +17,7 @@ from torch import nn
 from .presets import from_name, pad_vocab
 from .transformer import INIT_STD, Block, TokenEmbedding, normal_, ones_zeros_, zero_
 
+GELUS = ("exact", "tanh")  # TransformerConfig.gelu: F.gelu's approximate="none" / "tanh"
 IGNORE_INDEX = -100
 MASK_TOKEN = 256  # byte vocabulary: 0..255 are bytes, 256 is [MASK] (BERT)
 BYTE_VOCAB = 256
@@ -57,6 +58,11 @@ class TransformerConfig:
     block_size: int = 64  # context length
     vocab_size: int = BYTE_VOCAB
     seed: int = 1234  # initialisation seed (per-layer generators derive from it)
+    gelu: str = "exact"  # the MLP's GELU: "exact" (erf) or "tanh" (GPT-2's checkpoints: ``gelu_new``)
+
+    def __post_init__(self) -> None:
+        if self.gelu not in GELUS:
+            raise ValueError(f"model.config.gelu={self.gelu!r} is not valid; valid: {', '.join(GELUS)}")
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> Any:
@@ -75,6 +81,9 @@ class GPTConfig(TransformerConfig):
         vocab_size: token ids the embedding holds (bytes: 256, padded to a multiple of 64).
         seed: the initialisation seed; each layer's generator derives from it, so a layer initialises alike
             whichever stage builds it.
+        gelu: the MLP's activation, ``"exact"`` (erf; ours) or ``"tanh"`` (the approximation GPT-2's checkpoints
+            were trained with, ``activation_function="gelu_new"``): a Hugging Face GPT-2 directory initialises a
+            model with its own.
     """
 
     def num_parameters(self) -> int:
@@ -108,7 +117,7 @@ class LMHead(nn.Module):
 def gpt_layers(config: GPTConfig) -> list[nn.Module]:
     """``[TokenEmbedding, Block x n_layer, LMHead]``; the head's weight *is* the embedding's (tied)."""
     embedding = TokenEmbedding(config.vocab_size, config.block_size, config.n_embd, norm=False)
-    blocks = [Block(config.n_embd, config.n_head, causal=True, n_layer=config.n_layer) for _ in range(config.n_layer)]
+    blocks = [Block(config.n_embd, config.n_head, True, config.n_layer, config.gelu) for _ in range(config.n_layer)]
     return [embedding, *blocks, LMHead(embedding.wte.weight)]
 
 
@@ -136,7 +145,7 @@ class MLMHead(nn.Module):
 def bert_layers(config: BERTConfig) -> list[nn.Module]:
     """``[TokenEmbedding (with LayerNorm), bidirectional Block x n_layer, MLMHead]``; the head's weight is tied."""
     embedding = TokenEmbedding(config.vocab_size, config.block_size, config.n_embd, norm=True)
-    blocks = [Block(config.n_embd, config.n_head, causal=False, n_layer=config.n_layer) for _ in range(config.n_layer)]
+    blocks = [Block(config.n_embd, config.n_head, False, config.n_layer, config.gelu) for _ in range(config.n_layer)]
     return [embedding, *blocks, MLMHead(embedding.wte.weight)]
 
 

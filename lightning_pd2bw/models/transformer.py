@@ -54,9 +54,10 @@ class SelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (GPT-2 style); BERT uses it unmasked."""
 
-    def __init__(self, n_embd: int, n_head: int, causal: bool, n_layer: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, causal: bool, n_layer: int, gelu: str = "exact") -> None:
         super().__init__()
         self.n_layer = n_layer
+        self.approximate = "tanh" if gelu == "tanh" else "none"  # F.gelu's: GPT-2's checkpoints use the tanh one
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = SelfAttention(n_embd, n_head, causal)
         self.ln_2 = nn.LayerNorm(n_embd)
@@ -65,7 +66,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x)), approximate=self.approximate))
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         # residual projections scaled by 1/sqrt(2 * n_layer) (GPT-2 paper)

@@ -55,6 +55,36 @@ def test_a_run_starts_from_a_hugging_face_directory(tmp_path):
         assert torch.equal(weights[name], value), name
 
 
+def test_our_gpt_starts_from_a_gpt2_directory_written_by_transformers(tmp_path):
+    """The case's GPT (3 blocks, width 16, exact GELU) at 2 stages from ``GPT2LMHeadModel.save_pretrained``: every
+    weight as GPT-2 holds it, its ``Conv1D`` projections transposed, the head tied to the token embedding."""
+    transformers = pytest.importorskip("transformers")
+    from tests.distributed.cases import SEQ_LEN
+
+    torch.manual_seed(5)
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=SEQ_LEN, n_embd=16, n_layer=3, n_head=2, activation_function="gelu"
+    )
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    gpt2.save_pretrained(tmp_path / "hf")
+    theirs = {n: p.detach().float() for n, p in gpt2.named_parameters(remove_duplicate=False)}
+    torchrun_script(RUNNER, [str(tmp_path), "gpt", str(tmp_path / "hf"), "2"], 2)
+    weights = started(tmp_path, 2)
+    assert torch.equal(weights["layers.0.wte.weight"], theirs["transformer.wte.weight"])
+    assert torch.equal(weights["layers.0.wpe.weight"], theirs["transformer.wpe.weight"])
+    assert torch.equal(weights["layers.4.weight"], theirs["lm_head.weight"]), "the last stage's tied head"
+    assert torch.equal(weights["layers.4.ln_f.bias"], theirs["transformer.ln_f.bias"])
+    for i in range(3):
+        assert torch.equal(
+            weights[f"layers.{i + 1}.attn.qkv.weight"], theirs[f"transformer.h.{i}.attn.c_attn.weight"].t()
+        )
+        assert torch.equal(
+            weights[f"layers.{i + 1}.fc_proj.weight"], theirs[f"transformer.h.{i}.mlp.c_proj.weight"].t()
+        )
+        assert torch.equal(weights[f"layers.{i + 1}.ln_2.weight"], theirs[f"transformer.h.{i}.ln_2.weight"])
+        assert torch.equal(weights[f"layers.{i + 1}.fc.bias"], theirs[f"transformer.h.{i}.mlp.c_fc.bias"])
+
+
 def test_other_shapes_are_refused_by_name(tmp_path):
     from lightning_pd2bw.models import GPT, GPTConfig
 

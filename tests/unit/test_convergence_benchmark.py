@@ -117,3 +117,18 @@ def test_the_sweeps_default_is_the_configs():
     assert keys["sparsity.start_step"] == "@0.25" and config["start_step"] == "${mul:${trainer.max_steps},0.25}"
     assert keys["sparsity.end_step"] == "@0.95" and config["end_step"] == "${mul:${trainer.max_steps},0.95}"
     assert (keys["sparsity.allocation"], keys["sparsity.shape"]) == (config["allocation"], config["shape"])
+
+
+def test_the_equal_parameter_comparator_matches_the_average_non_embedding_count():
+    """Jin et al.'s comparator (``benchmarks/transfer.py``), by hand: the tiny GPT (4 blocks, width 64) at a quarter
+    density keeps 4 x (12 x 64^2 / 4 + 13 x 64) + 2 x 64 = 52,608 non-embedding parameters; dense at width 32 has
+    4 x (12 x 32^2 + 13 x 32) + 64 = 50,880 and at width 36 64,152, so 32 is the nearest width."""
+    from benchmarks.transfer import equal_params_width, non_embedding
+    from lightning_pd2bw.models import GPTConfig
+
+    tiny = GPTConfig.from_name("tiny")
+    assert non_embedding(tiny, 0.25) == 52_608
+    assert non_embedding(GPTConfig.from_name("tiny", n_embd=32)) == 50_880
+    assert equal_params_width("gpt_tiny", 0.25) == 32
+    assert equal_params_width("gpt_tiny", 1.0) == 64
+    assert equal_params_width("gpt_small", 0.25) == 128  # width 256 at a quarter: about half the width

@@ -62,6 +62,68 @@ def test_gpt_exports_to_gpt2_with_the_same_logits(tmp_path, capsys):
     assert theirs.lm_head.weight.data_ptr() == theirs.transformer.wte.weight.data_ptr(), "the head stays tied"
 
 
+def gpt2_directory(tmp_path, activation: str, n_layer: int = 2):
+    """A GPT-2 that ``transformers`` builds and saves itself (random weights; nothing downloaded)."""
+    torch.manual_seed(4)
+    config = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=n_layer,
+        n_head=2,
+        activation_function=activation,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,  # weights large enough for the GELUs to differ
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    return tmp_path / "gpt2", model
+
+
+@pytest.mark.parametrize("gelu, activation", [("tanh", "gelu_new"), ("exact", "gelu")])
+def test_our_gpt_started_from_a_gpt2_directory_gives_its_logits(tmp_path, gelu, activation):
+    """``init_from=`` a Hugging Face GPT-2 directory into our GPT: the same function as ``GPT2LMHeadModel``
+    (its tanh GELU, ``gelu_new``, is ``model.config.gelu=tanh``) to float32 rounding."""
+    from lightning_pd2bw.lightning.init_from import initialise
+
+    directory, theirs = gpt2_directory(tmp_path, activation)
+    ours = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ, gelu=gelu))
+    ours.configure_model()
+    assert initialise(directory, ours, ours.state_dict()) == len(list(ours.named_parameters(remove_duplicate=False)))
+    ours.eval()
+    tokens = torch.randint(0, 256, (3, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        # float32 rounding through 2 blocks moves logits of size ~5 by ~1e-6; the other GELU moves them by ~1e-3
+        torch.testing.assert_close(ours(tokens), expected, rtol=0, atol=1e-4)
+        for block in ours.layers[1:3]:
+            block.approximate = "none" if gelu == "tanh" else "tanh"
+        assert (ours(tokens) - expected).abs().max() > 5e-4, "the GELU is told apart at these weights"
+
+
+def test_a_gpt2_directory_our_gpt_cannot_compute_is_refused_with_the_key_to_set(tmp_path):
+    from lightning_pd2bw.lightning.init_from import InitFromError, initialise
+
+    directory, _ = gpt2_directory(tmp_path, "gelu_new")
+    exact = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ))
+    exact.configure_model()
+    with pytest.raises(
+        InitFromError, match=r"init_from=.*gpt2.*activation_function='gelu_new'.*model.config.gelu=tanh"
+    ):
+        initialise(directory, exact, exact.state_dict())
+    deeper = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=SEQ, gelu="tanh"))
+    deeper.configure_model()
+    with pytest.raises(InitFromError, match="n_layer=2; set model.config.n_layer"):
+        initialise(directory, deeper, deeper.state_dict())
+    bert = BERT(BERTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ))
+    bert.configure_model()
+    with pytest.raises(InitFromError, match="not BERT"):
+        initialise(directory, bert, bert.state_dict())
+    with pytest.raises(ValueError, match="model.config.gelu='erf' is not valid; valid: exact, tanh"):
+        GPTConfig(gelu="erf")
+
+
 def test_a_model_that_is_not_our_gpt_is_refused_by_name():
     bert = BERT(BERTConfig(n_layer=1, n_head=2, n_embd=16, block_size=SEQ))
     bert.configure_model()
