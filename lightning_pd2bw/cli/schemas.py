@@ -160,6 +160,7 @@ class SparsityCommon:
     min_layer_density: float = 0.01
     dense_from_step: int | None = None
     rewarmup_steps: int = 0
+    dense_lr: float | None = None  # with dense_from_step: the dense phase's own peak rate (x the schedule's peak)
     seed: int = 0
     log_per_layer: bool = True
 

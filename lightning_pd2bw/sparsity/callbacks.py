@@ -16,7 +16,9 @@ Where things happen, identical under a single device, DDP and ``strategy="pd2bw"
 Sparse-to-dense (SPDF): ``dense_from_step=K`` removes the masks at step K (the pruned weights restart
 from zero with zero optimizer state). ``rewarmup_steps=W`` scales the learning rate by ``(k - K + 1) / W``
 for the ``W`` steps from any mask change at step ``K >= 1`` (a pruning update, a RigL update, the switch
-to dense).
+to dense). ``dense_lr=F`` gives the dense phase a learning-rate schedule of its own, as SPDF's separate fine-tuning
+has: from step K each group's rate is ``F`` x its peak (the scheduler's ``initial_lr``), cosine-decayed to a tenth
+of that at ``trainer.max_steps`` (the re-warm-up on top), instead of the run's schedule's tail.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class SparsityCallback(Callback):
         min_layer_density: no layer is pruned below this density.
         dense_from_step: from this step on the masks are dropped and training continues dense (SPDF).
         rewarmup_steps: after each mask change the learning rate re-warms linearly over this many steps.
+        dense_lr: with ``dense_from_step``: the dense phase's own peak learning rate, a multiple of the schedule's
+            peak, cosine-decayed to a tenth of it at the end of training (None: the run's schedule goes on).
         seed: of random masks (the same on every rank).
         log_per_layer: log each layer's density (grouped under ``sparsity_per_layer``).
     """
@@ -61,6 +65,7 @@ class SparsityCallback(Callback):
         min_layer_density: float = 0.01,
         dense_from_step: int | None = None,
         rewarmup_steps: int = 0,
+        dense_lr: float | None = None,
         seed: int = 0,
         log_per_layer: bool = True,
     ) -> None:
@@ -70,12 +75,19 @@ class SparsityCallback(Callback):
             raise ValueError(f"{type(self).__name__}(dense_from_step={dense_from_step}) must be >= 1 (or None)")
         if rewarmup_steps < 0:
             raise ValueError(f"{type(self).__name__}(rewarmup_steps={rewarmup_steps}) must be >= 0")
+        if dense_lr is not None and (dense_from_step is None or dense_lr <= 0):
+            raise ValueError(
+                f"{type(self).__name__}(dense_lr={dense_lr}, dense_from_step={dense_from_step}): dense_lr is the "
+                "dense phase's peak rate; it needs dense_from_step and a value > 0"
+            )
         self.allocation = allocation
         self.targets = list(targets) if targets is not None else None
         self.exclude = list(exclude)
         self.min_layer_density = min_layer_density
         self.dense_from_step = dense_from_step
         self.rewarmup_steps = rewarmup_steps
+        self.dense_lr = dense_lr
+        self.end_step_of_run: int | None = None  # trainer.max_steps (the dense phase's schedule ends there)
         self.seed = seed
         self.log_per_layer = log_per_layer
         self.step = 0  # optimizer steps taken
@@ -103,6 +115,24 @@ class SparsityCallback(Callback):
             if self.change_at(changed) is not None:
                 return schedules.rewarmup_factor(step, changed, self.rewarmup_steps)
         return 1.0
+
+    def learning_rate(self, step: int, lr: float, peak: float) -> float:
+        """The rate optimizer step ``step`` uses in a group the run's schedule gives ``lr`` there and peaks at
+        ``peak``: the dense phase's own (``dense_lr``) or ``lr``, times the re-warm-up (``lr_factor``)."""
+        own = self.dense_phase_lr(step, peak)
+        return (lr if own is None else own) * self.lr_factor(step)
+
+    def dense_phase_lr(self, step: int, peak: float) -> float | None:
+        """The dense phase's own rate at ``step`` for a group whose schedule peaks at ``peak`` (``dense_lr``), None
+        before the phase or without ``dense_lr``."""
+        if self.dense_lr is None or step < self.dense_from_step:
+            return None
+        if self.end_step_of_run is None or self.end_step_of_run <= self.dense_from_step:
+            raise ValueError(
+                f"{type(self).__name__}(dense_lr={self.dense_lr}) needs the run's last step after dense_from_step="
+                f"{self.dense_from_step} (trainer.max_steps={self.end_step_of_run}): set trainer.max_steps"
+            )
+        return schedules.restart_lr(step, self.dense_from_step, self.end_step_of_run, self.dense_lr * peak)
 
     # ------------------------------------------------------------------ engine-level use (also the test references)
     def build(self, module: nn.Module, all_reduce: Any = None, device: torch.device | None = None) -> Sparsifier:
@@ -136,6 +166,7 @@ class SparsityCallback(Callback):
         if engine is not None:
             self.sparsifier.on_change.append(engine.restart_history)
         self._optimizers = list(trainer.optimizers)
+        self.end_step_of_run = trainer.max_steps if trainer.max_steps > 0 else None
         if self._pending is not None:
             self.sparsifier.load_state_dict(self._pending)
             self._pending = None
@@ -161,11 +192,11 @@ class SparsityCallback(Callback):
             self.after_step(self._optimizers)
 
     def _scale_lr(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        factor = self.lr_factor(self.step)
-        if factor != 1.0:
+        rates = [self.learning_rate(self.step, g["lr"], g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        if any(rate != group["lr"] for rate, group in zip(rates, optimizer.param_groups)):
             self._saved_lrs[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.sparsifier is None or trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
@@ -254,7 +285,7 @@ class GradualMagnitudeSparsity(SparsityCallback):
         initial_sparsity: the sparsity at ``start_step``.
         shape: ``"cubic"`` (Zhu and Gupta's) or ``"linear"``.
         **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
     """
 
     def __init__(
@@ -304,7 +335,7 @@ class StaticSparsity(SparsityCallback):
         sparsity: the fraction of zeros in the targeted weights, in [0, 1).
         init: ``"random"`` or ``"magnitude"`` (of the initial weights).
         **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
     """
 
     def __init__(self, sparsity: float, init: str = "random", **kwargs: Any) -> None:
@@ -331,7 +362,7 @@ class RigL(SparsityCallback):
         init: ``"random"`` or ``"magnitude"``: the mask at step 0.
         allocation: ``"erk"`` by default (RigL's), else as ``SparsityCallback``.
         **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
     """
 
     reads_gradients = "grows connections by gradient"  # the regrowth ranks |gradient| (why, for messages)

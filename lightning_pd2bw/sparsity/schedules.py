@@ -61,3 +61,10 @@ def rewarmup_factor(step: int, changed_at: int, rewarmup_steps: int) -> float:
     if step < changed_at or rewarmup_steps <= 0:
         return 1.0
     return min(1.0, (step - changed_at + 1) / rewarmup_steps)
+
+
+def restart_lr(step: int, start: int, end: int, peak: float, floor: float = 0.1) -> float:
+    """A learning-rate schedule of its own from ``start`` to ``end`` (SPDF's dense phase): ``peak`` at ``start``,
+    cosine down to ``floor * peak`` at ``end`` (held after)."""
+    progress = min(1.0, max(0.0, (step - start) / max(1, end - start)))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))

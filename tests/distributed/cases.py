@@ -134,7 +134,8 @@ def sparsity_callback(case: Case):
         ),
         "rigl_erk": lambda: RigL(0.5, end_step=5, update_interval=2, drop_fraction=0.3, allocation="erk"),
         "static_random": lambda: StaticSparsity(0.75, init="random", seed=7),
-        "spdf": lambda: StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2),
+        # the dense phase with its own learning-rate schedule (dense_lr), the rate re-warmed on top
+        "spdf": lambda: StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2, dense_lr=2.0),
         # mask changes within two updates of each other: the delay correction's history must restart at each
         # (a weight dropped and grown again, or pruned and made dense, restarts from zero, not from its old value)
         "rigl_every_step": lambda: RigL(0.5, end_step=5, update_interval=1, drop_fraction=0.3, allocation="erk"),

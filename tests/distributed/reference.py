@@ -131,6 +131,7 @@ def _reference_run(
     sparsity = sparsity_callback(case)  # its schedule and Sparsifier, driven here without Lightning
     if sparsity is not None:
         sparsity.sparsifier = sparsity.build(model)
+        sparsity.end_step_of_run = case.steps  # the runner's trainer.max_steps (SPDF's dense-phase schedule ends there)
         if (change := sparsity.change_at(0)) is not None:
             sparsity.sparsifier.update(0, change, optimizers)
     # bf16-mixed with weight_dtype "auto": each version computed in bfloat16 (cast once from the float32 weights the
@@ -187,11 +188,13 @@ def _reference_run(
             torch.nn.utils.clip_grad_value_(model.parameters(), case.clip)
         elif case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        factor = sparsity.lr_factor(sparsity.step) if sparsity is not None else 1.0
         for optimizer in optimizers:
             lrs = [group["lr"] for group in optimizer.param_groups]
-            for group in optimizer.param_groups:
-                group["lr"] *= factor
+            for group in optimizer.param_groups:  # a mask change's re-warm-up, SPDF's dense phase's own schedule
+                if sparsity is not None:
+                    group["lr"] = sparsity.learning_rate(
+                        sparsity.step, group["lr"], group.get("initial_lr", group["lr"])
+                    )
             optimizer.step()
             for group, lr in zip(optimizer.param_groups, lrs):
                 group["lr"] = lr

@@ -41,6 +41,7 @@ def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
     assert overrides("2bw+ef+lr2e-3+wu60") == [*SETTINGS["2bw+ef"], "model.lr=2e-3", "model.warmup_steps=60"]
     assert overrides("2bw+pef+strength1.5") == [*SETTINGS["2bw+pef"], "strategy.delay_correction_strength=1.5"]
     assert overrides("flush+b1") == SETTINGS["flush+b1"]  # a setting whose own name has a "+"
+    assert overrides("rigl75+every10") == [*SETTINGS["rigl75"], "sparsity.update_interval=10"]
     with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
         overrides("2bw+xx")
 

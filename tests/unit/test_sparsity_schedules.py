@@ -51,6 +51,13 @@ def test_rewarmup_factor():
     assert schedules.rewarmup_factor(5, 5, 0) == 1.0
 
 
+def test_restart_lr_is_a_cosine_from_its_peak_to_a_tenth():
+    assert schedules.restart_lr(10, 10, 20, 2.0) == pytest.approx(2.0)
+    assert schedules.restart_lr(15, 10, 20, 2.0) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5))
+    assert schedules.restart_lr(20, 10, 20, 2.0) == pytest.approx(0.2)
+    assert schedules.restart_lr(25, 10, 20, 2.0) == pytest.approx(0.2)
+
+
 def test_learning_rate_rewarms_after_every_mask_change():
     """Hand-computed: pruning updates at 4, 7, 10 (window 4-10, every 3) and SPDF's switch at 14, W = 2; the masks of
     step 0 precede training and get no re-warm-up."""

@@ -153,6 +153,42 @@ def test_sparse_to_dense_regrows_from_zero_with_rewarmed_learning_rate():
     assert sparsity.sparsifier.measure()["overall_density"] > 0.99
 
 
+def test_the_dense_phase_runs_its_own_learning_rate_schedule():
+    """``dense_lr=0.5`` with ``dense_from_step=3`` of 6 steps, plain SGD under a warm-up + cosine schedule: at step k
+    >= 3 each weight moves by ``-lr_k * grad`` with ``lr_k = 0.5 * peak * (0.1 + 0.9 * (1 + cos(pi (k - 3) / 3)) / 2)``
+    times the re-warm-up ``min(1, (k - 2) / 2)``, whatever the run's own schedule says there (by hand: steps 3, 4,
+    5 at 0.25, 0.3875 and 0.1625 of the peak)."""
+    sparsity = StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2, dense_lr=0.5)
+    peak = 1e-2
+
+    class Check(Callback):
+        moved: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.params = {n: p.detach().clone() for n, p in sparsity.sparsifier.local.items()}
+            self.grads = {n: p.grad.clone() for n, p in sparsity.sparsifier.local.items()}
+            self.step = sparsity.step
+
+        def on_train_batch_end(self, trainer, *args):
+            if self.step >= 3:
+                name = next(iter(self.params))
+                grad = self.grads[name]
+                delta = sparsity.sparsifier.local[name].detach() - self.params[name]
+                self.moved[self.step] = float(-(delta * grad).sum() / (grad * grad).sum()) / peak
+
+    check = Check()
+    fit(
+        model(optimizer="sgd", momentum=0.0, weight_decay=0.0, lr=peak, warmup_steps=1, max_steps=6),
+        [sparsity, check],
+        6,
+    )
+    assert sorted(check.moved) == [3, 4, 5]
+    for step, expected in ((3, 0.25), (4, 0.3875), (5, 0.1625)):
+        assert check.moved[step] == pytest.approx(expected, rel=1e-4), step
+    with pytest.raises(ValueError, match=r"dense_lr=0.5, dense_from_step=None.*needs dense_from_step"):
+        StaticSparsity(0.5, dense_lr=0.5)
+
+
 def test_static_random_masks_are_fixed_and_reproducible():
     first, second = StaticSparsity(0.75, seed=3), StaticSparsity(0.75, seed=3)
     fit(model(), [first], 1)
