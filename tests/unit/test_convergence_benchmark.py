@@ -42,6 +42,7 @@ def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
     assert overrides("2bw+pef+strength1.5") == [*SETTINGS["2bw+pef"], "strategy.delay_correction_strength=1.5"]
     assert overrides("flush+b1") == SETTINGS["flush+b1"]  # a setting whose own name has a "+"
     assert overrides("rigl75+every10") == [*SETTINGS["rigl75"], "sparsity.update_interval=10"]
+    assert overrides("spdf75+denselr0.5") == [*SETTINGS["spdf75"], "sparsity.dense_lr=0.5"]
     with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
         overrides("2bw+xx")
 
