@@ -116,7 +116,8 @@ SUFFIXES = {
     "every": "sparsity.update_interval",  # steps between mask updates (RigL's drop-and-grow, gradual pruning)
     "denselr": "sparsity.dense_lr",  # SPDF's dense phase: its own peak rate (x the schedule's peak)
 }
-SUFFIX = re.compile(r"(lr|wu|strength|from|to|rewarm|b1_|every|denselr)([0-9.e-]+)")  # a sweep suffix: its key in SUFFIXES, value
+# a sweep suffix: its key in SUFFIXES, value
+SUFFIX = re.compile(r"(lr|wu|strength|from|to|rewarm|b1_|every|denselr)([0-9.e-]+)")
 
 
 def overrides(setting: str) -> list[str]:
