@@ -60,6 +60,9 @@ SETTINGS = {  # name -> Hydra overrides
     "static75": ["sparsity=static", "sparsity.sparsity=0.75"],  # a random mask from step 0 (gpt13b_sparse's)
     "static75+erk": ["sparsity=static", "sparsity.sparsity=0.75", "sparsity.allocation=erk"],
     "rigl75": ["sparsity=rigl", "sparsity.sparsity=0.75"],
+    # SμPar (sparsity.density_scaling): init x 1/sqrt(density), AdamW's rate x 1/density, per layer
+    "static75+supar": ["sparsity=static", "sparsity.sparsity=0.75", "sparsity.density_scaling=true"],
+    "rigl75+supar": ["sparsity=rigl", "sparsity.sparsity=0.75", "sparsity.density_scaling=true"],
     "spdf75": ["sparsity=spdf", "sparsity.sparsity=0.75"],
 }
 OPTIMIZERS = ("adamw", "muon")

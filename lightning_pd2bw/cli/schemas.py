@@ -177,6 +177,7 @@ class GradualSchema(SparsityCommon):
 @dataclass
 class StaticSchema(SparsityCommon):
     init: str = "random"
+    density_scaling: bool = False  # SμPar: init x 1/sqrt(density), Adam's rate x 1/density per layer
 
 
 @dataclass
@@ -185,6 +186,7 @@ class RigLSchema(SparsityCommon):
     update_interval: int = 100
     drop_fraction: float = 0.3
     init: str = "random"
+    density_scaling: bool = False  # SμPar: init x 1/sqrt(density), Adam's rate x 1/density per layer
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .core import IGNORE_INDEX, PipelineContract
-from .optim import block_matrices, build_optimizers, warmup_cosine_schedule
+from .optim import block_matrices, build_optimizers, scale_learning_rates, warmup_cosine_schedule
 from .transformer import Block
 
 __all__ = ["IGNORE_INDEX", "PipelineLanguageModel", "config_from"]
@@ -132,6 +132,18 @@ class PipelineLanguageModel(PipelineContract, pl.LightningModule):
         metrics = self.pipeline_metrics(self._plain_forward(batch), batch)
         self.log_dict({f"val_{k}": v for k, v in metrics.items()}, prog_bar=True, sync_dist=True)
 
+    def learning_rate_scales(self) -> dict[int, float]:
+        """Per-parameter rate factors the trainer's callbacks ask for (a callback's ``learning_rate_scales(module)``
+        -> {parameter name: factor}; e.g. ``SparsityCallback(density_scaling=True)``), by ``id(param)``."""
+        trainer = getattr(self, "_trainer", None)
+        params = dict(self.named_parameters())
+        scales: dict[int, float] = {}
+        for callback in trainer.callbacks if trainer is not None else []:
+            ask = getattr(callback, "learning_rate_scales", None)
+            if callable(ask):
+                scales |= {id(params[name]): factor for name, factor in ask(self).items() if name in params}
+        return scales
+
     def configure_optimizers(self) -> Any:
         """The optimizers and schedules ``model.optimizer`` etc. choose (``models/optim.py``): ``adamw``, ``sgd``, or
         ``muon`` (Muon for the blocks' weight matrices and AdamW for the rest: two optimizers, each with the
@@ -143,6 +155,8 @@ class PipelineLanguageModel(PipelineContract, pl.LightningModule):
         optimizers = build_optimizers(
             params, matrices, hp.optimizer, hp.lr, hp.weight_decay, tuple(hp.betas), hp.momentum
         )
+        if scales := self.learning_rate_scales():
+            scale_learning_rates(optimizers, scales)
         if not hp.warmup_steps and not hp.max_steps:
             return optimizers[0] if len(optimizers) == 1 else optimizers
         configured = [

@@ -76,6 +76,24 @@ def build_optimizers(
     raise ValueError(f"optimizer={optimizer!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
 
 
+def scale_learning_rates(optimizers: list[torch.optim.Optimizer], scales: dict[int, float]) -> None:
+    """Give the parameters in ``scales`` (``id(param)`` -> factor) their own groups in Adam-type optimizers, at the
+    group's rate times the factor (``group["lr_scale"]`` records it), before any step and before a schedule reads the
+    rates: SμPar's per-layer rate (``SparsityCallback(density_scaling=True)``). SGD and Muon keep theirs (SμPar's
+    rate rule is Adam's)."""
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        groups = []
+        for group in optimizer.param_groups:
+            by_scale: dict[float, list[nn.Parameter]] = {}
+            for param in group["params"]:
+                by_scale.setdefault(scales.get(id(param), 1.0), []).append(param)
+            for scale, params in sorted(by_scale.items()):
+                groups.append({**group, "params": params, "lr": group["lr"] * scale, "lr_scale": scale})
+        optimizer.param_groups[:] = groups
+
+
 def newton_schulz(
     grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:

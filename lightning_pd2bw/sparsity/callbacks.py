@@ -33,6 +33,7 @@ from torch import nn
 
 from . import schedules
 from .allocation import ALLOCATIONS
+from .density_scaling import rate_scales, scale_initial_weights
 from .masks import DEFAULT_EXCLUDE, MaskUpdate, Sparsifier, select_targets
 
 INITS = ("random", "magnitude")
@@ -51,11 +52,17 @@ class SparsityCallback(Callback):
         rewarmup_steps: after each mask change the learning rate re-warms linearly over this many steps.
         dense_lr: with ``dense_from_step``: the dense phase's own peak learning rate, a multiple of the schedule's
             peak, cosine-decayed to a tenth of it at the end of training (None: the run's schedule goes on).
+        density_scaling: SμPar (Dey et al. 2024) for a sparse-from-scratch mask of constant density (static, RigL):
+            each targeted layer of density d starts at its initial weights x 1/sqrt(d) (the masked layer's output
+            keeps the dense layer's scale) and trains at the Adam-type optimizer's rate x 1/d (its own parameter
+            group; the module's ``configure_optimizers`` applies ``learning_rate_scales``, as lightning_pd2bw's models
+            do). SGD and Muon keep their rates.
         seed: of random masks (the same on every rank).
         log_per_layer: log each layer's density (grouped under ``sparsity_per_layer``).
     """
 
     reads_gradients: str | bool = False  # mask changes read every gradient (RigL's: why, said in messages)
+    constant_density = False  # each layer's density is fixed from step 0 (static, RigL): density_scaling applies
 
     def __init__(
         self,
@@ -66,6 +73,7 @@ class SparsityCallback(Callback):
         dense_from_step: int | None = None,
         rewarmup_steps: int = 0,
         dense_lr: float | None = None,
+        density_scaling: bool = False,
         seed: int = 0,
         log_per_layer: bool = True,
     ) -> None:
@@ -86,7 +94,13 @@ class SparsityCallback(Callback):
         self.min_layer_density = min_layer_density
         self.dense_from_step = dense_from_step
         self.rewarmup_steps = rewarmup_steps
+        if density_scaling and (not self.constant_density or dense_from_step is not None or allocation == "global"):
+            raise ValueError(
+                f"{type(self).__name__}(density_scaling=True) needs a mask of constant, known density from step 0: "
+                "StaticSparsity or RigL, without dense_from_step, with allocation 'uniform' or 'erk'"
+            )
         self.dense_lr = dense_lr
+        self.density_scaling = density_scaling
         self.end_step_of_run: int | None = None  # trainer.max_steps (the dense phase's schedule ends there)
         self.seed = seed
         self.log_per_layer = log_per_layer
@@ -134,6 +148,12 @@ class SparsityCallback(Callback):
             )
         return schedules.restart_lr(step, self.dense_from_step, self.end_step_of_run, self.dense_lr * peak)
 
+    def learning_rate_scales(self, module: nn.Module) -> dict[str, float]:
+        """``density_scaling``'s rate factor by targeted parameter name (``density_scaling.py``), else none."""
+        if not self.density_scaling:
+            return {}
+        return rate_scales(select_targets(module, self.targets, self.exclude), self.allocation, 1 - self.sparsity)
+
     # ------------------------------------------------------------------ engine-level use (also the test references)
     def build(self, module: nn.Module, all_reduce: Any = None, device: torch.device | None = None) -> Sparsifier:
         targets = select_targets(module, self.targets, self.exclude)
@@ -173,6 +193,8 @@ class SparsityCallback(Callback):
             self.sparsifier.apply(self._optimizers)
         elif self.step == 0 and (change := self.change_at(0)) is not None:
             self.sparsifier.update(0, change, self._optimizers)
+            if self.density_scaling:
+                scale_initial_weights(self.sparsifier, self._optimizers, type(self).__name__)
         for optimizer in self._optimizers:
             self._handles.append(optimizer.register_step_pre_hook(self._scale_lr))
             self._handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
@@ -285,7 +307,7 @@ class GradualMagnitudeSparsity(SparsityCallback):
         initial_sparsity: the sparsity at ``start_step``.
         shape: ``"cubic"`` (Zhu and Gupta's) or ``"linear"``.
         **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``density_scaling``, ``seed``, ``log_per_layer``.
     """
 
     def __init__(
@@ -335,8 +357,10 @@ class StaticSparsity(SparsityCallback):
         sparsity: the fraction of zeros in the targeted weights, in [0, 1).
         init: ``"random"`` or ``"magnitude"`` (of the initial weights).
         **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``density_scaling``, ``seed``, ``log_per_layer``.
     """
+
+    constant_density = True
 
     def __init__(self, sparsity: float, init: str = "random", **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -362,10 +386,11 @@ class RigL(SparsityCallback):
         init: ``"random"`` or ``"magnitude"``: the mask at step 0.
         allocation: ``"erk"`` by default (RigL's), else as ``SparsityCallback``.
         **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``density_scaling``, ``seed``, ``log_per_layer``.
     """
 
     reads_gradients = "grows connections by gradient"  # the regrowth ranks |gradient| (why, for messages)
+    constant_density = True
 
     def __init__(
         self,

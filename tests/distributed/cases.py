@@ -134,6 +134,8 @@ def sparsity_callback(case: Case):
         ),
         "rigl_erk": lambda: RigL(0.5, end_step=5, update_interval=2, drop_fraction=0.3, allocation="erk"),
         "static_random": lambda: StaticSparsity(0.75, init="random", seed=7),
+        # SμPar: per-layer densities (ERK), each layer's own AdamW group at rate / density, init / sqrt(density)
+        "static_supar": lambda: StaticSparsity(0.75, init="random", seed=7, allocation="erk", density_scaling=True),
         # the dense phase with its own learning-rate schedule (dense_lr), the rate re-warmed on top
         "spdf": lambda: StaticSparsity(0.5, init="magnitude", dense_from_step=3, rewarmup_steps=2, dense_lr=2.0),
         # mask changes within two updates of each other: the delay correction's history must restart at each
@@ -188,6 +190,8 @@ CASES = {
             "gpt_2bw_sparse_resume", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3, sparsity="gmp_uniform"
         ),
         Case("gpt_2bw_d2w2_sparse_static", width=2, mode="2bw", steps=5, sparsity="static_random"),
+        # the sharded optimizer with per-layer groups, under the predictive correction
+        Case("gpt_2bw_d2w2_sparse_supar", width=2, mode="2bw", steps=5, sparsity="static_supar", correction=PREDICTIVE),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),
         # checkpoints mid-epoch (no steps_per_epoch): the data position is restored from the checkpoint
         Case("gpt_2bw_resume_midepoch", mode="2bw", steps=7, checkpoint_every=3, sparsity="gmp_uniform", schedule=True),

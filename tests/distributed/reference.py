@@ -16,6 +16,7 @@ import torch
 from torch.func import functional_call
 
 from lightning_pd2bw.engine.partition import balanced_partition, layer_parameter_counts
+from lightning_pd2bw.models.optim import scale_learning_rates
 
 from .cases import Case, build_model, mask_for, replica_batch, sparsity_callback
 
@@ -115,6 +116,11 @@ def _reference_run(
     configured = model.configure_optimizers()
     entries = configured if isinstance(configured, list) else [configured]
     optimizers = [e["optimizer"] if isinstance(e, dict) else e for e in entries]
+    sparsity = sparsity_callback(case)  # its schedule and Sparsifier, driven here without Lightning
+    if sparsity is not None and sparsity.density_scaling:  # the groups the model builds under a trainer (no schedule)
+        params = dict(model.named_parameters())
+        scales = {id(params[n]): f for n, f in sparsity.learning_rate_scales(model).items()}
+        scale_learning_rates(optimizers, scales)
     for group in (g for optimizer in optimizers for g in optimizer.param_groups):
         # the per-tensor loop: the pipeline's models step with foreach (CPU) or fused (CUDA) kernels
         group.update({k: False for k in ("foreach", "fused") if group.get(k)})
@@ -128,12 +134,15 @@ def _reference_run(
                 names[n].mul_(m)
 
     apply_masks()
-    sparsity = sparsity_callback(case)  # its schedule and Sparsifier, driven here without Lightning
     if sparsity is not None:
         sparsity.sparsifier = sparsity.build(model)
         sparsity.end_step_of_run = case.steps  # the runner's trainer.max_steps (SPDF's dense-phase schedule ends there)
         if (change := sparsity.change_at(0)) is not None:
             sparsity.sparsifier.update(0, change, optimizers)
+        if sparsity.density_scaling:  # SμPar's initialisation: each masked layer x 1/sqrt(its density)
+            with torch.no_grad():
+                for name, mask in sparsity.sparsifier.masks.items():
+                    names[name].mul_((mask.numel() / mask.sum().item()) ** 0.5)
     # bf16-mixed with weight_dtype "auto": each version computed in bfloat16 (cast once from the float32 weights the
     # optimizer steps), its gradients added into float32; weight_dtype=None: autocast casts the float32 weights
     mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None

@@ -189,6 +189,41 @@ def test_the_dense_phase_runs_its_own_learning_rate_schedule():
         StaticSparsity(0.5, dense_lr=0.5)
 
 
+def test_density_scaling_is_supars_initialisation_and_adams_rate():
+    """``density_scaling=True`` at 75% (density 1/4): the masked layers start at 2x the weights the unscaled run
+    starts from (1/sqrt(1/4)), and AdamW's first step (without decay: lr x sign(grad) for every gradient far above
+    eps) moves them by 4 x lr (1/density); the other parameters by lr, as without scaling."""
+    lr = 1e-3
+
+    class First(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.start = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.moved = {n: p.detach() - self.start[n] for n, p in pl_module.named_parameters()}
+
+    runs = {}
+    for scaling in (False, True):
+        sparsity, first = StaticSparsity(0.75, seed=3, density_scaling=scaling), First()
+        fit(model(lr=lr, weight_decay=0.0), [sparsity, first], 1)
+        runs[scaling] = first, sorted(sparsity.sparsifier.masks)
+    (plain, targets), (scaled, _) = runs[False], runs[True]
+    for name in plain.start:
+        factor = 2.0 if name in targets else 1.0
+        torch.testing.assert_close(scaled.start[name], factor * plain.start[name], rtol=0, atol=0)
+        grad = scaled.grads.get(name)
+        if grad is None:
+            continue
+        clear = grad.abs() > 1e-4  # Adam's first step: lr x g / (|g| + 1e-8), lr x sign(g) to 1e-4 here
+        rate = 4 * lr if name in targets else lr
+        torch.testing.assert_close(scaled.moved[name][clear], -rate * grad[clear].sign(), rtol=1e-3, atol=0)
+    with pytest.raises(ValueError, match="density_scaling=True.*needs a mask of constant"):
+        GradualMagnitudeSparsity(0.75, end_step=10, density_scaling=True)
+
+
 def test_static_random_masks_are_fixed_and_reproducible():
     first, second = StaticSparsity(0.75, seed=3), StaticSparsity(0.75, seed=3)
     fit(model(), [first], 1)
