@@ -307,7 +307,7 @@ class GradualMagnitudeSparsity(SparsityCallback):
         initial_sparsity: the sparsity at ``start_step``.
         shape: ``"cubic"`` (Zhu and Gupta's) or ``"linear"``.
         **kwargs: ``SparsityCallback``'s: ``allocation``, ``targets``, ``exclude``, ``min_layer_density``,
-            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``density_scaling``, ``seed``, ``log_per_layer``.
+            ``dense_from_step``, ``rewarmup_steps``, ``dense_lr``, ``seed``, ``log_per_layer``.
     """
 
     def __init__(
