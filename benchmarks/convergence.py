@@ -50,6 +50,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
+from benchmarks.comparator import width_flops  # noqa: E402
 from benchmarks.convergence_settings import (  # noqa: E402
     MODELS,
     OPTIMIZERS,
@@ -361,7 +362,7 @@ def collect(args: argparse.Namespace) -> dict[str, dict]:
                         "final": finals,
                         "train": trains,
                         "spike": max(worst_spike(train_losses(f)) for f in runs),
-                        "flops": statistics.mean(flops_ratio(f) for f in runs),
+                        "flops": statistics.mean(flops_ratio(f) * width_flops(f, args.model) for f in runs),
                         "curves": curves,
                         "steps": steps,
                         "runs": [str(f) for f in runs],

@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
+from benchmarks.comparator import dense_flops, equal_params_width  # noqa: E402
 from benchmarks.convergence import CORPORA, curve, finished, flops_ratio, logged_mean  # noqa: E402
 from benchmarks.convergence import train as run_training  # noqa: E402
-from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
 
 PRETRAINING = {  # name -> pd2bw-train overrides
     "dense": ["sparsity=none"],
@@ -49,29 +49,6 @@ PRETRAINING = {  # name -> pd2bw-train overrides
 }
 PRUNED = {"prune50": 0.5, "prune75": 0.75}  # recipe=prune from the dense pre-trained model, to this sparsity
 PEAK_LR = {"gpt_tiny": 1e-3, "gpt_small": 6e-4}  # conf/model: pre-training's peak rate (a fine-tune takes a third)
-PRESET = {"gpt_tiny": "tiny", "gpt_small": "small"}  # conf/model's GPTConfig preset
-
-
-def non_embedding(config: GPTConfig, density: float = 1.0) -> float:
-    """Non-embedding parameters of a GPT whose block matrices (what the sparsity callbacks target) are at
-    ``density``: per block 12 c^2 matrix weights and 13 c biases and norm weights, plus the final norm."""
-    c = config.n_embd
-    return config.n_layer * (12 * c * c * density + 13 * c) + 2 * c
-
-
-def equal_params_width(model: str, density: float) -> int:
-    """The width (a multiple of the heads, depth kept) of the dense GPT whose non-embedding parameters are nearest
-    the sparse one's average (Jin et al.'s comparator)."""
-    base = GPTConfig.from_name(PRESET[model])
-    target = non_embedding(base, density)
-    widths = range(base.n_head, base.n_embd + 1, base.n_head)
-    return min(widths, key=lambda c: abs(non_embedding(GPTConfig.from_name(PRESET[model], n_embd=c)) - target))
-
-
-def dense_flops(model: str, width: int) -> float:
-    """Training FLOPs per token of the dense GPT at ``width`` over the preset's."""
-    flops = (GPT(GPTConfig.from_name(PRESET[model], n_embd=c)).flops_per_token() for c in (width, None))
-    return next(flops) / next(flops)
 
 
 def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus: str, extra: list[str]) -> Path:

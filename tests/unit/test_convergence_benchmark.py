@@ -43,6 +43,7 @@ def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
     assert overrides("flush+b1") == SETTINGS["flush+b1"]  # a setting whose own name has a "+"
     assert overrides("rigl75+every10") == [*SETTINGS["rigl75"], "sparsity.update_interval=10"]
     assert overrides("spdf75+denselr0.5") == [*SETTINGS["spdf75"], "sparsity.dense_lr=0.5"]
+    assert overrides("dense+width48") == [*SETTINGS["dense"], "model.config.n_embd=48"]
     with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
         overrides("2bw+xx")
 
@@ -122,10 +123,10 @@ def test_the_sweeps_default_is_the_configs():
 
 
 def test_the_equal_parameter_comparator_matches_the_average_non_embedding_count():
-    """Jin et al.'s comparator (``benchmarks/transfer.py``), by hand: the tiny GPT (4 blocks, width 64) at a quarter
+    """Jin et al.'s comparator (``benchmarks/comparator.py``), by hand: the tiny GPT (4 blocks, width 64) at a quarter
     density keeps 4 x (12 x 64^2 / 4 + 13 x 64) + 2 x 64 = 52,608 non-embedding parameters; dense at width 32 has
     4 x (12 x 32^2 + 13 x 32) + 64 = 50,880 and at width 36 64,152, so 32 is the nearest width."""
-    from benchmarks.transfer import equal_params_width, non_embedding
+    from benchmarks.comparator import equal_params_width, non_embedding
     from lightning_pd2bw.models import GPTConfig
 
     tiny = GPTConfig.from_name("tiny")
@@ -134,3 +135,20 @@ def test_the_equal_parameter_comparator_matches_the_average_non_embedding_count(
     assert equal_params_width("gpt_tiny", 0.25) == 32
     assert equal_params_width("gpt_tiny", 1.0) == 64
     assert equal_params_width("gpt_small", 0.25) == 128  # width 256 at a quarter: about half the width
+
+
+def test_a_run_at_another_width_counts_its_own_flops(tmp_path):
+    """``+widthN`` runs (the comparator in the sweep tables) count their FLOPs against the preset's width, from the
+    run's resolved config; the preset's own width (``n_embd: null``) counts 1.0."""
+    from benchmarks.comparator import dense_flops, width_flops
+    from lightning_pd2bw.models import GPT, GPTConfig
+
+    (tmp_path / "config.yaml").write_text("model:\n  config:\n    name: tiny\n    n_embd: 48\n")
+    by_hand = (
+        GPT(GPTConfig.from_name("tiny", n_embd=48)).flops_per_token()
+        / GPT(GPTConfig.from_name("tiny")).flops_per_token()
+    )
+    assert width_flops(tmp_path, "gpt_tiny") == pytest.approx(by_hand) and 0.4 < by_hand < 0.75
+    assert dense_flops("gpt_tiny", 64) == 1.0
+    (tmp_path / "config.yaml").write_text("model:\n  config:\n    name: tiny\n    n_embd: null\n")
+    assert width_flops(tmp_path, "gpt_tiny") == 1.0
