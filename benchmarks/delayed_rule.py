@@ -15,6 +15,8 @@ overrides given), one batch of ``global_batch_size`` sequences per step:
   optimizers' step on W(t), then ``strategy.delay_correction`` with the engine's own ``ErrorFeedback``. Validation
   is a drain, as in the pipeline: the update after it has a fresh gradient and restarts the correction's history.
 
+The batches come in pd2bw-train's order (Lightning's sampler at width 1), so the first steps' losses equal those
+of a 2-process pd2bw-train run in either mode to the printed digits (the loss 2BW logs at step k is batch k-1's).
 The pipeline of any depth computes the 2BW rule this loop computes (its equivalence tests against the
 single-process reference, ``tests/distributed/reference.py``); this loop is tested against a hand-computed delayed
 SGD (``tests/unit/test_delayed_rule.py``). Prints per seed the final validation loss of each rule and 2BW's gap,
@@ -24,6 +26,7 @@ and writes ``OUT/delayed_rule.json`` (curves included); finished runs under ``--
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -116,8 +119,13 @@ def compose(args: argparse.Namespace, seed: int):
         return hydra_compose("tiny", overrides=[*overrides, f"hydra.searchpath=[file://{CONF}]"])
 
 
-def batches(loader: torch.utils.data.DataLoader) -> Iterator[dict[str, torch.Tensor]]:
-    while True:  # epochs continue the loader's own shuffle generator
+def batches(dataset: torch.utils.data.Dataset, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The training batches in ``pd2bw-train``'s order at width 1: Lightning's ``DistributedSampler`` (shuffled,
+    seeded by the run's seed, one permutation per epoch), full batches."""
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size, sampler=sampler, drop_last=True)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
         yield from loader
 
 
@@ -172,7 +180,7 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
         return statistics.mean(losses)
 
     curve, train_losses, start = [], [], time.perf_counter()
-    stream = batches(data.train_dataloader())
+    stream = batches(data.train_set, cfg.global_batch_size, cfg.seed)
     for step in range(1, args.steps + 1):
         train_losses.append(loop.step(loss_of(on_device(next(stream)))))
         if step % args.val_every == 0 or step == args.steps:
