@@ -180,7 +180,8 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
         return statistics.mean(losses)
 
     curve, train_losses, start = [], [], time.perf_counter()
-    stream = batches(data.train_set, cfg.global_batch_size, cfg.seed)
+    order = cfg.seed if args.data_seed is None else args.data_seed
+    stream = batches(data.train_set, cfg.global_batch_size, order)
     for step in range(1, args.steps + 1):
         train_losses.append(loop.step(loss_of(on_device(next(stream)))))
         if step % args.val_every == 0 or step == args.steps:
@@ -199,12 +200,15 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--val-batches", type=int, default=16, help="as the convergence benchmark's limit_val_batches")
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--data-seed", type=int, help="the batch order's seed (default: the run's, as pd2bw-train)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as pd2bw-train takes them")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    label = "-".join([args.model, args.preset or "", args.corpus, str(args.steps), *args.overrides]).replace("/", "_")
+    order = [] if args.data_seed is None else [f"order{args.data_seed}"]
+    label = "-".join([args.model, args.preset or "", args.corpus, str(args.steps), *order, *args.overrides])
+    label = label.replace("/", "_")
     results = {}
     for seed in range(args.seeds):
         for rule in RULES:
