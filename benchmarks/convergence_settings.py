@@ -79,6 +79,9 @@ GPT_SMALL_METHODS = (  # allocation, shape, regrowth, SPDF's dense phase and the
     "s75+from0.25+to0.9,s75+erk+from0.25+to0.9,s75+global+linear+from0.25+to0.95,rigl75,spdf75,"
     f"{DEFAULT_SPARSE}+rewarm10"
 )
+# Jin et al.'s comparator (benchmarks/comparator.py): the dense width of the default 75%'s average parameters (mean
+# density 0.59) and of the methods sparse from step 0 (0.25), per model
+COMPARATORS = {"gpt_tiny": "dense+width48,dense+width32", "gpt_small": "dense+width192,dense+width128"}
 SWEEP_JOB = {"steps": 1000, "val_every": 250, "seeds": 2, "optimizers": "adamw", "baseline": "dense"}
 SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this script's arguments
     # issue 50 (docs/sparsity.md): 75% sparsity against dense under the product's defaults (2BW, AdamW)
@@ -95,12 +98,27 @@ SWEEPS = {  # --sweep NAME: the runs of one measurement, each a set of this scri
                 "gpt_tiny",
                 "packages",
                 f"dense,{SPARSE_SWEEP},s75+win+global+rewarm10,s75+win+global+rewarm25,static75,static75+erk,rigl75,"
-                "spdf75",
+                f"spdf75,{COMPARATORS['gpt_tiny']}",
                 "",
             ),
-            ("gpt_tiny", "stdlib,copyrights", f"dense,s75,s75+win+global,{PREVIOUS_DEFAULT},{DEFAULT_SPARSE}", ""),
-            ("gpt_small", "packages", f"dense,{GPT_SMALL_WINDOWS},{GPT_SMALL_METHODS}", ""),  # GPT small's sweep
-            ("gpt_small", "stdlib,copyrights", f"dense,{DEFAULT_SPARSE}", ""),  # the second corpus; the held-out one
+            (
+                "gpt_tiny",
+                "stdlib,copyrights",
+                f"dense,s75,s75+win+global,{PREVIOUS_DEFAULT},{DEFAULT_SPARSE},dense+width48",
+                "",
+            ),
+            (
+                "gpt_small",
+                "packages",
+                f"dense,{GPT_SMALL_WINDOWS},{GPT_SMALL_METHODS},{COMPARATORS['gpt_small']}",
+                "",
+            ),  # GPT small's sweep
+            (
+                "gpt_small",
+                "stdlib,copyrights",
+                f"dense,{DEFAULT_SPARSE},dense+width192",
+                "",
+            ),  # the second corpus; the held-out one
             ("gpt_small", "packages", f"dense,{DEFAULT_SPARSE}", "1,1.25"),  # GPT small's steps to dense's loss
         )
     ],
