@@ -64,7 +64,10 @@ class DelayedRule:
         self.model, self.optimizers, self.schedulers = model, list(optimizers), list(schedulers)
         self.rule, self.clip = rule, clip
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.correction = ErrorFeedback.for_method(correction, self.params, strength) if correction else None
+        delayed = rule == "2bw"
+        self.correction = (
+            ErrorFeedback.for_method(correction, self.params, strength) if correction and delayed else None
+        )
         self.previous: list[torch.Tensor] | None = None  # W(t-1); None after a drain (the next gradient is fresh)
 
     def drain(self) -> None:
@@ -72,7 +75,8 @@ class DelayedRule:
         self.previous = None
 
     def step(self, loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> float:
-        now = [p.detach().clone() for p in self.params]  # W(t)
+        # W(t), kept only where the rule reads another version: the step's base, the correction's and next W(t-1)
+        now = [p.detach().clone() for p in self.params] if self.rule == "2bw" else None
         stale = self.rule == "2bw" and self.previous is not None
         if stale:
             with torch.no_grad():
@@ -87,11 +91,11 @@ class DelayedRule:
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if self.correction is not None and self.rule == "2bw":
+        if self.correction is not None:
             self.correction.apply(now, stale)
         for scheduler in self.schedulers:
             scheduler.step()
-        self.previous = now if self.rule == "2bw" else None
+        self.previous = now
         return loss.item()
 
 
