@@ -16,7 +16,7 @@ overrides given), one batch of ``global_batch_size`` sequences per step:
   is a drain, as in the pipeline: the update after it has a fresh gradient and restarts the correction's history.
 
 The batches come in pd2bw-train's order (Lightning's sampler at width 1), so the first steps' losses equal those
-of a 2-process pd2bw-train run in either mode to the printed digits (the loss 2BW logs at step k is batch k-1's).
+of a 2-process pd2bw-train run in either mode to 5 digits (the loss 2BW logs at step k is batch k-1's).
 The pipeline of any depth computes the 2BW rule this loop computes (its equivalence tests against the
 single-process reference, ``tests/distributed/reference.py``); this loop is tested against a hand-computed delayed
 SGD (``tests/unit/test_delayed_rule.py``). Prints per seed the final validation loss of each rule and 2BW's gap,
