@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import random
 import re
 import shutil
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -109,19 +111,22 @@ def fortunes_corpus(out: Path) -> Path:
     path = out / "fortunes.txt"
     if path.exists():
         return path
-    folder = FORTUNES
-    if not folder.is_dir():
-        debs = out / "debs"
-        debs.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["apt-get", "download", "fortunes"], cwd=debs, check=True, capture_output=True)
-        subprocess.run(["dpkg-deb", "-x", next(debs.glob("fortunes_*.deb")), debs / "root"], check=True)
-        folder = debs / "root" / FORTUNES.relative_to("/")
-    texts = []
-    for file in sorted(f for f in folder.iterdir() if f.is_file() and not f.suffix and f.name != "ascii-art"):
-        texts += [t.strip("\n") for t in re.split(r"^%$", file.read_text(errors="replace"), flags=re.M) if t.strip()]
-    random.Random(0).shuffle(texts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(texts) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as scratch:  # per process: runs started together do not race
+        folder = FORTUNES
+        if not folder.is_dir():
+            debs = Path(scratch)
+            subprocess.run(["apt-get", "download", "fortunes"], cwd=debs, check=True, capture_output=True)
+            subprocess.run(["dpkg-deb", "-x", next(debs.glob("fortunes_*.deb")), debs / "root"], check=True)
+            folder = debs / "root" / FORTUNES.relative_to("/")
+        texts = []
+        for file in sorted(f for f in folder.iterdir() if f.is_file() and not f.suffix and f.name != "ascii-art"):
+            text = file.read_text(errors="replace")
+            texts += [t.strip("\n") for t in re.split(r"^%$", text, flags=re.M) if t.strip()]
+        random.Random(0).shuffle(texts)
+        written = Path(scratch) / "fortunes.txt"
+        written.write_text("\n\n".join(texts) + "\n")
+        os.replace(written, path)  # whole or absent, never half-written for a run that reads it
     return path
 
 

@@ -194,6 +194,14 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
     return {"curve": curve, "train": train_losses, "seconds": time.perf_counter() - start}
 
 
+def run_label(args: argparse.Namespace, rule: str) -> str:
+    """The name of ``rule``'s runs under these arguments. The synchronous rule reads no ``strategy.*`` key (the delay
+    correction's), so one sync run serves every screen of those keys."""
+    order = [] if args.data_seed is None else [f"order{args.data_seed}"]
+    overrides = [o for o in args.overrides if rule != "sync" or not o.startswith("strategy.")]
+    return "-".join([args.model, args.preset or "", args.corpus, str(args.steps), *order, *overrides]).replace("/", "_")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt_small", help="conf/model/NAME (its optimizer, rate, warm-up)")
@@ -207,19 +215,25 @@ def main() -> None:
     parser.add_argument("--data-seed", type=int, help="the batch order's seed (default: the run's, as pd2bw-train)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
+    parser.add_argument("--rules", default=",".join(RULES), help="the rules to run (finished ones are reused)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as pd2bw-train takes them")
     args = parser.parse_args()
+    rules = args.rules.split(",")
+    if unknown := set(rules) - set(RULES):
+        parser.error(f"--rules: {sorted(unknown)} unknown; the rules are {RULES}")
     args.out.mkdir(parents=True, exist_ok=True)
-    order = [] if args.data_seed is None else [f"order{args.data_seed}"]
-    label = "-".join([args.model, args.preset or "", args.corpus, str(args.steps), *order, *args.overrides])
-    label = label.replace("/", "_")
+    label = run_label(args, "2bw")
     results = {}
     for seed in range(args.seeds):
         for rule in RULES:
-            path = args.out / f"{label}-{rule}-seed{seed}.json"
-            if not path.exists():
+            path = args.out / f"{run_label(args, rule)}-{rule}-seed{seed}.json"
+            if not path.exists() and rule in rules:
                 path.write_text(json.dumps(train(args, rule, seed)))
-            results[f"{rule}/seed{seed}"] = json.loads(path.read_text())
+            if path.exists():
+                results[f"{rule}/seed{seed}"] = json.loads(path.read_text())
+    if len(results) < len(RULES) * args.seeds:
+        print(f"{label}: ran {sorted(results)}; the gap needs both rules (--rules {','.join(RULES)})")
+        return
     gaps = []
     for seed in range(args.seeds):
         sync, late = (results[f"{rule}/seed{seed}"]["curve"][-1][1] for rule in RULES)

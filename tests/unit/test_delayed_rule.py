@@ -2,10 +2,12 @@
 that issue 64's large-model measurement runs must be the pipeline's rule (stale gradient, predictive correction,
 drains restarting it), not an approximation of it."""
 
+from argparse import Namespace
+
 import pytest
 import torch
 
-from benchmarks.delayed_rule import DelayedRule
+from benchmarks.delayed_rule import DelayedRule, run_label
 
 TARGETS = torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.0], [2.0, 1.0], [0.0, -1.0], [1.5, 0.5]], dtype=torch.float64)
 LR, DRAIN_AFTER = 0.3, 3  # a drain (validation) after the third update
@@ -53,3 +55,20 @@ def test_the_rules_differ_so_the_test_can_fail():
     rules = [("sync", None), ("2bw", None), ("2bw", "error_feedback"), ("2bw", "predictive_error_feedback")]
     finals = [by_hand(*r) for r in rules]
     assert all((a - b).abs().max() > 1e-3 for i, a in enumerate(finals) for b in finals[i + 1 :])
+
+
+def test_one_sync_run_serves_the_screens_of_the_correction():
+    """``strategy.*`` keys configure only 2BW's correction: the sync rule's runs are shared across them; any other
+    override (the optimizer's betas) names its own sync run."""
+
+    def args(*overrides: str) -> Namespace:
+        return Namespace(
+            model="gpt_small", preset=None, corpus="fortunes", steps=1000, data_seed=None, overrides=overrides
+        )
+
+    screen = args("strategy.delay_correction_strength=0.75")
+    assert run_label(screen, "sync") == run_label(args(), "sync")
+    assert run_label(screen, "2bw") != run_label(args(), "2bw")
+    betas = args("model.betas=[0.95,0.95]")
+    assert run_label(betas, "sync") != run_label(args(), "sync")
+    assert "/" not in run_label(args("data.paths=[/tmp/x]"), "sync")
