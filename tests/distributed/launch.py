@@ -49,12 +49,16 @@ def torchrun_script(
     return result
 
 
+SENT = "[test] SIGTERM sent at "  # + time.time(), on a rank's stderr: the preemption tests bound the time from it
+
+
 @dataclass
 class RankResult:
     rank: int
     returncode: int
     stderr: str
     seconds: float  # from launch to exit
+    ended: float  # time.time() when its exit was seen (at or after the exit: the ranks are awaited in turn)
 
 
 def free_port() -> int:
@@ -100,5 +104,5 @@ def launch_ranks(
                 p.kill()
             _, err = proc.communicate()
             err += f"\n[test] rank {rank} still running after {timeout} s: killed"
-        results.append(RankResult(rank, proc.returncode, err, time.monotonic() - start))
+        results.append(RankResult(rank, proc.returncode, err, time.monotonic() - start, time.time()))
     return sorted(results, key=lambda r: r.rank)

@@ -39,6 +39,13 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
+from tests.distributed.launch import SENT  # noqa: E402
+
+
+def sigterm() -> None:
+    """SIGTERM to this process, its wall-clock time on stderr first."""
+    print(f"{SENT}{time.time():.3f}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Preempt(Callback):
@@ -59,7 +66,7 @@ class Preempt(Callback):
 
         def send() -> None:
             time.sleep(0.02)
-            os.kill(os.getpid(), signal.SIGTERM)
+            sigterm()
 
         self.sender = threading.Thread(target=send, daemon=True)
         self.sender.start()
@@ -74,7 +81,7 @@ class PreemptAt(Callback):
     def _send(self, trainer: pl.Trainer) -> None:
         if not self.sent and trainer.global_step >= self.step and self.who in ("all", str(trainer.global_rank)):
             self.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
+            sigterm()
 
     def on_train_start(self, trainer: pl.Trainer, *args) -> None:
         if self.moment == "drain":

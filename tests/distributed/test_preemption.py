@@ -14,10 +14,13 @@ import torch
 from lightning_pd2bw.checkpoint import consolidate, read_manifest
 from lightning_pd2bw.observe.watchdog import EXIT_CODE
 
-from .launch import ROOT, launch_ranks
+from .launch import ROOT, SENT, launch_ranks
 
 RUNNER = ROOT / "tests" / "distributed" / "run_preempt.py"
-BOUND = 60.0  # seconds from launch to the last exit: start-up (~10 s on 2 cores), 3 steps, drain, checkpoint
+# seconds from the first SIGTERM to the last rank's exit: drain, checkpoint, exit (a few seconds on 2 cores), far below
+# the process-group timeout (300 s) a rank left waiting on an exited peer would sit out. Measured from the signal,
+# not from launch: start-up under a loaded machine (4 ranks beside other tests on 2 cores) is not the handling's time.
+BOUND = 60.0
 SIGNAL_STEP = 3
 
 
@@ -25,7 +28,9 @@ def preempt(tmp_path, world: int, stages: int, who: str, max_steps: int = 50, mo
     args = [str(tmp_path), who, str(SIGNAL_STEP), str(stages), str(max_steps), "-", moment]
     results = launch_ranks(RUNNER, args, world, 150)
     logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
-    assert max(r.seconds for r in results) < BOUND, logs
+    sent = [float(line.removeprefix(SENT)) for r in results for line in r.stderr.splitlines() if line.startswith(SENT)]
+    assert sent, logs
+    assert max(r.ended for r in results) - min(sent) < BOUND, logs
     assert all(r.returncode == EXIT_CODE for r in results), logs
     assert all("pd2bw: preempted (SIGTERM) at global step" in r.stderr for r in results), logs
     last = tmp_path / "ckpt" / "last.ckpt"
