@@ -49,7 +49,12 @@ def torchrun_script(
     return result
 
 
-SENT = "[test] SIGTERM sent at "  # + time.time(), on a rank's stderr: the preemption tests bound the time from it
+FAULT = "[test] fault at "  # + time.time(), on a rank's stderr when a test injects its fault (a SIGTERM, a kill, ...)
+
+
+def mark_fault() -> None:
+    """Print the wall-clock time of the fault about to be injected: tests bound the time from it to the last exit."""
+    print(f"{FAULT}{time.time():.3f}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -57,7 +62,6 @@ class RankResult:
     rank: int
     returncode: int
     stderr: str
-    seconds: float  # from launch to exit
     ended: float  # time.time() when its exit was seen (at or after the exit: the ranks are awaited in turn)
 
 
@@ -104,5 +108,16 @@ def launch_ranks(
                 p.kill()
             _, err = proc.communicate()
             err += f"\n[test] rank {rank} still running after {timeout} s: killed"
-        results.append(RankResult(rank, proc.returncode, err, time.monotonic() - start, time.time()))
+        results.append(RankResult(rank, proc.returncode, err, time.time()))
     return sorted(results, key=lambda r: r.rank)
+
+
+def seconds_from_fault(results: list[RankResult], frozen: int | None = None) -> float:
+    """From the first fault marked on any rank's stderr (``mark_fault``) to the last exit of a rank other than
+    ``frozen`` (which never exits by itself). Start-up is left out: on a loaded machine (ranks beside other tests
+    on 2 cores) it is not the time the fault's handling takes."""
+    marks = [
+        float(line.removeprefix(FAULT)) for r in results for line in r.stderr.splitlines() if line.startswith(FAULT)
+    ]
+    assert marks, "no rank marked its fault: it was never injected"
+    return max(r.ended for r in results if r.rank != frozen) - min(marks)

@@ -7,7 +7,8 @@ peer and a hang. Faults, injected on global rank RANK at training step STEP:
   freeze        SIGSTOP the process (every thread, the watchdog's too, stops; the process stays)
   raise         raise an exception in the step
   kill_in_save  SIGKILL while writing its shard of the second checkpoint (last.ckpt is overwritten)
-  nonfinite     the step's loss becomes NaN (on_nonfinite="stop": the stages that see it raise)
+  nonfinite     the step's loss becomes NaN on the last stage (on_nonfinite="stop": the stages that see it raise);
+                RANK only marks the time
   raise_slow_reader  raise, while every other rank's watchdog reads the verdict 2 s late (a loaded machine):
                 the failing rank hosts the store and must not take it away before they have read it
   hang_recv     block forever in a receive from a neighbour that never sends (heartbeats keep beating)
@@ -35,6 +36,7 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
+from tests.distributed.launch import mark_fault  # noqa: E402
 from tests.distributed.run_cases import PoisonLoss  # noqa: E402
 
 FAILURE_TIMEOUT = 3.0
@@ -49,6 +51,7 @@ class Fault(Callback):
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         print(f"injecting {self.kind} on rank {self.rank} at step {self.step}", file=sys.stderr, flush=True)
+        mark_fault()
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "freeze":
@@ -81,6 +84,7 @@ def die_in_second_save(rank: int) -> None:
         calls.append(folder)
         if len(calls) == 2 and int(os.environ["RANK"]) == rank:
             (folder / f"__{rank}_0.distcp").write_bytes(b"partial file")
+            mark_fault()
             os.kill(os.getpid(), signal.SIGKILL)
         return original(folder, entries, *args, **kwargs)
 
@@ -93,7 +97,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     case = Case("fault", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=8)
     pl.seed_everything(0)
-    callbacks: list = [PoisonLoss(step)] if kind == "nonfinite" else [Fault(kind, rank, step)]
+    callbacks: list = [Fault(kind, rank, step)] + ([PoisonLoss(step)] if kind == "nonfinite" else [])
     if kind == "raise_slow_reader" and int(os.environ["RANK"]) != rank:
         read_verdicts_late()
     if kind == "kill_in_save":

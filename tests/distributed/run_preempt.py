@@ -39,12 +39,12 @@ from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.checkpoint import consolidate  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
-from tests.distributed.launch import SENT  # noqa: E402
+from tests.distributed.launch import mark_fault  # noqa: E402
 
 
 def sigterm() -> None:
     """SIGTERM to this process, its wall-clock time on stderr first."""
-    print(f"{SENT}{time.time():.3f}", file=sys.stderr, flush=True)
+    mark_fault()
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -16,19 +16,22 @@ import torch
 from lightning_pd2bw.checkpoint import consolidate, read_entries, read_manifest
 from lightning_pd2bw.observe.watchdog import EXIT_CODE
 
-from .launch import ROOT, launch_ranks
+from .launch import ROOT, launch_ranks, seconds_from_fault
 
 RUNNER = ROOT / "tests" / "distributed" / "run_faults.py"
-BOUND = 60.0  # seconds from launch to the last exit: start-up (~10 s on 2 cores) + a few steps + 3 s timeout
+# seconds from the fault to the last exit: the watchdog's 3-4 s timeouts and exit, far below the process-group timeout
+# (300 s) a rank left waiting would sit out. From the fault, not from launch: start-up on a loaded machine (4 ranks
+# beside other tests on 2 cores) is not the handling's time.
+BOUND = 60.0
 
 
 def run(tmp_path, kind: str, rank: int, step: int, world: int, stages: int | None = None):
     args = [str(tmp_path), kind, str(rank), str(step)] + ([str(stages)] if stages else [])
     frozen = rank if kind == "freeze" else None
     results = launch_ranks(RUNNER, args, world, timeout=150, frozen=frozen)
-    slowest = max(r.seconds for r in results if r.rank != frozen)
     logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
-    assert slowest < BOUND, f"a rank took {slowest:.0f} s to exit:\n{logs}"
+    slowest = seconds_from_fault(results, frozen)
+    assert slowest < BOUND, f"the last rank exited {slowest:.0f} s after the fault:\n{logs}"
     assert all(r.returncode != 0 for r in results), f"every rank exits non-zero:\n{logs}"
     assert not any("finished" in r.stderr for r in results), logs
     return results, logs
