@@ -107,7 +107,8 @@ def fortunes_corpus(out: Path) -> Path:
     jokes and definitions; 2.5 MB, licence in its ``/usr/share/doc/fortunes/copyright``), read where it is installed
     or unpacked from Debian's package registry (``apt-get download fortunes``) into ``out``. Every fortune once,
     ASCII-art files left out, in one fixed shuffled order, so the held-out last 5% is drawn like the rest: on this
-    corpus the validation loss follows the training loss (the benchmark prints their gap per run)."""
+    corpus the validation loss follows the training loss (the benchmark prints their gap per run). Which texts a
+    machine has depends on the package's version: ``corpus_digest`` names the corpus a result was measured on."""
     path = out / "fortunes.txt"
     if path.exists():
         return path
@@ -123,11 +124,20 @@ def fortunes_corpus(out: Path) -> Path:
         for file in sorted(f for f in folder.iterdir() if f.is_file() and not f.suffix and f.name != "ascii-art"):
             text = file.read_text(errors="replace")
             texts += [t.strip("\n") for t in re.split(r"^%$", text, flags=re.M) if t.strip()]
+        texts = list(dict.fromkeys(texts))  # each text once: a duplicate could land on both sides of the split
         random.Random(0).shuffle(texts)
         written = Path(scratch) / "fortunes.txt"
         written.write_text("\n\n".join(texts) + "\n")
         os.replace(written, path)  # whole or absent, never half-written for a run that reads it
     return path
+
+
+def corpus_digest(path: Path) -> str:
+    """The corpus a result was measured on: its bytes' SHA-256 (first 12 hex digits) and size, printed with it."""
+    import hashlib
+
+    data = path.read_bytes()
+    return f"sha256 {hashlib.sha256(data).hexdigest()[:12]}, {len(data):,} bytes"
 
 
 CORPORA = {  # beside stdlib, the embedded corpus

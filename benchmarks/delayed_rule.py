@@ -47,7 +47,10 @@ RULES = ("sync", "2bw")
 class DelayedRule:
     """One process's optimizer steps under ``rule``: ``step(loss_of)`` takes the gradient of ``loss_of(model)`` at the
     weights the rule reads (W(t), or W(t-1) under ``2bw``), steps ``optimizers`` and ``schedulers`` on W(t) after
-    clipping the gradients' norm to ``clip``, then applies ``correction`` (a ``delay_correction`` method or None)."""
+    clipping the gradients' norm to ``clip``, then applies ``correction`` (a ``delay_correction`` method or None).
+    ``sync_steps`` K: a synchronous start, K updates with fresh gradients (Flush's rule), then 2BW from a drain, as
+    the pipeline switches: its first update is fresh too, so update K+1 (counting from 0) is the first to read
+    W(t-1), and the correction's history starts there."""
 
     def __init__(
         self,
@@ -58,11 +61,14 @@ class DelayedRule:
         correction: str | None = "predictive_error_feedback",
         strength: float = 1.0,
         clip: float | None = None,
+        sync_steps: int = 0,
     ) -> None:
         if rule not in RULES:
             raise ValueError(f"rule={rule!r}: one of {RULES}")
+        if sync_steps < 0:
+            raise ValueError(f"sync_steps={sync_steps}: the number of fresh-gradient updates before 2BW's, >= 0")
         self.model, self.optimizers, self.schedulers = model, list(optimizers), list(schedulers)
-        self.rule, self.clip = rule, clip
+        self.rule, self.clip, self.sync_steps, self.updates = rule, clip, sync_steps, 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         delayed = rule == "2bw"
         self.correction = (
@@ -77,7 +83,7 @@ class DelayedRule:
     def step(self, loss_of: Callable[[torch.nn.Module], torch.Tensor]) -> float:
         # W(t), kept only where the rule reads another version: the step's base, the correction's and next W(t-1)
         now = [p.detach().clone() for p in self.params] if self.rule == "2bw" else None
-        stale = self.rule == "2bw" and self.previous is not None
+        stale = self.rule == "2bw" and self.previous is not None and self.updates > self.sync_steps
         if stale:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], self.previous)  # read W(t-1)
@@ -96,11 +102,26 @@ class DelayedRule:
         for scheduler in self.schedulers:
             scheduler.step()
         self.previous = now
+        self.updates += 1
         return loss.item()
 
 
-def compose(args: argparse.Namespace, seed: int):
-    """The run's config as ``pd2bw-train`` composes it: ``recipe=tiny``, the model, the corpus and the overrides."""
+def rule_overrides(overrides: Sequence[str], rule: str) -> list[str]:
+    """The Hydra overrides ``rule`` runs with: those without a rule prefix, and those prefixed ``rule:``
+    (``sync:model.lr=2e-3 2bw:model.lr=1e-3``: each rule at its own tuned rate)."""
+    kept = []
+    for override in overrides:
+        prefix, _, rest = override.partition(":")
+        if prefix in RULES and rest:
+            kept += [rest] if prefix == rule else []
+        else:
+            kept.append(override)
+    return kept
+
+
+def compose(args: argparse.Namespace, seed: int, steps: int | None = None, rule: str = "2bw"):
+    """The run's config as ``pd2bw-train`` composes it: ``recipe=tiny``, the model, the corpus and the overrides;
+    ``steps`` (default ``--steps``) stretches the schedules with ``trainer.max_steps``."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -111,13 +132,13 @@ def compose(args: argparse.Namespace, seed: int):
     setup_hydra()
     overrides = [
         f"model={args.model}",
-        f"trainer.max_steps={args.steps}",
+        f"trainer.max_steps={steps or args.steps}",
         f"seed={seed}",
         f"model.config.seed={1234 + seed}",
         *([f"model.config.name={args.preset}"] if args.preset else []),
         f"data.seq_len={args.seq_len or MODELS.get(args.model, 128)}",
         *([] if args.corpus == "stdlib" else [f"data.paths=[{CORPORA[args.corpus](args.out)}]"]),
-        *args.overrides,
+        *rule_overrides(args.overrides, rule),
     ]
     with initialize_config_dir(str(RECIPES), version_base="1.3"):
         return hydra_compose("tiny", overrides=[*overrides, f"hydra.searchpath=[file://{CONF}]"])
@@ -133,12 +154,14 @@ def batches(dataset: torch.utils.data.Dataset, batch_size: int, seed: int) -> It
         yield from loader
 
 
-def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
-    """One run of ``rule``: validation curve, training losses, seconds."""
+def train(args: argparse.Namespace, rule: str, seed: int, steps: int | None = None) -> dict:
+    """One run of ``rule`` over ``steps`` (default ``--steps``): validation curve (the last point over the whole
+    held-out split), training losses, seconds."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
-    cfg = compose(args, seed)
+    steps = steps or args.steps
+    cfg = compose(args, seed, steps, rule)
     pl.seed_everything(cfg.seed, workers=True)
     model = instantiate(cfg.model)
     model.configure_model()
@@ -158,6 +181,7 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
         strategy.get("delay_correction"),
         strategy.get("delay_correction_strength", 1.0),
         cfg.trainer.gradient_clip_val,
+        args.sync_steps,
     )
     autocast = torch.autocast(torch.device(args.device).type, torch.bfloat16, enabled=args.device.startswith("cuda"))
 
@@ -172,11 +196,12 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
         return compute
 
     @torch.no_grad()
-    def validate() -> float:
+    def validate(whole: bool) -> float:
+        """The mean loss of ``--val-batches`` held-out batches, or of all of them (``whole``: the run's end)."""
         model.eval()
         losses = []
         for i, batch in enumerate(data.val_dataloader()):
-            if i == args.val_batches:
+            if i == args.val_batches and not whole:
                 break
             losses.append(loss_of(on_device(batch))(model).item())
         model.train()
@@ -186,20 +211,59 @@ def train(args: argparse.Namespace, rule: str, seed: int) -> dict:
     curve, train_losses, start = [], [], time.perf_counter()
     order = cfg.seed if args.data_seed is None else args.data_seed
     stream = batches(data.train_set, cfg.global_batch_size, order)
-    for step in range(1, args.steps + 1):
+    for step in range(1, steps + 1):
         train_losses.append(loop.step(loss_of(on_device(next(stream)))))
-        if step % args.val_every == 0 or step == args.steps:
-            curve.append((step, validate()))
+        if step % args.val_every == 0 or step == steps:
+            curve.append((step, validate(whole=step == steps)))
             print(f"  {rule} seed {seed} step {step}: val {curve[-1][1]:.4f}", flush=True)
     return {"curve": curve, "train": train_losses, "seconds": time.perf_counter() - start}
 
 
-def run_label(args: argparse.Namespace, rule: str) -> str:
-    """The name of ``rule``'s runs under these arguments. The synchronous rule reads no ``strategy.*`` key (the delay
-    correction's), so one sync run serves every screen of those keys."""
+def run_label(args: argparse.Namespace, rule: str, steps: int | None = None) -> str:
+    """The name of ``rule``'s runs under these arguments (``steps``: a horizon's length, default ``--steps``). The
+    synchronous rule reads no ``strategy.*`` key (the delay correction's) nor ``--sync-steps``, so one sync run
+    serves every screen of those keys."""
     order = [] if args.data_seed is None else [f"order{args.data_seed}"]
-    overrides = [o for o in args.overrides if rule != "sync" or not o.startswith("strategy.")]
-    return "-".join([args.model, args.preset or "", args.corpus, str(args.steps), *order, *overrides]).replace("/", "_")
+    overrides = [o for o in rule_overrides(args.overrides, rule) if rule != "sync" or not o.startswith("strategy.")]
+    start = [f"sync{args.sync_steps}"] if rule == "2bw" and getattr(args, "sync_steps", 0) else []
+    parts = [args.model, args.preset or "", args.corpus, str(steps or args.steps), *order, *start, *overrides]
+    return "-".join(parts).replace("/", "_")
+
+
+def time_to_quality(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float]) -> str:
+    """Per seed: the 2BW run length whose final validation loss (whole split) equals the sync rule's at ``--steps``,
+    interpolated between the horizons around it (``convergence.horizon_to``), as a multiple of sync's steps; and
+    2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio)."""
+    from benchmarks.convergence import horizon_to
+
+    header = " | ".join(f"time at {r:.2f}x ({label})" for label, r in ratios.items())
+    lines = [
+        f"| seed | sync's loss at {args.steps} | 2BW's at " + ", ".join(map(str, lengths)) + " | 2BW's steps to it "
+        f"(x sync's) | {header} |",
+        "|---" * (4 + len(ratios)) + "|",
+    ]
+    overheads, bounds = [], []
+    for seed in range(args.seeds):
+        target = results[f"sync@{args.steps}/seed{seed}"]["curve"][-1][1]
+        horizons = [(n, results[f"2bw@{n}/seed{seed}"]["curve"][-1][1], 0.0) for n in lengths]
+        finals = ", ".join(f"{loss:.4f}" for _, loss, _ in horizons)
+        found = horizon_to(target, horizons)
+        if found is None:
+            lines.append(f"| {seed} | {target:.4f} | {finals} | > {lengths[-1] / args.steps:.2f}x (not reached) |")
+            overheads.append(None)
+            continue
+        bound = "" if found[2] else "<= "
+        overhead = found[0] / args.steps
+        overheads.append(overhead)
+        bounds.append(bound)
+        times = " | ".join(f"{bound}{overhead / r:.3f}" for r in ratios.values())
+        lines.append(f"| {seed} | {target:.4f} | {finals} | {bound}{overhead:.3f}x | {times} |")
+    reached = [o for o in overheads if o is not None]
+    if len(reached) == len(overheads):
+        mean, bound = statistics.mean(reached), "<= " if any(b for b in bounds) else ""
+        times = " | ".join(f"{bound}{mean / r:.3f}" for r in ratios.values())
+        lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -210,38 +274,91 @@ def main() -> None:
     parser.add_argument("--corpus", default="fortunes", help="stdlib, packages, copyrights or fortunes")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--val-every", type=int, default=250)
-    parser.add_argument("--val-batches", type=int, default=16, help="as the convergence benchmark's limit_val_batches")
+    parser.add_argument(
+        "--val-batches", type=int, default=16, help="held-out batches read at each validation but the last (all)"
+    )
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--data-seed", type=int, help="the batch order's seed (default: the run's, as pd2bw-train)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
     parser.add_argument("--rules", default=",".join(RULES), help="the rules to run (finished ones are reused)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as pd2bw-train takes them")
+    parser.add_argument("--sync-steps", type=int, default=0, help="2BW's synchronous start: K fresh updates first")
+    parser.add_argument(
+        "--horizons",
+        default="1",
+        help="2BW's run lengths as factors of --steps, schedules stretched (e.g. 1,1.1,1.25): time to sync's loss",
+    )
+    parser.add_argument(
+        "--rates",
+        choices=("planned", "measured"),
+        default="planned",
+        help="time to quality at the planner's 2BW/Flush rates only, or at this machine's measured one too",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides, as pd2bw-train takes them; 'sync:KEY=V' or '2bw:KEY=V' for one rule",
+    )
     args = parser.parse_args()
     rules = args.rules.split(",")
     if unknown := set(rules) - set(RULES):
         parser.error(f"--rules: {sorted(unknown)} unknown; the rules are {RULES}")
+    lengths = sorted({round(args.steps * float(f)) for f in args.horizons.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.corpus != "stdlib":
+        from benchmarks.convergence import CORPORA, corpus_digest
+
+        print(f"corpus {args.corpus}: {corpus_digest(CORPORA[args.corpus](args.out))}", flush=True)
     label = run_label(args, "2bw")
     results = {}
     for seed in range(args.seeds):
         for rule in RULES:
-            path = args.out / f"{run_label(args, rule)}-{rule}-seed{seed}.json"
-            if not path.exists() and rule in rules:
-                path.write_text(json.dumps(train(args, rule, seed)))
-            if path.exists():
-                results[f"{rule}/seed{seed}"] = json.loads(path.read_text())
-    if len(results) < len(RULES) * args.seeds:
+            for steps in [args.steps] if rule == "sync" else lengths:
+                path = args.out / f"{run_label(args, rule, steps)}-{rule}-seed{seed}.json"
+                if not path.exists() and rule in rules:
+                    path.write_text(json.dumps(train(args, rule, seed, steps)))
+                if path.exists():
+                    results[f"{rule}@{steps}/seed{seed}"] = json.loads(path.read_text())
+    if len(results) < (1 + len(lengths)) * args.seeds:
         print(f"{label}: ran {sorted(results)}; the gap needs both rules (--rules {','.join(RULES)})")
         return
     gaps = []
     for seed in range(args.seeds):
-        sync, late = (results[f"{rule}/seed{seed}"]["curve"][-1][1] for rule in RULES)
-        gaps.append(100 * (late / sync - 1))
-        seconds = " / ".join(f"{results[f'{rule}/seed{seed}']['seconds']:.0f} s" for rule in RULES)
-        print(f"seed {seed}: sync {sync:.4f}, 2bw {late:.4f}, 2BW vs sync {gaps[-1]:+.2f}% ({seconds})")
-    print(f"{label}: 2BW vs sync, mean {statistics.mean(gaps):+.2f}% over {args.seeds} seed(s)")
-    (args.out / "delayed_rule.json").write_text(json.dumps({"label": label, "runs": results, "gaps": gaps}))
+        sync = results[f"sync@{args.steps}/seed{seed}"]
+        late = results.get(f"2bw@{args.steps}/seed{seed}")
+        if late is None:
+            continue  # no 2BW run of sync's length: the time to quality alone
+        gaps.append(100 * (late["curve"][-1][1] / sync["curve"][-1][1] - 1))
+        seconds = f"{sync['seconds']:.0f} s / {late['seconds']:.0f} s"
+        print(
+            f"seed {seed}: sync {sync['curve'][-1][1]:.4f}, 2bw {late['curve'][-1][1]:.4f}, "
+            f"2BW vs sync {gaps[-1]:+.2f}% ({seconds})"
+        )
+    if gaps:
+        print(f"{label}: 2BW vs sync at equal steps, mean {statistics.mean(gaps):+.2f}% over {len(gaps)} seed(s)")
+    report = {"label": label, "runs": results, "gaps": gaps}
+    if len(lengths) > 1:
+        from benchmarks.mode_rates import rates
+
+        found = rates(args.model, args.corpus, args.out) if args.rates == "measured" else {"planned": rates_planned()}
+        ratios = {label: plan["ratio"] for label, plan in found["planned"].items()}
+        if "measured" in found:
+            ratios = {"measured here, 2 CPU processes": found["measured"]["ratio"], **ratios}
+        table = time_to_quality(results, args, lengths, ratios)
+        print(f"\ntime to quality: 2BW against sync's final validation loss (< 1: 2BW is there sooner)\n{table}")
+        report |= {"time_to_quality": table, "ratios": ratios}
+    (args.out / "delayed_rule.json").write_text(json.dumps(report))
+
+
+def rates_planned() -> dict:
+    """The planner's 2BW/Flush rates, cached beside the runs (``benchmarks/mode_rates.py``)."""
+    from benchmarks.mode_rates import planned
+
+    path = ROOT / "outputs" / "delayed_rule" / "planned_rates.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(planned(), indent=1))
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":
