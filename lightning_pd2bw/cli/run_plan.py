@@ -86,7 +86,8 @@ def plan_text(cfg, layout, model) -> str:
             f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
-    lines += memory_warnings(cfg, memories, fewest_recomputed_for(cfg, layout, profile, stages, memories), stages)
+    fewest = fewest_recomputed_for(cfg, layout, profile, stages, memories)
+    lines += memory_warnings(cfg, layout.run, memories, fewest, stages)
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s))
@@ -217,11 +218,16 @@ def fewest_recomputed_for(cfg, layout, profile, stages, memories) -> tuple[int, 
 
 
 def memory_warnings(
-    cfg, memories: list[dict[str, float]], per_stage: tuple[int, ...] | None = None, stages: list[range] | None = None
+    cfg,
+    run,
+    memories: list[dict[str, float]],
+    per_stage: tuple[int, ...] | None = None,
+    stages: list[range] | None = None,
 ) -> list[str]:
     """A warning, with the fix, for each stage whose estimate exceeds what the cluster's device offers
-    (``per_stage``: the fewest first layers per stage whose recomputation makes every stage fit with this cut,
-    ``stages``, where some do; the fix names the cut too, since with recomputation the planner would cut anew)."""
+    (``run``: the resolved run, whose options say which correction applies; ``per_stage``: the fewest first layers
+    per stage whose recomputation makes every stage fit with this cut, ``stages``, where some do; the fix names the
+    cut too, since with recomputation the planner would cut anew)."""
     from ..engine.delay_correction import buffers as correction_buffers
     from ..planner.hardware import DEVICES, GiB
     from ..planner.search import MEMORY_HEADROOM
@@ -234,7 +240,7 @@ def memory_warnings(
     for stage, memory in enumerate(memories):
         need = sum(memory.values())
         if need > usable:
-            held = correction_buffers(cfg.strategy.get("delay_correction"))
+            held = correction_buffers(run.options.applied_delay_correction)
             buffer = memory.get("correction", 0.0) / held if held else 0.0
             fixes = ["more stages (strategy.num_stages)"]
             if per_stage is not None:  # the fewest that fit, first: recomputing less costs less time

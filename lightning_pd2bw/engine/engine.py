@@ -208,8 +208,8 @@ class PipelineEngine:
         shards = OptimizerShards.over(self.optimizers, self.grid, self.groups.shard, self.options.shard_optimizer)
         stepped = shards.owned() if shards is not None else self.params
         local_optimizers(self.optimizers, stepped, self.parameter_names())  # with shards: this replica's share
-        method = self.options.delay_correction
-        if method is not None and self.mode.double_buffered and self.optimizers:  # flush has no delay to correct
+        method = self.options.applied_delay_correction
+        if method is not None and self.optimizers:
             self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         self.versions = versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)

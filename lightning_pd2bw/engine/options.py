@@ -244,6 +244,12 @@ class PipelineOptions:
                     "give num_stages=len(layers_per_stage)"
                 )
 
+    @property
+    def applied_delay_correction(self) -> str | None:
+        """The correction the run applies: ``delay_correction`` under 2BW, None under Flush (no delay to correct):
+        what the engine builds, the planner counts and the memory advice offers to drop."""
+        return self.delay_correction if rules.Mode(self.mode).double_buffered else None
+
     def resolve(self, world_size: int, precision: str | None = None) -> Run:
         """The ``Run`` these options give on ``world_size`` processes under a Lightning ``precision`` (depth: the
         world, by default; microbatches: the depth; ``"auto"`` dtypes: bfloat16 under ``"bf16-mixed"``, else the

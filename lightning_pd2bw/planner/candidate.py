@@ -116,7 +116,7 @@ class Candidate:
     @property
     def delay_correction(self) -> str | None:
         """2BW's correction (``engine/delay_correction.py``): its buffers of weights."""
-        return self.options.delay_correction if self.mode.double_buffered else None
+        return self.options.applied_delay_correction
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.width * self.micro_batch_size)

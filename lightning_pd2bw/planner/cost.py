@@ -195,7 +195,7 @@ def memory_of(
     share = (candidate.optimizer_share if share is None else share) * weights
     states = profile.optimizer_states if states is None else states  # per parameter (``ModelProfile.states_of``)
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
-    held = correction_buffers(candidate.delay_correction) if candidate.mode.double_buffered else 0
+    held = correction_buffers(candidate.delay_correction)
     in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
     return {
         "weights": in_versions

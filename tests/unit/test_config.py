@@ -237,6 +237,10 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
     warnings = [line for line in small.stdout.splitlines() if line.startswith("WARNING: stage")]
     assert len(warnings) == 8 and "strategy.delay_correction=null (saves" in warnings[0]
     assert "strategy.delay_correction=error_feedback (saves" in warnings[0]  # one buffer of the two
+    # Flush applies no correction (the run resolves that once): its advice never offers to drop one
+    flush = run_cli(*base, "+cluster=v100_16g_8x8", "strategy.mode=flush", cwd=tmp_path)
+    warnings = [line for line in flush.stdout.splitlines() if line.startswith("WARNING: stage")]
+    assert warnings and not any("delay_correction" in line for line in warnings), flush.stdout[-3000:]
 
 
 def test_bert_dry_run_and_a_bad_layout_fails_before_any_process(tmp_path):
