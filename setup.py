@@ -17,5 +17,5 @@ configs = {**config_packages("conf"), **config_packages("recipes")}
 setup(
     packages=[*find_packages(include=["lightning_pd2bw*"]), *configs],
     package_dir=configs,
-    package_data={name: ["*.yaml"] for name in configs},
+    package_data={**{name: ["*.yaml"] for name in configs}, "lightning_pd2bw.planner": ["*.json"]},
 )

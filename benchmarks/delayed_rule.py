@@ -230,10 +230,13 @@ def run_label(args: argparse.Namespace, rule: str, steps: int | None = None) -> 
     return "-".join(parts).replace("/", "_")
 
 
-def time_to_quality(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float]) -> str:
+def time_to_quality(
+    results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float]
+) -> tuple[str, list[float | None]]:
     """Per seed: the 2BW run length whose final validation loss (whole split) equals the sync rule's at ``--steps``,
     interpolated between the horizons around it (``convergence.horizon_to``), as a multiple of sync's steps; and
-    2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio)."""
+    2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio). Returns the table
+    and the steps ratio per seed (None: not reached by the longest horizon)."""
     from benchmarks.convergence import horizon_to
 
     header = " | ".join(f"time at {r:.2f}x ({label})" for label, r in ratios.items())
@@ -263,7 +266,7 @@ def time_to_quality(results: dict, args: argparse.Namespace, lengths: list[int],
         mean, bound = statistics.mean(reached), "<= " if any(b for b in bounds) else ""
         times = " | ".join(f"{bound}{mean / r:.3f}" for r in ratios.values())
         lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
-    return "\n".join(lines)
+    return "\n".join(lines), overheads
 
 
 def main() -> None:
@@ -287,6 +290,11 @@ def main() -> None:
         "--horizons",
         default="1",
         help="2BW's run lengths as factors of --steps, schedules stretched (e.g. 1,1.1,1.25): time to sync's loss",
+    )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write the time to quality where the docs and pd2bw-plan read it (docs/_generated/, planner/step_overhead.json)",
     )
     parser.add_argument(
         "--rates",
@@ -344,10 +352,85 @@ def main() -> None:
         ratios = {label: plan["ratio"] for label, plan in found["planned"].items()}
         if "measured" in found:
             ratios = {"measured here, 2 CPU processes": found["measured"]["ratio"], **ratios}
-        table = time_to_quality(results, args, lengths, ratios)
+        table, overheads = time_to_quality(results, args, lengths, ratios)
         print(f"\ntime to quality: 2BW against sync's final validation loss (< 1: 2BW is there sooner)\n{table}")
         report |= {"time_to_quality": table, "ratios": ratios}
+        if args.record:
+            record(args, results, lengths, table, overheads, ratios)
     (args.out / "delayed_rule.json").write_text(json.dumps(report))
+
+
+def record(
+    args: argparse.Namespace,
+    results: dict,
+    lengths: list[int],
+    table: str,
+    overheads: list[float | None],
+    ratios: dict[str, float],
+) -> None:
+    """The one source of the time-to-quality figures: ``docs/_generated/time-to-quality-MODEL-OPTIMIZER.md`` (the
+    table with its date, command and corpus; the docs include it), its plot, and the steps ratios ``pd2bw-plan`` prints
+    (``lightning_pd2bw/planner/step_overhead.json``)."""
+    import datetime
+
+    from benchmarks.convergence import CORPORA, corpus_digest
+    from lightning_pd2bw.planner.step_overhead import record as record_overhead
+
+    cfg = compose(args, 0)
+    optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}"
+    today = datetime.date.today().isoformat()
+    command = "python benchmarks/delayed_rule.py " + " ".join(sys.argv[1:])
+    corpus = (
+        args.corpus if args.corpus == "stdlib" else f"{args.corpus}, {corpus_digest(CORPORA[args.corpus](args.out))}"
+    )
+    picture = f"time-to-quality-{name}.png"
+    plot(results, args, lengths, ratios, ROOT / "docs" / picture)
+    folder = ROOT / "docs" / "_generated"  # included by the pages (pymdownx.snippets), not a page itself
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"time-to-quality-{name}.md").write_text(
+        f"{args.model}, {optimizer}, {args.seeds} seed(s), {today} ({corpus}; [the machine](benchmarks.md#machines)):"
+        f"\n\n```\n{command}\n```\n\n{table}\n\n![validation loss against time, {name}]({picture})\n"
+    )
+    record_overhead(
+        f"{args.model} ({optimizer})",
+        {
+            "overheads": [round(o, 4) if o is not None else None for o in overheads],
+            "shortest": lengths[0] / args.steps,
+            "longest": lengths[-1] / args.steps,
+            "optimizer": optimizer,
+            "date": today,
+            "command": command,
+        },
+    )
+
+
+def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float], path: Path) -> None:
+    """Validation loss against training time, both modes (the mean over seeds): time in Flush's steps, 2BW's steps
+    taking 1/ratio of one at each rate ratio; sync's final loss (the target) drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def mean_curve(key: str) -> tuple[list[int], list[float]]:
+        curves = [results[f"{key}/seed{seed}"]["curve"] for seed in range(args.seeds)]
+        return [s for s, _ in curves[0]], [statistics.mean(c[i][1] for c in curves) for i in range(len(curves[0]))]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps, losses = mean_curve(f"sync@{args.steps}")
+    ax.plot(steps, losses, "k-", label="Flush (the synchronous rule)")
+    ax.axhline(losses[-1], color="k", lw=0.6, ls=":")
+    steps, losses = mean_curve(f"2bw@{lengths[-1]}")
+    for i, (label, ratio) in enumerate(ratios.items()):
+        ax.plot([s / ratio for s in steps], losses, f"C{i}-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
+    ax.set_xlabel("training time, in Flush's steps")
+    ax.set_ylabel("validation loss (the last point: whole held-out split)")
+    ax.set_xlim(args.steps / 4, lengths[-1])
+    ax.set_ylim(min(losses) - 0.02, losses[len(losses) // 4] + 0.05)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{args.model}: 2BW's longest horizon ({lengths[-1]} steps) against Flush ({args.steps})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def rates_planned() -> dict:

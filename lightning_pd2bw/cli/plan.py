@@ -29,15 +29,18 @@ def _select_cluster(argv: list[str]) -> list[str]:
     return out
 
 
-def search_plans(cfg, model):
+def search_plans(cfg, model, mode: str | None = None):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
-    delay correction's buffers: ``Candidate.of``) on the configured cluster."""
+    delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: the same run in another mode
+    (Flush without a lookahead)."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
 
     options = check_options(cfg.strategy)
     options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
+    if mode is not None and mode != options.mode:
+        options = options.replace(mode=mode, lookahead=options.lookahead if mode == "2bw" else 0)
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
     return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
 
@@ -67,8 +70,23 @@ def plan(cfg, limit: int = 10) -> str:
         f"predicted, {best.peak_memory / 2**30:.1f} GiB on the fullest stage",
         f"stages (layers): {' '.join(f'{r.start}-{r.stop - 1}' for r in best.stages)}",
         f"train it: pd2bw-train {train_overrides(cluster, best)}",
+        mode_choice(cfg, model, options.mode, best.throughput),
     ]
     return "\n".join(lines)
+
+
+def mode_choice(cfg, model, mode: str, rate: float) -> str:
+    """Both modes' best planned rates and the step overhead at which they reach a loss at the same time."""
+    from ..planner.search import NoPlanFits
+    from ..planner.step_overhead import choice_text
+
+    other = "flush" if mode == "2bw" else "2bw"
+    try:
+        other_rate = search_plans(cfg, model, other)[0][0].throughput
+    except NoPlanFits:
+        return f"2BW or Flush: no {other} plan fits this cluster"
+    twobw, flush = (rate, other_rate) if mode == "2bw" else (other_rate, rate)
+    return choice_text(twobw, flush)
 
 
 def recompute_value(recompute: bool | tuple[int, ...]) -> str:

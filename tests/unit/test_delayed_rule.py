@@ -133,8 +133,10 @@ def test_time_to_quality_interpolates_the_horizons_and_divides_by_the_rate():
         "2bw@1000/seed0": {"curve": [[1000, 2.1]]},
         "2bw@1200/seed0": {"curve": [[1200, 1.9]]},
     }
-    table = time_to_quality(results, args, [1000, 1200], {"planned": 1.25})
+    table, overheads = time_to_quality(results, args, [1000, 1200], {"planned": 1.25})
+    assert overheads == [pytest.approx(1.1)]
     seed_row = next(line for line in table.splitlines() if line.startswith("| 0 |"))
     assert "| 1.100x | 0.880 |" in seed_row
     results["2bw@1200/seed0"]["curve"] = [[1200, 2.05]]  # never reaches 2.0
-    assert "not reached" in time_to_quality(results, args, [1000, 1200], {"planned": 1.25})
+    table, overheads = time_to_quality(results, args, [1000, 1200], {"planned": 1.25})
+    assert "not reached" in table and overheads == [None]

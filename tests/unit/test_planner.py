@@ -3,6 +3,7 @@ pd2bw-plan on a CPU-only machine, and the measured profile against analytic coun
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -296,6 +297,13 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "samples/s" in result.stdout and "best: width" in result.stdout and "pd2bw-train" in result.stdout
+    # both modes' best rates and the step overhead at which they tie, from the plan's own numbers
+    best = float(re.search(r"^best: .*: ([\d.]+) samples/s predicted", result.stdout, re.M)[1])
+    choice = re.search(
+        r"^2BW or Flush: 2BW's best plan ([\d.]+) samples/s, Flush's ([\d.]+) \(([\d.]+)x\)", result.stdout, re.M
+    )
+    assert choice and float(choice[1]) == best and float(choice[2]) < best, result.stdout[-2000:]
+    assert abs(float(choice[3]) - best / float(choice[2])) <= 0.005 + 1e-9  # printed to 2 decimals
     refused = subprocess.run(
         [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],
         capture_output=True,

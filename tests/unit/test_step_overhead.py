@@ -1,0 +1,38 @@
+"""Which mode reaches a loss sooner, from the planned rates and the measured step overhead (time = steps / rate)."""
+
+import json
+
+import pytest
+
+from lightning_pd2bw.planner import step_overhead
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    path = tmp_path / "step_overhead.json"
+    monkeypatch.setattr(step_overhead, "MEASURED", path)
+    return path
+
+
+def entry(*overheads, shortest=1.0, longest=1.25):
+    return {"overheads": list(overheads), "shortest": shortest, "longest": longest, "optimizer": "adamw", "date": "d"}
+
+
+def test_2bw_is_sooner_exactly_when_its_step_overhead_is_below_its_rate_ratio():
+    assert step_overhead.verdict(entry(1.04, 1.06), 1.15) == "2BW sooner"
+    assert step_overhead.verdict(entry(1.18, 1.20), 1.15) == "Flush sooner"
+    # a seed that never reached Flush's loss by 1.25x: Flush is sooner at any ratio up to 1.25, undecided above
+    assert step_overhead.verdict(entry(1.04, None), 1.15) == "Flush sooner"
+    assert step_overhead.verdict(entry(1.04, None), 1.4) == "undecided (longer horizons needed)"
+
+
+def test_the_plan_line_reads_the_recorded_measurement(measured):
+    assert "not measured" in step_overhead.choice_text(163.1, 141.7)
+    step_overhead.record("gpt_small (adamw)", entry(1.08, 1.10, 1.12))
+    step_overhead.record("gpt_tiny (adamw)", entry(1.0, 1.02))
+    assert set(json.loads(measured.read_text())) == {"gpt_small (adamw)", "gpt_tiny (adamw)"}  # both kept
+    text = step_overhead.choice_text(163.1, 141.7)
+    assert "fewer than 1.15x Flush's steps" in text
+    assert "gpt_small (adamw) 1.10x (3 seeds: 1.08 / 1.10 / 1.12): 2BW sooner at 1.15x" in text
+    assert "gpt_tiny (adamw) 1.01x (2 seeds: <= 1.00 / 1.02)" in text  # reached at the shortest run: a bound
+    assert "Flush sooner at 1.05x" in step_overhead.choice_text(105.0, 100.0)
