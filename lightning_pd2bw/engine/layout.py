@@ -18,6 +18,13 @@ from torch import nn
 from .partition import balanced_partition, layer_parameter_counts
 
 
+def sharded_at(width: int, enabled: bool) -> bool:
+    """Whether sharding over a stage's replicas (``shard_optimizer``, ``shard_gradients``) is in effect: only where
+    there are replicas to share with (at width 1 the one replica owns every parameter). The one statement of this
+    rule: the engine's shards, the update's shape and the planner's shares read it."""
+    return enabled and width > 1
+
+
 class Mode(str, Enum):
     """How the pipeline updates its weights, and the facts every part reads from that (the schedules, the engine, the
     update, the planner), in one place. A ``str``: ``Mode("2bw") == "2bw"``, and it prints as its value."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .grid import ProcessGrid
+from .layout import sharded_at
 
 
 def assign_owners(params: Sequence[nn.Parameter], width: int) -> list[int]:
@@ -75,7 +76,7 @@ class OptimizerShards:
     ) -> OptimizerShards | None:
         """The shards of what ``optimizers`` step on this stage, over its replicas (None: width 1, no optimizer,
         or not ``enabled``)."""
-        if not enabled or grid.data_parallel_size == 1 or not optimizers:
+        if not sharded_at(grid.data_parallel_size, enabled) or not optimizers:
             return None
         optimized = [p for optimizer in optimizers for group_ in optimizer.param_groups for p in group_["params"]]
         return cls.build(optimized, grid.replica, grid.replica_ranks(), group)

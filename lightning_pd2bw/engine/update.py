@@ -99,6 +99,38 @@ class UpdateShape:
     hooks: bool = True  # before-step hooks (Lightning: on_before_optimizer_step)
     clip: str | None = None  # None, "value", "stage" (this stage's norm) or "global" (the pipeline's norm)
 
+    @classmethod
+    def of(
+        cls,
+        mode: str,
+        width: int,
+        *,
+        shard_optimizer: bool,
+        shard_gradients: bool,
+        nonfinite: str,
+        clip: str | None,
+        buckets: int,
+        tied: bool,
+        hooks: bool = True,
+    ) -> UpdateShape:
+        """The shape of a stage's update from the run's options and the stage's facts: the one derivation the engine's
+        builder, the NCCL lowering and the planner's timing share (sharding only at width > 1:
+        ``layout.sharded_at``)."""
+        from .layout import Mode, sharded_at
+
+        owners = sharded_at(width, shard_optimizer)
+        return cls(
+            Mode(mode).double_buffered,
+            width,
+            buckets=buckets,
+            tied=tied,
+            sharded=owners and shard_gradients,
+            owners_broadcast=owners,
+            nonfinite=nonfinite,
+            hooks=hooks,
+            clip=clip,
+        )
+
 
 @dataclass(frozen=True)
 class Collective:

@@ -105,19 +105,20 @@ def build_update(
         replicated = [p for p in params if id(p) not in tied]
         owners = shards if options.shard_gradients else None  # each owner's gradients reduced to it
         buckets = GradientBuckets(replicated, groups.replica, width, shards=owners)
-    sharded = buckets is not None and buckets.sharded
     clip_val = options.clipping.value
-    shape = UpdateShape(
-        double_buffered,
+    shape = UpdateShape.of(
+        options.mode,
         width,
+        shard_optimizer=shards is not None,  # the optimizer sharded here (options.shard_optimizer, width > 1)
+        shard_gradients=options.shard_gradients and buckets is not None,
+        nonfinite=options.on_nonfinite,
+        clip=options.clipping.kind,
         buckets=0 if buckets is None else buckets.num_buckets,
         tied=bool(shared),
-        sharded=sharded,
-        owners_broadcast=shards is not None,
-        nonfinite=options.on_nonfinite,
         hooks=before_step is not None,
-        clip=options.clipping.kind,
     )
+    sharded = shape.sharded
+    assert sharded == (buckets is not None and buckets.sharded), "the buckets reduce to owners iff the shape says"
     norm = StageNorm(params, shared, device, groups.shard if sharded else None)
     build: dict[type[UpdatePart], Callable[[], UpdatePart]] = {
         BucketReducer: lambda: BucketReducer(buckets, params, double_buffered),  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.layout import Mode
+from ..engine.layout import Mode, sharded_at
 from ..engine.options import PipelineOptions, recomputed_layers
 from ..engine.sharding import owners_of
 from .profile import LayerProfile
@@ -101,7 +101,7 @@ class Candidate:
     def optimizer_share(self) -> float:
         """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
         ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
-        return 1 / self.width if self.options.shard_optimizer and self.width > 1 else 1.0
+        return 1 / self.width if sharded_at(self.width, self.options.shard_optimizer) else 1.0
 
     def replica_share(self, profile: ModelProfile, span: range) -> float:
         """The part of the stage holding ``span`` that its fullest replica steps: ``optimizer_share``, or with the

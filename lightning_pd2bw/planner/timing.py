@@ -100,16 +100,15 @@ def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> Up
     replicated = (
         sum(profile.layers[i].parameters for i in span) - tied_parameters(profile, span)
     ) * profile.weight_bytes
-    sharded_optimizer = options.shard_optimizer and width > 1
-    return UpdateShape(
-        candidate.mode.double_buffered,
+    return UpdateShape.of(
+        options.mode,
         width,
-        buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),
-        tied=tied_parameters(profile, span) > 0,
-        sharded=options.shard_gradients and sharded_optimizer,
-        owners_broadcast=sharded_optimizer,
+        shard_optimizer=options.shard_optimizer,
+        shard_gradients=options.shard_gradients,
         nonfinite=options.on_nonfinite,
         clip=options.clipping.kind or options.clipping.mode,  # no value given (the Trainer's): by the norm, as recipes
+        buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),
+        tied=tied_parameters(profile, span) > 0,
     )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .. import schedule as S
 from .. import update_build as U
-from ..layout import Layout, Mode, check_schedule
+from ..layout import Layout, check_schedule
 from ..update import Collective, UpdateShape
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
@@ -172,16 +172,16 @@ class RankProgram:
 
     def update_shape(self) -> UpdateShape:
         """This stage's update as ``update_build.build_update`` sees it in a run of this layout."""
-        layout, width = self.layout, self.layout.data_parallel_size
-        return UpdateShape(
-            Mode(layout.mode).double_buffered,
-            width,
-            buckets=layout.gradient_buckets,
-            tied=self._shared(),
-            sharded=layout.shard_gradients and layout.shard_optimizer and width > 1,
-            owners_broadcast=layout.shard_optimizer and width > 1,
+        layout = self.layout
+        return UpdateShape.of(
+            layout.mode,
+            layout.data_parallel_size,
+            shard_optimizer=layout.shard_optimizer,
+            shard_gradients=layout.shard_gradients,
             nonfinite="skip" if layout.skip_nonfinite else "stop",
             clip=layout.clip,
+            buckets=layout.gradient_buckets,
+            tied=self._shared(),
         )
 
     def group(self, name: str) -> tuple[str, tuple[int, ...]]:
