@@ -46,11 +46,11 @@ from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.compiled import compile_layers
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 from lightning_pd2bw.engine.options import PipelineOptions, resolved_dtypes
+from lightning_pd2bw.engine.precision import Precision
 from lightning_pd2bw.models import GPT, GPTConfig
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers
-from lightning_pd2bw.planner.profile import version_bytes
 from lightning_pd2bw.planner.saved_bytes import count_layers
 
 GiB = 2**30
@@ -104,7 +104,7 @@ def predicted_stage_bytes(
     layers = list(model.pipeline_layers())
     device = torch.device("cuda")
     weight_dtype = resolved_dtypes(options, "bf16-mixed")["weight_dtype"]
-    versions = version_bytes("bf16-mixed", weight_dtype)
+    versions = Precision.of("bf16-mixed").version_bytes(weight_dtype)
     sample = sample_microbatch(batch, micro, device)
     profiles = measure_layers(
         layers,

@@ -325,17 +325,19 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     from hydra.utils import instantiate
 
     from ..engine.partition import layer_parameter_counts
+    from ..engine.precision import Precision
     from ..lightning.contract import pipeline_layers_of
     from ..planner.auto import layer_tensors, shared_layers
     from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
     from ..planner.hardware import DEVICES
-    from ..planner.profile import analytic_profile, bytes_per_element, version_bytes
+    from ..planner.profile import analytic_profile
 
     config = instantiate(cfg.model.config)
     layers = pipeline_layers_of(model)
     counts = layer_parameter_counts(layers)
     device = DEVICES[cfg.cluster.device] if cfg.get("cluster") else DEVICES["a100_80g"]
-    weight_bytes = bytes_per_element(cfg.trainer.precision)[0]
+    precision = Precision.of(cfg.trainer.precision)
+    weight_bytes = precision.parameter_bytes
     profiles = analytic_profile(
         num_blocks=len(layers) - 2,
         hidden=config.n_embd,
@@ -373,7 +375,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         weight_bytes,
         states,
         shared_layers(layers),
-        version_bytes=version_bytes(cfg.trainer.precision, dtypes["weight_dtype"]),
+        version_bytes=precision.version_bytes(dtypes["weight_dtype"]),
         communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
@@ -388,14 +390,14 @@ def counted_activations(cfg, model, micro_batch_size: int):
     fake tensors, nothing allocated). The batch is the project's text batch (``input_ids`` and ``labels``)."""
     import torch
 
-    from ..engine.options import autocast_dtype
+    from ..engine.precision import Precision
     from ..lightning.contract import pipeline_layers_of
     from ..planner.saved_bytes import count_layers
 
-    precision = str(cfg.trainer.precision)
+    precision = Precision.of(cfg.trainer.precision)
     dtypes = run_dtypes(cfg)
-    weight_dtype = torch.bfloat16 if precision.startswith("bf16-true") else dtypes["weight_dtype"]
-    autocast = autocast_dtype(precision)
+    weight_dtype = precision.parameter_dtype or dtypes["weight_dtype"]
+    autocast = precision.autocast_dtype
     shape = (micro_batch_size, cfg.data.seq_len)
 
     def loss(output):

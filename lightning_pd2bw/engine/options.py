@@ -28,6 +28,7 @@ import torch
 from . import layout as rules
 from .compiled import compile_options
 from .delay_correction import METHODS as DELAY_CORRECTIONS
+from .precision import Precision
 
 CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
 CLIP_ALGORITHMS = ("norm", "value")  # Lightning's gradient_clip_algorithm
@@ -297,21 +298,10 @@ def dtype_option(
 
 
 # ------------------------------------------------------------------ the run the options give
-MIXED_DTYPES = {"bf16-mixed": torch.bfloat16}  # the precisions whose "auto" dtypes are not the tensors' own
-
-
-def autocast_dtype(precision: str | None) -> torch.dtype | None:
-    """The 16-bit dtype a Lightning precision computes in under autocast (``"bf16-mixed"``: bfloat16), else None:
-    what ``weight_dtype="auto"`` and ``boundary_dtype="auto"`` become (as Lightning's
-    ``FSDPStrategy.mixed_precision_config`` maps a precision to its dtypes)."""
-    return MIXED_DTYPES.get(str(precision)) if precision is not None else None
-
-
-def resolved_dtypes(options: PipelineOptions, precision: str | None) -> dict[str, torch.dtype | None]:
-    """``weight_dtype`` and ``boundary_dtype`` with ``"auto"`` resolved under ``precision``."""
+def resolved_dtypes(options: PipelineOptions, precision: object) -> dict[str, torch.dtype | None]:
+    """``weight_dtype`` and ``boundary_dtype`` with ``"auto"`` resolved under ``precision`` (``engine/precision.py``)."""
     return {
-        name: autocast_dtype(precision) if getattr(options, name) == "auto" else getattr(options, name)
-        for name in ("weight_dtype", "boundary_dtype")
+        name: Precision.of(precision).resolve(getattr(options, name)) for name in ("weight_dtype", "boundary_dtype")
     }
 
 

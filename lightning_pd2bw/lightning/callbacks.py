@@ -14,6 +14,8 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
+from ..engine.precision import Precision
+
 
 def peak_memory_bytes(device: torch.device) -> float:
     """Peak allocated bytes on a GPU, else this process's peak resident set size."""
@@ -21,15 +23,6 @@ def peak_memory_bytes(device: torch.device) -> float:
         return float(torch.cuda.max_memory_allocated(device))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype the matmuls of a Lightning precision setting run in (what the device's peak is quoted for)."""
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float64 if precision.startswith("64") else torch.float32
 
 
 def compile_counters(trainer: pl.Trainer) -> list[float] | None:
@@ -72,7 +65,7 @@ class RunMetrics(Callback):
         device = trainer.strategy.root_device
         peak = self.peak_flops
         if peak is None and device.type == "cuda":
-            peak = get_available_flops(device, compute_dtype(str(trainer.precision)))
+            peak = get_available_flops(device, Precision.of(trainer.precision).compute_dtype)
         per_token = getattr(pl_module, "flops_per_token", None)
         tokens = self.global_batch_size // self._width * self.seq_len
         self._flops_per_step = per_token() * tokens if callable(per_token) else None

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ..engine.precision import Precision
 from .hardware import DeviceSpec
 
 
@@ -32,24 +31,6 @@ def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activa
     return seq * micro * hidden * (34 + 5 * heads * seq / hidden) * activation_bytes / 2
 
 
-def version_bytes(precision: str, weight_dtype: str | torch.dtype | None) -> int | None:
-    """Bytes per parameter of each weight version held apart from a float32 master (``weight_dtype``: the run's,
-    resolved: ``engine/options.py``), or None where the versions are the weights themselves."""
-    if weight_dtype == "auto":
-        raise ValueError("version_bytes takes a resolved weight_dtype (PipelineOptions.resolve or run.resolved_dtypes)")
-    if weight_dtype is None or precision.startswith(("bf16-true", "16-true")):
-        return None
-    dtype = getattr(torch, weight_dtype) if isinstance(weight_dtype, str) else weight_dtype
-    return dtype.itemsize if dtype != torch.float32 else None
-
-
-def bytes_per_element(precision: str) -> tuple[int, int]:
-    """(parameter bytes, activation bytes) of a Lightning precision setting."""
-    weights = 2 if precision.startswith(("bf16-true", "16-true")) else 4
-    activations = 4 if precision in ("32-true", "32", "64-true") else 2
-    return weights, activations
-
-
 def analytic_profile(
     *,
     num_blocks: int,
@@ -69,7 +50,8 @@ def analytic_profile(
     Matmul time is FLOPs / (peak x efficiency); the backward is twice the forward. Memory-bound work
     (embedding lookup, optimizer step) is bytes / memory bandwidth.
     """
-    weight_bytes, act_bytes = bytes_per_element(precision)
+    bytes_of = Precision.of(precision)
+    weight_bytes, act_bytes = bytes_of.parameter_bytes, bytes_of.activation_bytes
     tokens = seq * micro
     flop_rate = device.peak_flops * device.efficiency
     boundary = tokens * hidden * act_bytes

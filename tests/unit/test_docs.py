@@ -187,12 +187,29 @@ def test_every_action_the_docs_name_is_a_kind_of_the_ir():
     assert not unknown, f"actions the IR does not have: {unknown}"
 
 
-def test_every_engine_module_is_in_the_architecture_page():
-    """``docs/architecture.md``'s map names every module of ``engine/`` (issue 61: it lacked ``sharding.py``)."""
+def test_every_package_module_is_in_the_architecture_page():
+    """``docs/architecture.md``'s map names every module of the package under its own folder's entry (issue 61: it
+    lacked ``engine/sharding.py``; issue 79: 20 modules outside ``engine/`` were unnamed). An entry is a line of the
+    map's tree indented two spaces and the lines indented more below it; a module at the top names its own entry."""
     page = (ROOT / "docs" / "architecture.md").read_text()
-    modules = sorted(p.name for p in (ROOT / "lightning_pd2bw" / "engine").glob("*.py") if p.name != "__init__.py")
-    missing = [name for name in modules if name not in page]
-    assert not missing, f"docs/architecture.md does not name {missing}"
+    tree = page.split("```")[1]
+    entries: dict[str, str] = {}
+    for line in tree.splitlines()[2:]:  # after "lightning_pd2bw/"
+        if line.startswith("  ") and not line.startswith("   "):
+            name = line.split()[0]
+            entries[name] = line
+        elif entries:
+            entries[name] += "\n" + line
+    package = ROOT / "lightning_pd2bw"
+    missing = []
+    for module in sorted(package.rglob("*.py")):
+        relative = module.relative_to(package)
+        if module.name == "__init__.py" and len(relative.parts) > 1:
+            continue
+        entry = entries.get(relative.name if len(relative.parts) == 1 else f"{relative.parts[0]}/", "")
+        if relative.as_posix().split("/", 1)[-1] not in entry and module.name not in entry:
+            missing.append(relative.as_posix())
+    assert not missing, f"docs/architecture.md's map does not name {missing}"
 
 
 def test_the_readmes_test_times_are_the_recorded_ones():

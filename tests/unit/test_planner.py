@@ -390,7 +390,7 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     """``weight_dtype`` (bfloat16 under bf16-mixed): each version in 2 bytes per parameter and one float32 master;
     gradients, optimizer state and the correction stay float32. Equal to two float32 versions under 2BW, one master
     more (2 bytes per parameter) under flush."""
-    from lightning_pd2bw.planner.profile import version_bytes
+    from lightning_pd2bw.engine.precision import Precision
 
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100)] * 4
     plain = ModelProfile(layers, weight_bytes=4, communicator_bytes=0.0)
@@ -399,8 +399,10 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     a, b = stage_memory(mixed, range(1, 3), 1, candidate, 2), stage_memory(plain, range(1, 3), 1, candidate, 2)
     assert a["weights"] == versions * 200 * 2 + 200 * 4 and b["weights"] == versions * 200 * 4
     assert {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"}
-    assert version_bytes("bf16-mixed", torch.bfloat16) == 2 and version_bytes("32-true", torch.float32) is None
-    assert version_bytes("bf16-mixed", None) is None and version_bytes("32-true", "bfloat16") == 2
+    mixed, full = Precision.of("bf16-mixed"), Precision.of("32-true")
+    assert mixed.version_bytes(torch.bfloat16) == 2 and full.version_bytes(torch.float32) is None
+    assert mixed.version_bytes(None) is None and full.version_bytes("bfloat16") == 2
+    assert Precision.of("bf16-true").version_bytes(torch.bfloat16) is None  # the weights are the versions
 
 
 def test_the_profile_of_bfloat16_weight_versions_keeps_no_cast_of_the_weights():

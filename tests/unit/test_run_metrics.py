@@ -10,7 +10,8 @@ from torch.utils.data import DataLoader
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.data import LMDataset
-from lightning_pd2bw.lightning.callbacks import RunMetrics, compute_dtype
+from lightning_pd2bw.engine.precision import Precision
+from lightning_pd2bw.lightning.callbacks import RunMetrics
 from lightning_pd2bw.models import GPT, GPTConfig
 
 SEQ, BATCH, PEAK = 16, 4, 1e12
@@ -54,9 +55,9 @@ def test_mfu_is_the_models_flops_over_the_peak(strategy):
 
 
 def test_compute_dtype_of_precision_settings():
-    assert compute_dtype("bf16-mixed") == torch.bfloat16
-    assert compute_dtype("16-mixed") == torch.float16
-    assert compute_dtype("32-true") == torch.float32
+    assert Precision.of("bf16-mixed").compute_dtype == torch.bfloat16
+    assert Precision.of("16-mixed").compute_dtype == torch.float16
+    assert Precision.of("32-true").compute_dtype == Precision.of(32).compute_dtype == torch.float32
 
 
 @pytest.mark.parametrize(
