@@ -21,9 +21,18 @@ __version__ = "0.11.0"
 
 
 def _register_strategy() -> None:
-    """The strategy's module registers ``"pd2bw"`` when it has run. (Its own import of ``lightning.pytorch`` can be
-    what calls this: it is then partly run, returned as it is, and registers when it finishes.)"""
-    importlib.import_module(".lightning.strategy", __name__)
+    """Registers ``"pd2bw"`` in Lightning's registry as a factory that imports the strategy when a Trainer asks for
+    it. Registering imports nothing of the adapter: a module of it that imported Lightning first (partly run at this
+    moment, e.g. ``lightning/compat.py``) is never re-entered half-done."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "pd2bw" not in StrategyRegistry:
+        StrategyRegistry.register("pd2bw", _new_strategy, description="PipeDream-2BW pipelines (lightning_pd2bw)")
+
+
+def _new_strategy(**init_params: Any) -> Any:
+    """``Trainer(strategy="pd2bw")``'s strategy, its module imported now."""
+    return importlib.import_module(".lightning.strategy", __name__).PipeDream2BWStrategy(**init_params)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

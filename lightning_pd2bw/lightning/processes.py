@@ -27,6 +27,12 @@ from .compat import (
     reduce_if_distributed,
 )
 
+# 2BW holds two weight versions and sets gradients aside while the next batch runs: tensors of many sizes live and die
+# out of order, which fragments the CUDA caching allocator's fixed segments. Expandable segments (Megatron's and
+# torchtitan's recommendation) grow in place instead. Set where the user has not set the variable, before any CUDA
+# allocation (the Trainer configures the launcher before it moves the model) and inherited by the processes launched.
+ALLOCATOR_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 
 class PipelineProcesses(ParallelStrategy):
     """The base of ``PipeDream2BWStrategy``: the ``ParallelStrategy`` duties that are not the pipeline's, and the
@@ -93,6 +99,7 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         checks.check_precision(self._precision_plugin)
+        os.environ.setdefault(*ALLOCATOR_CONF)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

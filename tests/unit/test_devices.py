@@ -4,6 +4,8 @@ left on the CPU where the stage's device is meant shows up as a device mismatch,
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -166,3 +168,20 @@ def test_a_gloo_group_that_does_not_connect_names_the_interface_setting(monkeypa
     with pytest.raises(RuntimeError, match="Ranks 5, 6 failed.*GLOO_SOCKET_IFNAME.*NCCL_SOCKET_IFNAME"):
         checks.check_host_groups([group, group, None])
     assert calls == [checks.GLOO_CHECK_SECONDS], "one bounded barrier per distinct group"
+
+
+@pytest.mark.parametrize("given", [None, "backend:cudaMallocAsync"])
+def test_the_strategy_sets_expandable_segments_where_the_user_did_not(monkeypatch, given):
+    """2BW's versions and set-aside gradients fragment the CUDA allocator's fixed segments: the launcher sets
+    ``expandable_segments`` before any allocation (inherited by the processes it starts), never over a user's value."""
+    import lightning.pytorch as pl
+
+    import lightning_pd2bw
+    from lightning_pd2bw.lightning.processes import ALLOCATOR_CONF
+
+    if given is None:
+        monkeypatch.delenv(ALLOCATOR_CONF[0], raising=False)
+    else:
+        monkeypatch.setenv(ALLOCATOR_CONF[0], given)
+    pl.Trainer(strategy=lightning_pd2bw.PipeDream2BWStrategy(), accelerator="cpu", devices=1, logger=False, max_steps=1)
+    assert os.environ[ALLOCATOR_CONF[0]] == (given or "expandable_segments:True")

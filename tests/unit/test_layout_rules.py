@@ -170,6 +170,9 @@ def test_the_engine_imports_neither_lightning_nor_hugging_face():
         "import lightning.pytorch",
         "from lightning_pd2bw import PipeDream2BWStrategy",  # its module imports Lightning: the hook runs inside it
         "from lightning_pd2bw.lightning.strategy import PipeDream2BWStrategy",  # as Hydra's _target_ does
+        # a module of the adapter imports Lightning first: registering must not re-enter it half-run (it did)
+        "import lightning_pd2bw.lightning.preemption",
+        "import lightning_pd2bw.lightning.compat",
     ],
 )
 def test_trainer_finds_the_strategy_whichever_is_imported_first(first):
