@@ -300,7 +300,12 @@ def test_schema_defaults_are_the_classes_defaults():
 
 @pytest.mark.parametrize(
     "recipe, extra",
-    [("gpt13b", ()), ("gpt13b", ("strategy.lookahead=2", "strategy.delay_correction=error_feedback"))],
+    [
+        ("gpt13b", ()),
+        pytest.param(  # ~14 s: the full tier
+            "gpt13b", ("strategy.lookahead=2", "strategy.delay_correction=error_feedback"), marks=pytest.mark.full
+        ),
+    ],
 )
 def test_pd2bw_plan_plans_the_run_that_trains(recipe, extra):
     """pd2bw-plan's proposal, trained with its own "train it:" overrides, is the run the dry run (and plan="auto",

@@ -166,13 +166,16 @@ def test_the_engine_imports_neither_lightning_nor_hugging_face():
     "first",
     [
         "import lightning_pd2bw",
-        "import lightning",
-        "import lightning.pytorch",
-        "from lightning_pd2bw import PipeDream2BWStrategy",  # its module imports Lightning: the hook runs inside it
-        "from lightning_pd2bw.lightning.strategy import PipeDream2BWStrategy",  # as Hydra's _target_ does
+        # the other orders in the full tier (~5 s each: a process that imports Lightning)
+        pytest.param("import lightning", marks=pytest.mark.full),
+        pytest.param("import lightning.pytorch", marks=pytest.mark.full),
+        # its module imports Lightning: the hook runs inside it
+        pytest.param("from lightning_pd2bw import PipeDream2BWStrategy", marks=pytest.mark.full),
+        # as Hydra's _target_ does
+        pytest.param("from lightning_pd2bw.lightning.strategy import PipeDream2BWStrategy", marks=pytest.mark.full),
         # a module of the adapter imports Lightning first: registering must not re-enter it half-run (it did)
         "import lightning_pd2bw.lightning.preemption",
-        "import lightning_pd2bw.lightning.compat",
+        pytest.param("import lightning_pd2bw.lightning.compat", marks=pytest.mark.full),
     ],
 )
 def test_trainer_finds_the_strategy_whichever_is_imported_first(first):

@@ -302,7 +302,7 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     choice = re.search(
         r"^2BW or Flush: 2BW's best plan ([\d.]+) samples/s, Flush's ([\d.]+) \(([\d.]+)x\)", result.stdout, re.M
     )
-    assert choice and float(choice[1]) == best and float(choice[2]) < best, result.stdout[-2000:]
+    assert choice and float(choice[1]) == best, result.stdout[-2000:]
     assert abs(float(choice[3]) - best / float(choice[2])) <= 0.005 + 1e-9  # printed to 2 decimals
     refused = subprocess.run(
         [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],

@@ -216,8 +216,8 @@ def _trained_weights(mode: str, recompute: bool, compile: bool) -> list[torch.Te
     return weights
 
 
-@pytest.mark.parametrize("mode", ["2bw", "flush"])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("mode", ["2bw", pytest.param("flush", marks=pytest.mark.full)])  # compiles: ~17 s each
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.full)])
 def test_compiled_layers_train_on_bfloat16_versions_with_float32_gradients(one_process, mode, recompute):
     """Dynamo cannot trace a bfloat16 parameter holding a float32 ``.grad`` (torch's fake-tensor converter raises
     "attempting to assign a gradient with dtype 'float'"; first seen on an H200 with torch 2.11, and torch 2.13's
