@@ -375,6 +375,7 @@ def record(
 
     from benchmarks.convergence import CORPORA, corpus_digest
     from lightning_pd2bw.planner.step_overhead import record as record_overhead
+    from lightning_pd2bw.planner.step_overhead import with_summary
 
     cfg = compose(args, 0)
     optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}"
@@ -400,8 +401,11 @@ def record(
             "optimizer": optimizer,
             "date": today,
             "command": command,
+            "ratios": {label: round(ratio, 4) for label, ratio in ratios.items()},
         },
     )
+    readme = ROOT / "README.md"
+    readme.write_text(with_summary(readme.read_text()))
 
 
 def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float], path: Path) -> None:

@@ -36,3 +36,20 @@ def test_the_plan_line_reads_the_recorded_measurement(measured):
     assert "gpt_small (adamw) 1.10x (3 seeds: 1.08 / 1.10 / 1.12): 2BW sooner at 1.15x" in text
     assert "gpt_tiny (adamw) 1.01x (2 seeds: <= 1.00 / 1.02)" in text  # reached at the shortest run: a bound
     assert "Flush sooner at 1.05x" in step_overhead.choice_text(105.0, 100.0)
+
+
+def test_the_readmes_time_to_quality_table_is_the_recorded_one():
+    """The README's lead table is generated from ``step_overhead.json`` (``delayed_rule.py --record`` rewrites it):
+    a figure typed there by hand, or a measurement recorded without it, fails here."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert step_overhead.with_summary(readme) == readme
+
+
+def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
+    step_overhead.record("m (adamw)", entry(1.10, 1.14) | {"ratios": {"gpt13b (planned)": 1.15}})
+    table = step_overhead.summary_table()
+    assert "| m (adamw) (d) | 1.12x (2 seeds: 1.10 / 1.14) | 0.97x Flush's (2BW sooner) |" in table
+    step_overhead.record("m (adamw)", entry(1.10, None) | {"ratios": {"gpt13b (planned)": 1.15}})
+    assert "> 1.09x Flush's" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
