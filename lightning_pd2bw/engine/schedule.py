@@ -5,7 +5,7 @@ A schedule never runs anything; the executor interprets it. Microbatch ids are g
 ``weight_version`` on F/B actions counts optimizer updates since the last drain, so the version
 rule of each mode is visible in the data and unit-testable without processes.
 
-Modes (DESIGN.md):
+Modes (docs/2bw-vs-flush.md):
 - ``flush``  (PipeDream-Flush): 1F1B, drain at the end of every batch, batch t uses version t.
 - ``gpipe``: all forwards, then all backwards, drain every batch, batch t uses version t.
 - ``2bw``    (PipeDream-2BW): one continuous 1F1B stream over the batches, never drained between

@@ -1,4 +1,4 @@
-"""The partition contract (DESIGN.md): how a module offers its layers, inputs and loss to the pipeline."""
+"""The partition contract (docs/models.md): how a module offers its layers, inputs and loss to the pipeline."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ CONTRACT = ("pipeline_layers", "pipeline_inputs", "pipeline_loss")
 
 
 def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
-    """The partition contract (DESIGN.md), or an error naming what is missing."""
+    """The partition contract (docs/models.md), or an error naming what is missing."""
     layers_fn = getattr(module, "pipeline_layers", None)
     sequential = getattr(module, "layers", None)
     missing = [name for name in CONTRACT[1:] if not callable(getattr(module, name, None))]
@@ -18,7 +18,7 @@ def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
         raise TypeError(
             f"{type(module).__name__} does not implement the pd2bw partition contract: missing "
             f"{', '.join(missing)}. Define pipeline_layers() -> ordered layers, pipeline_inputs(batch) -> first "
-            "layer's input and pipeline_loss(output, batch) -> loss (see DESIGN.md, 'The partition contract')"
+            "layer's input and pipeline_loss(output, batch) -> loss (see docs/models.md, 'The partition contract')"
         )
     layers = list(layers_fn() if callable(layers_fn) else sequential)
     owned = {id(p) for layer in layers for p in layer.parameters()}

@@ -15,7 +15,7 @@ broadcasts before the next forward), uneven stages, messages on slower links. Me
     + stash x stage input(b) + activations(b)        (recomputation: one microbatch rebuilt at a time)
 
 with stash = min(d - s, m) for 1F1B (2BW, Flush) and m for GPipe; a ``lookahead`` adds that many (at most m - d)
-to every stage (``schedule.warmup_forwards``). And every other buffer the engine holds (DESIGN.md, invariant 9;
+to every stage (``schedule.warmup_forwards``). And every other buffer the engine holds (docs/memory.md;
 each term checked against ``PipelineEngine.counters()`` in ``tests/distributed/test_memory.py``):
 
     correction    2BW's delay correction: one copy of the stage's weights (D(t-1)), and D(t) while it updates
