@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from .run_plan import analytic_model_profile, build_model_on_meta, cluster_of  # noqa: F401  (cluster_of: re-exported)
+from .model_profile import analytic_model_profile, build_model_on_meta
+from .run_plan import cluster_of  # noqa: F401  (re-exported)
 from .train import CONF, RECIPES, _select_recipe, recipe_names, setup_hydra
 
 

@@ -117,7 +117,8 @@ def run(cfg) -> dict:
 
     from ..lightning.callbacks import ProgressLog, RunMetrics
     from .checks import check_run, check_tokens
-    from .run_plan import build_model_on_meta, plan_text, planned_stages, sparsity_config
+    from .model_profile import build_model_on_meta, sparsity_config
+    from .run_plan import plan_text, planned_stages
 
     _pin_output_dir(cfg)
     _log_lightning_to_file()

@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_dir
 
 from lightning_pd2bw import PipelineEngine
 from lightning_pd2bw.cli.checks import check_run
-from lightning_pd2bw.cli.run_plan import build_model_on_meta, stage_plan
+from lightning_pd2bw.cli.model_profile import build_model_on_meta
+from lightning_pd2bw.cli.run_plan import stage_plan
 from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra
 from lightning_pd2bw.engine.materialize import parameters_on_meta
 

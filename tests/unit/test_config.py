@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from lightning_pd2bw.cli.checks import ConfigError, check_run
-from lightning_pd2bw.cli.run_plan import build_model_on_meta, sparsity_config
+from lightning_pd2bw.cli.model_profile import build_model_on_meta, sparsity_config
 from lightning_pd2bw.cli.train import CONF, RECIPES, recipe_names, setup_hydra
 
 from ..cli import run_cli

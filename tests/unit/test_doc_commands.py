@@ -23,8 +23,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_pd2bw.cli.checks import ConfigError, check_run
+from lightning_pd2bw.cli.model_profile import build_model_on_meta
 from lightning_pd2bw.cli.plan import cluster_names
-from lightning_pd2bw.cli.run_plan import build_model_on_meta
 from lightning_pd2bw.cli.train import CONF, RECIPES, recipe_names, setup_hydra
 
 ROOT = Path(__file__).resolve().parents[2]
