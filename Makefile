@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench
+.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench gpu-quality gpu-quality-corpus
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -60,3 +60,14 @@ gpu-bench: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU mach
 	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 2 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
 	$(BENCH_PY) benchmarks/pipelines.py --m 4 --procs 4 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
 	$(BENCH_PY) benchmarks/pipelines.py --m 8 --procs 8 --kinds flush,2bw --docs /tmp/pd2bw-gpu-bench
+
+# The corpus comes from Debian's registry, which a lent GPU machine cannot reach: build it here first
+# (`make gpu-quality-corpus`) and carry outputs/delayed_rule/fortunes.txt with the working tree.
+gpu-quality-corpus: venv  ## the fortunes corpus, built where Debian's package registry is reachable
+	$(BIN)/python -c "from pathlib import Path; from benchmarks.convergence import fortunes_corpus; print(fortunes_corpus(Path('outputs/delayed_rule')))"
+
+gpu-quality: export PYTHONPATH := $(CURDIR)
+gpu-quality:  ## on a lent GPU (BENCH_PY=python3 with CUDA torch), ~6 min on an H200: GPT-2 124M's time to Flush's loss (issue 76)
+	@test -f outputs/delayed_rule/fortunes.txt || (echo "gpu-quality: outputs/delayed_rule/fortunes.txt missing: run make gpu-quality-corpus where Debian's registry is reachable, and carry it" && exit 1)
+	$(BENCH_PY) benchmarks/delayed_rule.py --model gpt_small --preset gpt2 --seq-len 1024 --device cuda \
+		--steps 1000 --val-every 250 --horizons 1,1.25,1.5 --out outputs/delayed_rule
