@@ -375,7 +375,7 @@ def record(
 
     from benchmarks.convergence import CORPORA, corpus_digest
     from lightning_pd2bw.planner.step_overhead import record as record_overhead
-    from lightning_pd2bw.planner.step_overhead import with_summary
+    from lightning_pd2bw.planner.step_overhead import summary_table, with_summary
 
     cfg = compose(args, 0)
     optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}"
@@ -406,6 +406,7 @@ def record(
     )
     readme = ROOT / "README.md"
     readme.write_text(with_summary(readme.read_text()))
+    (folder / "time-to-quality-summary.md").write_text(summary_table() + "\n")  # docs/quality.md's lead
 
 
 def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float], path: Path) -> None:

@@ -38,13 +38,16 @@ def test_the_plan_line_reads_the_recorded_measurement(measured):
     assert "Flush sooner at 1.05x" in step_overhead.choice_text(105.0, 100.0)
 
 
-def test_the_readmes_time_to_quality_table_is_the_recorded_one():
+def test_the_readme_and_quality_pages_time_to_quality_table_is_the_recorded_one():
     """The README's lead table is generated from ``step_overhead.json`` (``delayed_rule.py --record`` rewrites it):
     a figure typed there by hand, or a measurement recorded without it, fails here."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
     assert step_overhead.with_summary(readme) == readme
+    included = root / "docs" / "_generated" / "time-to-quality-summary.md"  # docs/quality.md's lead
+    assert included.read_text() == step_overhead.summary_table() + "\n"
 
 
 def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
