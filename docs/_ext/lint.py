@@ -11,6 +11,8 @@
   edge (Material's content column at a laptop's width).
 - A page longer than about a screen (``SCREEN_WORDS``) without ``##`` subheadings: no table of contents to
   find one's way with.
+- A file path in inline code (``lightning_pd2bw/engine/schedule.py``, ``conf/model/gpt13b.yaml``) that is not in the
+  tree: a moved or removed file left named (a run's outputs, ``outputs/...``, and the changelog's history excepted).
 
     python docs/_ext/lint.py            # every page of docs/; exit 1 listing each fault as file:line: what
 """
@@ -26,6 +28,8 @@ SCREEN_WORDS = 400
 CELL_CHARS = 400
 PAGE_WORDS = 3000
 ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
+PATH = re.compile(r"`([A-Za-z0-9_./-]+/[A-Za-z0-9_.-]+\.(?:py|md|yaml|json|png|sh|toml|cff|txt))(?::[\d,-]+)?`")
+SEARCHED = ("", "lightning_pd2bw", "docs", "conf", "tests")  # where a path in the docs is read from
 
 
 def faults(path: Path) -> list[str]:
@@ -69,6 +73,17 @@ def faults(path: Path) -> list[str]:
     return found
 
 
+def missing_paths(path: Path, root: Path) -> list[str]:
+    """Each file path named in inline code that exists under none of ``SEARCHED`` (outputs excepted)."""
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        for name in PATH.findall(line):
+            if name.startswith(("/", "outputs/", "build/")) or any((root / base / name).exists() for base in SEARCHED):
+                continue
+            found.append(f"{path}:{number}: `{name}` is not in the tree: name the file as it is now")
+    return found
+
+
 def _code(match: re.Match) -> str:
     return "x" * len(match.group())  # inline code: its length counts, its pipes do not
 
@@ -87,6 +102,7 @@ def main(paths: list[str]) -> int:
     root = Path(__file__).resolve().parents[2]
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
+    found += [f for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md" for f in missing_paths(page, root)]
     print("\n".join(found))
     return 1 if found else 0
 

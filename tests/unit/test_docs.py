@@ -224,3 +224,18 @@ def test_the_readmes_test_times_are_the_recorded_ones():
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{command}` |"))
         assert re.search(r"~\d+ min \(pytest \d+ s, \d+ passed; \d{4}-\d\d-\d\d", row), f"the {command} row"
     assert readme_with_times(readme, record) == readme, "the README's test times differ from tests/durations.json"
+
+
+def test_the_lint_finds_a_file_the_docs_name_that_is_not_in_the_tree(tmp_path):
+    """Issue 78: a moved or removed file left named in a page fails ``make docs``; a run's outputs do not."""
+    lint = _lint()
+    page = tmp_path / "page.md"
+    page.write_text(
+        "The IR is `engine/schedule.py`; the recipe `conf/model/gpt13b.yaml`; a run writes `outputs/RUN/x.json`.\n"
+        "It was in `lightning_pd2bw/engine/old_schedule.py:12`.\n"
+    )
+    assert lint.missing_paths(page, ROOT) == [
+        f"{page}:2: `lightning_pd2bw/engine/old_schedule.py` is not in the tree: name the file as it is now"
+    ]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert [fault for p in pages for fault in lint.missing_paths(p, ROOT)] == []
