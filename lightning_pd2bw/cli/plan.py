@@ -77,17 +77,19 @@ def plan(cfg, limit: int = 10) -> str:
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:
-    """Both modes' best planned rates and the step overhead at which they reach a loss at the same time."""
+    """Both modes' best planned rates (2BW's and Flush's, whichever the run's mode is) and the step overhead at which
+    they reach a loss at the same time."""
     from ..planner.search import NoPlanFits
     from ..planner.step_overhead import choice_text
 
-    other = "flush" if mode == "2bw" else "2bw"
-    try:
-        other_rate = search_plans(cfg, model, other)[0][0].throughput
-    except NoPlanFits:
-        return f"2BW or Flush: no {other} plan fits this cluster"
-    twobw, flush = (rate, other_rate) if mode == "2bw" else (other_rate, rate)
-    return choice_text(twobw, flush)
+    rates = {mode: rate}
+    for other in ("2bw", "flush"):
+        if other not in rates:
+            try:
+                rates[other] = search_plans(cfg, model, other)[0][0].throughput
+            except NoPlanFits:
+                return f"2BW or Flush: no {other} plan fits this cluster"
+    return choice_text(rates["2bw"], rates["flush"])
 
 
 def recompute_value(recompute: bool | tuple[int, ...]) -> str:

@@ -123,18 +123,17 @@ def run(cfg) -> dict:
     _pin_output_dir(cfg)
     _log_lightning_to_file()
     _resolve_last_checkpoint(cfg)
-    layout = check_run(cfg)  # before any process or process group exists
     auto = cfg.strategy.get("plan") == "auto"
+    # checked once, before any process or process group exists: with plan=auto the layout is chosen at start-up;
+    # else against the model's layers (built on the meta device: no memory), as the dry run checks it
+    meta = None if auto else build_model_on_meta(cfg)
+    layout = check_run(cfg, num_layers=None if meta is None else len(meta.pipeline_layers()))
     if cfg.dry_run and auto:
         print(
             "dry run: strategy.plan=auto chooses the layout at start-up from profiles of this machine; preview "
             "plans for a cluster with `pd2bw-plan recipe=NAME cluster=NAME`"
         )
         return {"dry_run": True}
-    meta = None
-    if not auto:  # the layout against the model's layers, by the dry run's own check, before any process starts
-        meta = build_model_on_meta(cfg)
-        check_run(cfg, num_layers=len(meta.pipeline_layers()))
     if cfg.dry_run:
         text = plan_text(cfg, layout, meta)
         say(f"dry run (nothing allocated, no process started)\n{text}")
