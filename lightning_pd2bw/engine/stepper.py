@@ -15,7 +15,7 @@ from .delay_correction import ErrorFeedback
 from .ledger import BatchLedger
 from .sharding import OptimizerShards
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
-from .update import Collective, Handler, SetAside, UpdatePart, UpdateShape
+from .update import Collective, CollectiveOp, GroupName, Handler, SetAside, UpdatePart, UpdateShape
 from .versions import WeightVersions
 
 
@@ -55,7 +55,8 @@ class Stepper(UpdatePart):
         if not shape.owners_broadcast:
             return []
         return [
-            Collective("broadcast", "shard", f"weights of {owner}", S.STEP, S.PUBLISH) for owner in range(shape.width)
+            Collective(CollectiveOp.BROADCAST, GroupName.SHARD, f"weights of {owner}", S.STEP, S.PUBLISH)
+            for owner in range(shape.width)
         ]
 
     def step(self, batch: int, aside: SetAside) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +84,46 @@ class SetAside:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
 
 
+class Word(str, Enum):
+    """A word of the update's vocabulary: a ``str`` that equals, prints and formats as its value (as ``layout.Mode``),
+    so a declaration reads as data and a typo fails where it is written (``CollectiveOp("allreduce")`` raises)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class CollectiveOp(Word):
+    ALL_REDUCE = "all_reduce"
+    REDUCE = "reduce"  # to each owner in turn (sharded gradients)
+    BROADCAST = "broadcast"
+
+
+class GroupName(Word):
+    """A stage's communicators (``grid.Groups``); ``TIED``: the stages holding a tied parameter (``Groups.shared``)."""
+
+    REPLICA = "replica"
+    SHARD = "shard"
+    PIPELINE = "pipeline"
+    TIED = "tied"
+
+
+class ClipKind(Word):
+    VALUE = "value"  # each gradient clamped
+    STAGE = "stage"  # by this stage's norm
+    GLOBAL = "global"  # by the pipeline's norm
+
+
+class NonFinite(Word):
+    STOP = "stop"  # the stage that sees one raises
+    SKIP = "skip"  # every stage drops the update
+
+
 @dataclass(frozen=True)
 class UpdateShape:
     """What decides one stage's update: which parts it has (``update_build.choose_parts``) and which collectives
@@ -95,9 +136,13 @@ class UpdateShape:
     tied: bool = False  # this stage holds a parameter another stage holds too
     sharded: bool = False  # shard_gradients in effect: each bucket's owners' parts reduced to them
     owners_broadcast: bool = False  # width > 1, the optimizer sharded: each owner broadcasts its weights after STEP
-    nonfinite: str = "stop"  # the non-finite policy: "stop" or "skip"
+    nonfinite: NonFinite = NonFinite.STOP  # the non-finite policy
     hooks: bool = True  # before-step hooks (Lightning: on_before_optimizer_step)
-    clip: str | None = None  # None, "value", "stage" (this stage's norm) or "global" (the pipeline's norm)
+    clip: ClipKind | None = None  # None: no clipping
+
+    def __post_init__(self) -> None:  # the words given as strings (options, layouts) checked and typed here
+        object.__setattr__(self, "nonfinite", NonFinite(self.nonfinite))
+        object.__setattr__(self, "clip", None if self.clip is None else ClipKind(self.clip))
 
     @classmethod
     def of(
@@ -141,12 +186,16 @@ class Collective:
     per bucket, per bucket and owner). ``verify/comm_plan.py`` lowers exactly these; the recorded-trace tests
     (``tests/distributed/test_nccl_traces.py``) check the parts issue exactly them."""
 
-    op: str  # "all_reduce", "reduce" (to each owner in turn) or "broadcast"
-    group: str
+    op: CollectiveOp
+    group: GroupName
     what: str
     issued: S.Kind
     waited: S.Kind | None = None
     repeat: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "op", CollectiveOp(self.op))
+        object.__setattr__(self, "group", GroupName(self.group))
 
 
 class UpdatePart:

@@ -20,7 +20,7 @@ from .ledger import BatchLedger
 from .options import PipelineOptions
 from .sharding import OptimizerShards
 from .stepper import Stepper
-from .update import Collective, UpdatePart, UpdateRule, UpdateShape
+from .update import ClipKind, Collective, NonFinite, UpdatePart, UpdateRule, UpdateShape
 from .update_parts import (
     BeforeStepHooks,
     BucketReducer,
@@ -42,10 +42,10 @@ def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
         parts.append(BucketReducer)
     if shape.tied:
         parts.append(TiedSums)
-    parts.append(StopOnNonFinite if shape.nonfinite == "stop" else SkipNonFinite)
+    parts.append(StopOnNonFinite if shape.nonfinite is NonFinite.STOP else SkipNonFinite)
     if shape.hooks:
         parts.append(BeforeStepHooks)
-    clippers = {"value": ClipByValue, "global": GlobalNormClip, "stage": StageNormClip}
+    clippers = {ClipKind.VALUE: ClipByValue, ClipKind.GLOBAL: GlobalNormClip, ClipKind.STAGE: StageNormClip}
     if shape.clip is not None:
         parts.append(clippers[shape.clip])
     parts.append(Stepper)

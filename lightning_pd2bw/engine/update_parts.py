@@ -17,7 +17,7 @@ from .build import TiedParameter
 from .grad_buckets import GradientBuckets, Launched
 from .layout import Keys
 from .ledger import BatchLedger
-from .update import Collective, Handler, SetAside, UpdatePart, UpdateShape
+from .update import Collective, CollectiveOp, GroupName, Handler, SetAside, UpdatePart, UpdateShape
 
 
 class BucketReducer(UpdatePart):
@@ -37,8 +37,8 @@ class BucketReducer(UpdatePart):
         """Per bucket, in bucket order: one all-reduce, or (sharded) one reduce to each owner in turn."""
         if shape.width == 1:
             return []
-        op, per_bucket = ("reduce", shape.width) if shape.sharded else ("all_reduce", 1)
-        return [Collective(op, "replica", "replica average", S.BACKWARD, S.CHECK, shape.buckets * per_bucket)]
+        op, per_bucket = (CollectiveOp.REDUCE, shape.width) if shape.sharded else (CollectiveOp.ALL_REDUCE, 1)
+        return [Collective(op, GroupName.REPLICA, "replica average", S.BACKWARD, S.CHECK, shape.buckets * per_bucket)]
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         self.launched[batch] = self.buckets.launch(self.double_buffered)  # in flight until CHECK
@@ -75,8 +75,10 @@ class TiedSums(UpdatePart):
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        average = Collective("all_reduce", "replica", "replica average of tied parameters", S.CHECK)
-        return [Collective("all_reduce", "tied", "tied sum", S.REDUCE, S.CHECK)] + [average] * (shape.width > 1)
+        average = Collective(CollectiveOp.ALL_REDUCE, GroupName.REPLICA, "replica average of tied parameters", S.CHECK)
+        return [Collective(CollectiveOp.ALL_REDUCE, GroupName.TIED, "tied sum", S.REDUCE, S.CHECK)] + [average] * (
+            shape.width > 1
+        )
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         for i, shared in zip(self.positions, self.shared):
@@ -173,8 +175,10 @@ class SkipNonFinite(UpdatePart):
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        owners = Collective("all_reduce", "shard", "owners' non-finite flags", S.CHECK)
-        return [owners] * shape.sharded + [Collective("all_reduce", "pipeline", "non-finite flag", S.CHECK, S.HOOKS)]
+        owners = Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' non-finite flags", S.CHECK)
+        return [owners] * shape.sharded + [
+            Collective(CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "non-finite flag", S.CHECK, S.HOOKS)
+        ]
 
     def check(self, batch: int, aside: SetAside) -> None:
         flag = gradients.nonfinite_flag([g for g in aside.grads if g is not None], self.device)
@@ -230,8 +234,12 @@ class GlobalNormClip(UpdatePart):
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        owners = Collective("all_reduce", "shard", "owners' clip norm", S.NORM)  # ``StageNorm.squares``
-        return [owners] * shape.sharded + [Collective("all_reduce", "pipeline", "clip norm", S.NORM, S.CLIP)]
+        owners = Collective(
+            CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.NORM
+        )  # ``StageNorm.squares``
+        return [owners] * shape.sharded + [
+            Collective(CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "clip norm", S.NORM, S.CLIP)
+        ]
 
     def launch(self, batch: int, aside: SetAside) -> None:
         if self.ledger.is_skipped(batch):
@@ -258,7 +266,9 @@ class StageNormClip(UpdatePart):
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
-        return [Collective("all_reduce", "shard", "owners' clip norm", S.CLIP)] * shape.sharded  # ``StageNorm``
+        return [
+            Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.CLIP)
+        ] * shape.sharded  # ``StageNorm``
 
     def clip(self, batch: int, aside: SetAside) -> None:
         if not self.ledger.is_skipped(batch):

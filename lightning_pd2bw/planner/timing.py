@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ..engine import schedule as S
 from ..engine.gradients import BUCKET_BYTES
 from ..engine.layout import Layout
-from ..engine.update import Collective, UpdateShape
+from ..engine.update import Collective, CollectiveOp, GroupName, UpdateShape
 from .candidate import Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .simulate import CollectiveCost, StageCosts, Timing, simulate
@@ -123,17 +123,17 @@ def collective_cost(
         params = sum(profile.layers[i].parameters for i in span)
         tied = tied_parameters(profile, span) * profile.weight_bytes
         replicated = (params * profile.weight_bytes - tied) / max(1, shape.buckets)
-        if collective.group == "replica" and collective.issued == S.BACKWARD:  # one bucket (or an owner's part)
+        if collective.group is GroupName.REPLICA and collective.issued == S.BACKWARD:  # one bucket (or an owner's part)
             whole = allreduce_time(replicated, candidate, cluster)
-            return whole / 2 / shape.width if collective.op == "reduce" else whole
-        if collective.group == "replica":  # the tied parameters' replica average
+            return whole / 2 / shape.width if collective.op is CollectiveOp.REDUCE else whole
+        if collective.group is GroupName.REPLICA:  # the tied parameters' replica average
             return allreduce_time(tied, candidate, cluster)
-        if collective.group == "tied":  # between the first and the last stage
+        if collective.group is GroupName.TIED:  # between the first and the last stage
             same_server = (candidate.depth - 1) // cluster.devices_per_node == 0
             return cluster.latency + tied / (
                 cluster.intra_node_bandwidth if same_server else cluster.inter_node_bandwidth
             )
-        if collective.op == "broadcast":  # one owner's new weights to every replica
+        if collective.op is CollectiveOp.BROADCAST:  # one owner's new weights to every replica
             return allreduce_time(params * profile.weight_bytes, candidate, cluster) / 2 / shape.width
         return 2 * cluster.latency  # a scalar: a flag, a norm
 
