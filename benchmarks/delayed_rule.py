@@ -154,9 +154,16 @@ def batches(dataset: torch.utils.data.Dataset, batch_size: int, seed: int) -> It
         yield from loader
 
 
-def train(args: argparse.Namespace, rule: str, seed: int, steps: int | None = None) -> dict:
+def train(
+    args: argparse.Namespace,
+    rule: str,
+    seed: int,
+    steps: int | None = None,
+    probe: Callable[[int, DelayedRule, Callable[[torch.nn.Module], torch.Tensor]], None] | None = None,
+) -> dict:
     """One run of ``rule`` over ``steps`` (default ``--steps``): validation curve (the last point over the whole
-    held-out split), training losses, seconds."""
+    held-out split), training losses, seconds. ``probe(step, loop, loss_of_batch)`` runs after each update (e.g.
+    ``benchmarks/sharpness.py``'s measurement on that step's batch)."""
     import lightning.pytorch as pl
     from hydra.utils import instantiate
 
@@ -212,7 +219,10 @@ def train(args: argparse.Namespace, rule: str, seed: int, steps: int | None = No
     order = cfg.seed if args.data_seed is None else args.data_seed
     stream = batches(data.train_set, cfg.global_batch_size, order)
     for step in range(1, steps + 1):
-        train_losses.append(loop.step(loss_of(on_device(next(stream)))))
+        loss_of_batch = loss_of(on_device(next(stream)))
+        train_losses.append(loop.step(loss_of_batch))
+        if probe is not None:
+            probe(step, loop, loss_of_batch)
         if step % args.val_every == 0 or step == steps:
             curve.append((step, validate(whole=step == steps)))
             print(f"  {rule} seed {seed} step {step}: val {curve[-1][1]:.4f}", flush=True)
