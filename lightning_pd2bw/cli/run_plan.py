@@ -34,10 +34,17 @@ def plan_text(cfg, layout, model) -> str:
     lines.append(data_text(cfg))
     if (sparsity := sparsity_config(cfg)) is not None:
         masks = [memory.get("masks", 0.0) for memory in memories]
+        grouped = "n" in sparsity and "m" in sparsity  # N:M semi-structured
+        fraction = 1 - sparsity.n / sparsity.m if grouped else sparsity.sparsity
+        kind = (
+            f"{sparsity.n}:{sparsity.m} semi-structured: fewer FLOPs on paper; GPU time is saved only through the "
+            "semi-structured kernels, which the engine does not use yet"
+            if grouped
+            else "unstructured: fewer FLOPs on paper, no GPU time saved (dense kernels multiply the zeros)"
+        )
         lines.append(
-            f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {sparsity.sparsity:.0%} of the targets; masks "
-            f"{max(masks) / 2**20:,.1f} MiB on the fullest stage (one byte per targeted weight); unstructured: fewer "
-            "FLOPs on paper, no GPU time saved (dense kernels multiply the zeros)"
+            f"sparsity: {sparsity._target_.rsplit('.', 1)[-1]} to {fraction:.0%} of the targets; masks "
+            f"{max(masks) / 2**20:,.1f} MiB on the fullest stage (one byte per targeted weight); {kind}"
         )
     recompute = layout.run.options.recompute
     for stage, (span, memory) in enumerate(zip(stages, memories)):

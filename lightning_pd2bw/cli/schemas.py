@@ -190,6 +190,26 @@ class RigLSchema(SparsityCommon):
 
 
 @dataclass
+class SemiStructuredSchema:
+    """N:M semi-structured sparsity (``SemiStructuredSparsity``): its sparsity is 1 - n/m, not a key of its own."""
+
+    _target_: str = MISSING
+    n: int = 2
+    m: int = 4
+    sparsity: float | None = None  # 1 - n/m; a recipe's value (tiny's 0.5) must agree
+    start_step: int = 0
+    end_step: int = 0
+    update_interval: int = 100
+    allocation: str = "uniform"
+    targets: list[str] | None = None
+    dense_from_step: int | None = None
+    rewarmup_steps: int = 0
+    dense_lr: float | None = None
+    seed: int = 0
+    log_per_layer: bool = True
+
+
+@dataclass
 class CSVLoggerSchema:
     _target_: str = "lightning.pytorch.loggers.CSVLogger"
     save_dir: str = MISSING
@@ -228,6 +248,7 @@ SCHEMAS = {
     ("sparsity", "gradual_schema"): GradualSchema,
     ("sparsity", "static_schema"): StaticSchema,
     ("sparsity", "rigl_schema"): RigLSchema,
+    ("sparsity", "semi_structured_schema"): SemiStructuredSchema,
     ("logger", "csv_schema"): CSVLoggerSchema,
     ("logger", "wandb_schema"): WandbLoggerSchema,
     ("cluster", "cluster_schema"): ClusterSchema,

@@ -1,6 +1,13 @@
-"""Scheduled unstructured sparsity: pure schedules, masks, Lightning callbacks, export."""
+"""Scheduled sparsity (unstructured, and N:M semi-structured): pure schedules, masks, Lightning callbacks, export."""
 
-from .callbacks import GradualMagnitudeSparsity, RigL, SparsityCallback, StaticSparsity, flops_ratio
+from .callbacks import (
+    GradualMagnitudeSparsity,
+    RigL,
+    SemiStructuredSparsity,
+    SparsityCallback,
+    StaticSparsity,
+    flops_ratio,
+)
 from .export import checkpoint_masks, fold_masks
 from .masks import DEFAULT_EXCLUDE, MaskUpdate, Sparsifier, select_targets
 
@@ -9,6 +16,7 @@ __all__ = [
     "GradualMagnitudeSparsity",
     "MaskUpdate",
     "RigL",
+    "SemiStructuredSparsity",
     "Sparsifier",
     "SparsityCallback",
     "StaticSparsity",

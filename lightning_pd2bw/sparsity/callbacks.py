@@ -143,3 +143,65 @@ class RigL(SparsityCallback):
                 "rigl", drop_fraction=schedules.rigl_drop_fraction(step, self.end_step, self.drop_fraction)
             )
         return None
+
+
+class SemiStructuredSparsity(SparsityCallback):
+    """N:M semi-structured sparsity (2:4 by default, the pattern GPUs' sparse tensor cores run): in every targeted
+    weight at most ``n`` non-zeros in each group of ``m`` consecutive weights along its last dimension (a Linear's
+    input features, the GEMM's reduction dimension), chosen by magnitude. Gradual: dense until ``start_step``, then
+    the kept count per group falls from ``m`` to ``n`` over the window (``schedules.n_of_m_at``), the masks recomputed
+    from the weights every ``update_interval`` steps; fixed from ``end_step`` on (``start_step == end_step``: one
+    shot). ``dense_from_step`` gives SPDF's dense finish. The masks cut FLOPs on paper; a GPU runs them faster only
+    through the semi-structured kernels (not used here yet: docs/sparsity.md).
+
+    Args:
+        n, m: kept per group, the group's size (0 < n < m).
+        sparsity: optional, must equal ``1 - n / m`` (a recipe's ``sparsity.sparsity`` checked, not used).
+        start_step, end_step: the window over which the groups thin from m to n.
+        update_interval: steps between mask updates in the window.
+        **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``dense_from_step``, ``rewarmup_steps``,
+            ``dense_lr``, ``seed``, ``log_per_layer`` (the allocation is per group: ``uniform`` only).
+    """
+
+    def __init__(
+        self,
+        n: int = 2,
+        m: int = 4,
+        start_step: int = 0,
+        end_step: int = 0,
+        update_interval: int = 100,
+        sparsity: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not 0 < n < m:
+            raise ValueError(f"SemiStructuredSparsity(n={n}, m={m}): need 0 < n < m (2:4 is n=2, m=4)")
+        if sparsity is not None and abs(sparsity - (1 - n / m)) > 1e-9:
+            raise ValueError(
+                f"sparsity.sparsity={sparsity} contradicts n={n}, m={m} (sparsity {1 - n / m:g}): N:M sets its own; "
+                f"set sparsity.sparsity={1 - n / m:g} or null"
+            )
+        if not 0 <= start_step <= end_step:
+            raise ValueError(
+                f"SemiStructuredSparsity(start_step={start_step}, end_step={end_step}): need 0 <= start_step <= end_step"
+            )
+        if update_interval < 1:
+            raise ValueError(f"SemiStructuredSparsity(update_interval={update_interval}) must be >= 1")
+        if self.allocation != "uniform":
+            raise ValueError(
+                f"sparsity allocation={self.allocation!r} does not apply to N:M sparsity (every group keeps n of m): "
+                "leave allocation=uniform"
+            )
+        self.n, self.m, self.sparsity = n, m, 1 - n / m
+        self.start_step, self.end_step, self.update_interval = start_step, end_step, update_interval
+
+    def build(self, module: Any, all_reduce: Any = None, device: Any = None) -> Any:
+        sparsifier = super().build(module, all_reduce, device)
+        sparsifier.check_groups(self.m)  # refused by name at the start, not at the first update
+        return sparsifier
+
+    def plan(self, step: int) -> MaskUpdate | None:
+        if not schedules.is_update_step(step, self.start_step, self.end_step, self.update_interval):
+            return None
+        kept = schedules.n_of_m_at(step, self.start_step, self.end_step, self.n, self.m)
+        return MaskUpdate("n_of_m", density=kept / self.m, n=kept, m=self.m)

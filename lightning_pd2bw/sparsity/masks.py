@@ -26,7 +26,7 @@ from .allocation import ALLOCATIONS, global_threshold, keep_count, layer_densiti
 
 # Embeddings and the (tied) output head stay dense by default, as do norms and biases (not Linear weights).
 DEFAULT_EXCLUDE = (r"(^|\.)(wte|wpe|embed\w*|lm_head|head)(\.|$)",)
-KINDS = ("magnitude", "random", "rigl", "dense")
+KINDS = ("magnitude", "random", "rigl", "n_of_m", "dense")
 AllReduce = Callable[[torch.Tensor], None]
 
 
@@ -35,14 +35,18 @@ class MaskUpdate:
     """What a schedule asks for at one step.
 
     Args:
-        kind: ``"magnitude"``, ``"random"``, ``"rigl"`` or ``"dense"``.
-        density: the overall target density (magnitude, random).
+        kind: ``"magnitude"``, ``"random"``, ``"rigl"``, ``"n_of_m"`` or ``"dense"``.
+        density: the overall target density (magnitude, random; ``n / m`` for n_of_m).
         drop_fraction: RigL's fraction of each layer's active weights replaced.
+        n, m: n_of_m's groups: the ``n`` largest magnitudes kept in each ``m`` consecutive weights along the last
+            dimension (a Linear's input features: the GEMM's reduction dimension, as 2:4 kernels group them).
     """
 
-    kind: str  # magnitude | random | rigl | dense
+    kind: str  # magnitude | random | rigl | n_of_m | dense
     density: float = 1.0  # overall target density (magnitude, random)
     drop_fraction: float = 0.0  # rigl: fraction of each layer's active weights replaced
+    n: int = 0  # n_of_m: kept per group
+    m: int = 0  # n_of_m: the group's size
 
 
 def select_targets(
@@ -135,6 +139,8 @@ class Sparsifier:
             new = self._random(step, change.density)
         elif change.kind == "rigl":
             new = self._rigl(change.drop_fraction) if old else {}
+        elif change.kind == "n_of_m":
+            new = self._n_of_m(change.n, change.m)
         else:
             raise ValueError(f"mask update kind={change.kind!r} is not valid; valid: {', '.join(KINDS)}")
         changed = {n: old.get(n, _all_true(p)) ^ new.get(n, _all_true(p)) for n, p in self.local.items()}
@@ -159,6 +165,30 @@ class Sparsifier:
             floor = keep_count(score.numel(), self.min_layer_density)
             masks[name] = mask if int(mask.sum()) >= floor else _top(score, floor)  # no layer collapses
         return masks
+
+    def _n_of_m(self, n: int, m: int) -> dict[str, torch.Tensor]:
+        """In each group of ``m`` consecutive weights along the last dimension, the ``n`` largest magnitudes kept
+        (the same weights give the same mask on every stage and replica)."""
+        self.check_groups(m)
+        self.layer_targets = {name: n / m for name in self.shapes}
+        masks = {}
+        for name, param in self.local.items():
+            groups = param.detach().abs().float().reshape(-1, m)
+            keep = torch.topk(groups, n, dim=1, sorted=False).indices
+            mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, keep, True)
+            masks[name] = mask.view(param.shape)
+        return masks
+
+    def check_groups(self, m: int) -> None:
+        """N:M groups need every target's last dimension to be a multiple of ``m``: refused by name otherwise."""
+        uneven = {name: shape for name, shape in self.shapes.items() if len(shape) < 2 or shape[-1] % m}
+        if uneven:
+            name, shape = next(iter(uneven.items()))
+            raise ValueError(
+                f"sparsity n_of_m: {name} {list(shape)} cannot be grouped by {m} along its last dimension (the GEMM's "
+                f"reduction dimension); {len(uneven)} such target(s). Leave them out (sparsity.exclude: a regex of "
+                "their names) or choose m dividing every target's input features"
+            )
 
     def _random(self, step: int, density: float) -> dict[str, torch.Tensor]:
         if self.allocation == "global":

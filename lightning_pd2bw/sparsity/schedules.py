@@ -7,6 +7,10 @@ A density is the fraction of a layer's weights that are kept (1.0 = dense); spar
   ``s(t) = s_f + (s_i - s_f) * (1 - (t - start) / (end - start)) ** 3``, evaluated only on update
   steps ``start, start + interval, ...`` (cubic: prune fast while the network is redundant, slowly
   at the end). ``linear`` replaces the cube by the first power.
+- N:M semi-structured (2:4, what GPUs' sparse tensor cores run): at most N non-zeros in each group of M consecutive
+  weights along the GEMM's reduction dimension. Gradually (dense to N:M over a window, as gradual pruning): the
+  kept count per group falls from M - 1 to N, each count held for an equal part of the window, the mask recomputed
+  at each update step, then fixed.
 - RigL (Evci et al. 2020): the fraction of active weights dropped (and regrown) at an update step
   decays as ``alpha / 2 * (1 + cos(pi * t / end_step))`` and is zero from ``end_step`` on.
 """
@@ -47,6 +51,19 @@ def gradual_density(
     initial_sparsity, final_sparsity = 1 - initial_density, 1 - final_density
     sparsity = final_sparsity + (initial_sparsity - final_sparsity) * (1 - progress) ** power
     return 1 - sparsity
+
+
+def n_of_m_at(step: int, start_step: int, end_step: int, n: int, m: int) -> int:
+    """The weights kept per group of ``m`` at ``step``: ``m`` (dense) before ``start_step``; then ``m - 1``, ``m - 2``,
+    ... ``n``, each held for an equal part of the window (the first pruning at ``start_step``); ``n`` from the last
+    part on, and after ``end_step``."""
+    if step < start_step:
+        return m
+    levels = m - n
+    if step >= end_step:
+        return n
+    part = math.floor(levels * (step - start_step) / (end_step - start_step))
+    return m - 1 - min(levels - 1, part)
 
 
 def rigl_drop_fraction(step: int, end_step: int, alpha: float) -> float:

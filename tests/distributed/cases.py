@@ -122,7 +122,7 @@ def mask_for(name: str, param: torch.Tensor) -> torch.Tensor | None:
 
 def sparsity_callback(case: Case):
     """A fresh sparsity callback for the case (the runner's and the reference's are built alike)."""
-    from lightning_pd2bw.sparsity import GradualMagnitudeSparsity, RigL, StaticSparsity
+    from lightning_pd2bw.sparsity import GradualMagnitudeSparsity, RigL, SemiStructuredSparsity, StaticSparsity
 
     builders = {
         # global threshold across stages, pruning while 2BW versions are in flight, the rate re-warmed after each
@@ -141,6 +141,8 @@ def sparsity_callback(case: Case):
         # mask changes within two updates of each other: the delay correction's history must restart at each
         # (a weight dropped and grown again, or pruned and made dense, restarts from zero, not from its old value)
         "rigl_every_step": lambda: RigL(0.5, end_step=5, update_interval=1, drop_fraction=0.3, allocation="erk"),
+        # 2:4 by magnitude, gradually (3 of 4 at step 1, 2 of 4 from step 2), while 2BW's versions are in flight
+        "n_of_m": lambda: SemiStructuredSparsity(n=2, m=4, start_step=1, end_step=3, update_interval=1),
         "dense_right_after_pruning": lambda: GradualMagnitudeSparsity(
             0.6, start_step=0, end_step=2, update_interval=1, dense_from_step=3
         ),
@@ -190,6 +192,9 @@ CASES = {
             "gpt_2bw_sparse_resume", mode="2bw", steps=6, checkpoint_every=3, steps_per_epoch=3, sparsity="gmp_uniform"
         ),
         Case("gpt_2bw_d2w2_sparse_static", width=2, mode="2bw", steps=5, sparsity="static_random"),
+        Case("gpt_2bw_sparse_2of4", mode="2bw", steps=5, clip=0.5, sparsity="n_of_m", correction=PREDICTIVE),
+        Case("gpt_flush_sparse_2of4_resume", steps=7, checkpoint_every=3, sparsity="n_of_m", schedule=True),
+        Case("gpt_2bw_d2w2_sparse_2of4", width=2, mode="2bw", steps=5, sparsity="n_of_m"),
         # the sharded optimizer with per-layer groups, under the predictive correction
         Case("gpt_2bw_d2w2_sparse_supar", width=2, mode="2bw", steps=5, sparsity="static_supar", correction=PREDICTIVE),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),

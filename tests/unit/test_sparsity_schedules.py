@@ -100,3 +100,45 @@ def test_keep_count_never_empties_a_layer():
     assert keep_count(100, 0.0) == 1
     assert keep_count(100, 0.255) == 26
     assert keep_count(10, 1.0) == 10
+
+
+def test_n_of_m_thins_from_m_to_n_over_the_window():
+    # 2:4 over steps 10-30: 4 kept before the window, 3 in its first half, 2 from its middle on and after it
+    kept = {step: schedules.n_of_m_at(step, 10, 30, 2, 4) for step in (0, 9, 10, 19, 20, 29, 30, 100)}
+    assert kept == {0: 4, 9: 4, 10: 3, 19: 3, 20: 2, 29: 2, 30: 2, 100: 2}
+    assert schedules.n_of_m_at(5, 5, 5, 1, 8) == 1  # a one-shot window
+    assert [schedules.n_of_m_at(s, 0, 70, 1, 8) for s in range(0, 80, 10)] == [7, 6, 5, 4, 3, 2, 1, 1]
+
+
+def test_n_of_m_masks_keep_the_n_largest_of_each_group_of_m_along_the_input_features():
+    from lightning_pd2bw.sparsity import MaskUpdate, Sparsifier
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 16))
+    sparsifier = Sparsifier({"w": weight})
+    sparsifier.update(1, MaskUpdate("n_of_m", density=0.5, n=2, m=4))
+    mask = sparsifier.masks["w"].reshape(6, 4, 4)  # rows x groups x 4 consecutive input features
+    assert mask.sum(-1).eq(2).all()  # exactly 2 of each 4
+    magnitudes = weight.detach().abs().reshape(6, 4, 4)
+    kept_smallest = magnitudes.masked_fill(~mask, math.inf).amin(-1)
+    dropped_largest = magnitudes.masked_fill(mask, -math.inf).amax(-1)
+    assert (kept_smallest >= dropped_largest).all()  # by magnitude, group by group
+    assert weight.detach().reshape(6, 4, 4).masked_select(~mask).eq(0).all()  # the pruned ones are zero
+    assert sparsifier.layer_targets == {"w": 0.5}
+
+
+def test_n_of_m_refuses_a_target_it_cannot_group_by_name():
+    from lightning_pd2bw.sparsity import SemiStructuredSparsity, Sparsifier
+
+    sparsifier = Sparsifier({"blocks.0.mlp.fc.weight": torch.nn.Parameter(torch.zeros(8, 6))})
+    with pytest.raises(ValueError, match=r"blocks.0.mlp.fc.weight \[8, 6\] cannot be grouped by 4.*sparsity.exclude"):
+        sparsifier.check_groups(4)
+    with pytest.raises(ValueError, match="need 0 < n < m"):
+        SemiStructuredSparsity(n=4, m=4)
+    with pytest.raises(ValueError, match="allocation='global' does not apply"):
+        SemiStructuredSparsity(allocation="global")
+    with pytest.raises(ValueError, match=r"sparsity.sparsity=0.5 contradicts n=1, m=4"):
+        SemiStructuredSparsity(n=1, m=4, sparsity=0.5)
+    schedule = SemiStructuredSparsity(n=2, m=4, start_step=10, end_step=30, update_interval=10)
+    plans = {step: schedule.plan(step) for step in range(40)}
+    assert {s: (p.n, p.m) for s, p in plans.items() if p is not None} == {10: (3, 4), 20: (2, 4), 30: (2, 4)}
