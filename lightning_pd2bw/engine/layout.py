@@ -25,7 +25,22 @@ def sharded_at(width: int, enabled: bool) -> bool:
     return enabled and width > 1
 
 
-class Mode(str, Enum):
+class Word(str, Enum):
+    """A word of the engine's vocabularies (``Mode``, the update's ``CollectiveOp``, ``GroupName``, ...): a ``str``
+    that equals, prints and formats as its value, so declarations read as data and a typo fails where it is written
+    (``Mode("2bwx")`` raises)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Mode(Word):
     """How the pipeline updates its weights, and the facts every part reads from that (the schedules, the engine, the
     update, the planner), in one place. A ``str``: ``Mode("2bw") == "2bw"``, and it prints as its value."""
 
@@ -48,15 +63,6 @@ class Mode(str, Enum):
     def forwards_first(self) -> bool:
         """Every forward of a batch before its first backward (no 1F1B, no lookahead)."""
         return self is Mode.GPIPE
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)

@@ -40,13 +40,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import schedule as S
+from .layout import Word
 from .versions import WeightVersions
 
 if TYPE_CHECKING:
@@ -82,20 +82,6 @@ class SetAside:
     @property
     def nbytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
-
-
-class Word(str, Enum):
-    """A word of the update's vocabulary: a ``str`` that equals, prints and formats as its value (as ``layout.Mode``),
-    so a declaration reads as data and a typo fails where it is written (``CollectiveOp("allreduce")`` raises)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class CollectiveOp(Word):

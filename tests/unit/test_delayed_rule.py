@@ -83,21 +83,18 @@ def test_the_rules_differ_so_the_test_can_fail():
     assert all((a - b).abs().max() > 1e-3 for i, a in enumerate(finals) for b in finals[i + 1 :])
 
 
+def run_args(*overrides: str, sync_steps: int = 0) -> Namespace:
+    """``delayed_rule.py``'s arguments, as ``run_label`` reads them."""
+    return Namespace(
+        model="gpt_small", preset=None, corpus="fortunes", steps=1000, data_seed=None, sync_steps=sync_steps,
+        overrides=list(overrides),
+    )  # fmt: skip
+
+
 def test_one_sync_run_serves_the_screens_of_the_correction():
     """``strategy.*`` keys configure only 2BW's correction: the sync rule's runs are shared across them; any other
     override (the optimizer's betas) names its own sync run."""
-
-    def args(*overrides: str) -> Namespace:
-        return Namespace(
-            model="gpt_small",
-            preset=None,
-            corpus="fortunes",
-            steps=1000,
-            data_seed=None,
-            sync_steps=0,
-            overrides=overrides,
-        )
-
+    args = run_args
     screen = args("strategy.delay_correction_strength=0.75")
     assert run_label(screen, "sync") == run_label(args(), "sync")
     assert run_label(screen, "2bw") != run_label(args(), "2bw")
@@ -108,15 +105,7 @@ def test_one_sync_run_serves_the_screens_of_the_correction():
 
 def test_a_synchronous_start_names_its_2bw_runs_and_shares_the_sync_run():
     def args(sync_steps: int) -> Namespace:
-        return Namespace(
-            model="gpt_small",
-            preset=None,
-            corpus="fortunes",
-            steps=1000,
-            data_seed=None,
-            sync_steps=sync_steps,
-            overrides=["sync:model.lr=1e-3"],
-        )
+        return run_args("sync:model.lr=1e-3", sync_steps=sync_steps)
 
     assert run_label(args(250), "sync") == run_label(args(0), "sync")
     assert run_label(args(250), "2bw") != run_label(args(0), "2bw")
