@@ -300,6 +300,8 @@ class PipelineEngine:
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
         self.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
+        if self.mode.double_buffered and global_step < self.options.sync_steps:  # a synchronous start: fresh weights
+            return self.drain()  # this batch's update done, its loss known (the previous batch's was taken)
         if self.mode.double_buffered:  # the previous batch's loss (its broadcast overlapped this batch)
             return self.ledger.take_loss(step - 1)
         executor.finish_drain()

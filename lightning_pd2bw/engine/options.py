@@ -141,6 +141,10 @@ class PipelineOptions:
             ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
+        sync_steps: a synchronous start under 2BW: the first ``sync_steps`` training steps (by global step) drain
+            after their update, so each reads fresh weights (Flush's rule, at about Flush's speed: each step pays the
+            pipeline's fill and drain); 2BW's delay starts after them, as after any drain. 0: none. No effect under
+            flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
@@ -173,6 +177,7 @@ class PipelineOptions:
     on_nonfinite: str = "stop"
     delay_correction: str | None = DEFAULT_CORRECTION
     delay_correction_strength: float = 1.0
+    sync_steps: int = 0
     shard_optimizer: bool = True
     shard_gradients: bool = False
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
@@ -197,6 +202,10 @@ class PipelineOptions:
             raise ValueError(
                 f"{keys.named('delay_correction', self.delay_correction)} is invalid; valid: None, "
                 f"{', '.join(repr(m) for m in DELAY_CORRECTIONS)}"
+            )
+        if not (isinstance(self.sync_steps, int) and self.sync_steps >= 0):
+            raise ValueError(
+                f"{keys.named('sync_steps', self.sync_steps)} must be an integer >= 0 (0: no synchronous start)"
             )
         if not self.delay_correction_strength > 0:
             raise ValueError(

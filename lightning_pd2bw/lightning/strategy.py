@@ -50,13 +50,12 @@ from .resilience import Resilience
 class PipeDream2BWStrategy(PipelineProcesses):
     """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
 
-    Its keywords are the pipeline's options, each documented and checked once, in
-    ``lightning_pd2bw.engine.options.PipelineOptions`` (``strategy.options``; ``clip_mode`` is its ``Clipping``'s
-    mode, the value and algorithm the Trainer's ``gradient_clip_val`` and ``gradient_clip_algorithm``), the
-    strategy's own in ``lightning_pd2bw.lightning.options.StrategyOptions`` (``strategy.strategy_options``; the API
-    reference lists both here), and Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
-    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend`` and ``timeout``, as for ``DDPStrategy``.
-    """
+    Its keywords are the pipeline's options, each documented and checked once, in ``engine.options.PipelineOptions``
+    (``strategy.options``; ``clip_mode`` is its ``Clipping``'s mode, the value and algorithm the Trainer's
+    ``gradient_clip_val`` and ``gradient_clip_algorithm``), the strategy's own in ``lightning.options.StrategyOptions``
+    (``strategy.strategy_options``; the API reference lists both here), and Lightning's ``accelerator``,
+    ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``
+    and ``timeout``, as for ``DDPStrategy``."""
 
     strategy_name = "pd2bw"
 
@@ -82,6 +81,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         hang_timeout: float | None = 600.0,
         delay_correction: str | None = DEFAULT_CORRECTION,
         delay_correction_strength: float = 1.0,
+        sync_steps: int = 0,
         boundary_dtype: str | torch.dtype | None = "auto",
         weight_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
@@ -108,6 +108,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             on_nonfinite=on_nonfinite,
             delay_correction=delay_correction,
             delay_correction_strength=delay_correction_strength,
+            sync_steps=sync_steps,
             shard_optimizer=shard_optimizer,
             shard_gradients=shard_gradients,
             keys=STRATEGY_KEYS,

@@ -54,6 +54,7 @@ class Case:
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
     shard_gradients: bool = False  # width > 1: each gradient reduced to its owner (engine/grad_buckets.py)
+    sync_steps: int = 0  # 2BW's synchronous start: the first N steps drain after their update (fresh weights)
 
     @property
     def bf16_update(self) -> bool:
@@ -68,8 +69,11 @@ class Case:
 
     @property
     def drains(self) -> tuple[int, ...]:
+        """The steps that follow a drain (their gradient is of the newest weights)."""
         every = self.checkpoint_every or self.val_every
-        return tuple(range(every, self.steps, every)) if every else ()
+        periodic = range(every, self.steps, every) if every else ()
+        started = range(1, min(self.sync_steps, self.steps - 1) + 1)  # after each of the first sync_steps steps
+        return tuple(sorted({*periodic, *started}))
 
 
 PREDICTIVE = "predictive_error_feedback"
@@ -195,6 +199,9 @@ CASES = {
         Case("gpt_2bw_sparse_2of4", mode="2bw", steps=5, clip=0.5, sparsity="n_of_m", correction=PREDICTIVE),
         Case("gpt_flush_sparse_2of4_resume", steps=7, checkpoint_every=3, sparsity="n_of_m", schedule=True),
         Case("gpt_2bw_d2w2_sparse_2of4", width=2, mode="2bw", steps=5, sparsity="n_of_m"),
+        # a synchronous start: 3 fresh steps, then 2BW; checkpoints at steps 2 (inside it) and 4 (after the switch),
+        # resumed from each; the predictive correction's history starts at the switch
+        Case("gpt_2bw_sync_start", mode="2bw", steps=7, sync_steps=3, checkpoint_every=2, correction=PREDICTIVE),
         # the sharded optimizer with per-layer groups, under the predictive correction
         Case("gpt_2bw_d2w2_sparse_supar", width=2, mode="2bw", steps=5, sparsity="static_supar", correction=PREDICTIVE),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),

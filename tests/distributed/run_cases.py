@@ -127,6 +127,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         weight_dtype=case.weight_dtype,
         compile={"backend": "aot_eager"} if case.compile else False,
         shard_gradients=case.shard_gradients,
+        sync_steps=case.sync_steps,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return quiet_trainer(

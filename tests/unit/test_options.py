@@ -190,3 +190,10 @@ def test_the_mode_is_a_value_with_its_facts():
     assert facts == {"2bw": (True, False, False), "flush": (False, True, False), "gpipe": (False, True, True)}
     with pytest.raises(ValueError, match="is not a mode"):
         Layout(2, 2, "1f1b")
+
+
+def test_a_synchronous_start_is_a_count_of_steps():
+    assert PipelineOptions(sync_steps=250).sync_steps == 250
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=r"sync_steps=.* must be an integer >= 0"):
+            PipelineOptions(sync_steps=bad)
