@@ -90,11 +90,10 @@ def summary_table() -> str:
             if label not in ratios:
                 times.append("-")
             elif None in values:
-                times.append(f"> {entry['longest'] / ratios[label]:.2f}x Flush's")
+                times.append(f"> {entry['longest'] / ratios[label]:.2f}x Flush's at {ratios[label]:.2f}x")
             else:
-                times.append(
-                    f"{statistics.mean(values) / ratios[label]:.2f}x Flush's ({verdict(entry, ratios[label])})"
-                )
+                time = statistics.mean(values) / ratios[label]
+                times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({verdict(entry, ratios[label])})")
         lines.append(f"| {model} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))
     return "\n".join(lines)
 

@@ -53,6 +53,6 @@ def test_the_readme_and_quality_pages_time_to_quality_table_is_the_recorded_one(
 def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
     step_overhead.record("m (adamw)", entry(1.10, 1.14) | {"ratios": {"gpt13b (planned)": 1.15}})
     table = step_overhead.summary_table()
-    assert "| m (adamw) (d) | 1.12x (2 seeds: 1.10 / 1.14) | 0.97x Flush's (2BW sooner) |" in table
+    assert "| m (adamw) (d) | 1.12x (2 seeds: 1.10 / 1.14) | 0.97x Flush's at 1.15x (2BW sooner) |" in table
     step_overhead.record("m (adamw)", entry(1.10, None) | {"ratios": {"gpt13b (planned)": 1.15}})
-    assert "> 1.09x Flush's" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
+    assert "> 1.09x Flush's at 1.15x" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
