@@ -55,7 +55,7 @@ def choice_text(twobw_rate: float, flush_rate: float) -> str:
             f"  measured ({entry['date']}, {entry['optimizer']}, held-out text): {model} {overhead_text(entry)}: "
             f"{verdict(entry, ratio)} at {ratio:.2f}x"
         )
-    return "\n".join(lines) + "\n  (docs/quality.md: time to quality)"
+    return "\n".join(lines) + "\n  (docs/time-to-quality.md)"
 
 
 def verdict(entry: dict, ratio: float) -> str:
