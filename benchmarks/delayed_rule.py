@@ -240,13 +240,21 @@ def run_label(args: argparse.Namespace, rule: str, steps: int | None = None) -> 
     return "-".join(parts).replace("/", "_")
 
 
+def flush_steps(steps: float, ratio: float, sync_steps: int = 0) -> float:
+    """The time of ``steps`` of 2BW in Flush's steps at rate ratio ``ratio``: a synchronous start's first
+    ``sync_steps`` drain after each update, so they run at about Flush's rate; the rest at 2BW's."""
+    fresh = min(steps, sync_steps)
+    return fresh + (steps - fresh) / ratio
+
+
 def time_to_quality(
     results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float]
 ) -> tuple[str, list[float | None]]:
     """Per seed: the 2BW run length whose final validation loss (whole split) equals the sync rule's at ``--steps``,
     interpolated between the horizons around it (``convergence.horizon_to``), as a multiple of sync's steps; and
-    2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio). Returns the table
-    and the steps ratio per seed (None: not reached by the longest horizon)."""
+    2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio; a synchronous
+    start's steps at Flush's rate, ``flush_steps``). Returns the table and the steps ratio per seed (None: not
+    reached by the longest horizon)."""
     from benchmarks.convergence import horizon_to
 
     header = " | ".join(f"time at {r:.2f}x ({label})" for label, r in ratios.items())
@@ -269,12 +277,16 @@ def time_to_quality(
         overhead = found[0] / args.steps
         overheads.append(overhead)
         bounds.append(bound)
-        times = " | ".join(f"{bound}{overhead / r:.3f}" for r in ratios.values())
+        times = " | ".join(
+            f"{bound}{flush_steps(found[0], r, args.sync_steps) / args.steps:.3f}" for r in ratios.values()
+        )
         lines.append(f"| {seed} | {target:.4f} | {finals} | {bound}{overhead:.3f}x | {times} |")
     reached = [o for o in overheads if o is not None]
     if len(reached) == len(overheads):
         mean, bound = statistics.mean(reached), "<= " if any(b for b in bounds) else ""
-        times = " | ".join(f"{bound}{mean / r:.3f}" for r in ratios.values())
+        times = " | ".join(
+            f"{bound}{flush_steps(mean * args.steps, r, args.sync_steps) / args.steps:.3f}" for r in ratios.values()
+        )
         lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
     return "\n".join(lines), overheads
 
@@ -398,7 +410,8 @@ def record(
     from lightning_pd2bw.planner.step_overhead import summary_table, with_summary
 
     cfg = compose(args, 0)
-    optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}"
+    start = f"-sync{args.sync_steps}" if args.sync_steps else ""
+    optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}{start}"
     size = parameter_count(cfg)
     today = datetime.date.today().isoformat()
     command = "python benchmarks/delayed_rule.py " + " ".join(sys.argv[1:])
@@ -414,7 +427,7 @@ def record(
         f"\n\n```\n{command}\n```\n\n{table}\n\n![validation loss against time, {name}]({picture})\n"
     )
     record_overhead(
-        f"{args.model} ({size / 1e6:.1f}M, {optimizer})",
+        f"{args.model} ({size / 1e6:.1f}M, {optimizer}{f', sync start {args.sync_steps}' if args.sync_steps else ''})",
         {
             "overheads": [round(o, 4) if o is not None else None for o in overheads],
             "shortest": lengths[0] / args.steps,
@@ -423,6 +436,8 @@ def record(
             "date": today,
             "command": command,
             "ratios": {label: round(ratio, 4) for label, ratio in ratios.items()},
+            "sync_steps": args.sync_steps,
+            "steps": args.steps,
         },
     )
     readme = ROOT / "README.md"
@@ -448,7 +463,8 @@ def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: di
     ax.axhline(target, color="k", lw=0.6, ls=":")
     losses = [final(f"2bw@{n}") for n in lengths]
     for i, (label, ratio) in enumerate(ratios.items()):
-        ax.plot([n / ratio for n in lengths], losses, f"C{i}o-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
+        times = [flush_steps(n, ratio, args.sync_steps) for n in lengths]
+        ax.plot(times, losses, f"C{i}o-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
     ax.set_xlabel("training time, in Flush's steps (each point a run of that length)")
     ax.set_ylabel("final validation loss (whole held-out split)")
     ax.legend(fontsize=7)

@@ -58,12 +58,21 @@ def choice_text(twobw_rate: float, flush_rate: float) -> str:
     return "\n".join(lines) + "\n  (docs/time-to-quality.md)"
 
 
+def time_ratio(entry: dict, overhead: float, ratio: float) -> float:
+    """2BW's time over Flush's for a step overhead at rate ratio ``ratio``: steps over rate, a synchronous start's
+    first steps (``sync_steps`` of the measured run's ``steps``) at Flush's rate."""
+    fresh = min(overhead, entry.get("sync_steps", 0) / entry.get("steps", 1))
+    return fresh + (overhead - fresh) / ratio
+
+
 def verdict(entry: dict, ratio: float) -> str:
     """Which mode reaches the loss sooner at rate ratio ``ratio``, from one measurement."""
     values = entry["overheads"]
     if None in values:  # some seed needed more than the longest horizon
-        return "Flush sooner" if entry["longest"] >= ratio else "undecided (longer horizons needed)"
-    return "2BW sooner" if statistics.mean(values) < ratio else "Flush sooner"
+        return (
+            "Flush sooner" if time_ratio(entry, entry["longest"], ratio) >= 1 else "undecided (longer horizons needed)"
+        )
+    return "2BW sooner" if time_ratio(entry, statistics.mean(values), ratio) < 1 else "Flush sooner"
 
 
 README_BLOCK = (
@@ -90,9 +99,11 @@ def summary_table() -> str:
             if label not in ratios:
                 times.append("-")
             elif None in values:
-                times.append(f"> {entry['longest'] / ratios[label]:.2f}x Flush's at {ratios[label]:.2f}x")
+                times.append(
+                    f"> {time_ratio(entry, entry['longest'], ratios[label]):.2f}x Flush's at {ratios[label]:.2f}x"
+                )
             else:
-                time = statistics.mean(values) / ratios[label]
+                time = time_ratio(entry, statistics.mean(values), ratios[label])
                 times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({verdict(entry, ratios[label])})")
         lines.append(f"| {model} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))
     return "\n".join(lines)

@@ -155,10 +155,12 @@ class SemiStructuredSparsity(SparsityCallback):
     through the semi-structured kernels (not used here yet: docs/sparsity.md).
 
     Args:
-        n, m: kept per group, the group's size (0 < n < m).
-        sparsity: optional, must equal ``1 - n / m`` (a recipe's ``sparsity.sparsity`` checked, not used).
-        start_step, end_step: the window over which the groups thin from m to n.
+        n: weights kept per group (0 < n < m).
+        m: the group's size.
+        start_step: the first step of the window over which the groups thin from m to n.
+        end_step: the window's last step; the mask is fixed from it on.
         update_interval: steps between mask updates in the window.
+        sparsity: optional, must equal ``1 - n / m`` (a recipe's ``sparsity.sparsity`` checked, not used).
         **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``dense_from_step``, ``rewarmup_steps``,
             ``dense_lr``, ``seed``, ``log_per_layer`` (the allocation is per group: ``uniform`` only).
     """

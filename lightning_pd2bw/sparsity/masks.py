@@ -38,8 +38,9 @@ class MaskUpdate:
         kind: ``"magnitude"``, ``"random"``, ``"rigl"``, ``"n_of_m"`` or ``"dense"``.
         density: the overall target density (magnitude, random; ``n / m`` for n_of_m).
         drop_fraction: RigL's fraction of each layer's active weights replaced.
-        n, m: n_of_m's groups: the ``n`` largest magnitudes kept in each ``m`` consecutive weights along the last
-            dimension (a Linear's input features: the GEMM's reduction dimension, as 2:4 kernels group them).
+        n: n_of_m's weights kept per group: the ``n`` largest magnitudes of each ``m`` consecutive weights along
+            the last dimension (a Linear's input features: the GEMM's reduction dimension, as 2:4 kernels group them).
+        m: n_of_m's group size.
     """
 
     kind: str  # magnitude | random | rigl | n_of_m | dense

@@ -116,7 +116,7 @@ def test_a_synchronous_start_names_its_2bw_runs_and_shares_the_sync_run():
 def test_time_to_quality_interpolates_the_horizons_and_divides_by_the_rate():
     """Sync ends at 2.0 after 1,000 steps; 2BW at 2.1 after 1,000 and 1.9 after 1,200: 2BW reaches 2.0 at 1,100 steps
     (1.1x), and at 1.25x Flush's rate in 1.1 / 1.25 = 0.88 of Flush's time."""
-    args = Namespace(steps=1000, seeds=1)
+    args = Namespace(steps=1000, seeds=1, sync_steps=0)
     results = {
         "sync@1000/seed0": {"curve": [[1000, 2.0]]},
         "2bw@1000/seed0": {"curve": [[1000, 2.1]]},

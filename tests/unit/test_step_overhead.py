@@ -56,3 +56,12 @@ def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
     assert "| m (adamw) (d) | 1.12x (2 seeds: 1.10 / 1.14) | 0.97x Flush's at 1.15x (2BW sooner) |" in table
     step_overhead.record("m (adamw)", entry(1.10, None) | {"ratios": {"gpt13b (planned)": 1.15}})
     assert "> 1.09x Flush's at 1.15x" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
+
+
+def test_a_synchronous_starts_steps_run_at_flushs_rate():
+    """250 of 2,000 steps drain (Flush's speed): 2BW at 1.0x the steps and 1.25x the rate takes
+    0.125 + 0.875 / 1.25 = 0.825 of Flush's time, not 0.8."""
+    started = entry(1.0, 1.0) | {"sync_steps": 250, "steps": 2000}
+    assert step_overhead.time_ratio(started, 1.0, 1.25) == pytest.approx(0.825)
+    assert step_overhead.time_ratio(entry(1.0), 1.0, 1.25) == pytest.approx(0.8)
+    assert step_overhead.verdict(started | {"overheads": [1.1]}, 1.1) == "Flush sooner"  # 0.125 + 0.975 / 1.1 > 1
