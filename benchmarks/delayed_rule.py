@@ -409,7 +409,7 @@ def record(
     from lightning_pd2bw.planner.step_overhead import record as record_overhead
     from lightning_pd2bw.planner.step_overhead import summary_table, with_summary
 
-    cfg = compose(args, 0)
+    cfg, cfg_sync = compose(args, 0, rule="2bw"), compose(args, 0, rule="sync")
     start = f"-sync{args.sync_steps}" if args.sync_steps else ""
     optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}{start}"
     size = parameter_count(cfg)
@@ -438,6 +438,7 @@ def record(
             "ratios": {label: round(ratio, 4) for label, ratio in ratios.items()},
             "sync_steps": args.sync_steps,
             "steps": args.steps,
+            "peak_lr": {"flush": float(cfg_sync.model.lr), "2bw": float(cfg.model.lr)},
         },
     )
     readme = ROOT / "README.md"

@@ -88,7 +88,7 @@ def summary_table() -> str:
     labels = list(dict.fromkeys(label for entry in entries.values() for label in entry.get("ratios", {})))
     head = "".join(f" 2BW's time to it at {label} |" for label in labels)
     lines = [
-        f"| model (optimizer), each mode at its own best rate | 2BW's steps to Flush's final held-out loss |{head}",
+        f"| model (optimizer; peak learning rates) | 2BW's steps to Flush's final held-out loss |{head}",
         "|---" * (2 + len(labels)) + "|",
     ]
     for model, entry in entries.items():
@@ -105,7 +105,9 @@ def summary_table() -> str:
             else:
                 time = time_ratio(entry, statistics.mean(values), ratios[label])
                 times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({verdict(entry, ratios[label])})")
-        lines.append(f"| {model} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))
+        rates = entry.get("peak_lr")
+        named = f"{model[:-1]}; Flush {short(rates['flush'])}, 2BW {short(rates['2bw'])})" if rates else model
+        lines.append(f"| {named} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))
     return "\n".join(lines)
 
 
@@ -117,3 +119,9 @@ def with_summary(readme: str) -> str:
     head, rest = readme.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{summary_table()}\n{end}{tail}"
+
+
+def short(rate: float) -> str:
+    """A learning rate as the docs write it: ``6e-4``, ``1.6e-2``."""
+    mantissa, exponent = f"{rate:.1e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
