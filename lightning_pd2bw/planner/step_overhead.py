@@ -52,7 +52,7 @@ def choice_text(twobw_rate: float, flush_rate: float) -> str:
         return lines[0] + " (2BW's step overhead not measured)"
     for model, entry in entries.items():
         lines.append(
-            f"  measured ({entry['date']}, {entry['optimizer']}, held-out text): {model} {overhead_text(entry)}: "
+            f"  measured ({entry['date']}, held-out text): {model} {overhead_text(entry)}: "
             f"{verdict(entry, ratio)} at {ratio:.2f}x"
         )
     return "\n".join(lines) + "\n  (docs/time-to-quality.md)"
