@@ -281,6 +281,7 @@ DECLARATIONS = {
     "requeue": 3,
     "shard_gradients": 3,
     "shard_optimizer": 3,
+    "sync_steps": 2,  # 0.12.0: PipelineOptions and the strategy's keyword, as every engine option
     "weight_dtype": 2,
 }
 
