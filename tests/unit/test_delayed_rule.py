@@ -7,7 +7,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from benchmarks.delayed_rule import DelayedRule, rule_overrides, run_label, time_to_quality
+from benchmarks.delayed_rule import DelayedRule, rule_overrides, run_label
+from benchmarks.time_to_quality import time_to_quality
 
 TARGETS = torch.tensor([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.0], [2.0, 1.0], [0.0, -1.0], [1.5, 0.5]], dtype=torch.float64)
 LR, DRAIN_AFTER = 0.3, 3  # a drain (validation) after the third update
