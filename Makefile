@@ -64,7 +64,7 @@ gpu-bench: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU mach
 # The corpus comes from Debian's registry, which a lent GPU machine cannot reach: build it here first
 # (`make gpu-quality-corpus`) and carry outputs/delayed_rule/fortunes.txt with the working tree.
 gpu-quality-corpus: venv  ## the fortunes corpus, built where Debian's package registry is reachable
-	$(BIN)/python -c "from pathlib import Path; from benchmarks.convergence import fortunes_corpus; print(fortunes_corpus(Path('outputs/delayed_rule')))"
+	$(BIN)/python -c "from pathlib import Path; from benchmarks.corpora import fortunes_corpus; print(fortunes_corpus(Path('outputs/delayed_rule')))"
 
 gpu-quality: export PYTHONPATH := $(CURDIR)
 gpu-quality:  ## on a lent GPU (BENCH_PY=python3 with CUDA torch), ~6 min on an H200: GPT-2 124M's time to Flush's loss (issue 76)

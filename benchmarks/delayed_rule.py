@@ -126,8 +126,8 @@ def compose(args: argparse.Namespace, seed: int, steps: int | None = None, rule:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from benchmarks.convergence import CORPORA
     from benchmarks.convergence_settings import MODELS
+    from benchmarks.corpora import CORPORA
     from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra
 
     setup_hydra()
@@ -286,7 +286,7 @@ def main() -> None:
     lengths = sorted({round(args.steps * float(f)) for f in args.horizons.split(",")})
     args.out.mkdir(parents=True, exist_ok=True)
     if args.corpus != "stdlib":
-        from benchmarks.convergence import CORPORA, corpus_digest
+        from benchmarks.corpora import CORPORA, corpus_digest
 
         print(f"corpus {args.corpus}: {corpus_digest(CORPORA[args.corpus](args.out))}", flush=True)
     label = run_label(args, "2bw")

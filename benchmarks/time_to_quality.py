@@ -89,7 +89,7 @@ def record(
     (``lightning_pd2bw/planner/step_overhead.json``)."""
     import datetime
 
-    from benchmarks.convergence import CORPORA, corpus_digest
+    from benchmarks.corpora import CORPORA, corpus_digest
     from benchmarks.delayed_rule import compose
     from lightning_pd2bw.planner.step_overhead import record as record_overhead
     from lightning_pd2bw.planner.step_overhead import summary_table, with_summary

@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
 from benchmarks.comparator import dense_flops, equal_params_width  # noqa: E402
-from benchmarks.convergence import CORPORA, curve, finished, flops_ratio, logged_mean  # noqa: E402
+from benchmarks.convergence import curve, finished, flops_ratio, logged_mean  # noqa: E402
 from benchmarks.convergence import train as run_training  # noqa: E402
+from benchmarks.corpora import CORPORA  # noqa: E402
 
 PRETRAINING = {  # name -> pd2bw-train overrides
     "dense": ["sparsity=none"],
