@@ -390,11 +390,15 @@ def main() -> None:
 
 
 def _main(cfg) -> None:
+    from ..engine.grid import end_default_group
+
     try:
         run(cfg)
     except BaseException as error:
         refused(error, "pd2bw-train")
         raise
+    finally:
+        end_default_group()
 
 
 def refused(error: BaseException, program: str) -> None:

@@ -90,6 +90,14 @@ class Groups:
             dist.destroy_process_group(group)
 
 
+def end_default_group() -> None:
+    """Destroy the default process group if one is up: a program that exits without it can abort in gloo's threads
+    at interpreter shutdown ("terminate called without an active exception", SIGABRT) while pending work still holds
+    tensors (pytorch/pytorch#190489). Lightning's strategies leave the group up after ``fit``; the program ends it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
     mine: dict[str, object] = {}
     links: dict[str, object] = {}

@@ -5,9 +5,16 @@ what each rank wrote (docs/testing.md, "Adding a test")."""
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 import lightning.pytorch as pl
+
+from lightning_pd2bw.engine.grid import end_default_group
+
+# every rank script ends its process group while the interpreter is whole: Lightning's DDP leaves it up and gloo's
+# threads can abort the exit otherwise (SIGABRT after a passing run: the flaky CI failure of 2026-11-29)
+atexit.register(end_default_group)
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
