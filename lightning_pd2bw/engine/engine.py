@@ -39,6 +39,7 @@ from .executor import StageExecutor
 from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
 from .layout import Mode
 from .ledger import BatchLedger, LossBroadcast
+from .lowering import step_end
 from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import ActionRecorder, Progress, SavedTensorMeter
 from .options import PipelineOptions, Run
@@ -251,6 +252,7 @@ class PipelineEngine:
             handlers={**self.update.handlers(), schedule.LOSS: loss},
             gradient_buckets=self.update.store.buckets,
             progress=self.progress,
+            parts=self.update.declared,
         )
 
     def _started(self) -> StageExecutor:
@@ -302,10 +304,11 @@ class PipelineEngine:
         self.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
         if self.mode.double_buffered and global_step < self.options.sync_steps:  # a synchronous start: fresh weights
             return self.drain()  # this batch's update done, its loss known (the previous batch's was taken)
-        if self.mode.double_buffered:  # the previous batch's loss (its broadcast overlapped this batch)
-            return self.ledger.take_loss(step - 1)
+        end = step_end(self.mode, step)  # 2BW: the previous batch's loss (its broadcast overlapped this batch)
+        if not end.wait_sends:
+            return self.ledger.take_loss(end.loss_of)
         executor.finish_drain()
-        loss = self.ledger.take_loss(step)
+        loss = self.ledger.take_loss(end.loss_of)
         self.ledger.restart()
         return loss
 

@@ -1,9 +1,11 @@
 """Runs one stage's actions: microbatches in, activations and gradients across the link, updates.
 
-The executor interprets any schedule from ``schedule.py`` through one ``{Kind: handler}`` table (as DeepSpeed's
-instruction map and ``torch.distributed.pipelining``'s schedules do): its own compute and transport handlers, plus
-the update's parts and the loss, handed to it at construction (``handlers``: ``update.UpdateRule.handlers()`` and
-``ledger.LossBroadcast``). It knows nothing of Lightning. The caller feeds microbatches and hands it the actions
+The executor interprets any schedule from ``schedule.py``, lowered (``lowering.lower``: the ops the NCCL model checks
+and the planner's simulator times), through one ``{Kind: handler}`` table (as DeepSpeed's instruction map and
+``torch.distributed.pipelining``'s schedules do): its own compute and transport handlers, plus the update's parts and
+the loss, handed to it at construction (``handlers``: ``update.UpdateRule.handlers()`` and
+``ledger.LossBroadcast``; ``parts``: the update's declared parts, ``update_build.collectives``). Each handler gets
+the action's ``lowering.Op``. It knows nothing of Lightning. The caller feeds microbatches and hands it the actions
 of a step.
 """
 
@@ -21,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from . import schedule as S
 from .layout import Layout
 from .ledger import BatchLedger
+from .lowering import Op, Parts, lower
 from .observer import ActionRecorder, SavedTensorMeter
 from .options import PipelineOptions, recomputed_layers
 from .transport import StageLink, carries_gradient, input_signature
@@ -88,6 +91,7 @@ class StageExecutor:
         handlers: Mapping[S.Kind, Callable[[S.Action], None]] | None = None,
         gradient_buckets: Any = None,
         progress: Any = None,
+        parts: Parts = (),
     ) -> None:
         self.layers = list(layers)
         self.ledger = ledger if ledger is not None else BatchLedger()  # per-batch state (the engine's)
@@ -120,6 +124,7 @@ class StageExecutor:
         self.meter: SavedTensorMeter | None = None  # set one to count stashed activation bytes
         self.progress = progress  # an observer.Progress, to publish every action (hang detection)
         self.gradient_buckets = gradient_buckets  # a grad_buckets.GradientBuckets: armed at a batch's last backward
+        self.parts = parts  # the update's parts and their collectives, as the lowering reads them
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
         self._fused: S.Action | None = None
         self.handlers: dict[S.Kind, Callable[[S.Action], None]] = {  # {Kind: handler}: the interpreter's table
@@ -260,15 +265,12 @@ class StageExecutor:
             return torch.autograd.graph.saved_tensors_hooks(lambda t: meter.pack(_pack_alias(t)), meter.unpack)
         return meter.hooks()
 
-    def _backward(self, action: S.Action) -> None:
+    def _backward(self, action: Op) -> None:
         k = action.microbatch
         self.versions.use(action.weight_version)
         inputs, outputs = self._stash.pop(k)
         self.stash_bytes -= _stash_nbytes((inputs, outputs))
-        last = self.ledger.count_backward(action.batch, self.num_microbatches)
-        if (
-            last and self.gradient_buckets is not None
-        ):  # the batch's last backward here: all-reduce buckets as they fill
+        if action.last and self.gradient_buckets is not None:  # the batch's last here: reduce buckets as they fill
             self.gradient_buckets.arm()
         if self.is_last:
             outputs.backward()
@@ -284,24 +286,24 @@ class StageExecutor:
 
     # ----------------------------------------------------------------- driver
     def run(self, actions: Sequence[S.Action]) -> None:
-        """Execute ``actions`` in order, each through its kind's handler (``self.handlers``: the stage's own
-        compute and transport, plus the update's parts and the loss it was built with); a failure is marked in the
-        listing of the actions."""
+        """Execute ``actions`` in order, lowered (``lowering.lower``), each op through its kind's handler
+        (``self.handlers``: the stage's own compute and transport, plus the update's parts and the loss it was built
+        with); a failure is marked in the listing of the actions."""
         recorder, progress, handlers = self.recorder, self.progress, self.handlers
-        fused = S.fuse_receives(actions)
-        for index, action in enumerate(actions):
+        for op in lower(actions, self.parts, self.num_microbatches):
+            action = op.action
             if progress is not None:
                 progress.tick(action)
             start = recorder.now() if recorder is not None else 0.0
             try:
-                self._fused = fused.get(index)
+                self._fused = op.fused
                 handler = handlers.get(action.kind)
                 if handler is None:
                     raise ValueError(f"no handler for {action}: the update registers its parts (engine.start)")
-                handler(action)
+                handler(op)
             except Exception as error:
-                note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{index} {action} of:\n"
-                add_note(error, note + S.listing(actions, marked=index))
+                note = f"pd2bw: stage {self.stage} of {self.num_stages} failed at action #{op.index} {action} of:\n"
+                add_note(error, note + S.listing(actions, marked=op.index))
                 if self.versions.mixed and "dtype" in str(error) and action.kind in (S.FORWARD, S.BACKWARD):
                     add_note(
                         error,

@@ -90,6 +90,29 @@ class Groups:
             dist.destroy_process_group(group)
 
 
+COMMUNICATORS = ("pipeline", "loss", "replica", "shard", "tied", "p2p")
+
+
+def communicator(
+    name: str, stage: int, replica: int, num_stages: int, width: int, tied: Sequence[int] = ()
+) -> tuple[str, tuple[int, ...]]:
+    """The name (``group_desc``) and ranks of ``stage``'s communicator ``name`` in ``replica``: the one naming
+    ``build_groups``, the NCCL lowering (``verify/comm_plan.py``) and the planner's simulator read. ``pipeline`` and
+    ``loss``: the replica's stages; ``replica`` and ``shard``: the stage's replicas; ``tied``: the replica's stages
+    ``tied`` (holding one tied parameter); ``p2p``: stages ``stage`` and ``stage + 1`` of the replica."""
+    d = num_stages
+    in_replica = tuple(replica * d + s for s in range(d))
+    if name in ("pipeline", "loss"):
+        return f"pd2bw/{name}/replica{replica}", in_replica
+    if name in ("replica", "shard"):
+        return f"pd2bw/{name}/stage{stage}", tuple(r * d + stage for r in range(width))
+    if name == "tied":
+        return f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, tied))}", tuple(in_replica[s] for s in tied)
+    if name == "p2p":
+        return f"pd2bw/p2p/replica{replica}/stage{stage}-{stage + 1}", in_replica[stage : stage + 2]
+    raise ValueError(f"no communicator {name!r}; one of {COMMUNICATORS}")
+
+
 def end_default_group() -> None:
     """Destroy the default process group if one is up: a program that exits without it can abort in gloo's threads
     at interpreter shutdown ("terminate called without an active exception", SIGABRT) while pending work still holds
@@ -101,32 +124,35 @@ def end_default_group() -> None:
 def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
     mine: dict[str, object] = {}
     links: dict[str, object] = {}
-    for replica in range(grid.data_parallel_size):
-        ranks = grid.pipeline_ranks(replica)
-        pipeline = dist.new_group(ranks, group_desc=f"pd2bw/pipeline/replica{replica}")
-        loss = dist.new_group(ranks, group_desc=f"pd2bw/loss/replica{replica}")
+    d, width = grid.num_stages, grid.data_parallel_size
+
+    def new(name: str, stage: int = 0, replica: int = 0, tied: Sequence[int] = ()) -> tuple[object, tuple[int, ...]]:
+        desc, ranks = communicator(name, stage, replica, d, width, tied)
+        return dist.new_group(list(ranks), group_desc=desc), ranks
+
+    for replica in range(width):
+        pipeline, _ = new("pipeline", replica=replica)
+        loss, _ = new("loss", replica=replica)
         if replica == grid.replica:
             mine["pipeline"], mine["loss"] = pipeline, loss
-        for stage in range(grid.num_stages - 1):
-            pair = [ranks[stage], ranks[stage + 1]]
-            group = dist.new_group(pair, group_desc=f"pd2bw/p2p/replica{replica}/stage{stage}-{stage + 1}")
+        for stage in range(d - 1):
+            group, pair = new("p2p", stage, replica)
             if grid.rank == pair[0]:
                 links["next"] = group
             if grid.rank == pair[1]:
                 links["previous"] = group
-    for stage in range(grid.num_stages):
-        group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/replica/stage{stage}")
+    for stage in range(d):
+        group, _ = new("replica", stage)
         if stage == grid.stage:
             mine["replica"] = group
-        if grid.data_parallel_size > 1:
-            group = dist.new_group(grid.replica_ranks(stage), group_desc=f"pd2bw/shard/stage{stage}")
+        if width > 1:
+            group, _ = new("shard", stage)
             if stage == grid.stage:
                 mine["shard"] = group
     shared: dict[tuple[int, ...], object] = {}
     for stages in dict.fromkeys(shared_stage_sets):
-        for replica in range(grid.data_parallel_size):
-            name = f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, stages))}"
-            group = dist.new_group([replica * grid.num_stages + s for s in stages], group_desc=name)
+        for replica in range(width):
+            group, _ = new("tied", replica=replica, tied=stages)
             if replica == grid.replica and grid.stage in stages:
                 shared[stages] = group
     return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links), mine.get("shard"))

@@ -7,8 +7,7 @@ mean loss being broadcast from the last stage (taken one step later under 2BW). 
 consumed is closed.
 
 Beside the entries, the ledger holds the per-batch state of this stage's work in flight, each popped when its
-batch is done with it: the last stage's running sum of a batch's microbatch losses (``add_loss``), the backwards run
-per batch (``count_backward``: the batch's last one arms the replica all-reduce), and the batches CHECK found
+batch is done with it: the last stage's running sum of a batch's microbatch losses (``add_loss``) and the batches CHECK found
 non-finite under ``on_nonfinite="skip"`` (``skip``); and ``fed``, the batches fed since the engine was built.
 
 Bounded by construction: at most ``LIMIT`` batches are open (2BW: the batch two back waits for the end of its
@@ -46,7 +45,6 @@ class BatchLedger:
         self.next_batch = 0  # the next training step's batch number in this run
         self.fed = 0  # batches fed since the engine was built (train_batch's default global step)
         self.loss_sums: dict[int, torch.Tensor] = {}  # last stage: the sum of a batch's microbatch losses so far
-        self.backwards: dict[int, int] = {}  # backwards this stage ran of a batch, until its last
         self.skipped: set[int] = set()  # CHECK found the batch non-finite under "skip": its CLIP and STEP do nothing
         self.skipped_updates: list[int] = []  # the global steps whose update was skipped (kept across drains)
 
@@ -58,13 +56,6 @@ class BatchLedger:
 
     def take_loss_sum(self, batch: int) -> torch.Tensor:
         return self.loss_sums.pop(batch)
-
-    def count_backward(self, batch: int, per_batch: int) -> bool:
-        """Count one backward of ``batch``; True at its last (the ``per_batch``-th)."""
-        done = self.backwards.pop(batch, 0) + 1
-        if done < per_batch:
-            self.backwards[batch] = done
-        return done == per_batch
 
     def skip(self, batch: int) -> None:
         self.skipped.add(batch)
@@ -124,11 +115,8 @@ class BatchLedger:
         left = {b: e for b, e in self.batches.items() if not e.consumed()}
         if any(e.hparams is not None or e.loss is not None for e in left.values()):
             raise RuntimeError(f"pd2bw: batches {sorted(left)} still hold an update or a loss after a drain")
-        if self.loss_sums or self.backwards:
-            raise RuntimeError(
-                f"pd2bw: losses of batches {sorted(self.loss_sums)} or backwards of {sorted(self.backwards)} are still "
-                "held after a drain"
-            )
+        if self.loss_sums:
+            raise RuntimeError(f"pd2bw: losses of batches {sorted(self.loss_sums)} are still held after a drain")
         self.batches.clear()
         self.skipped.clear()
         self.next_batch = 0
@@ -141,7 +129,6 @@ class BatchLedger:
             "updates_pending": sum(e.hparams is not None for e in entries),
             "losses_in_flight": sum(e.loss is not None for e in entries),
             "loss_sums": len(self.loss_sums),
-            "batches_in_backward": len(self.backwards),
             "skipped_pending": len(self.skipped),
         }
 

@@ -5,7 +5,7 @@ optimizer's broadcasts (``update.py`` says when they run); and the optimizers' v
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from .delay_correction import ErrorFeedback
 from .ledger import BatchLedger
 from .sharding import OptimizerShards
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
-from .update import Collective, CollectiveOp, GroupName, Handler, SetAside, UpdatePart, UpdateShape
+from .update import Collective, CollectiveOp, GroupName, SetAside, UpdatePart, UpdateShape
 from .versions import WeightVersions
 
 
@@ -44,8 +44,7 @@ class Stepper(UpdatePart):
         self.correction, self.shards = correction, shards
         self.publishing: dict[int, Callable[[], None]] = {}  # batch -> the wait for its owners' broadcasts
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.STEP: self.step, S.PUBLISH: self.publish}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.STEP: "step", S.PUBLISH: "publish"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:

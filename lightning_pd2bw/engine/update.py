@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -185,11 +185,14 @@ class Collective:
 
 
 class UpdatePart:
-    """One job of the update: ``handlers`` maps each action kind it acts at to its ``(batch, aside)`` handler;
-    ``collectives`` declares, for a stage of that shape, the collectives those handlers issue (in their order)."""
+    """One job of the update: ``ACTIONS`` maps each action kind it acts at to the name of its ``(batch, aside)``
+    handler (data: the lowering, ``lowering.py``, reads it without an instance); ``collectives`` declares, for a stage
+    of that shape, the collectives those handlers issue (in their order)."""
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {}
+
+    def handler(self, kind: S.Kind) -> Handler:
+        return getattr(self, self.ACTIONS[kind])
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -214,30 +217,34 @@ class UpdateRule:
     double_buffered: bool  # 2BW: a batch's update runs beside the next batch's compute
     pending: dict[int, SetAside] = field(default_factory=dict)
     peak_pending_bytes: int = 0
+    declared: Sequence[tuple[type[UpdatePart], Sequence[Collective]]] = ()  # the parts' declarations (lowering)
 
-    def handlers(self) -> dict[S.Kind, Callable[[S.Action], None]]:
-        """The update's actions for the executor's table (``StageExecutor(handlers=)``)."""
-        table: dict[S.Kind, list[Handler]] = {kind: [] for kind in S.UPDATE_KINDS}
-        for part in self.parts:
-            for kind, handler in part.handlers().items():
-                table[kind].append(handler)
-        return {kind: self._dispatch(kind, handlers) for kind, handlers in table.items()}
+    def handlers(self) -> dict[S.Kind, Callable[[Any], None]]:
+        """The update's actions for the executor's table (``StageExecutor(handlers=)``): each runs, for its lowered op
+        (``lowering.Op``), the parts ``op.ran()`` names, in that order; they are this rule's parts acting there."""
+        instances = {type(part): part for part in self.parts}
+        acting = {kind: [type(p) for p in self.parts if kind in p.ACTIONS] for kind in S.UPDATE_KINDS}
 
-    def _dispatch(self, kind: S.Kind, handlers: list[Handler]) -> Callable[[S.Action], None]:
-        def run(action: S.Action) -> None:
-            batch = action.batch
-            if kind == S.REDUCE:
-                self._begin(batch)
-            aside = self.pending[batch] if kind != S.PUBLISH else None  # STEP released the batch's gradients
-            for handler in handlers:
-                handler(batch, aside)
-            if kind == S.REDUCE and self.double_buffered:
-                self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
-            if kind == S.STEP:
-                self.pending.pop(batch)
-                self.store.after_step(self.double_buffered)
+        def dispatch(kind: S.Kind) -> Callable[[Any], None]:
+            def run(op: Any) -> None:
+                ran = op.ran()
+                if ran != acting[kind]:  # the lowering was made for another update: never run it halfway
+                    raise RuntimeError(f"pd2bw: {op.action} lowered for parts {ran}, this stage has {acting[kind]}")
+                batch = op.batch
+                if kind == S.REDUCE:
+                    self._begin(batch)
+                aside = self.pending[batch] if kind != S.PUBLISH else None  # STEP released the batch's gradients
+                for part in ran:
+                    instances[part].handler(kind)(batch, aside)  # type: ignore[arg-type]
+                if kind == S.REDUCE and self.double_buffered:
+                    self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes)
+                if kind == S.STEP:
+                    self.pending.pop(batch)
+                    self.store.after_step(self.double_buffered)
 
-        return run
+            return run
+
+        return {kind: dispatch(kind) for kind in S.UPDATE_KINDS}
 
     def _begin(self, batch: int) -> None:
         """REDUCE(b): the next weight version made writable; batch b's gradients taken aside."""

@@ -133,4 +133,4 @@ def build_update(
     }
     parts = [build[kind]() for kind in choose_parts(shape)]
     store = GradientStore(params, tied, buckets, versions.mixed)
-    return UpdateRule(params, versions, store, parts, double_buffered)
+    return UpdateRule(params, versions, store, parts, double_buffered, declared=collectives(shape))

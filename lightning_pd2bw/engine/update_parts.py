@@ -5,7 +5,7 @@ the one that ends it, and reads and writes the batch's gradients in its ``SetAsi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .build import TiedParameter
 from .grad_buckets import GradientBuckets, Launched
 from .layout import Keys
 from .ledger import BatchLedger
-from .update import Collective, CollectiveOp, GroupName, Handler, SetAside, UpdatePart, UpdateShape
+from .update import Collective, CollectiveOp, GroupName, SetAside, UpdatePart, UpdateShape
 
 
 class BucketReducer(UpdatePart):
@@ -29,8 +29,7 @@ class BucketReducer(UpdatePart):
         self.params = list(params)
         self.launched: dict[int, Launched] = {}
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.REDUCE: self.reduce, S.CHECK: self.check}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.REDUCE: "reduce", S.CHECK: "check"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -70,8 +69,7 @@ class TiedSums(UpdatePart):
         self.positions = [position[id(s.param)] for s in self.shared]
         self.works: dict[int, list[Any]] = {}
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.REDUCE: self.reduce, S.CHECK: self.check}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.REDUCE: "reduce", S.CHECK: "check"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -134,8 +132,7 @@ class StopOnNonFinite(UpdatePart):
         self.ledger, self.names, self.describe, self.keys = ledger, names, describe, keys
         self.watch = gradients.FiniteWatch()
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.CHECK: self.check}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CHECK: "check"}
 
     def check(self, batch: int, aside: SetAside) -> None:
         with aside.in_grad():
@@ -170,8 +167,7 @@ class SkipNonFinite(UpdatePart):
         self.ledger, self.groups, self.device, self.sharded, self.info = ledger, groups, device, sharded, info
         self.flags: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.CHECK: self.check, S.HOOKS: self.verdict}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CHECK: "check", S.HOOKS: "verdict"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -210,8 +206,7 @@ class BeforeStepHooks(UpdatePart):
     ) -> None:
         self.ledger, self.optimizers, self.before_step = ledger, list(optimizers), before_step
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.HOOKS: self.hooks}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.HOOKS: "hooks"}
 
     def hooks(self, batch: int, aside: SetAside) -> None:
         if self.ledger.is_skipped(batch):
@@ -229,8 +224,7 @@ class GlobalNormClip(UpdatePart):
         self.ledger, self.norm, self.pipeline_group, self.max_norm = ledger, norm, pipeline_group, max_norm
         self.launched: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.NORM: self.launch, S.CLIP: self.clip}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.NORM: "launch", S.CLIP: "clip"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -261,8 +255,7 @@ class StageNormClip(UpdatePart):
     def __init__(self, ledger: BatchLedger, norm: StageNorm, max_norm: float) -> None:
         self.ledger, self.norm, self.max_norm = ledger, norm, max_norm
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.CLIP: self.clip}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CLIP: "clip"}
 
     @staticmethod
     def collectives(shape: UpdateShape) -> list[Collective]:
@@ -282,8 +275,7 @@ class ClipByValue(UpdatePart):
     def __init__(self, ledger: BatchLedger, value: float) -> None:
         self.ledger, self.value = ledger, value
 
-    def handlers(self) -> dict[S.Kind, Handler]:
-        return {S.CLIP: self.clip}
+    ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CLIP: "clip"}
 
     def clip(self, batch: int, aside: SetAside) -> None:
         if not self.ledger.is_skipped(batch):

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from ..engine import schedule as S
 from ..engine import update_build as U
 from ..engine import update_parts as P
+from ..engine.grid import communicator
 from ..engine.layout import Layout
+from ..engine.lowering import ISSUE as ISSUE_PART
+from ..engine.lowering import RUN as RUN_PART
+from ..engine.lowering import WAIT as WAIT_PART
+from ..engine.lowering import Op, step_end
+from ..engine.lowering import lower as lower_actions
 from ..engine.stepper import Stepper
 from ..engine.update import Collective, UpdatePart, UpdateShape
 
@@ -87,7 +93,6 @@ class _Lowering:
         self.ops: list[tuple] = []
         self.issued: dict[str, int] = {}  # channel -> collectives issued on it so far
         self.inflight: dict[tuple[int, Collective], list[tuple[str, int]]] = {}
-        self.backwards: dict[int, int] = {}
         self.loss: dict[int, tuple[str, int]] = {}
 
     def issue(self, channel: str, members: tuple[int, ...], seconds: float) -> tuple[str, int]:
@@ -100,24 +105,23 @@ class _Lowering:
         self.ops.append((WAIT, *handle, update))
 
     def group(self, name: str) -> tuple[str, tuple[int, ...]]:
-        d, s = self.layout.num_stages, self.stage
-        return {
-            "replica": (f"replica{s}", (s,)),
-            "shard": (f"shard{s}", (s,)),
-            "pipeline": ("pipeline", tuple(range(d))),
-            "tied": ("tied", (0, d - 1)),
-        }[name]
+        """The communicator ``name`` of this stage in replica 0 (``grid.communicator``), its members as stages:
+        replicas run alike, so a replica group's collective starts as soon as its stage issues it."""
+        d = self.layout.num_stages
+        channel, ranks = communicator(name, self.stage, 0, d, 1, tied=(0, d - 1))
+        return channel, tuple(sorted({rank % d for rank in ranks}))
 
-    def update(self, kind: S.Kind, batch: int) -> None:
-        """The update's parts at ``kind`` (``verify/comm_plan.py``'s ``RankProgram.update``, timed): each part waits
-        for what it launched before, computes, then issues its collectives."""
-        for step, part, collective in U.at_action(self.parts, kind):
-            if step == U.WAIT:
+    def update(self, op: Op) -> None:
+        """The update's steps at ``op`` (``lowering.Op.steps``, what ``verify/comm_plan.py`` issues), timed: each part
+        waits for what it launched before, computes, then issues its collectives."""
+        kind, batch = op.kind, op.batch
+        for step, part, collective in op.steps:
+            if step == WAIT_PART:
                 for handle in self.inflight.pop((batch, collective)):
                     self.wait(handle, update=True)
-            elif step == U.RUN and part in PART_COMPUTE and PART_COMPUTE[part][0] == kind:
+            elif step == RUN_PART and part in PART_COMPUTE and PART_COMPUTE[part][0] == kind:
                 self.ops.append((COMPUTE, PART_COMPUTE[part][1](self.mine)))
-            elif step == U.ISSUE:
+            elif step == ISSUE_PART and collective is not None:
                 channel, members = self.group(collective.group)
                 seconds = self.cost_of(self.stage, collective)
                 handles = [self.issue(channel, members, seconds) for _ in range(collective.repeat)]
@@ -128,28 +132,24 @@ class _Lowering:
                     self.inflight[(batch, collective)] = handles
 
     def segment(self, actions: list[S.Action]) -> None:
-        s, d = self.stage, self.layout.num_stages
-        fused = S.fuse_receives(actions)
-        for index, action in enumerate(actions):
-            kind, micro = action.kind, action.microbatch
+        s = self.stage
+        for op in lower_actions(actions, self.parts, self.layout.num_microbatches):
+            kind, micro = op.kind, op.microbatch
             if self.mine.dispatch:
                 self.ops.append((COMPUTE, self.mine.dispatch))
             if kind == S.FORWARD:
                 self.ops.append((COMPUTE, self.mine.forward))
             elif kind == S.BACKWARD:
                 self.ops.append((COMPUTE, self.mine.backward))
-                done = self.backwards.pop(action.batch, 0) + 1
-                if done < self.layout.num_microbatches:
-                    self.backwards[action.batch] = done
-                else:
-                    self.update(S.BACKWARD, action.batch)
+                if op.last:
+                    self.update(op)
             elif kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
                 forward = kind == S.SEND_FORWARD
                 peer = s + 1 if forward else s - 1
                 seconds = self.mine.send if forward else self.costs[peer].send
                 self.ops.append((SEND, (s, peer), (s, kind, micro), seconds))
-                if index in fused:  # the receive batched with this send is posted now
-                    received = fused[index]
+                if op.fused is not None:  # the receive batched with this send is posted now
+                    received = op.fused
                     sender = S.SEND_FORWARD if received.kind == S.RECV_FORWARD else S.SEND_BACKWARD
                     self.ops.append((POST, (peer, sender, received.microbatch)))
             elif kind == S.RECV_FORWARD:
@@ -159,9 +159,9 @@ class _Lowering:
             elif kind == S.WAIT_SENDS:
                 self.ops.append((WAIT_SENDS,))
             elif kind == S.LOSS:
-                self.loss[action.batch] = self.issue("loss", tuple(range(d)), 0.0)  # a scalar: its latency
+                self.loss[op.batch] = self.issue(*self.group("loss"), 0.0)  # a scalar: its latency
             else:
-                self.update(kind, action.batch)
+                self.update(op)
 
     def take_loss(self, batch: int) -> None:
         if batch in self.loss:
@@ -184,11 +184,10 @@ def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, 
             if costs[stage].per_step:
                 lowering.ops.append((COMPUTE, costs[stage].per_step))
             lowering.segment(S.segment(layout, stage, step))
-            if layout.mode.double_buffered:
-                lowering.take_loss(step - 1)
-            else:
+            end = step_end(layout.mode, step)
+            if end.wait_sends:
                 lowering.ops.append((WAIT_SENDS,))
-                lowering.take_loss(step)
+            lowering.take_loss(end.loss_of)
             lowering.ops.append((MARK, step))
         programs.append(lowering.ops)
     return programs

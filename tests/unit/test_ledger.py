@@ -31,7 +31,6 @@ def test_a_2bw_run_holds_at_most_three_batches():
     assert max(c["batches"] for c in held) <= 3
     assert held[-1] == {"batches": 2, "updates_pending": 2, "losses_in_flight": 1} | {
         "loss_sums": 0,
-        "batches_in_backward": 0,
         "skipped_pending": 0,
     }
     with pytest.raises(RuntimeError, match="still hold an update or a loss after a drain"):
@@ -58,16 +57,15 @@ def test_a_drained_ledger_restarts_its_numbering():
 
 
 def test_the_stages_work_in_flight_is_per_batch_state_of_the_ledger():
-    """The last stage's loss sums, the backwards counted per batch and the skipped batches live in the ledger and
-    leave it as their batch is done with them; a drain that finds any left refuses."""
+    """The last stage's loss sums and the skipped batches live in the ledger and leave it as their batch is done with
+    them; a drain that finds a loss sum left refuses (a batch's last backward is the lowering's: ``Op.last``)."""
     ledger = BatchLedger()
     for microbatch in range(3):
         ledger.add_loss(0, torch.tensor(float(microbatch + 1)))
-    assert [ledger.count_backward(0, 3) for _ in range(3)] == [False, False, True]
-    assert ledger.counters()["loss_sums"] == 1 and ledger.counters()["batches_in_backward"] == 0
+    assert ledger.counters()["loss_sums"] == 1
     assert ledger.take_loss_sum(0).item() == 6.0 and ledger.counters()["loss_sums"] == 0
     ledger.skip(1)
     assert ledger.is_skipped(1) and ledger.take_skip(1) and not ledger.take_skip(1)
-    ledger.count_backward(2, 4)
-    with pytest.raises(RuntimeError, match=r"backwards of \[2\] are still held after a drain"):
+    ledger.add_loss(2, torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match=r"losses of batches \[2\] are still held after a drain"):
         ledger.restart()

@@ -88,18 +88,18 @@ def test_the_lowering_issues_what_the_update_declares():
         issued = Counter(op[1] for op in program if op[0] == 4)  # ISSUE
         waited = Counter(op[1] for op in program if op[0] == 5)  # WAIT
         backwards = 4 if stage == 1 else 3
-        replica = f"replica{stage}"
-        shard = f"shard{stage}"
+        replica, shard = f"pd2bw/replica/stage{stage}", f"pd2bw/shard/stage{stage}"  # grid.communicator's names
+        pipeline, loss, tied = "pd2bw/pipeline/replica0", "pd2bw/loss/replica0", "pd2bw/shared/replica0/stages0-1"
         assert issued == {
             replica: 6 * backwards + 3,
             shard: 3 + 3 + 3 * 2,
-            "pipeline": 6,
-            "tied": 3,
+            pipeline: 6,
+            tied: 3,
             "world": 4,
-            "loss": 4,
+            loss: 4,
         }
         # CHECK(b3) comes in a later step; the flag and the loss of the last step are waited at the next
-        assert waited == {replica: 6 * 3 + 3, shard: 12, "pipeline": 6, "tied": 3, "world": 3, "loss": 3}
+        assert waited == {replica: 6 * 3 + 3, shard: 12, pipeline: 6, tied: 3, "world": 3, loss: 3}
 
 
 def test_many_microbatches_extrapolate_by_the_steady_state_period():

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from .. import schedule as S
 from .. import update_build as U
+from ..grid import communicator
 from ..layout import Layout, check_schedule
+from ..lowering import ISSUE as ISSUE_PART
+from ..lowering import WAIT as WAIT_PART
+from ..lowering import Op as LoweredOp
+from ..lowering import lower, step_end
 from ..update import Collective, UpdateShape
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
@@ -65,7 +70,6 @@ class RankProgram:
         self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
         self.parts = U.collectives(self.update_shape())  # the update's parts and the collectives each declares
         self.inflight: dict[tuple[int, Collective], list[int]] = {}  # (batch, declared) -> handles to wait for
-        self.backwards: dict[int, int] = {}  # batch -> backwards run (the last one starts the bucket all-reduces)
         self.waited: set[int] = set()
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
@@ -95,7 +99,7 @@ class RankProgram:
     # -------------------------------------------------------------- transport (transport.StageLink)
     def _pair_channel(self, peer: int) -> str:
         low = min(self.rank, peer) - self.replica * self.layout.num_stages
-        return f"pd2bw/p2p/replica{self.replica}/stage{low}-{low + 1}"
+        return communicator("p2p", low, self.replica, self.layout.num_stages, self.layout.data_parallel_size)[0]
 
     def batch(self, peer: int, sends: list[str], receives: int, label: str) -> tuple[list[int], list[int]]:
         """StageLink._issue: one batch_isend_irecv; a batch with sends is held until settled."""
@@ -185,26 +189,21 @@ class RankProgram:
         )
 
     def group(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """A ``grid.Groups`` communicator of this stage: its channel and members."""
+        """A ``grid.Groups`` communicator of this stage: its channel and members (``grid.communicator``)."""
         layout, d = self.layout, self.layout.num_stages
-        replicas = tuple(r * d + self.stage for r in range(layout.data_parallel_size))
-        groups = {
-            "replica": (f"pd2bw/replica/stage{self.stage}", replicas),
-            "shard": (f"pd2bw/shard/stage{self.stage}", replicas),
-            "pipeline": (f"pd2bw/pipeline/replica{self.replica}", self.pipeline),
-            "tied": (f"pd2bw/shared/replica{self.replica}/stages0-{d - 1}", (self.pipeline[0], self.pipeline[-1])),
-        }
-        return groups[name]
+        return communicator(name, self.stage, self.replica, d, layout.data_parallel_size, tied=(0, d - 1))
 
-    def update(self, kind: S.Kind, batch: int) -> None:
-        """What the update's parts issue and wait for at ``kind`` of ``batch``, part by part in the builder's order,
-        each part's declared collectives in their order (``UpdatePart.collectives``)."""
-        at = f"{kind.value}(b{batch})"
-        for step, _, collective in U.at_action(self.parts, kind):
-            if step == U.WAIT:
+    def update(self, op: LoweredOp) -> None:
+        """What the update's parts issue and wait for at ``op`` (its lowered steps, ``lowering.Op.steps``: part by
+        part in the builder's order, each part's declared collectives in their order)."""
+        at, batch = str(op), op.batch
+        for step, _, collective in op.steps:
+            if collective is None:
+                continue
+            if step == WAIT_PART:
                 for handle in self.inflight.pop((batch, collective)):
                     self.wait(handle, f"{at} {collective.what}")
-            elif step == U.ISSUE:
+            elif step == ISSUE_PART:
                 channel, members = self.group(collective.group)
                 block = collective.waited is None
                 label = f"{at} {collective.what}"
@@ -231,17 +230,16 @@ class RankProgram:
             S.WAIT_SENDS: lambda action: self.wait_sends(),
         }
         # the before-step hooks at HOOKS: the sparsity callback's collectives are its own steps'
-        update = {kind: self._update_action for kind in S.UPDATE_KINDS}
+        update = {kind: self.update for kind in S.UPDATE_KINDS}
         return {**transport, **update, S.LOSS: self._loss}
 
     def run(self, actions: list[S.Action]) -> None:
         self.before_segment(actions)
-        fused = S.fuse_receives(actions)  # the executor's own pass
-        for index, action in enumerate(actions):
-            self._fused = fused.get(index)
-            self.table[action.kind](action)
-            if action.kind in S.RECEIVES:
-                self.after_receive(actions, index)
+        for op in lower(actions, self.parts, self.layout.num_microbatches):  # the executor's own lowering
+            self._fused = op.fused
+            self.table[op.kind](op)
+            if op.kind in S.RECEIVES:
+                self.after_receive(actions, op.index)
 
     def before_segment(self, actions: list[S.Action]) -> None:
         """A transport's work at the head of a segment (StageLink has none)."""
@@ -253,21 +251,15 @@ class RankProgram:
         """StageLink settles an evaluation send once the next one is in flight."""
         self.settle(self.rank + 1, keep=1, label="eval send")
 
-    def _backward(self, action: S.Action) -> None:
-        """The batch's last backward on this stage starts the replica all-reduce of each gradient bucket
+    def _backward(self, op: LoweredOp) -> None:
+        """A batch's last backward on this stage starts the replica all-reduce of each gradient bucket
         (``grad_buckets.py``); CHECK waits for them."""
-        self.stashed.discard(action.microbatch)
-        done = self.backwards.pop(action.batch, 0) + 1
-        if done < self.layout.num_microbatches:
-            self.backwards[action.batch] = done
-        else:
-            self.update(S.BACKWARD, action.batch)
-
-    def _update_action(self, action: S.Action) -> None:
-        self.update(action.kind, action.batch)
+        self.stashed.discard(op.microbatch)
+        if op.last:
+            self.update(op)
 
     def _loss(self, action: S.Action) -> None:
-        loss_group = f"pd2bw/loss/replica{self.replica}"
+        loss_group, _ = self.group("loss")
         self.losses[action.batch] = self.collective(
             "broadcast", loss_group, self.pipeline, f"loss of b{action.batch}", block=False
         )
@@ -283,19 +275,18 @@ class RankProgram:
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
         step = self.step_in_run
         self.run(S.segment(self.schedule_layout, self.stage, step))
-        if self.schedule_layout.mode.double_buffered:
-            self.step_in_run += 1
-            self.take_loss(step - 1)
-        else:
+        end = step_end(self.schedule_layout.mode, step)
+        if end.wait_sends:
             self.wait_sends()
-            self.take_loss(step)
+        else:
+            self.step_in_run += 1
+        self.take_loss(end.loss_of)
 
     def drain(self) -> None:
         if self.schedule_layout.mode.double_buffered and self.step_in_run > 0:
             last = self.step_in_run - 1
             self.run(S.drain(self.schedule_layout, self.stage, last))
             self.wait_sends()
-        self.backwards.clear()
         for batch in sorted(self.losses):
             self.take_loss(batch)
         self.step_in_run = 0
@@ -311,7 +302,7 @@ class RankProgram:
         for batch in range(layout.eval_batches):
             for action in S.evaluation(self.stage, layout.num_stages, layout.num_microbatches):
                 table[action.kind](f"EVAL(b{batch},m{action.microbatch})")
-            pipeline = f"pd2bw/pipeline/replica{self.replica}"
+            pipeline, _ = self.group("pipeline")
             for part in ("size", "data"):  # broadcast_object_list of the last stage's metrics
                 self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
         if layout.eval_batches:
@@ -324,11 +315,9 @@ def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> 
     ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights
-            replicas = tuple(r * layout.num_stages + rank.stage for r in range(layout.data_parallel_size))
-            rank.collective("broadcast", f"pd2bw/replica/stage{rank.stage}", replicas, "stage weights at setup")
+            rank.collective("broadcast", *rank.group("replica"), "stage weights at setup")
         if rank._shared():  # setup: the first stage holding a tied parameter broadcasts it
-            members = (rank.pipeline[0], rank.pipeline[-1])
-            channel = f"pd2bw/shared/replica{rank.replica}/stages0-{layout.num_stages - 1}"
+            channel, members = rank.group("tied")
             if layout.meta_init:  # build._initialised_copy: which holder's copy was written
                 rank.collective("all_reduce", channel, members, "tied parameter's initialised copies at setup")
             rank.collective("broadcast", channel, members, "tied parameter at setup")

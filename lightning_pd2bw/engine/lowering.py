@@ -1,0 +1,111 @@
+"""The one lowering: a stage's actions (``schedule.segment`` / ``drain``) with its update's parts
+(``update_build.collectives``) into the ops the stage executes, in order, and what ends a training step.
+
+Three readers run the same ops: the executor (``executor.StageExecutor.run``: its compute and transport handlers, the
+update's parts in ``Op.steps``' order through ``update.UpdateRule.run``), the NCCL model (``verify/comm_plan.py``:
+each op's sends, receives and declared collectives) and the planner's simulator (``planner/simulate.py``: each op
+timed). None of them derives which receive a send is batched with (``Op.fused``), which backward is its batch's last
+on the stage (``Op.last``: the buckets' reduces start in it), what the update does at an action and in which order
+(``Op.steps``), or how a training step ends (``step_end``); the ops say it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import schedule as S
+from .layout import Mode
+from .update import Collective, UpdatePart
+from .update_build import ISSUE, RUN, WAIT, at_action
+
+__all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "StepEnd", "lower", "step_end"]
+
+Parts = Sequence[tuple[type[UpdatePart], Sequence[Collective]]]  # ``update_build.collectives(shape)``
+PartStep = tuple[str, type[UpdatePart], Collective | None]  # (WAIT | RUN | ISSUE, the part, its collective)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One action as its stage executes it.
+
+    ``fused``: for a send, the receive posted in one batch with it (``schedule.fuse_receives``); ``last``: for a
+    backward, whether it is its batch's last on this stage; ``steps``: for an update action, its parts' steps in
+    order (each part waits for what it launched before, runs its handler where it acts at this kind, issues what it
+    declares: ``update_build.at_action``); for a batch's last backward, the collectives issued during it (the
+    buckets' replica reduces). ``index``: the action's position in the list (a failure's listing marks it)."""
+
+    action: S.Action
+    index: int
+    fused: S.Action | None = None
+    last: bool = False
+    steps: tuple[PartStep, ...] = ()
+
+    @property
+    def kind(self) -> S.Kind:
+        return self.action.kind
+
+    @property
+    def batch(self) -> int:
+        return self.action.batch
+
+    @property
+    def microbatch(self) -> int:
+        return self.action.microbatch
+
+    @property
+    def weight_version(self) -> int:
+        return self.action.weight_version
+
+    def __str__(self) -> str:
+        return str(self.action)
+
+    def issued(self) -> list[Collective]:
+        """The declared collectives this op issues, in order (each ``repeat`` times)."""
+        return [collective for step, _, collective in self.steps if step == ISSUE and collective is not None]
+
+    def ran(self) -> list[type[UpdatePart]]:
+        """The parts whose handler this op runs, in order."""
+        return [part for step, part, _ in self.steps if step == RUN]
+
+
+def _update_steps(parts: Parts, kind: S.Kind) -> tuple[PartStep, ...]:
+    """The update's steps at ``kind``: a part runs only where it acts (``UpdatePart.ACTIONS``)."""
+    return tuple(
+        (step, part, collective)
+        for step, part, collective in at_action(parts, kind)
+        if step != RUN or kind in part.ACTIONS
+    )
+
+
+def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> list[Op]:
+    """The ops of ``actions`` on a stage whose update has ``parts``, batches of ``num_microbatches``."""
+    fused = S.fuse_receives(actions)
+    at_last_backward = _update_steps(parts, S.BACKWARD)
+    update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
+    ops: list[Op] = []
+    for index, action in enumerate(actions):
+        if action.kind in S.UPDATE_KINDS:
+            ops.append(Op(action, index, steps=update[action.kind]))
+        elif action.kind == S.BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
+            # a stage runs its backwards in microbatch order, under every schedule: the batch's highest is its last
+            ops.append(Op(action, index, last=True, steps=at_last_backward))
+        else:
+            ops.append(Op(action, index, fused=fused.get(index)))
+    return ops
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What follows a training step's ops: the sends waited for (a flushed batch ends drained) and the batch whose
+    mean loss the step returns (2BW: the previous one's, its broadcast overlapped this batch; -1: none yet)."""
+
+    wait_sends: bool
+    loss_of: int
+
+
+def step_end(mode: Mode, step: int) -> StepEnd:
+    """How training step ``step`` (0-based since the last drain) of ``mode`` ends."""
+    if mode.double_buffered:
+        return StepEnd(False, step - 1)
+    return StepEnd(True, step)
