@@ -47,7 +47,7 @@ from .sharding import OptimizerShards
 from .stepper import hyperparameters, local_optimizers
 from .transport import StageLink
 from .update import UpdateRule
-from .update_build import build_update
+from .update_build import StageContext, build_update
 from .versions import WeightVersions
 
 
@@ -214,22 +214,12 @@ class PipelineEngine:
             self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
         self.versions = versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)
+        stage = StageContext(
+            self.options, self.params, self.shared, self.groups, self.grid.data_parallel_size, self.device,
+            self.ledger, self.parameter_names, lambda: describe_rank(self.grid.rank, self.num_stages), self.info,
+        )  # fmt: skip
         self.update = build_update(
-            self.options,
-            self.optimizers,
-            self.params,
-            self.shared,
-            self.groups,
-            self.grid.data_parallel_size,
-            self.device,
-            self.ledger,
-            versions,
-            shards=shards,
-            correction=self.correction,
-            before_step=self.before_step,
-            names=self.parameter_names,
-            describe=lambda: describe_rank(self.grid.rank, self.num_stages),
-            info=self.info,
+            stage, self.optimizers, versions, shards=shards, correction=self.correction, before_step=self.before_step
         )
         loss = LossBroadcast(
             self.ledger,

@@ -5,6 +5,7 @@ one line in ``choose_parts`` and one in ``build_update``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,26 +78,36 @@ def at_action(
                 yield ISSUE, part, collective
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What building a stage's update reads of the stage (``PipelineEngine.start`` makes it once): the run's options,
+    the stage's parameters (a tied one once) and its tied ones, its groups (``grid.Groups``), its replicas, its
+    device and ledger; ``names``, ``describe`` and ``info`` word messages."""
+
+    options: PipelineOptions
+    params: Sequence[nn.Parameter]
+    shared: Sequence[TiedParameter]
+    groups: Any
+    width: int
+    device: torch.device
+    ledger: BatchLedger
+    names: Callable[[], dict[int, list[str]]] = dict
+    describe: Callable[[], str] = lambda: "this rank"
+    info: Callable[[str], None] = print
+
+
 def build_update(
-    options: PipelineOptions,
+    stage: StageContext,
     optimizers: Sequence[torch.optim.Optimizer],
-    params: Sequence[nn.Parameter],
-    shared: Sequence[TiedParameter],
-    groups: Any,
-    width: int,
-    device: torch.device,
-    ledger: BatchLedger,
     versions: WeightVersions,
     *,
     shards: OptimizerShards | None = None,
     correction: ErrorFeedback | None = None,
     before_step: Callable[[torch.optim.Optimizer], None] | None = None,
-    names: Callable[[], dict[int, list[str]]] = dict,
-    describe: Callable[[], str] = lambda: "this rank",
-    info: Callable[[str], None] = print,
 ) -> UpdateRule:
-    """One stage's ``UpdateRule`` over the parts its run needs (``groups``: ``grid.Groups``; ``width``: replicas)."""
-    params = list(params)
+    """One stage's ``UpdateRule`` over the parts its run needs."""
+    options, ledger, groups, width = stage.options, stage.ledger, stage.groups, stage.width
+    params, shared = list(stage.params), stage.shared
     double_buffered = Mode(options.mode).double_buffered
     tied = {id(s.param) for s in shared}
     release(params)  # a previous engine's buckets over these parameters
@@ -119,16 +130,29 @@ def build_update(
     )
     sharded = shape.sharded
     assert sharded == (buckets is not None and buckets.sharded), "the buckets reduce to owners iff the shape says"
-    norm = StageNorm(params, shared, device, groups.shard if sharded else None)
+    norm = StageNorm(params, shared, stage.device, groups.shard if sharded else None)
+
+    def reducer() -> UpdatePart:
+        assert buckets is not None  # choose_parts picks the reducer only with buckets (shape.buckets > 0)
+        return BucketReducer(buckets, params, double_buffered)
+
+    def hooks() -> UpdatePart:
+        assert before_step is not None  # chosen only with hooks (shape.hooks)
+        return BeforeStepHooks(ledger, optimizers, before_step)
+
+    def clip_value() -> float:
+        assert clip_val is not None  # a clipper is chosen only with a value (Clipping.kind)
+        return clip_val
+
     build: dict[type[UpdatePart], Callable[[], UpdatePart]] = {
-        BucketReducer: lambda: BucketReducer(buckets, params, double_buffered),  # type: ignore[arg-type]
+        BucketReducer: reducer,
         TiedSums: lambda: TiedSums(shared, params, groups.replica, width),
-        StopOnNonFinite: lambda: StopOnNonFinite(ledger, names, describe, options.keys),
-        SkipNonFinite: lambda: SkipNonFinite(ledger, groups, device, sharded, info),
-        BeforeStepHooks: lambda: BeforeStepHooks(ledger, optimizers, before_step),  # type: ignore[arg-type]
-        ClipByValue: lambda: ClipByValue(ledger, clip_val),  # type: ignore[arg-type]
-        GlobalNormClip: lambda: GlobalNormClip(ledger, norm, groups.pipeline, clip_val),  # type: ignore[arg-type]
-        StageNormClip: lambda: StageNormClip(ledger, norm, clip_val),  # type: ignore[arg-type]
+        StopOnNonFinite: lambda: StopOnNonFinite(ledger, stage.names, stage.describe, options.keys),
+        SkipNonFinite: lambda: SkipNonFinite(ledger, groups, stage.device, sharded, stage.info),
+        BeforeStepHooks: hooks,
+        ClipByValue: lambda: ClipByValue(ledger, clip_value()),
+        GlobalNormClip: lambda: GlobalNormClip(ledger, norm, groups.pipeline, clip_value()),
+        StageNormClip: lambda: StageNormClip(ledger, norm, clip_value()),
         Stepper: lambda: Stepper(optimizers, ledger, versions, correction if double_buffered else None, shards),
     }
     parts = [build[kind]() for kind in choose_parts(shape)]

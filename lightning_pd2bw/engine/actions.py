@@ -1,0 +1,137 @@
+"""The schedules' instruction set: what an action is (``Kind``, ``Action``, its text form), the kinds' groups, and
+the pass every reader of an action list shares: which receive a send is batched with (``fuse_receives``).
+``schedule.py`` generates the lists; ``lowering.py`` lowers them for the executor, the NCCL model and the simulator.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    """What an action does; its text form (``str``, traces, logs) is the value."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_FORWARD = "SEND_F"
+    RECV_FORWARD = "RECV_F"
+    SEND_BACKWARD = "SEND_B"
+    RECV_BACKWARD = "RECV_B"
+    # the update of batch b, in this order (what each part does: engine/update.py's docstring)
+    REDUCE = "REDUCE"  # the update begins: the next weight version writable, the gradients set aside
+    CHECK = "CHECK"  # the reductions waited for; the non-finite policy
+    HOOKS = "HOOKS"  # the before-step hooks (Lightning: on_before_optimizer_step)
+    NORM = "NORM"  # the global clip norm launched over the pipeline
+    CLIP = "CLIP"  # clipping
+    STEP = "STEP"  # the optimizers' step, the delay correction; the sharded optimizer's broadcasts launched
+    PUBLISH = "PUBLISH"  # the new weights in place on every replica: the sharded optimizer's broadcasts waited for
+    WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
+    LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
+    EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+FORWARD, BACKWARD, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.STEP, Kind.PUBLISH
+SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
+SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
+REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
+WAIT_SENDS, LOSS, EVAL = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL
+UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
+PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
+FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 where it has room, ``finish_after``)
+UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
+BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
+TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
+EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
+_TEXT = re.compile(
+    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?\))$"
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One instruction for one stage. ``microbatch`` is -1 for a batch's actions (the update's parts, WAIT_SENDS)."""
+
+    kind: Kind
+    batch: int
+    microbatch: int = -1
+    weight_version: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", Kind(self.kind))  # "F" or Kind.FORWARD; anything else raises
+
+    def __str__(self) -> str:
+        if self.kind in BATCH_KINDS:
+            return f"{self.kind.value}(b{self.batch})"
+        if self.weight_version < 0:  # evaluation: the newest weights
+            return f"{self.kind.value}(m{self.microbatch})"
+        return f"{self.kind.value}(m{self.microbatch},v{self.weight_version})"
+
+    @classmethod
+    def parse(cls, text: str, num_microbatches: int) -> Action:
+        """The action ``str(action)`` wrote (its batch is ``microbatch // num_microbatches``)."""
+        found = _TEXT.match(text.strip())
+        if found is None or (found["kind"] not in (None, EVAL.value) and found["version"] is None):
+            raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
+        if found["batch"] is not None:
+            return cls(Kind(found["batch_kind"]), int(found["batch"]))
+        microbatch, version = int(found["microbatch"]), found["version"]
+        return cls(
+            Kind(found["kind"]), microbatch // num_microbatches, microbatch, -1 if version is None else int(version)
+        )
+
+
+def listing(actions: Sequence[Action], marked: int | None = None) -> str:
+    """``actions`` as text, one line each, ``marked`` (an index) flagged: what a stage was running."""
+    return "\n".join(
+        f"{'>>' if i == marked else '  '} {i:4d} {action}{'   <- failed here' if i == marked else ''}"
+        for i, action in enumerate(actions)
+    )
+
+
+RECEIVES = (Kind.RECV_FORWARD, Kind.RECV_BACKWARD)
+_WITH_NEXT = (Kind.SEND_FORWARD, Kind.RECV_BACKWARD)  # the point-to-point actions with the next stage
+_WITH_PREVIOUS = (Kind.SEND_BACKWARD, Kind.RECV_FORWARD)
+
+
+def fused_receive(actions: Sequence[Action], index: int) -> Action | None:
+    """The receive issued in one batch with the send ``actions[index]``: the next action exchanging with the same
+    neighbour, when it is a receive (1F1B's ``SEND_F(k)`` then ``RECV_B(j)``; ``SEND_B(j)`` then ``RECV_F(k+1)``),
+    else None. Stage r's ``{SEND_F(k), RECV_B(j)}`` then meets stage r+1's ``{SEND_B(j), RECV_F(k)}``: the batching
+    Megatron-LM and ``torch.distributed.pipelining`` use, deadlock-free when kernels run one at a time
+    (``transport.py``; proven by ``nccl_model`` over ``comm_plan``'s lowering)."""
+    kind = actions[index].kind
+    if kind not in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
+        raise ValueError(f"{actions[index]} is not a send")
+    same_peer = _WITH_NEXT if kind == Kind.SEND_FORWARD else _WITH_PREVIOUS
+    for action in actions[index + 1 :]:
+        if action.kind in same_peer:
+            return action if action.kind in RECEIVES else None
+    return None
+
+
+def fuse_receives(actions: Sequence[Action]) -> dict[int, Action]:
+    """The pass both the executor and the NCCL verifier read: for each send in ``actions``, by its index, the receive
+    issued in one batch with it (``fused_receive``), where there is one. One backward scan of the list."""
+    fused: dict[int, Action] = {}
+    ahead: dict[tuple[Kind, ...], Action | None] = {_WITH_NEXT: None, _WITH_PREVIOUS: None}  # the next exchange
+    for index in range(len(actions) - 1, -1, -1):
+        action = actions[index]
+        if action.kind in (Kind.SEND_FORWARD, Kind.SEND_BACKWARD):
+            peer = _WITH_NEXT if action.kind == Kind.SEND_FORWARD else _WITH_PREVIOUS
+            following = ahead[peer]
+            if following is not None and following.kind in RECEIVES:
+                fused[index] = following
+        for peer in (_WITH_NEXT, _WITH_PREVIOUS):
+            if action.kind in peer:
+                ahead[peer] = action
+    return fused
