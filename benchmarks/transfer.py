@@ -61,43 +61,57 @@ def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus:
     )
 
 
-def fine_tune(args: argparse.Namespace) -> list[str]:
+def fine_tune(args: argparse.Namespace, steps: int | None = None) -> list[str]:
     """A fine-tune's rate and warm-up (the prune recipe's rule: a third of pre-training's peak, 2% warm-up)."""
     return [
         f"model.lr={PEAK_LR[args.model] / 3:.3g}",
-        f"model.warmup_steps={max(1, round(0.02 * args.finetune_steps))}",
+        f"model.warmup_steps={max(1, round(0.02 * (steps or args.finetune_steps)))}",
     ]
 
 
 def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     """Every run of one seed: name -> its final fine-tuning validation loss, its pre-training's final validation loss
-    and FLOPs per token against dense."""
+    and FLOPs per token against dense, and the run it is compared with (``baseline``)."""
     out, results = args.out / args.model, {}
     tune = (args.finetune_steps, args.finetune)
 
-    def pretrain(name: str, overrides: list[str]) -> Path:
-        return train(out / f"pretrain-{name}-seed{seed}", args, seed, args.pretrain_steps, args.pretrain, overrides)
+    def pretrain(name: str, overrides: list[str], steps: int | None = None) -> Path:
+        steps = steps or args.pretrain_steps
+        folder = out / f"pretrain-{name}-seed{seed}"
+        return train(folder, args, seed, steps, args.pretrain, overrides)
 
-    def record(name: str, tuned: Path, flops: float, pretrained: Path | None) -> None:
+    def record(name: str, tuned: Path, flops: float, pretrained: Path | None, baseline: str = "dense") -> None:
         results[name] = {
             "final": curve(tuned)[-1][1],
             "flops": flops,
             "pretrain": pretrained and curve(pretrained)[-1][1],
+            "baseline": baseline,
         }
 
-    pretraining = dict(PRETRAINING)
+    pretraining = {name: (overrides, args.pretrain_steps) for name, overrides in PRETRAINING.items()}
     for name in ("sparse75", "static75"):  # a dense comparator of equal average parameters each (Jin et al.)
         width = equal_params_width(args.model, logged_mean(pretrain(name, PRETRAINING[name]), "sparsity/density"))
-        pretraining[f"dense{width}-{name}"] = ["sparsity=none", f"model.config.n_embd={width}"]
-    for name, overrides in pretraining.items():
-        folder, width = pretrain(name, overrides), [o for o in overrides if o.startswith("model.config.")]
+        pretraining[f"dense{width}-{name}"] = (["sparsity=none", f"model.config.n_embd={width}"], args.pretrain_steps)
+    # the equal-FLOPs control: the full-width dense model pre-trained for the sparse run's FLOPs (fewer steps, its
+    # schedule stretched to them by trainer.max_steps), fine-tuned alike: does sparsity beat shorter dense training?
+    for name in ("sparse75", "static75"):
+        steps = round(flops_ratio(pretrain(name, PRETRAINING[name])) * args.pretrain_steps)
+        pretraining[f"dense-{steps}steps"] = (["sparsity=none"], steps)
+    short = (args.short_finetune_steps, args.finetune)
+    for name, (overrides, steps) in pretraining.items():
+        folder, width = pretrain(name, overrides, steps), [o for o in overrides if o.startswith("model.config.")]
         start = f"init_from={folder / 'checkpoints' / 'last.ckpt'}"
-        tuned = train(
-            out / f"finetune-{name}-seed{seed}", args, seed, *tune, ["sparsity=none", start, *width, *fine_tune(args)]
-        )
-        record(
-            name, tuned, dense_flops(args.model, int(width[0].split("=")[1])) if width else flops_ratio(folder), folder
-        )
+        settings = ["sparsity=none", start, *width, *fine_tune(args)]
+        tuned = train(out / f"finetune-{name}-seed{seed}", args, seed, *tune, settings)
+        if width:
+            flops = dense_flops(args.model, int(width[0].split("=")[1]))
+        else:
+            flops = flops_ratio(folder) * steps / args.pretrain_steps
+        record(name, tuned, flops, folder)
+        if args.short_finetune_steps and not width:  # the short fine-tune: less room to wash a difference out
+            short_settings = ["sparsity=none", start, *fine_tune(args, args.short_finetune_steps)]
+            shortened = train(out / f"finetune{short[0]}-{name}-seed{seed}", args, seed, *short, short_settings)
+            record(f"{name}, fine-tune {short[0]}", shortened, flops, folder, baseline=f"dense, fine-tune {short[0]}")
     record(
         "scratch",
         train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)]),
@@ -121,12 +135,12 @@ def table(per_seed: list[dict[str, dict]], args: argparse.Namespace) -> str:
         f"steps on {args.finetune}; validation loss on {args.finetune}, seeds {', '.join(map(str, range(args.seeds)))}",
         "",
         "| pre-training | pre-training val loss | pre-training FLOPs vs dense | fine-tuned val loss, per seed "
-        "| vs dense-pretrained, per seed | mean |",
+        "| vs dense-pretrained (same fine-tune), per seed | mean |",
         "|---|---|---|---|---|---|",
     ]
     for name in per_seed[0]:
         finals = [seed[name]["final"] for seed in per_seed]
-        gaps = [100 * (seed[name]["final"] / seed["dense"]["final"] - 1) for seed in per_seed]
+        gaps = [100 * (seed[name]["final"] / seed[seed[name]["baseline"]]["final"] - 1) for seed in per_seed]
         pre = [seed[name]["pretrain"] for seed in per_seed]
         pretrain = " / ".join(f"{p:.4f}" for p in pre) if pre[0] is not None else "-"
         flops = statistics.mean(seed[name]["flops"] for seed in per_seed)
@@ -145,6 +159,7 @@ def main() -> None:
     parser.add_argument("--finetune", default="fortunes", choices=["stdlib", *CORPORA])
     parser.add_argument("--pretrain-steps", type=int, default=2000)
     parser.add_argument("--finetune-steps", type=int, default=500)
+    parser.add_argument("--short-finetune-steps", type=int, default=100, help="the short fine-tune rows (0: none)")
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer")
     args = parser.parse_args()
