@@ -20,7 +20,11 @@ task matches the dense-pretrained model after the same fine-tuning. Per seed, as
    a Hugging Face GPT-2 directory (``pd2bw-consolidate --format hf``: how a user starts from GPT-2's weights);
 4. the fair comparator of Jin et al. (ICLR 2025): per sparse pre-training, a dense GPT of equal average parameter
    count (the non-embedding parameters, averaged over the pre-training steps from the logged density; the width
-   ``n_embd`` that matches it, the depth and heads kept), pre-trained and fine-tuned alike.
+   ``n_embd`` that matches it, the depth and heads kept), pre-trained and fine-tuned alike;
+5. the equal-FLOPs control: the full-width dense model pre-trained for each sparse run's FLOPs (its steps times the
+   sparse run's logged FLOPs ratio, the cosine stretched to that length by ``trainer.max_steps``), fine-tuned alike:
+   whether sparse pre-training beats shorter dense training; and for every full-width pre-training a short fine-tune
+   (``--short-finetune-steps``, 100), compared with the dense model's short fine-tune.
 
 Prints per run the final validation loss on the fine-tuning corpus, each seed against the dense-pretrained fine-tune
 of the same seed, and the pre-training's training FLOPs against dense (the masks counted). Runs already finished
