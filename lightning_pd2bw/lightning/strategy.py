@@ -350,16 +350,15 @@ class PipeDream2BWStrategy(PipelineProcesses):
         ``pipeline_predict(output, batch)`` to each microbatch (default: the output itself) and every stage of the
         pipeline returns the batch's predictions, concatenated along dimension 0, in order."""
         self.progress.tick("predict_step")
-        predict_fn = getattr(self.lightning_module, "pipeline_predict", None)
-        return self.engine.predict(batch, predict_fn, context=self.precision_plugin.predict_step_context())
+        predict_fn, context = getattr(self.lightning_module, "pipeline_predict", None), self.precision_plugin
+        return self.engine.predict(batch, predict_fn, context=context.predict_step_context())
 
     def _evaluate(self, batch: Any, prefix: str) -> None:
         self.progress.tick(f"{prefix}step")
-        module = self.lightning_module
-        metrics_fn = getattr(module, "pipeline_metrics", None)
-        metrics = self.engine.evaluate(batch, metrics_fn, context=self.precision_plugin.val_step_context())
-        values = {prefix + k: torch.tensor(v, device=self.root_device) for k, v in metrics.items()}
-        module.log_dict(values, prog_bar=True, sync_dist=True)
+        module, context = self.lightning_module, self.precision_plugin.val_step_context()
+        metrics = self.engine.evaluate(batch, getattr(module, "pipeline_metrics", None), context=context)
+        module.log_dict({prefix + k: torch.tensor(v, device=self.root_device) for k, v in metrics.items()},
+                        prog_bar=True, sync_dist=True)  # fmt: skip
 
     @override
     def teardown(self) -> None:
@@ -383,12 +382,19 @@ class PipeDream2BWStrategy(PipelineProcesses):
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
+        self._running_engine().all_reduce_over_stages(tensor)
+
+    def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
+        """Entries of ``parameter`` set from outside the update (a mask change): 2BW's correction forgets them."""
+        self._running_engine().restart_history(parameter, positions)
+
+    def _running_engine(self) -> PipelineEngine:
         if self.engine is None:
             raise RuntimeError(
-                "pd2bw: the pipeline exists only during a trainer call (fit/validate/test/predict); sum over the "
-                "stages from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
+                "pd2bw: the pipeline exists only during a trainer call (fit/validate/test/predict); "
+                "call this from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
             )
-        self.engine.all_reduce_over_stages(tensor)
+        return self.engine
 
     @classmethod
     @override

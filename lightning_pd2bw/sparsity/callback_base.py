@@ -25,7 +25,7 @@ of that at ``trainer.max_steps`` (the re-warm-up on top), instead of the run's s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -38,6 +38,18 @@ from .density_scaling import rate_scales, scale_initial_weights
 from .masks import DEFAULT_EXCLUDE, MaskUpdate, Sparsifier, select_targets
 
 INITS = ("random", "magnitude")
+
+
+@runtime_checkable
+class SplitModel(Protocol):
+    """What a strategy that splits the model over processes offers the sparsity callbacks (``strategy="pd2bw"``):
+    the one joint between them. Any other strategy holds the whole model on every process."""
+
+    def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the processes that together hold one model (global thresholds, counts)."""
+
+    def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
+        """Entries set from outside the update (a mask change): a delay correction's history forgets them."""
 
 
 class SparsityCallback(Callback):
@@ -181,11 +193,11 @@ class SparsityCallback(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        reduce = getattr(trainer.strategy, "all_reduce_over_stages", None)  # pd2bw: stages split the model
+        split = trainer.strategy if isinstance(trainer.strategy, SplitModel) else None  # pd2bw: stages split the model
+        reduce = split.all_reduce_over_stages if split is not None else None
         self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
-        engine = getattr(trainer.strategy, "engine", None)  # pd2bw: a mask change restarts the correction's history
-        if engine is not None:
-            self.sparsifier.on_change.append(engine.restart_history)
+        if split is not None:  # a mask change restarts the delay correction's history
+            self.sparsifier.on_change.append(split.restart_history)
         self._optimizers = list(trainer.optimizers)
         self.end_step_of_run = trainer.max_steps if trainer.max_steps > 0 else None
         if self._pending is not None:
