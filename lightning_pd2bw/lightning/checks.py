@@ -128,3 +128,14 @@ def check_host_groups(groups: list[Any], timeout_s: float = GLOO_CHECK_SECONDS) 
                 "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for NCCL) to the one the nodes reach each other on, e.g. "
                 "GLOO_SOCKET_IFNAME=ib0 (docs/gpus.md, 'Clusters')"
             ) from error
+
+
+def running(engine: Any) -> Any:
+    """``engine`` while a trainer call runs it; outside one (the pipeline exists only during fit, validate, test or
+    predict) a clear error."""
+    if engine is None:
+        raise RuntimeError(
+            "pd2bw: the pipeline exists only during a trainer call (fit/validate/test/predict); "
+            "call this from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
+        )
+    return engine

@@ -346,9 +346,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     @override
     def predict_step(self, batch: Any, batch_idx: int = 0, dataloader_idx: int = 0) -> Any:
-        """The batch through the pipeline (forward only, newest weights); the last stage applies the module's
-        ``pipeline_predict(output, batch)`` to each microbatch (default: the output itself) and every stage of the
-        pipeline returns the batch's predictions, concatenated along dimension 0, in order."""
+        """The batch through the pipeline (``PipelineEngine.predict``; the module's ``pipeline_predict`` per
+        microbatch on the last stage): every stage returns the batch's predictions, in order."""
         self.progress.tick("predict_step")
         predict_fn, context = getattr(self.lightning_module, "pipeline_predict", None), self.precision_plugin
         return self.engine.predict(batch, predict_fn, context=context.predict_step_context())
@@ -382,19 +381,11 @@ class PipeDream2BWStrategy(PipelineProcesses):
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the stages of this pipeline (the processes that together hold one model)."""
-        self._running_engine().all_reduce_over_stages(tensor)
+        checks.running(self.engine).all_reduce_over_stages(tensor)
 
     def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
         """Entries of ``parameter`` set from outside the update (a mask change): 2BW's correction forgets them."""
-        self._running_engine().restart_history(parameter, positions)
-
-    def _running_engine(self) -> PipelineEngine:
-        if self.engine is None:
-            raise RuntimeError(
-                "pd2bw: the pipeline exists only during a trainer call (fit/validate/test/predict); "
-                "call this from a hook that runs inside one (e.g. on_train_end, not on_fit_end)"
-            )
-        return self.engine
+        checks.running(self.engine).restart_history(parameter, positions)
 
     @classmethod
     @override
