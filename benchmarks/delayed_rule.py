@@ -259,6 +259,9 @@ def main() -> None:
     parser.add_argument("--rules", default=",".join(RULES), help="the rules to run (finished ones are reused)")
     parser.add_argument("--sync-steps", type=int, default=0, help="2BW's synchronous start: K fresh updates first")
     parser.add_argument(
+        "--lever", default="", help="with --record: the lever the overrides try (e.g. '2BW beta1 0.95')"
+    )
+    parser.add_argument(
         "--horizons",
         default="1",
         help="2BW's run lengths as factors of --steps, schedules stretched (e.g. 1,1.1,1.25): time to sync's loss",

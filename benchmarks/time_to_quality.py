@@ -96,7 +96,9 @@ def record(
 
     cfg, cfg_sync = compose(args, 0, rule="2bw"), compose(args, 0, rule="sync")
     start = f"-sync{args.sync_steps}" if args.sync_steps else ""
-    optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}{start}"
+    lever_name = getattr(args, "lever", "")  # a lever the overrides try, named in the record
+    lever = "-" + "".join(c if c.isalnum() or c == "." else "-" for c in lever_name) if lever_name else ""
+    optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}{start}{lever}"
     size = parameter_count(cfg)
     today = datetime.date.today().isoformat()
     command = "python benchmarks/delayed_rule.py " + " ".join(sys.argv[1:])
@@ -112,7 +114,8 @@ def record(
         f"\n\n```\n{command}\n```\n\n{table}\n\n![validation loss against time, {name}]({picture})\n"
     )
     record_overhead(
-        f"{args.model} ({size / 1e6:.1f}M, {optimizer}{f', sync start {args.sync_steps}' if args.sync_steps else ''})",
+        f"{args.model} ({size / 1e6:.1f}M, {optimizer}{f', sync start {args.sync_steps}' if args.sync_steps else ''}"
+        f"{f', {lever_name}' if lever_name else ''})",
         {
             "overheads": [round(o, 4) if o is not None else None for o in overheads],
             "shortest": lengths[0] / args.steps,
