@@ -166,12 +166,21 @@ def main() -> None:
     parser.add_argument("--short-finetune-steps", type=int, default=100, help="the short fine-tune rows (0: none)")
     parser.add_argument("--val-every", type=int, default=250)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer")
+    parser.add_argument("--record", action="store_true", help="write the table where docs/sparsity.md reads it")
     args = parser.parse_args()
     per_seed = []
     for seed in range(args.seeds):
         per_seed.append(runs(args, seed))
         print(f"seed {seed}: " + ", ".join(f"{k} {v['final']:.4f}" for k, v in per_seed[-1].items()), flush=True)
-    print(table(per_seed, args))
+    text = table(per_seed, args)
+    print(text)
+    if args.record:  # the one source of the docs' table (docs/sparsity.md includes it)
+        import datetime
+
+        command = "python benchmarks/transfer.py " + " ".join(sys.argv[1:])
+        out = ROOT / "docs" / "_generated" / f"transfer-{args.model}.md"
+        today = datetime.date.today().isoformat()
+        out.write_text(f"{today}, [the 2-core CPU machine](benchmarks.md#machines):\n\n```\n{command}\n```\n\n{text}\n")
 
 
 if __name__ == "__main__":
