@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import engine_state
 from . import schedule
 from .build import build_stage
 from .compiled import CompileMeter, compile_layers
@@ -44,6 +42,7 @@ from .microbatch import batch_size_of, join_microbatches, split_microbatches, to
 from .observer import ActionRecorder, Progress, SavedTensorMeter
 from .options import PipelineOptions, Run
 from .sharding import OptimizerShards
+from .stage_state import StageState
 from .stepper import hyperparameters, local_optimizers
 from .transport import StageLink
 from .update import UpdateRule
@@ -51,7 +50,7 @@ from .update_build import StageContext, build_update
 from .versions import WeightVersions
 
 
-class PipelineEngine:
+class PipelineEngine(StageState):
     """One stage of the pipeline (this process's), over the default process group.
 
     Args:
@@ -138,23 +137,6 @@ class PipelineEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ the stage
-    def parameter_names(self) -> dict[int, list[str]]:
-        """``{id(parameter): [names]}`` of this stage's parameters: their names in ``root`` (a tied one has several),
-        the names of messages and checkpoints (``"<layer index>.<name>"`` without a root)."""
-        names: dict[int, list[str]] = {}
-        for name, param in ((n, p) for n, p in self.root.named_parameters(remove_duplicate=False) if not p.is_meta):
-            names.setdefault(id(param), []).append(name)
-        return names
-
-    def optimizer_parameter_names(self) -> list[list[list[str]]]:
-        """Per optimizer, per parameter in its order: the parameter's names (how checkpoints key optimizer state)."""
-        names = self.parameter_names()
-        return [[names[id(p)] for g in o.param_groups for p in g["params"]] for o in self.optimizers]
-
-    def stage_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's tensors by their names in ``root`` (other stages' are on the meta device): its checkpoint."""
-        return {name: tensor for name, tensor in self.root.state_dict().items() if not tensor.is_meta}
-
     def parameters(self) -> list[nn.Parameter]:
         """This stage's own parameters (a tied one once)."""
         return list(self.params)
@@ -388,48 +370,3 @@ class PipelineEngine:
     def _split_for_evaluation(self, batch: Any) -> list[Any]:
         count = self.num_microbatches if batch_size_of(batch) % self.num_microbatches == 0 else 1
         return split_microbatches(batch, count)
-
-    # ------------------------------------------------------------------ state (checkpoint/engine_state.py)
-    def manifest_layout(self) -> dict[str, Any]:
-        """The run's layout as a checkpoint's manifest records it (``checkpoint/store.py``); taken at a drain: one
-        weight version per stage, nothing in flight."""
-        versions = self.versions
-        return {
-            "num_stages": self.num_stages,
-            "data_parallel_size": self.grid.data_parallel_size,
-            "num_microbatches": self.num_microbatches,
-            "mode": self.mode.value,
-            "num_layers": len(self.all_layers),
-            "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
-            "weight_versions": {
-                "drained": True,
-                "versions_held": versions.num_versions if versions else 1,
-                "updates_applied": versions.latest if versions else 0,
-            },
-        }
-
-    def restore(self, skipped_updates: list[int]) -> None:
-        """After a load: the skipped updates the checkpoint recorded; the version rule restarts."""
-        self.ledger.skipped_updates[:] = skipped_updates
-        if self.versions is not None:
-            self.versions.reset_after_drain()
-
-    def state_dict(self) -> dict[str, Any]:
-        """This stage's state after a drain: its tensors (``stage_state_dict``) and its optimizers' states. Save one per rank (``torch.save``); load it into an engine of the same layout and rank."""
-        return engine_state.state_dict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned on the same stage of the same layout."""
-        engine_state.load_state_dict(self, state)
-
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Every rank: drain and write a sharded checkpoint (the strategy's format: DCP entries, a manifest, atomic
-        publication) that ``load`` reads at any depth x width; ``extra`` comes back from ``load``."""
-        return engine_state.save(self, path, extra)
-
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """This stage's part of a checkpoint ``save`` wrote, at this or another layout (resharding)."""
-        return engine_state.load(self, path)
-
-    def barrier(self) -> None:
-        device_barrier(self.device)
