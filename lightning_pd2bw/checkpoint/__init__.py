@@ -1,9 +1,11 @@
 """Sharded checkpoints: each stage's state as DCP entries under names independent of the layout (``entries``), a
-manifest, atomic publication and reading back with resharding (``store``), and the engine's ``save``/``load``
+manifest, atomic publication and reading back with resharding (``store``), finding a folder's newest complete one
+(``finding``), and the engine's ``save``/``load``
 (``engine_state``). The strategy and the CLI use it; ``consolidate(path)`` gives one whole ``state_dict`` from any
 checkpoint. Every public name of ``store`` (what ``lightning_pd2bw.checkpoint`` was as one module) is here too."""
 
 from .entries import STAGE_KEYS, empty_for, entries_of, request_for, stage_checkpoint
+from .finding import incomplete_checkpoints, newest_checkpoint
 from .store import (
     FORMAT,
     MANIFEST,
@@ -18,7 +20,6 @@ from .store import (
     fsync_file,
     load_stage,
     manifest_for,
-    newest_checkpoint,
     publish,
     read_entries,
     read_manifest,
@@ -45,6 +46,7 @@ __all__ = [
     "entries_of",
     "finish",
     "fsync_file",
+    "incomplete_checkpoints",
     "load_stage",
     "manifest_for",
     "newest_checkpoint",

@@ -58,7 +58,7 @@ def resolve_last_checkpoint(cfg) -> None:
     for want of a manifest is named."""
     from omegaconf import open_dict
 
-    from ..checkpoint.store import incomplete_checkpoints, newest_checkpoint
+    from ..checkpoint.finding import incomplete_checkpoints, newest_checkpoint
     from ..lightning.slurm import restart_count
     from .checks import ConfigError
 

@@ -256,6 +256,8 @@ def test_an_unreadable_newest_checkpoint_is_refused_by_name_never_passed_over(tm
     is the only one. An unpublished save (no manifest: killed mid-save) is still passed over."""
     import shutil
 
+    from lightning_pd2bw.checkpoint.finding import newest_checkpoint
+
     folder = tmp_path / "run"
     folder.mkdir()
     shutil.copytree(saved, folder / "step=2.ckpt")
@@ -264,13 +266,13 @@ def test_an_unreadable_newest_checkpoint_is_refused_by_name_never_passed_over(tm
     (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text(json.dumps({**manifest, "global_step": 99}))
     (folder / "step=6.ckpt").mkdir()  # killed mid-save: files, no manifest
     (folder / "step=6.ckpt" / ckpt.META_FILE).write_bytes(b"partial")
-    assert ckpt.newest_checkpoint(folder).name == "step=4.ckpt"
+    assert newest_checkpoint(folder).name == "step=4.ckpt"
     (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text('{"format": 2, "glob')
     with pytest.raises(ckpt.UnreadableCheckpoint, match=r"step=4.ckpt.*manifest.json is damaged.*not resumed"):
-        ckpt.newest_checkpoint(folder)
+        newest_checkpoint(folder)
     (folder / "step=4.ckpt" / ckpt.MANIFEST).write_text(json.dumps({**manifest, "format": 1}))
     with pytest.raises(ckpt.UnreadableCheckpoint, match=r"format 1 .*lightning_pd2bw 0.1.x.*reads format 2"):
-        ckpt.newest_checkpoint(folder)
+        newest_checkpoint(folder)
 
 
 def test_the_per_parameter_protocol_refuses_mixed_entries():
