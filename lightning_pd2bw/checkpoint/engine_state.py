@@ -40,6 +40,8 @@ class Checkpointable(Protocol):
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]: ...
 
+    def written_state_dict(self) -> dict[str, torch.Tensor]: ...
+
     def optimizer_parameter_names(self) -> list[list[list[str]]]: ...
 
     def restore(self, skipped_updates: list[int]) -> None: ...
@@ -83,7 +85,7 @@ def save(engine: Checkpointable, path: str | Path, extra: dict[str, Any] | None 
     checkpoint = {
         **(extra or {}),
         "skipped_updates": list(engine.skipped_updates),
-        "state_dict": engine.stage_state_dict(),
+        "state_dict": engine.written_state_dict(),  # each weight from the replica keeping its float32 master
         "optimizer_states": [optimizer.state_dict() for optimizer in engine.optimizers],
         "optimizer_param_names": engine.optimizer_parameter_names(),
     }

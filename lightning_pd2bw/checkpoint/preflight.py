@@ -31,11 +31,11 @@ def check_space(tmp: Path, stage: int, entries: dict[str, Any], gather: Callable
     """Before writing: the checkpoint's bytes (each stage's tensors once: replicas write one copy) fit the space
     free where it goes, or every rank raises ``OSError(ENOSPC)`` naming the folder, what the save needs and what
     is free; nothing is written and the previous checkpoint stays. Collective (one object gather), cheap."""
-    own = sum(v.numel() * v.element_size() for v in entries.values() if isinstance(v, torch.Tensor))
-    per_stage: dict[int, int] = {}
-    for other, size in gather((stage, own)):
-        per_stage[other] = max(per_stage.get(other, 0), size)
-    need = int(sum(per_stage.values()) * SPACE_MARGIN)
+    own = {k: v.numel() * v.element_size() for k, v in entries.items() if isinstance(v, torch.Tensor)}
+    written: dict[tuple[int, str], int] = {}  # replicas write a name once; each writes its own shard's names
+    for other, sizes in gather((stage, own)):
+        written.update({(other, name): size for name, size in sizes.items()})
+    need = int(sum(written.values()) * SPACE_MARGIN)
     free = shutil.disk_usage(tmp.parent).free  # the parent: rank 0 removes tmp as soon as it refuses
     if need > free:
         raise OutOfSpace(

@@ -35,6 +35,7 @@ def stage_counters(
         "weight_versions": versions.num_versions,
         "max_weight_versions": versions.max_versions_held,
         "versions_bytes": versions.held_bytes,
+        "master_bytes": versions.master_bytes,  # mixed: the float32 masters kept here (sharded: the owned ones)
         "gradient_bytes": nbytes(p.grad for p in params if p.grad is not None),
         # the replica buckets that the gradients accumulate in (width > 1, or mixed-precision weights): every set
         "gradient_buffer_bytes": update.store.held_bytes,

@@ -195,7 +195,10 @@ class PipelineEngine(StageState):
         if method is not None and self.optimizers:
             self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
-        self.versions = versions = WeightVersions(self.params, self.mode.double_buffered, self.options.weight_dtype)
+        owned = None if shards is None else shards.masters_kept(self.params)  # the float32 masters kept here
+        self.versions = versions = WeightVersions(
+            self.params, self.mode.double_buffered, self.options.weight_dtype, owned=owned
+        )
         stage = StageContext(
             self.options, self.params, self.shared, self.groups, self.grid.data_parallel_size, self.device,
             self.ledger, self.parameter_names, lambda: describe_rank(self.grid.rank, self.num_stages), self.info,

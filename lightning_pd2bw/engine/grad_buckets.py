@@ -122,11 +122,13 @@ class GradientBuckets:
     size: int
     limit: int | None = None  # bytes per bucket (default: gradients.BUCKET_BYTES)
     shards: OptimizerShards | None = None  # sharded gradients: each owner's part reduced to it alone
+    # the gradients' dtype (mixed weights: float32, whatever dtype a parameter points at here); None: each one's own
+    dtype: torch.dtype | None = None
     buckets: list[_Bucket] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         order = [p for p in reversed(list(self.params)) if p.requires_grad]
-        groups = group_in_buckets(order, **({"limit": self.limit} if self.limit else {}))
+        groups = group_in_buckets(order, dtype=self.dtype, **({"limit": self.limit} if self.limit else {}))
         shards = self.shards
         self._owner_of = None if shards is None else {id(p): o for p, o in zip(shards.params, shards.owners)}
         self._slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket index, position), in either set
@@ -134,7 +136,7 @@ class GradientBuckets:
         self._spare: list[_Bucket] | None = None  # the second set, allocated at 2BW's first launch
         self._sets = 1
         for index, params in enumerate(groups):
-            self.buckets.append(_new_bucket(params, params[0].dtype, self._owner_of))  # on the master (mixed)
+            self.buckets.append(_new_bucket(params, self.dtype or params[0].dtype, self._owner_of))
             for position, param in enumerate(self.buckets[-1].params):
                 self._slot[id(param)] = (index, position)
                 release([param])  # a rebuilt engine over the same parameters takes them over

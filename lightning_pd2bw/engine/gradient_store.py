@@ -4,7 +4,8 @@ Every stage parameter's main gradient lives here: the replicated parameters' in 
 (``grad_buckets.py``: at width > 1, and at width 1 under mixed weights, where the buckets serve as the float32 main
 gradients with no collective), a tied parameter's as its own tensor (float32 under mixed weights, attached before
 the backward, so that autograd adds each microbatch's bfloat16 gradient into it, as into the buckets). Under mixed
-weights ``grad_dtype`` is cleared on every parameter so a float32 ``.grad`` may sit on a bfloat16 version.
+weights ``versions.WeightVersions`` clears ``grad_dtype`` on every parameter so a float32 ``.grad`` may sit on a
+bfloat16 version.
 
 At REDUCE the store ``take``s the gradients outside the buckets out of ``.grad`` (the bucket reducer hands over the
 buckets themselves); after STEP under flush and gpipe the one bucket set is zeroed and becomes the next batch's
@@ -30,11 +31,7 @@ class GradientStore:
         self.params = list(params)
         self.tied = [p for p in self.params if id(p) in tied]
         self.buckets = buckets  # the replicated (untied) parameters', when any
-        self.mixed = mixed
-        if mixed:
-            for param in self.params:  # torch >= 2.10: a float32 .grad on a bfloat16 version
-                if hasattr(param, "grad_dtype"):
-                    param.grad_dtype = None
+        self.mixed = mixed  # a float32 .grad on a bfloat16 version: ``WeightVersions`` allows it (``grad_dtype``)
         self._in_buckets = {id(p) for p in self.params if id(p) not in tied} if buckets is not None else set()
 
     @property
@@ -53,7 +50,7 @@ class GradientStore:
         if self.mixed:  # the parameters are on the master here: float32 gradients autograd adds into
             for param in self.tied:
                 if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+                    param.grad = torch.zeros_like(param, dtype=torch.float32)  # (another's master: a version here)
 
     def take(self) -> list[torch.Tensor | None]:
         """REDUCE: the gradients outside the buckets, out of ``.grad`` (None at a bucketed parameter: its averaged

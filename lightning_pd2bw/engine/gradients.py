@@ -17,14 +17,18 @@ from torch import nn
 BUCKET_BYTES = 25 * 1024**2  # as DDP: few large messages instead of one per tensor
 
 
-def buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """Consecutive tensors grouped by dtype and device into buckets of at most ``limit`` bytes (or one tensor)."""
+def buckets(
+    tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES, dtype: torch.dtype | None = None
+) -> list[list[torch.Tensor]]:
+    """Consecutive tensors grouped by dtype and device into buckets of at most ``limit`` bytes (or one tensor);
+    ``dtype``: the one dtype the buckets hold, whatever the tensors' (their float32 main gradients)."""
     out: list[list[torch.Tensor]] = []
     size = 0
     for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
         last = out[-1] if out else None
-        if last and last[0].dtype == tensor.dtype and last[0].device == tensor.device and size + nbytes <= limit:
+        same = dtype is not None or (last and last[0].dtype == tensor.dtype)
+        if last and same and last[0].device == tensor.device and size + nbytes <= limit:
             last.append(tensor)
             size += nbytes
         else:

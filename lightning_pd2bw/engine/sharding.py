@@ -13,6 +13,9 @@ computes what all of them computed before). ``shard_gradients=True`` reduces eac
 (``grad_buckets.py``; the norm and the flags then sum the owners' parts over the replicas, ``update.py``): the
 exchange drops from all-reduce plus broadcast to DDP's bytes.
 
+Under mixed weights only the owners keep a parameter's float32 master (``versions.py``): the owners broadcast their
+new weights in the compute dtype, straight into the others' newest version (half the bytes of float32).
+
 The broadcasts run on a group of their own (``grid.Groups.shard``), asynchronously: launched at STEP, each owner's
 tensors in turn (replica 0's first, the same order on every replica), each straight into the receivers' storage of
 the new version (no buffer: a flat copy of every owner's bytes would hold a whole stage's weights again at once), and
@@ -85,20 +88,31 @@ class OptimizerShards:
     def width(self) -> int:
         return len(self.ranks)
 
+    def masters_kept(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """Of a stage's ``params``, those whose float32 master this replica keeps under mixed weights: its own and
+        those no optimizer steps (every replica keeps theirs)."""
+        others = {id(p) for r, owned in enumerate(self.by_owner) if r != self.replica for p in owned}
+        return [p for p in params if id(p) not in others]
+
     def owned(self) -> list[nn.Parameter]:
         """This replica's parameters: the only ones its optimizers keep (``update.local_optimizers``)."""
         return self.by_owner[self.replica]
 
     @torch.no_grad()
-    def launch_broadcasts(self) -> Callable[[], None]:
+    def launch_broadcasts(
+        self, messages: Callable[[list[nn.Parameter]], list[torch.Tensor]] | None = None
+    ) -> Callable[[], None]:
         """After the step, the parameters pointing at the weights it wrote: each owner's new weights to every other
-        replica, tensor by tensor, asynchronously, into those storages. Returns what waits for them all (and copies
-        back a tensor that had to travel as a contiguous copy). Every replica holds the same owner lists, so all
-        issue the same broadcasts in the same order."""
+        replica, tensor by tensor, asynchronously, into those storages (``messages``: the tensors that travel for
+        ``params``, e.g. the newest weight version's in the compute dtype when only owners keep the float32 master;
+        None: the parameters' own). Returns what waits for them all (and copies back a tensor that had to travel as
+        a contiguous copy). Every replica holds the same owner lists, so all issue the same broadcasts in the same
+        order."""
         works, copies = [], []
+        tensors = dict(zip(map(id, self.params), messages(self.params))) if messages is not None else {}
         for owner, params in enumerate(self.by_owner):
             for param in params:
-                target = param.data
+                target = tensors.get(id(param), param.data)
                 message = target if target.is_contiguous() else target.contiguous()
                 works.append(dist.broadcast(message, src=self.ranks[owner], group=self.group, async_op=True))
                 if message is not target:

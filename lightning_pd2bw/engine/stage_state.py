@@ -50,6 +50,17 @@ class StageState:
         """This stage's tensors by their names in ``root`` (other stages' are on the meta device): its checkpoint."""
         return {name: tensor for name, tensor in self.root.state_dict().items() if not tensor.is_meta}
 
+    def written_state_dict(self) -> dict[str, torch.Tensor]:
+        """What this rank writes of ``stage_state_dict`` into a sharded checkpoint: where only owners keep a
+        parameter's float32 master (``versions.py``), another replica's parameters are left to their owner, so
+        the checkpoint holds every weight at float32 (DCP writes each name once, from any rank holding it)."""
+        local = self.stage_state_dict()
+        if self.versions is None or not self.versions.sharded_master:
+            return local
+        names = self.parameter_names()
+        others = {name for param in self.versions.unmastered() for name in names[id(param)]}
+        return {name: tensor for name, tensor in local.items() if name not in others}
+
     # ------------------------------------------------------------------ state (checkpoint/engine_state.py)
     def manifest_layout(self) -> dict[str, Any]:
         """The run's layout as a checkpoint's manifest records it (``checkpoint/store.py``); taken at a drain: one

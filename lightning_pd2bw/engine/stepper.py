@@ -65,7 +65,8 @@ class Stepper(UpdatePart):
                 self._step(batch, hparams)
         if self.shards is not None:
             aside.writable()  # the storages the step wrote (a skipped step: the new version, a copy of the last)
-            self.publishing[batch] = self.shards.launch_broadcasts()
+            messages = self.versions.publishable if self.versions.sharded_master else None  # the compute dtype
+            self.publishing[batch] = self.shards.launch_broadcasts(messages)
 
     def publish(self, batch: int, aside: SetAside | None) -> None:
         wait = self.publishing.pop(batch, None)

@@ -115,7 +115,8 @@ def build_update(
     if (width > 1 or versions.mixed) and optimizers:  # mixed: the buckets keep float32 main gradients
         replicated = [p for p in params if id(p) not in tied]
         owners = shards if options.shard_gradients else None  # each owner's gradients reduced to it
-        buckets = GradientBuckets(replicated, groups.replica, width, shards=owners)
+        main = torch.float32 if versions.mixed else None  # mixed: float32 main gradients, on every replica alike
+        buckets = GradientBuckets(replicated, groups.replica, width, shards=owners, dtype=main)
     clip_val = options.clipping.value
     shape = UpdateShape.of(
         options.mode,

@@ -17,6 +17,14 @@ master when compute next asks for it (``use``: one cast per update, not one per 
 master's dtype: autograd adds each microbatch's ``compute_dtype`` gradient into the float32 ``.grad`` the
 engine keeps attached (one fused read-add-write; ``grad_buckets.py``).
 
+With the optimizer sharded over replicas (``sharding.py``), a replica keeps the float32 master of the parameters it
+owns only (``owned``: Megatron's distributed optimizer shards its fp32 main parameters the same way): another
+replica's parameter lives in the versions alone, its writable copy is the newest version's storage (at
+``begin_update`` a copy of the version before, so hooks and callbacks read the weights as they are), and after the
+step its owner casts the master into its own newest version and broadcasts that (``publishable``), in the compute
+dtype, into the others' newest version. Every replica then holds exactly what it would have cast from a master of
+its own: the rule is unchanged bit for bit, and a stage holds ``w - 1`` of every ``w`` float32 masters fewer.
+
 Autocast note: a caching autocast region (``torch.autocast``'s default; Lightning's plugins turn the cache
 off) keeps the low-precision cast of each parameter, keyed by the parameter, whose ``.data`` a swap
 changes underneath it. Every swap therefore clears that cache, or a forward or a recomputation after a
@@ -44,21 +52,35 @@ class WeightVersions:
     MAX_VERSIONS = 2
 
     def __init__(
-        self, parameters: Iterable[nn.Parameter], double_buffer: bool, compute_dtype: torch.dtype | None = None
+        self,
+        parameters: Iterable[nn.Parameter],
+        double_buffer: bool,
+        compute_dtype: torch.dtype | None = None,
+        owned: Iterable[nn.Parameter] | None = None,
     ) -> None:
+        """``owned``: the parameters whose float32 master this replica keeps (the sharded optimizer's share and
+        the parameters no optimizer steps); None: all of them."""
         self.parameters = list(parameters)
         self.double_buffer = double_buffer
         self.latest = 0  # absolute number of updates applied on this stage
         self.drain_base = 0  # value of `latest` at the last drain: relative version 0
-        self.master: list[torch.Tensor] | None = None
+        # the float32 master of each parameter (None: another replica owns it; its values live in the versions)
+        self.master: list[torch.Tensor | None] | None = None
         self.compute_dtype = compute_dtype if _casts(self.parameters, compute_dtype) else None
         if self.compute_dtype is None:
             self._storages: dict[int, list[torch.Tensor]] = {0: [p.data for p in self.parameters]}
             self._active = 0
         else:
-            self.master = [p.data for p in self.parameters]
-            self._storages = {0: [torch.empty_like(t, dtype=self.compute_dtype) for t in self.master]}
-            self._active = MASTER
+            for param in self.parameters:  # torch >= 2.10: a float32 .grad (the main gradient) on a bf16 version
+                if hasattr(param, "grad_dtype"):
+                    param.grad_dtype = None
+            kept = None if owned is None else {id(p) for p in owned}
+            masters = [p.data for p in self.parameters]
+            self._storages = {0: [torch.empty_like(t, dtype=self.compute_dtype) for t in masters]}
+            self.master = [t if kept is None or id(p) in kept else None for p, t in zip(self.parameters, masters)]
+            for index in self._unmastered:
+                self._storages[0][index].copy_(masters[index])  # its only copy from now on
+            self._point(self.master, MASTER)
         # versions whose compute copy the master may have moved past (at rest anything may write it: a load)
         self._stale: set[int] = {0} if self.master is not None else set()
         self.max_versions_held = 1
@@ -69,14 +91,34 @@ class WeightVersions:
         return self.master is not None
 
     @property
+    def _unmastered(self) -> list[int]:
+        """Indices of the parameters whose master another replica keeps."""
+        return [i for i, t in enumerate(self.master or []) if t is None]
+
+    @property
+    def sharded_master(self) -> bool:
+        """Does this replica keep the float32 master of some of its parameters only (``owned``)?"""
+        return bool(self._unmastered)
+
+    def unmastered(self) -> list[nn.Parameter]:
+        """The parameters whose float32 master another replica keeps (a checkpoint takes them from their owner)."""
+        return [self.parameters[i] for i in self._unmastered]
+
+    @property
     def num_versions(self) -> int:
         return len(self._storages)
 
     @property
     def held_bytes(self) -> int:
         """Bytes of every weight version held (the live parameters' storages included) and of the master copy."""
-        held = [t for storages in self._storages.values() for t in storages] + (self.master or [])
+        held = [t for storages in self._storages.values() for t in storages]
+        held += [t for t in self.master or [] if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the float32 masters this replica keeps (0: no mixed weights)."""
+        return sum(t.numel() * t.element_size() for t in self.master or [] if t is not None)
 
     def reset_after_drain(self) -> None:
         """After a drain the version rule restarts: relative version 0 is the newest weights."""
@@ -119,7 +161,9 @@ class WeightVersions:
         previous version's storages, or, mixed, a copy of the master (its compute copy is rounded)."""
         if self.master is not None:
             position = {id(p): i for i, p in enumerate(self.parameters)}
-            return [self.master[position[id(p)]].clone() for p in parameters]
+            masters = [self.master[position[id(p)]] for p in parameters]
+            assert all(t is not None for t in masters), "the correction steps owned parameters only"
+            return [t.clone() for t in masters]  # type: ignore[union-attr]
         before = dict(zip(map(id, self.parameters), self.weights_of(self.latest - 1)))
         return [before[id(p)] for p in parameters]
 
@@ -145,24 +189,42 @@ class WeightVersions:
                 target = [torch.empty_like(t) for t in self._storages[self.latest]]
             if target and self.master is None:  # one fused copy of the stage's weights (mixed: cast when used)
                 torch._foreach_copy_(target, [param.data for param in self.parameters])
+            elif unmastered := self._unmastered:  # their writable copy starts as the weights are (the hooks read it)
+                newest = self._storages[self.latest]
+                torch._foreach_copy_([target[i] for i in unmastered], [newest[i] for i in unmastered])
             self._storages[self.latest + 1] = target
         self._stale &= set(self._storages)  # the recycled version's mark goes with it
         self.latest += 1
         self.max_versions_held = max(self.max_versions_held, len(self._storages))
         assert len(self._storages) <= self.MAX_VERSIONS, "more than two weight versions held"
         if self.master is not None:
-            self.use_writable()  # the optimizer steps the master; the new version's copy is cast when used
+            self._stale.add(self.latest)  # the optimizer steps the master; the new version's copy is cast when used
+            self._point(self.master, MASTER)  # (a parameter with no master here: the new version's storage)
         else:
             self._point(self._storages[self.latest], self.latest)  # the optimizer changes these in place
 
+    @torch.no_grad()
+    def publishable(self, parameters: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """After the step, with the master sharded: the newest version's storages of ``parameters``, this replica's
+        own cast from its master, the others' to be overwritten by their owners' (the broadcasts' messages)."""
+        self._refresh(self.latest)
+        position = {id(p): i for i, p in enumerate(self.parameters)}
+        return [self._storages[self.latest][position[id(p)]] for p in parameters]
+
     def _refresh(self, version: int) -> None:
         """The compute copy of ``version`` cast from the master (the master may have changed since it was made)."""
-        torch._foreach_copy_(self._storages[version], self.master)
+        assert self.master is not None
+        kept = [i for i, t in enumerate(self.master) if t is not None]
+        storages = self._storages[version]
+        if kept:
+            torch._foreach_copy_([storages[i] for i in kept], [self.master[i] for i in kept])  # type: ignore[misc]
         self._stale.discard(version)
 
-    def _point(self, storages: list[torch.Tensor], version: int) -> None:
-        for param, storage in zip(self.parameters, storages):
-            param.data = storage
+    def _point(self, storages: list[torch.Tensor | None], version: int) -> None:
+        """Point the parameters at ``storages`` (MASTER: a parameter with no master here at the newest version's)."""
+        newest = self._storages.get(self.latest)
+        for index, (param, storage) in enumerate(zip(self.parameters, storages)):
+            param.data = storage if storage is not None else newest[index]  # type: ignore[index]
         self._active = version
         torch.clear_autocast_cache()
 

@@ -59,7 +59,8 @@ class StageCheckpoints:
 
     def module_state_dict(self) -> dict[str, Any]:
         self.engine.drain()  # a checkpoint is always taken at a drain (drains.py, 3)
-        return self.engine.stage_state_dict()  # the module's names: the engine's root is the module
+        return self.engine.written_state_dict()  # the module's names (the engine's root is the module), each weight
+        # from the replica keeping its float32 master
 
     def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         self.engine.progress.tick(f"saving checkpoint {filepath}")

@@ -3,7 +3,10 @@
 A plain ``PipelineEngine`` over the tiny ``GPTCore`` at depth 2 x width 2 (2BW, AdamW, the predictive delay
 correction, clipping) trains ``STEPS`` batches twice from the same weights and data: with ``shard_optimizer=True``
 (the default) and ``False``. Each rank writes ``OUT/rank{r}.pt``: both runs' final weights, the names of the
-parameters its optimizer kept and its counters, and the planner's stage memory for both runs.
+parameters its optimizer kept and its counters, and the planner's stage memory for both runs. Then the same pair
+with the weight versions in bfloat16 (``weight_dtype``): sharded, only each parameter's owner keeps its float32
+master; the sharded run saves a checkpoint, which an unsharded engine loads back (each rank writes the tensors of
+``written.pt``'s names).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ STEPS = 4
 CASE = Case("sharding", mode="2bw", steps=STEPS, width=2)
 
 
-def train(shard: bool) -> dict:
+def build(shard: bool, weight_dtype: torch.dtype | None) -> tuple[PipelineEngine, PipelineOptions]:
     torch.manual_seed(0)
     with parameters_on_meta():
         core = GPTCore(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN))
-    options = PipelineOptions(num_stages=2, num_microbatches=2, shard_optimizer=shard, clipping=Clipping(0.5))
+    options = PipelineOptions(
+        num_stages=2, num_microbatches=2, shard_optimizer=shard, clipping=Clipping(0.5), weight_dtype=weight_dtype
+    )
     engine = PipelineEngine(
         core.pipeline_layers(),
         options,
@@ -43,27 +48,59 @@ def train(shard: bool) -> dict:
         root=core,
     )
     engine.start(torch.optim.AdamW(engine.parameters(), lr=3e-3, weight_decay=0.01))
+    return engine, options
+
+
+def train(shard: bool, weight_dtype: torch.dtype | None = None, save: Path | None = None) -> dict:
+    engine, options = build(shard, weight_dtype)
     replica = engine.grid.replica
     for step in range(STEPS):
-        engine.train_batch(replica_batch(CASE, step, replica, 2))
+        context = torch.autocast("cpu", dtype=weight_dtype, cache_enabled=False) if weight_dtype else None
+        engine.train_batch(replica_batch(CASE, step, replica, 2), context=context)
     engine.drain()
     counters = engine.counters()
     names = engine.parameter_names()
     stepped = sorted(names[id(p)][0] for o in engine.optimizers for g in o.param_groups for p in g["params"])
     weights = {k: v.detach().clone() for k, v in engine.stage_state_dict().items()}
     params = [(names[id(p)][0], p.numel()) for p in engine.params]
+    written = sorted(engine.written_state_dict())
+    written_dtypes = sorted({str(v.dtype) for v in engine.written_state_dict().values()})
+    if save is not None:
+        engine.save(save)
     engine.close()
     # the planner's terms for this stage: its parameters as one layer, AdamW (2 states)
     profile = ModelProfile([LayerProfile(0.0, 0.0, 0.0, 0.0, sum(n for _, n in params))], 4, 2, communicator_bytes=0.0)
     candidate = Candidate.of(options, 2, 2, 1)
     plan = stage_memory(profile, range(0, 1), engine.stage, candidate, 2)
-    return {"weights": weights, "stepped": stepped, "counters": counters, "params": params, "plan": plan}
+    return {
+        "weights": weights,
+        "stepped": stepped,
+        "counters": counters,
+        "params": params,
+        "plan": plan,
+        "written": written,
+        "written_dtypes": written_dtypes,
+    }
+
+
+def reload(path: Path, shard: bool) -> dict[str, torch.Tensor]:
+    """A bf16 engine loading the sharded run's checkpoint: unsharded (every replica keeps every float32 master) or
+    sharded (each replica its own)."""
+    engine, _ = build(shard, torch.bfloat16)
+    engine.load(path)
+    weights = {k: v.detach().clone() for k, v in engine.stage_state_dict().items()}
+    engine.close()
+    return weights
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     result = {"sharded": train(True), "whole": train(False)}
+    result["bf16 whole"] = train(False, torch.bfloat16)
+    result["bf16 sharded"] = train(True, torch.bfloat16, save=out / "bf16.ckpt")
+    result["bf16 reloaded"] = reload(out / "bf16.ckpt", shard=False)
+    result["bf16 reloaded sharded"] = reload(out / "bf16.ckpt", shard=True)
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 

@@ -78,3 +78,45 @@ def test_owners_are_whole_tensors_balanced_by_size():
     assert sorted(load) == [115, 115] and max(load) - min(load) <= max(t.numel() for t in sizes)
     assert assign_owners(sizes, 1) == [0] * len(sizes)
     assert set(assign_owners(sizes, 8)) == set(range(6)), "more replicas than tensors: some own nothing"
+
+
+def test_only_owners_keep_the_float32_master_and_the_rule_is_unchanged(results):
+    """Issue 77: with bfloat16 weight versions and the optimizer sharded, a replica keeps the float32 master of the
+    parameters it owns only; the others' weights are the bfloat16 casts their owners broadcast. Every weight is
+    exactly the unsharded run's (its owner's master bit for bit, elsewhere its bfloat16 cast), and the masters
+    kept over the replicas add up to one replica's whole."""
+    for stage in range(DEPTH):
+        ranks = [replica * DEPTH + stage for replica in range(WIDTH)]
+        masters = [results[r]["bf16 sharded"]["counters"]["master_bytes"] for r in ranks]
+        whole = results[ranks[0]]["bf16 whole"]["counters"]["master_bytes"]
+        assert whole > 0 and sum(masters) == whole and all(0 < m < whole for m in masters), (masters, whole)
+        for rank in ranks:
+            sharded, reference = results[rank]["bf16 sharded"], results[rank]["bf16 whole"]["weights"]
+            owned = set(sharded["stepped"])
+            assert set(sharded["weights"]) == set(reference)
+            for name, value in reference.items():
+                got = sharded["weights"][name]
+                if name in owned or name not in dict(sharded["params"]):  # its master, or a buffer
+                    torch.testing.assert_close(got, value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+                else:
+                    assert got.dtype == torch.bfloat16, f"rank {rank}: {name} kept a float32 master"
+                    assert torch.equal(got, value.to(torch.bfloat16)), f"rank {rank}: {name}"
+
+
+def test_a_checkpoint_holds_every_weight_from_its_owner_at_float32(results):
+    """Each replica writes only the weights whose master it keeps, all float32 (none of its bfloat16 copies), and an
+    unsharded engine loading the checkpoint holds the unsharded run's float32 weights exactly."""
+    for stage in range(DEPTH):
+        ranks = [replica * DEPTH + stage for replica in range(WIDTH)]
+        written = [set(results[r]["bf16 sharded"]["written"]) for r in ranks]
+        assert set().union(*written) == set(results[ranks[0]]["bf16 whole"]["weights"]), f"stage {stage}"
+        for rank in ranks:
+            assert results[rank]["bf16 sharded"]["written_dtypes"] == ["torch.float32"], rank
+            sharded = results[rank]["bf16 sharded"]["weights"]
+            for name, value in results[rank]["bf16 whole"]["weights"].items():
+                got = results[rank]["bf16 reloaded"][name]
+                torch.testing.assert_close(got, value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+                # loaded sharded: the owner's master and the others' bfloat16 copies, as the run left them
+                torch.testing.assert_close(
+                    results[rank]["bf16 reloaded sharded"][name], sharded[name], rtol=0, atol=0, msg=f"{rank}: {name}"
+                )

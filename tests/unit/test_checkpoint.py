@@ -357,7 +357,8 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
     from collections import namedtuple
 
     entries = {"model/w": torch.zeros(1 << 18), "optim_groups/0/stage-0": [{"lr": 0.1}]}  # 1 MiB of tensors
-    gathered = [(0, 1 << 20), (1, 1 << 20), (0, 1 << 20)]  # stages 0, 1 and a replica of stage 0: 2 MiB to write
+    gathered = [(0, {"model/w": 1 << 20}), (1, {"model/v": 1 << 20}), (0, {"model/w": 1 << 20})]  # stages 0, 1 and
+    # a replica of stage 0: 2 MiB to write
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 3 << 20))
     ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: gathered)  # fits: nothing raised
@@ -365,6 +366,10 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
     with pytest.raises(OSError, match=r"No space left .*step.ckpt'.* needs about 2.1 MiB and 2.0 MiB are free") as e:
         ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: gathered)
     assert e.value.errno == errno.ENOSPC and "previous checkpoint is intact" in str(e.value)
+    # replicas that each write their own share (the sharded float32 master and optimizer): the shares add up
+    sharded = [(0, {"model/a": 1 << 20}), (0, {"model/b": 1 << 20})]
+    with pytest.raises(OSError, match=r"needs about 2.1 MiB"):
+        ckpt.check_space(tmp_path / "step.ckpt.tmp", 0, entries, lambda own: sharded)
 
 
 @pytest.mark.parametrize(
