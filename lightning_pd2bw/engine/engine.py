@@ -146,6 +146,13 @@ class PipelineEngine(StageState):
         if self.correction is not None:
             self.correction.restart(parameter, positions)
 
+    @property
+    def replicated_dtype(self) -> torch.dtype | None:
+        """The dtype every replica of this stage holds all its weights in alike: the versions' where only owners keep
+        the float32 master (decisions that must agree over the replicas read the weights in it); None: their own."""
+        versions = self.versions
+        return versions.compute_dtype if versions is not None and versions.sharded_master else None
+
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""
         if self._closed:

@@ -61,6 +61,7 @@ class WeightVersions:
         """``owned``: the parameters whose float32 master this replica keeps (the sharded optimizer's share and
         the parameters no optimizer steps); None: all of them."""
         self.parameters = list(parameters)
+        self._owned_only = owned is not None
         self.double_buffer = double_buffer
         self.latest = 0  # absolute number of updates applied on this stage
         self.drain_base = 0  # value of `latest` at the last drain: relative version 0
@@ -97,8 +98,9 @@ class WeightVersions:
 
     @property
     def sharded_master(self) -> bool:
-        """Does this replica keep the float32 master of some of its parameters only (``owned``)?"""
-        return bool(self._unmastered)
+        """Do the stage's replicas each keep the float32 masters of their own parameters only (``owned`` given, mixed
+        weights)? The same on every replica of a stage, whatever it owns (the broadcasts' dtype depends on it)."""
+        return self._owned_only and self.master is not None
 
     def unmastered(self) -> list[nn.Parameter]:
         """The parameters whose float32 master another replica keeps (a checkpoint takes them from their owner)."""

@@ -75,11 +75,11 @@ def warn_unused_steps(module: pl.LightningModule) -> None:
             )
 
 
-def check_async_checkpoint() -> None:
+def check_async_checkpoint(enabled: bool) -> None:
     """async_checkpoint needs DCP's ``async_save(async_stager=...)`` (torch >= 2.8): refuse older torch by name."""
     import torch.distributed.checkpoint as dcp
 
-    if "async_stager" not in inspect.signature(dcp.async_save).parameters:
+    if enabled and "async_stager" not in inspect.signature(dcp.async_save).parameters:
         raise ValueError(
             f"PipeDream2BWStrategy(async_checkpoint=True) needs torch >= 2.8 (torch.distributed.checkpoint.async_save "
             f"with async_stager); this is torch {torch.__version__}. Upgrade torch or use async_checkpoint=False"

@@ -123,8 +123,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             keys=STRATEGY_KEYS,
         )
         own.check(self.options)
-        if own.async_checkpoint:
-            checks.check_async_checkpoint()
+        checks.check_async_checkpoint(own.async_checkpoint)
         self.checkpoints = StageCheckpoints(own.async_checkpoint, init_from)  # sharded checkpoint I/O; init_from.py
         self.resilience = Resilience(own.failure_timeout, own.hang_timeout, own.requeue)
         self.drains = Drains(self.drain)
@@ -375,8 +374,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
         self.checkpoint_io.teardown()
 
     @override
-    def model_to_device(self) -> None:
-        pass  # setup() places each stage's own layers; other stages' layers stay on the meta device
+    def model_to_device(self) -> None:  # setup() places each stage's own layers; other stages' stay on the meta device
+        pass
 
     # ------------------------------------------------------------------ collectives Lightning uses
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
@@ -386,6 +385,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
     def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
         """Entries of ``parameter`` set from outside the update (a mask change): 2BW's correction forgets them."""
         checks.running(self.engine).restart_history(parameter, positions)
+
+    def replicated_dtype(self) -> torch.dtype | None:
+        """The dtype all replicas hold the weights in alike (bf16 where only owners keep float32), or None."""
+        return checks.running(self.engine).replicated_dtype
 
     @classmethod
     @override

@@ -51,6 +51,10 @@ class SplitModel(Protocol):
     def restart_history(self, parameter: nn.Parameter, positions: torch.Tensor) -> None:
         """Entries set from outside the update (a mask change): a delay correction's history forgets them."""
 
+    def replicated_dtype(self) -> torch.dtype | None:
+        """The dtype in which every replica holds the weights alike (bf16 where only a weight's owner keeps its
+        float32 master); masks are decided from the weights in it, so every replica decides the same. None: any."""
+
 
 class SparsityCallback(Callback):
     """Base class: subclasses say what happens at each optimizer step (``plan``).
@@ -198,6 +202,7 @@ class SparsityCallback(Callback):
         self.sparsifier = self.build(pl_module, reduce, trainer.strategy.root_device)  # counts live where NCCL reads
         if split is not None:  # a mask change restarts the delay correction's history
             self.sparsifier.on_change.append(split.restart_history)
+            self.sparsifier.score_dtype = split.replicated_dtype()  # the replicas' masks agree
         self._optimizers = list(trainer.optimizers)
         self.end_step_of_run = trainer.max_steps if trainer.max_steps > 0 else None
         if self._pending is not None:

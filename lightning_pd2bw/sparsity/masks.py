@@ -116,6 +116,7 @@ class Sparsifier:
         self._device = torch.device(device) if device is not None else None
         self.masks: dict[str, torch.Tensor] = {}  # empty: dense
         self.layer_targets = {n: 1.0 for n in self.shapes}
+        self.score_dtype: torch.dtype | None = None  # magnitudes read in it (the replicas' common dtype); None: as held
         self.churn = 0  # mask entries changed since the owner last reset it (the callback: at each log)
         # called with (parameter, changed positions) after every mask change, the weights already masked
         self.on_change: list[Callable[[nn.Parameter, torch.Tensor], None]] = []
@@ -155,7 +156,7 @@ class Sparsifier:
 
     def _magnitude(self, density: float) -> dict[str, torch.Tensor]:
         self.layer_targets = layer_densities(self.allocation, self.shapes, density)
-        scores = {n: p.detach().abs().float() for n, p in self.local.items()}
+        scores = {n: self._magnitude_of(p) for n, p in self.local.items()}
         if self.allocation != "global":
             return {n: _top(s, keep_count(s.numel(), self.layer_targets[n])) for n, s in scores.items()}
         total = sum(math.prod(s) for s in self.shapes.values())
@@ -174,7 +175,7 @@ class Sparsifier:
         self.layer_targets = {name: n / m for name in self.shapes}
         masks = {}
         for name, param in self.local.items():
-            groups = param.detach().abs().float().reshape(-1, m)
+            groups = self._magnitude_of(param).reshape(-1, m)
             keep = torch.topk(groups, n, dim=1, sorted=False).indices
             mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, keep, True)
             masks[name] = mask.view(param.shape)
@@ -221,7 +222,7 @@ class Sparsifier:
             if count == 0 or param.grad is None:
                 masks[name] = mask.clone()
                 continue
-            weight = param.detach().abs().float().flatten()
+            weight = self._magnitude_of(param).flatten()
             drop = torch.topk(weight.masked_fill(~mask.flatten(), math.inf), count, largest=False).indices
             grad = param.grad.detach().abs().float().flatten()
             grow = torch.topk(grad.masked_fill(mask.flatten(), -1.0), count).indices
@@ -231,6 +232,11 @@ class Sparsifier:
             masks[name] = new.view(param.shape)
             param.view(-1)[grow] = 0  # grown weights start at zero (their optimizer state is zero: apply)
         return masks
+
+    def _magnitude_of(self, param: torch.Tensor) -> torch.Tensor:
+        """|param| in float32, read in ``score_dtype`` where set: every replica then ranks the same values."""
+        values = param.detach() if self.score_dtype is None else param.detach().to(self.score_dtype)
+        return values.abs().float()
 
     # ------------------------------------------------------------------ keeping masked entries at zero
     @torch.no_grad()

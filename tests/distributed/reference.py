@@ -134,8 +134,13 @@ def _reference_run(
                 names[n].mul_(m)
 
     apply_masks()
+    # bf16-mixed with weight_dtype "auto": each version computed in bfloat16 (cast once from the float32 weights the
+    # optimizer steps), its gradients added into float32; weight_dtype=None: autocast casts the float32 weights
+    mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None
     if sparsity is not None:
         sparsity.sparsifier = sparsity.build(model)
+        if mixed and width > 1:  # each master on its owner alone: the masks ranked on the bf16 weights all replicas hold
+            sparsity.sparsifier.score_dtype = torch.bfloat16
         sparsity.end_step_of_run = case.steps  # the runner's trainer.max_steps (SPDF's dense-phase schedule ends there)
         if (change := sparsity.change_at(0)) is not None:
             sparsity.sparsifier.update(0, change, optimizers)
@@ -143,9 +148,6 @@ def _reference_run(
             with torch.no_grad():
                 for name, mask in sparsity.sparsifier.masks.items():
                     names[name].mul_((mask.numel() / mask.sum().item()) ** 0.5)
-    # bf16-mixed with weight_dtype "auto": each version computed in bfloat16 (cast once from the float32 weights the
-    # optimizer steps), its gradients added into float32; weight_dtype=None: autocast casts the float32 weights
-    mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None
     first_name = {id(p): n for n, p in names.items()}
     restarted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a mask change's positions and values, this step
     if sparsity is not None:  # the correction forgets the history of every entry a mask change set

@@ -1,6 +1,7 @@
 """Train cases over real processes: ``torchrun --nproc-per-node N run_cases.py OUT CASE...``.
 
-Each stage of replica 0 writes its trained weights to ``OUT/CASE/stage-R.pt``; every rank writes its
+Each rank writes the trained weights it keeps at float32 (its stage's, or with the master sharded its share:
+``engine.written_state_dict``) to ``OUT/CASE/stage-S-replica-R.pt``; every rank writes its
 engine counters (weight versions held, stashed microbatches) to ``OUT/CASE/rank-G.json`` and every
 ``torch.distributed`` call it made to ``OUT/CASE/calls-rank-G.json`` (replayed under NCCL's semantics
 by ``test_nccl_traces.py``).
@@ -166,8 +167,8 @@ def run(case: Case, out: Path, world: int) -> None:
     strategy = trainer.strategy
     executor = strategy.engine.executor
     rank = trainer.global_rank
-    if strategy.grid.replica == 0:
-        torch.save(strategy.lightning_module_state_dict(), out / f"stage-{strategy.grid.stage}.pt")
+    where = f"{strategy.grid.stage}-replica-{strategy.grid.replica}"  # each weight from its float32 master's owner
+    torch.save(strategy.engine.written_state_dict(), out / f"stage-{where}.pt")
     counters = {
         "skipped": strategy.skipped_updates,
         "stage": strategy.grid.stage,
@@ -202,8 +203,8 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
     trainer = trainer_for(case, case.steps, callbacks, world)
     trainer.fit(model, train_dataloaders=dataloader(case), ckpt_path=first)
     strategy = trainer.strategy
-    if strategy.grid.replica == 0:
-        torch.save(strategy.lightning_module_state_dict(), out / f"resumed-stage-{strategy.grid.stage}.pt")
+    where = f"{strategy.grid.stage}-replica-{strategy.grid.replica}"
+    torch.save(strategy.engine.written_state_dict(), out / f"resumed-stage-{where}.pt")
     save_sparsity(out, "resumed-", trainer.global_rank, sparsity, callbacks)
 
 

@@ -6,7 +6,7 @@ save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank writes the 
 load: resume from that checkpoint with ``STAGES`` stages (and the world's width); at the start of
       training (after the restore, before any step) every rank writes what it loaded
       (``loaded-rank-R.pt``: weights, optimizer state by name, sparsity masks), then trains to
-      ``case.steps`` and writes its final weights (``final-stage-S.pt``).
+      ``case.steps`` and writes its final weights (``final-stage-S-replica-R.pt``).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def run(phase: str, out: Path, stages: int) -> None:
     trainer = trainer_for(case, case.steps, [*callbacks, DumpLoaded(out, sparsity)], world)
     trainer.fit(build_model(case), train_dataloaders=dataloader(case), ckpt_path=path)
     strategy = trainer.strategy
-    if strategy.grid.replica == 0:
-        torch.save(strategy.lightning_module_state_dict(), out / f"final-stage-{strategy.grid.stage}.pt")
+    where = f"{strategy.grid.stage}-replica-{strategy.grid.replica}"  # each weight from its float32 master's owner
+    torch.save(strategy.engine.written_state_dict(), out / f"final-stage-{where}.pt")
 
 
 def main() -> None:

@@ -31,12 +31,15 @@ STEPS = 4
 CASE = Case("sharding", mode="2bw", steps=STEPS, width=2)
 
 
-def build(shard: bool, weight_dtype: torch.dtype | None) -> tuple[PipelineEngine, PipelineOptions]:
+def build(shard: bool, weight_dtype: torch.dtype | None, stages: int = 2) -> tuple[PipelineEngine, PipelineOptions]:
     torch.manual_seed(0)
     with parameters_on_meta():
         core = GPTCore(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN))
     options = PipelineOptions(
-        num_stages=2, num_microbatches=2, shard_optimizer=shard, clipping=Clipping(0.5), weight_dtype=weight_dtype
+        mode="2bw" if stages > 1 else "flush",  # one stage: data parallelism (2BW refuses it)
+        num_stages=stages,
+        num_microbatches=stages,
+        shard_optimizer=shard, clipping=Clipping(0.5), weight_dtype=weight_dtype
     )
     engine = PipelineEngine(
         core.pipeline_layers(),
@@ -83,14 +86,15 @@ def train(shard: bool, weight_dtype: torch.dtype | None = None, save: Path | Non
     }
 
 
-def reload(path: Path, shard: bool) -> dict[str, torch.Tensor]:
+def reload(path: Path, shard: bool, stages: int = 2) -> dict[str, torch.Tensor]:
     """A bf16 engine loading the sharded run's checkpoint: unsharded (every replica keeps every float32 master) or
-    sharded (each replica its own)."""
-    engine, _ = build(shard, torch.bfloat16)
+    sharded (each replica its own), at 2 x 2 or resharded (4 x 1, 1 x 4): what it holds, and what it would write."""
+    engine, _ = build(shard, torch.bfloat16, stages)
     engine.load(path)
     weights = {k: v.detach().clone() for k, v in engine.stage_state_dict().items()}
+    written = {k: v.detach().clone() for k, v in engine.written_state_dict().items()}
     engine.close()
-    return weights
+    return {"weights": weights, "written": written}
 
 
 def main() -> None:
@@ -101,6 +105,8 @@ def main() -> None:
     result["bf16 sharded"] = train(True, torch.bfloat16, save=out / "bf16.ckpt")
     result["bf16 reloaded"] = reload(out / "bf16.ckpt", shard=False)
     result["bf16 reloaded sharded"] = reload(out / "bf16.ckpt", shard=True)
+    result["bf16 reloaded 4x1"] = reload(out / "bf16.ckpt", shard=True, stages=4)
+    result["bf16 reloaded 1x4"] = reload(out / "bf16.ckpt", shard=True, stages=1)
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 

@@ -114,9 +114,23 @@ def test_a_checkpoint_holds_every_weight_from_its_owner_at_float32(results):
             assert results[rank]["bf16 sharded"]["written_dtypes"] == ["torch.float32"], rank
             sharded = results[rank]["bf16 sharded"]["weights"]
             for name, value in results[rank]["bf16 whole"]["weights"].items():
-                got = results[rank]["bf16 reloaded"][name]
+                got = results[rank]["bf16 reloaded"]["weights"][name]
                 torch.testing.assert_close(got, value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
                 # loaded sharded: the owner's master and the others' bfloat16 copies, as the run left them
                 torch.testing.assert_close(
-                    results[rank]["bf16 reloaded sharded"][name], sharded[name], rtol=0, atol=0, msg=f"{rank}: {name}"
+                    results[rank]["bf16 reloaded sharded"]["weights"][name], sharded[name], rtol=0, atol=0, msg=name
                 )
+
+
+@pytest.mark.parametrize("layout", ["4x1", "1x4"])
+def test_the_sharded_master_reshards(results, layout):
+    """The 2 x 2 checkpoint loaded at 4 x 1 (every master whole on one replica) and at 1 x 4 (each replica its
+    quarter): what the ranks keep at float32, merged, is the unsharded run's weights exactly."""
+    expected = {k: v for r in results for k, v in results[r]["bf16 whole"]["weights"].items()}
+    written: dict[str, torch.Tensor] = {}
+    for result in results.values():
+        written.update(result[f"bf16 reloaded {layout}"]["written"])
+        assert all(v.dtype == torch.float32 for v in result[f"bf16 reloaded {layout}"]["written"].values())
+    assert set(written) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(written[name], value, rtol=0, atol=0, msg=name)
