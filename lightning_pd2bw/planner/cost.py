@@ -197,11 +197,9 @@ def memory_of(
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction)
     in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
+    master = share if profile.version_bytes is not None else 0.0  # mixed: the float32 masters of the weights it steps
     return {
-        "weights": in_versions
-        + (
-            weights if profile.version_bytes is not None else 0.0
-        ),  # the versions (mixed: in their compute dtype, and the master)
+        "weights": in_versions + master,  # the versions (mixed: in their compute dtype, and the owned masters)
         "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
         "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here

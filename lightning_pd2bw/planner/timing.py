@@ -9,7 +9,7 @@ non-finite flags and the clip norm (at the device's memory bandwidth). Per colle
 span; split in ``gradients.BUCKET_BYTES`` buckets; with ``shard_gradients`` each bucket reduced to its owners, half
 the bytes), the tied parameters' replica average and their sum between the stages holding them, the scalar sums
 over the pipeline and the shard group, and the sharded optimizer's owners' broadcasts (an all-gather's bytes in
-all). The planner assumes the recipes' clipping by the global norm.
+all; in the weight versions' dtype under mixed weights). The planner assumes the recipes' clipping by the global norm.
 """
 
 from __future__ import annotations
@@ -133,8 +133,9 @@ def collective_cost(
             return cluster.latency + tied / (
                 cluster.intra_node_bandwidth if same_server else cluster.inter_node_bandwidth
             )
-        if collective.op is CollectiveOp.BROADCAST:  # one owner's new weights to every replica
-            return allreduce_time(params * profile.weight_bytes, candidate, cluster) / 2 / shape.width
+        if collective.op is CollectiveOp.BROADCAST:  # one owner's new weights to every replica (mixed: bf16)
+            sent = profile.version_bytes or profile.weight_bytes
+            return allreduce_time(params * sent, candidate, cluster) / 2 / shape.width
         return 2 * cluster.latency  # a scalar: a flag, a norm
 
     return cost
