@@ -76,6 +76,11 @@ class _Bucket:
     segments: list[tuple[int, torch.Tensor]]  # (owner replica or ALL, its part of ``flat``)
     waiting: int = 0  # gradients still to arrive in the armed backward
     work: list[Any] | None = None  # its collectives, once started
+    # sharded under 2BW: the launched batch's reduces still read ``flat``, which the next batch accumulates into once
+    # they are done and this replica's segments are copied out (``kept``: the owner's share of the set-aside)
+    handing_over: bool = False
+    kept: dict[int, torch.Tensor] | None = None  # position -> its averaged gradient, a view of the kept copy
+    kept_flags: tuple[torch.Tensor, dict[int, int]] | None = None  # the kept copy, each position's flag index in it
 
     def flags(self) -> list[float]:
         return self.flat[self.flag_at].tolist()  # a host sync: read only where a gradient was missed
@@ -110,6 +115,7 @@ class Launched:
 
     buckets: list[_Bucket]
     arrived: set[int]
+    compact: bool = False  # sharded under 2BW: the one set, each bucket's share kept at its hand-over
 
 
 @dataclass
@@ -169,8 +175,11 @@ class GradientBuckets:
         return one_set * self._sets
 
     def attach(self) -> None:
-        """Point every ``.grad`` at its view (after anything that set them to None or replaced them)."""
+        """Point every ``.grad`` at its view (after anything that set them to None or replaced them); a bucket still
+        handed over to the previous batch's update is attached at its first gradient (``_accumulated``)."""
         for bucket in self.buckets:
+            if bucket.handing_over:
+                continue
             for param, view in zip(bucket.params, bucket.views):
                 self._adopt(param, view)
 
@@ -192,6 +201,8 @@ class GradientBuckets:
     def _accumulated(self, param: nn.Parameter) -> None:
         index, position = self._slot[id(param)]
         bucket = self.buckets[index]
+        if bucket.handing_over:  # the previous batch's reduce still owns it: wait, keep this replica's share
+            self._hand_over(bucket)
         self._adopt(param, bucket.views[position])
         self.arrived.add(id(param))
         if not self.armed or bucket.work is not None:
@@ -201,6 +212,8 @@ class GradientBuckets:
             self._start(self.buckets[self._next])
 
     def _start(self, bucket: _Bucket) -> None:
+        if bucket.handing_over:  # no gradient of this batch reached it: the previous batch's share is taken now
+            self._hand_over(bucket)
         arrived = [id(p) in self.arrived for p in bucket.params]
         if all(arrived):
             bucket.flat.index_fill_(0, bucket.flag_at, 1)
@@ -225,6 +238,35 @@ class GradientBuckets:
             bucket.flat.div_(self.size)  # a non-owner's part of another owner is left as it was: never read
         return bucket.flags() if missed else [1.0] * len(bucket.params)
 
+    def _hand_over(self, bucket: _Bucket) -> None:
+        """Sharded under 2BW: wait for ``bucket``'s reduces, copy this replica's segments (its own parameters' and
+        those no replica owns) out of it, averaged, with their flags, and zero it for the next batch."""
+        for work in bucket.work or []:
+            work.wait()
+        bucket.work = None
+        ours = [part for owner, part in bucket.segments if owner in (ALL, self.shards.replica)]
+        copy = torch.cat(ours) if ours else bucket.flat[:0].clone()
+        copy.div_(self.size)
+        kept, flag_at, offset = {}, {}, 0
+        for owner, members in itertools.groupby(range(len(bucket.params)), key=self._owner_index(bucket)):
+            members = list(members)
+            if owner not in (ALL, self.shards.replica):
+                continue
+            for position in members:
+                numel = bucket.params[position].numel()
+                kept[position] = copy[offset : offset + numel].view_as(bucket.params[position])
+                offset += numel
+            flag_at.update({position: offset + i for i, position in enumerate(members)})
+            offset += len(members)
+        bucket.kept, bucket.kept_flags = kept, (copy, flag_at)
+        bucket.flat.zero_()
+        bucket.handing_over = False
+
+    def _owner_index(self, bucket: _Bucket) -> Any:
+        """``position -> owner`` of ``bucket``'s parameters (the order ``_new_bucket`` laid its segments in)."""
+        owner_of = self._owner_of or {}
+        return lambda position: owner_of.get(id(bucket.params[position]), ALL)
+
     def launch(self, double_buffered: bool = True) -> Launched:
         """REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits).
 
@@ -233,8 +275,13 @@ class GradientBuckets:
         over, the ``.grad`` detached, and ``zero()`` after the step makes it the next batch's (no second set)."""
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
-        launched = Launched(self.buckets, set(self.arrived))
-        if double_buffered:
+        compact = double_buffered and self.sharded
+        launched = Launched(self.buckets, set(self.arrived), compact)
+        if compact:  # one set: each bucket handed over when the next batch first needs it (or at CHECK)
+            for bucket in self.buckets:
+                assert bucket.kept is None, "a batch's share was not taken at its CHECK before the next REDUCE"
+                bucket.handing_over = True
+        elif double_buffered:
             if self._spare is None:
                 self._spare = [_new_bucket(b.params, b.flat.dtype, self._owner_of) for b in self.buckets]
                 self._sets = 2
@@ -248,7 +295,7 @@ class GradientBuckets:
         self.arrived = set()
         self.armed = False
         self._next = 0
-        if double_buffered:
+        if double_buffered and not compact:
             self.attach()
         return launched
 
@@ -257,12 +304,34 @@ class GradientBuckets:
         its bucket; None where no replica had one, and, sharded, where another replica owns it). The set is the spare again once the update is done with it."""
         missed = len(launched.arrived) < len(self._slot)
         out: dict[int, torch.Tensor | None] = {}
+        if launched.compact:
+            for bucket in launched.buckets:
+                out.update(self._take_kept(bucket, missed))
+            return out
         for bucket in launched.buckets:
             for param, view, flag in zip(bucket.params, bucket.views, self._wait(bucket, missed)):
                 out[id(param)] = view if flag and self.holds(param) else None
         if launched.buckets is not self.buckets:  # 2BW: the spare set again once the update is done with it
             self._spare = launched.buckets
         return out
+
+    def _take_kept(self, bucket: _Bucket, missed: bool) -> dict[int, torch.Tensor | None]:
+        """CHECK, sharded under 2BW: ``bucket``'s kept share (handed over now if the next batch has not yet)."""
+        if bucket.handing_over:
+            self._hand_over(bucket)
+        assert bucket.kept is not None and bucket.kept_flags is not None
+        kept, (copy, flag_at) = bucket.kept, bucket.kept_flags
+        flags = dict(zip(flag_at, copy[list(flag_at.values())].tolist())) if missed and flag_at else {}
+        bucket.kept = bucket.kept_flags = None  # the update holds them now
+        return {
+            id(param): kept[i] if i in kept and (not missed or flags.get(i)) else None
+            for i, param in enumerate(bucket.params)
+        }
+
+    def kept_bytes(self) -> int:
+        """Sharded under 2BW: the bytes of this replica's share of one bucket set (what a batch's set-aside keeps)."""
+        mine = (ALL, self.shards.replica) if self.shards is not None else (ALL,)
+        return sum(part.numel() * part.element_size() for b in self.buckets for o, part in b.segments if o in mine)
 
     def zero(self) -> None:
         """After a step: zero the buckets and point every ``.grad`` at its view again."""

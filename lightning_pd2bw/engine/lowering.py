@@ -33,13 +33,16 @@ class Op:
     backward, whether it is its batch's last on this stage; ``steps``: for an update action, its parts' steps in
     order (each part waits for what it launched before, runs its handler where it acts at this kind, issues what it
     declares: ``update_build.at_action``); for a batch's last backward, the collectives issued during it (the
-    buckets' replica reduces). ``index``: the action's position in the list (a failure's listing marks it)."""
+    buckets' replica reduces); ``reclaims``: for a batch's first backward, the previous batch's collectives still
+    reading the buffers it accumulates into (``Collective.reclaimed``), waited for before it unless their own wait
+    came first. ``index``: the action's position in the list (a failure's listing marks it)."""
 
     action: S.Action
     index: int
     fused: S.Action | None = None
     last: bool = False
     steps: tuple[PartStep, ...] = ()
+    reclaims: tuple[PartStep, ...] = ()  # a batch's first backward: the previous batch's collectives it waits for
 
     @property
     def kind(self) -> S.Kind:
@@ -82,14 +85,19 @@ def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> l
     """The ops of ``actions`` on a stage whose update has ``parts``, batches of ``num_microbatches``."""
     fused = S.fuse_receives(actions)
     at_last_backward = _update_steps(parts, S.BACKWARD)
+    reclaims = tuple((WAIT, part, c) for part, declared in parts for c in declared if c.reclaimed)
     update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
     ops: list[Op] = []
     for index, action in enumerate(actions):
         if action.kind in S.UPDATE_KINDS:
             ops.append(Op(action, index, steps=update[action.kind]))
-        elif action.kind == S.BACKWARD and (action.microbatch + 1) % num_microbatches == 0:
+        elif action.kind == S.BACKWARD:
             # a stage runs its backwards in microbatch order, under every schedule: the batch's highest is its last
-            ops.append(Op(action, index, last=True, steps=at_last_backward))
+            last = (action.microbatch + 1) % num_microbatches == 0
+            first = action.microbatch % num_microbatches == 0
+            ops.append(
+                Op(action, index, last=last, steps=at_last_backward if last else (), reclaims=reclaims if first else ())
+            )
         else:
             ops.append(Op(action, index, fused=fused.get(index)))
     return ops

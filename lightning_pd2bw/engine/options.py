@@ -155,10 +155,12 @@ class PipelineOptions:
         shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
             instead of all-reducing it (``engine/grad_buckets.py``): with the owners' weight broadcast, each
             replica moves what DDP's all-reduce alone moves (ZeRO-1's exchange), about 2/3 of all-reduce plus
-            broadcast. The clip norm and the non-finite check sum the owners' parts over the replicas. Off by
-            default: a replica then holds the average of its own parameters' gradients only, so the
-            ``on_before_optimizer_step`` hooks of the others see None there (a gradient-norm logger sees its
-            replica's share; RigL's regrowth, which reads every gradient, is refused).
+            broadcast, and under 2BW keeps one gradient buffer plus its share of the batch set aside, not two
+            buffers. The clip norm and the non-finite check sum the owners' parts over the replicas. A replica
+            holds the average of its own parameters' gradients only, so the ``on_before_optimizer_step`` hooks see
+            None at the others (a gradient-norm logger sees its replica's share). ``None`` (the default): on
+            wherever the optimizer is sharded, except beside a callback that reads every gradient (RigL's
+            regrowth: the Lightning strategy turns it off there and says so); ``True`` refuses such a callback.
 
         keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
             ``pd2bw-train``'s ``strategy.*``).
@@ -179,8 +181,13 @@ class PipelineOptions:
     delay_correction_strength: float = 1.0
     sync_steps: int = 0
     shard_optimizer: bool = True
-    shard_gradients: bool = False
+    shard_gradients: bool | None = None
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
+
+    @property
+    def gradients_to_owners(self) -> bool:
+        """``shard_gradients`` resolved (None: as ``shard_optimizer``); in effect only at width > 1."""
+        return self.shard_optimizer if self.shard_gradients is None else self.shard_gradients
 
     def __post_init__(self) -> None:
         keys = self.keys

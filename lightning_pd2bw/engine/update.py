@@ -178,6 +178,9 @@ class Collective:
     issued: S.Kind
     waited: S.Kind | None = None
     repeat: int = 1
+    # the next batch's first backward on the stage waits for it, if still in flight (it reads the buffer that
+    # backward accumulates into: the sharded gradients' one bucket set under 2BW, ``grad_buckets.py``)
+    reclaimed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op", CollectiveOp(self.op))

@@ -114,7 +114,7 @@ def build_update(
     buckets = None
     if (width > 1 or versions.mixed) and optimizers:  # mixed: the buckets keep float32 main gradients
         replicated = [p for p in params if id(p) not in tied]
-        owners = shards if options.shard_gradients else None  # each owner's gradients reduced to it
+        owners = shards if options.gradients_to_owners else None  # each owner's gradients reduced to it
         main = torch.float32 if versions.mixed else None  # mixed: float32 main gradients, on every replica alike
         buckets = GradientBuckets(replicated, groups.replica, width, shards=owners, dtype=main)
     clip_val = options.clipping.value
@@ -122,7 +122,7 @@ def build_update(
         options.mode,
         width,
         shard_optimizer=shards is not None,  # the optimizer sharded here (options.shard_optimizer, width > 1)
-        shard_gradients=options.shard_gradients and buckets is not None,
+        shard_gradients=options.gradients_to_owners and buckets is not None,
         nonfinite=options.on_nonfinite,
         clip=options.clipping.kind,
         buckets=0 if buckets is None else buckets.num_buckets,

@@ -22,7 +22,8 @@ from .update import Collective, CollectiveOp, GroupName, SetAside, UpdatePart, U
 
 class BucketReducer(UpdatePart):
     """The replicated gradients' buckets: all-reduced over the replicas (or, ``sharded``, each owner's part reduced
-    to it) during the batch's last backward, handed over in flight at REDUCE, waited for and averaged at CHECK."""
+    to it) during the batch's last backward, handed over in flight at REDUCE, waited for and averaged at CHECK
+    (sharded under 2BW, one bucket set: at the next batch's first backward if that comes first, ``reclaimed``)."""
 
     def __init__(self, buckets: GradientBuckets, params: Sequence[nn.Parameter], double_buffered: bool) -> None:
         self.buckets, self.double_buffered = buckets, double_buffered
@@ -37,7 +38,8 @@ class BucketReducer(UpdatePart):
         if shape.width == 1:
             return []
         op, per_bucket = (CollectiveOp.REDUCE, shape.width) if shape.sharded else (CollectiveOp.ALL_REDUCE, 1)
-        return [Collective(op, GroupName.REPLICA, "replica average", S.BACKWARD, S.CHECK, shape.buckets * per_bucket)]
+        count, one_set = shape.buckets * per_bucket, shape.sharded and shape.double_buffered  # one set: reclaimed
+        return [Collective(op, GroupName.REPLICA, "replica average", S.BACKWARD, S.CHECK, count, reclaimed=one_set)]
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         self.launched[batch] = self.buckets.launch(self.double_buffered)  # in flight until CHECK
@@ -47,10 +49,13 @@ class BucketReducer(UpdatePart):
         aside.grads = [averaged.get(id(p), g) for p, g in zip(self.params, aside.grads)]
 
     def pending_bytes(self) -> int:
+        """The set-aside gradients held beside the buckets the next batch accumulates into (sharded under 2BW: this
+        replica's share of each batch in flight; else each launched set whole)."""
         return sum(
-            b.views[0].element_size() * sum(v.numel() for v in b.views)
+            self.buckets.kept_bytes()
+            if launched.compact
+            else sum(b.views[0].element_size() * sum(v.numel() for v in b.views) for b in launched.buckets)
             for launched in self.launched.values()
-            for b in launched.buckets
         )
 
 

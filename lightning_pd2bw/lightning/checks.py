@@ -11,10 +11,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from ..engine.options import Run
+from ..engine.options import PipelineOptions, Run
 from ..engine.partition import layer_parameter_counts
 
 
@@ -46,18 +46,29 @@ def check_trainer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
         raise ValueError("strategy='pd2bw' runs the optimizer itself; set automatic_optimization=True")
 
 
-def check_callbacks(trainer: pl.Trainer, run: Run) -> None:
+def check_callbacks(trainer: pl.Trainer, run: Run, given: PipelineOptions) -> PipelineOptions:
     """A callback that reads every gradient (``reads_gradients``: RigL's regrowth) needs them whole on each replica;
-    ``shard_gradients`` leaves each replica the gradients of the parameters it owns only."""
-    if not (run.options.shard_gradients and run.width > 1):
-        return
+    sharded gradients leave each replica the gradients of the parameters it owns only. Returns the ``given``
+    options: with ``shard_gradients`` left to its default, turned off beside such a callback (said once); set,
+    refused."""
+    options = run.options
+    if not (options.gradients_to_owners and options.shard_optimizer and run.width > 1):
+        return given
     for callback in trainer.callbacks:
-        if getattr(callback, "reads_gradients", False):
-            raise ValueError(
-                f"{type(callback).__name__} {callback.reads_gradients}, and with "
-                f"{run.options.keys.named('shard_gradients', True)} each replica holds only the gradients of the "
-                "parameters it owns: set shard_gradients=False"
+        if not getattr(callback, "reads_gradients", False):
+            continue
+        if options.shard_gradients is None:
+            rank_zero_info(
+                f"pd2bw: {type(callback).__name__} {callback.reads_gradients}: the replicas all-reduce whole "
+                "gradients (shard_gradients off; set shard_gradients=False to say so)"
             )
+            return given.replace(shard_gradients=False)
+        raise ValueError(
+            f"{type(callback).__name__} {callback.reads_gradients}, and with "
+            f"{options.keys.named('shard_gradients', True)} each replica holds only the gradients of the "
+            "parameters it owns: set shard_gradients=False"
+        )
+    return given
 
 
 def warn_unused_steps(module: pl.LightningModule) -> None:

@@ -90,7 +90,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         lookahead: int = 0,
         compile: bool | dict[str, Any] = False,
         shard_optimizer: bool = True,
-        shard_gradients: bool = False,
+        shard_gradients: bool | None = None,
     ) -> None:
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(*lightning_args, process_group_backend=process_group_backend, timeout=timeout)
@@ -192,7 +192,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         checks.check_trainer(trainer, module)
         if self.strategy_options.plan == "auto":
             self._adopt_plan(trainer, layers)
-        checks.check_callbacks(trainer, self._run())
+        self.options = checks.check_callbacks(trainer, self._run(), self.options)  # RigL: whole gradients
         assert self.grid is not None
         options = self.options
         fitting = trainer.state.fn == TrainerFn.FITTING

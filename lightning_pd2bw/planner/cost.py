@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..engine.delay_correction import buffers as correction_buffers
-from ..engine.layout import Mode
+from ..engine.layout import Mode, sharded_at
 from ..engine.schedule import warmup_forwards
 from .candidate import NCCL_BYTES_PER_COMMUNICATOR, Candidate, ModelProfile
 from .hardware import ClusterSpec
@@ -197,10 +197,13 @@ def memory_of(
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction)
     in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
+    options = candidate.options
+    sharded_gradients = options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer)
     master = share if profile.version_bytes is not None else 0.0  # mixed: the float32 masters of the weights it steps
     return {
         "weights": in_versions + master,  # the versions (mixed: in their compute dtype, and the owned masters)
-        "gradients": versions * weights,  # 2BW: batch b's, set aside until its STEP, and batch b + 1's
+        # 2BW: batch b's, set aside until its STEP, and batch b + 1's (sharded gradients: the owner's share aside)
+        "gradients": weights + (versions - 1) * (share if sharded_gradients else weights),
         "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here
         "activations": stashed,

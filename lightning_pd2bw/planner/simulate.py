@@ -116,8 +116,8 @@ class _Lowering:
         waits for what it launched before, computes, then issues its collectives."""
         kind, batch = op.kind, op.batch
         for step, part, collective in op.steps:
-            if step == WAIT_PART:
-                for handle in self.inflight.pop((batch, collective)):
+            if step == WAIT_PART:  # (none left: the next batch's first backward reclaimed them)
+                for handle in self.inflight.pop((batch, collective), []):
                     self.wait(handle, update=True)
             elif step == RUN_PART and part in PART_COMPUTE and PART_COMPUTE[part][0] == kind:
                 self.ops.append((COMPUTE, PART_COMPUTE[part][1](self.mine)))
@@ -140,6 +140,9 @@ class _Lowering:
             if kind == S.FORWARD:
                 self.ops.append((COMPUTE, self.mine.forward))
             elif kind == S.BACKWARD:
+                for _, _, collective in op.reclaims:  # the previous batch's, still reading the buffers this one fills
+                    for handle in self.inflight.pop((op.batch - 1, collective), []):
+                        self.wait(handle, update=True)
                 self.ops.append((COMPUTE, self.mine.backward))
                 if op.last:
                     self.update(op)

@@ -104,7 +104,7 @@ def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> Up
         options.mode,
         width,
         shard_optimizer=options.shard_optimizer,
-        shard_gradients=options.shard_gradients,
+        shard_gradients=options.gradients_to_owners,
         nonfinite=options.on_nonfinite,
         clip=options.clipping.kind or options.clipping.mode,  # no value given (the Trainer's): by the norm, as recipes
         buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),

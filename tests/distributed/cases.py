@@ -53,7 +53,8 @@ class Case:
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
-    shard_gradients: bool = False  # width > 1: each gradient reduced to its owner (engine/grad_buckets.py)
+    # width > 1: each gradient reduced to its owner (engine/grad_buckets.py); None: the strategy's default (on)
+    shard_gradients: bool | None = None
     sync_steps: int = 0  # 2BW's synchronous start: the first N steps drain after their update (fresh weights)
 
     @property
@@ -330,6 +331,16 @@ CASES = {
             shard_gradients=True,
         ),
         Case("gpt_flush_d2w2_shard_grads_skip", width=2, steps=5, poison_step=2, schedule=True, shard_gradients=True),
+        # 2BW keeps one bucket set and each batch's owners' share aside (bf16 versions: the masters sharded too)
+        Case(
+            "gpt_2bw_d2w2_shard_grads_bf16_skip",
+            width=2,
+            mode="2bw",
+            steps=5,
+            poison_step=2,
+            precision="bf16-mixed",
+            shard_gradients=True,
+        ),
         Case(
             "gpt_flush_d1w4_shard_grads_muon_sparse",
             num_stages=1,

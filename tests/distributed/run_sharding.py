@@ -31,7 +31,9 @@ STEPS = 4
 CASE = Case("sharding", mode="2bw", steps=STEPS, width=2)
 
 
-def build(shard: bool, weight_dtype: torch.dtype | None, stages: int = 2) -> tuple[PipelineEngine, PipelineOptions]:
+def build(
+    shard: bool, weight_dtype: torch.dtype | None, stages: int = 2, shard_gradients: bool = False
+) -> tuple[PipelineEngine, PipelineOptions]:
     torch.manual_seed(0)
     with parameters_on_meta():
         core = GPTCore(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN))
@@ -39,7 +41,10 @@ def build(shard: bool, weight_dtype: torch.dtype | None, stages: int = 2) -> tup
         mode="2bw" if stages > 1 else "flush",  # one stage: data parallelism (2BW refuses it)
         num_stages=stages,
         num_microbatches=stages,
-        shard_optimizer=shard, clipping=Clipping(0.5), weight_dtype=weight_dtype
+        shard_optimizer=shard,
+        shard_gradients=shard_gradients,
+        clipping=Clipping(0.5),
+        weight_dtype=weight_dtype,
     )
     engine = PipelineEngine(
         core.pipeline_layers(),
@@ -54,8 +59,10 @@ def build(shard: bool, weight_dtype: torch.dtype | None, stages: int = 2) -> tup
     return engine, options
 
 
-def train(shard: bool, weight_dtype: torch.dtype | None = None, save: Path | None = None) -> dict:
-    engine, options = build(shard, weight_dtype)
+def train(
+    shard: bool, weight_dtype: torch.dtype | None = None, save: Path | None = None, shard_gradients: bool = False
+) -> dict:
+    engine, options = build(shard, weight_dtype, shard_gradients=shard_gradients)
     replica = engine.grid.replica
     for step in range(STEPS):
         context = torch.autocast("cpu", dtype=weight_dtype, cache_enabled=False) if weight_dtype else None
@@ -66,6 +73,7 @@ def train(shard: bool, weight_dtype: torch.dtype | None = None, save: Path | Non
     stepped = sorted(names[id(p)][0] for o in engine.optimizers for g in o.param_groups for p in g["params"])
     weights = {k: v.detach().clone() for k, v in engine.stage_state_dict().items()}
     params = [(names[id(p)][0], p.numel()) for p in engine.params]
+    tied = [names[id(s.param)][0] for s in engine.shared]  # outside the buckets: summed over the stages
     written = sorted(engine.written_state_dict())
     written_dtypes = sorted({str(v.dtype) for v in engine.written_state_dict().values()})
     if save is not None:
@@ -80,6 +88,7 @@ def train(shard: bool, weight_dtype: torch.dtype | None = None, save: Path | Non
         "stepped": stepped,
         "counters": counters,
         "params": params,
+        "tied": tied,
         "plan": plan,
         "written": written,
         "written_dtypes": written_dtypes,
@@ -101,6 +110,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     result = {"sharded": train(True), "whole": train(False)}
+    result["shard grads"] = train(True, shard_gradients=True)
+    result["bf16 shard grads"] = train(True, torch.bfloat16, shard_gradients=True)
     result["bf16 whole"] = train(False, torch.bfloat16)
     result["bf16 sharded"] = train(True, torch.bfloat16, save=out / "bf16.ckpt")
     result["bf16 reloaded"] = reload(out / "bf16.ckpt", shard=False)

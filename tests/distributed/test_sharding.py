@@ -134,3 +134,32 @@ def test_the_sharded_master_reshards(results, layout):
     assert set(written) == set(expected)
     for name, value in expected.items():
         torch.testing.assert_close(written[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("run", ["shard grads", "bf16 shard grads"])
+def test_sharded_gradients_keep_only_the_owners_share_aside(results, run):
+    """Issue 77, ``shard_gradients`` under 2BW: one gradient bucket set (not two); batch b's set-aside holds this
+    replica's share only (its owners' gradients, copied out of the set once their reduces are done, as the next batch
+    first needs it), about 1/w of the stage's, and the run is the all-reduced run's rule (float32: within the
+    rounding of another summation order; bf16 versions: each owner's master as the unsharded run's)."""
+    for stage in range(DEPTH):
+        ranks = [replica * DEPTH + stage for replica in range(WIDTH)]
+        whole = results[ranks[0]]["sharded" if "bf16" not in run else "bf16 whole"]["counters"]
+        set_bytes = whole["gradient_buffer_bytes"] / 2  # the all-reduced run's two sets
+        kept_over_replicas = 0
+        for rank in ranks:
+            result = results[rank][run]
+            counters, tied = result["counters"], set(result["tied"])
+            assert counters["gradient_buffer_bytes"] == set_bytes, (rank, counters["gradient_buffer_bytes"], set_bytes)
+            sizes = dict(result["params"])
+            owned = [sizes[n] for n in result["stepped"] if n not in tied]  # its bucketed parameters
+            kept = 4 * (sum(owned) + len(owned))  # float32 gradients and one flag each
+            aside = 4 * sum(sizes[n] for n in tied)  # a tied gradient is set aside whole, as unsharded
+            assert counters["peak_pending_gradient_bytes"] == kept + aside, (rank, counters, kept, aside)
+            kept_over_replicas += kept
+        assert kept_over_replicas == set_bytes, "each bucketed gradient kept by its owner alone"
+        reference = "whole" if "bf16" not in run else "bf16 whole"
+        for rank in ranks:
+            got, expected = results[rank][run]["weights"], results[rank][reference]["weights"]
+            for name, value in expected.items():
+                torch.testing.assert_close(got[name].float(), value.to(got[name].dtype).float(), rtol=1e-5, atol=1e-6)

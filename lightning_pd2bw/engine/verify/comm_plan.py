@@ -200,8 +200,8 @@ class RankProgram:
         for step, _, collective in op.steps:
             if collective is None:
                 continue
-            if step == WAIT_PART:
-                for handle in self.inflight.pop((batch, collective)):
+            if step == WAIT_PART:  # (none left: the next batch's first backward reclaimed them)
+                for handle in self.inflight.pop((batch, collective), []):
                     self.wait(handle, f"{at} {collective.what}")
             elif step == ISSUE_PART:
                 channel, members = self.group(collective.group)
@@ -255,6 +255,9 @@ class RankProgram:
         """A batch's last backward on this stage starts the replica all-reduce of each gradient bucket
         (``grad_buckets.py``); CHECK waits for them."""
         self.stashed.discard(op.microbatch)
+        for _, _, collective in op.reclaims:  # the previous batch's, still reading the buffers this one fills
+            for handle in self.inflight.pop((op.batch - 1, collective), []):
+                self.wait(handle, f"{op} reclaims {collective.what}")
         if op.last:
             self.update(op)
 
