@@ -231,7 +231,7 @@ CASES = {
         ),
         Case("gpt_flush_bf16_casts", steps=5, precision="bf16-mixed", weight_dtype=None, sparsity="gmp_uniform"),
         # bf16 versions at width 2: each weight's float32 master on its owner alone; the masks decided alike everywhere
-        Case("gpt_2bw_d2w2_bf16_sparse_gmp", width=2, mode="2bw", steps=5, precision="bf16-mixed", sparsity="gmp_global"),
+        Case("gpt_2bw_d2w2_bf16_gmp", width=2, mode="2bw", steps=5, precision="bf16-mixed", sparsity="gmp_global"),
         Case("gpt_2bw_validate", mode="2bw", num_microbatches=4, steps=5, val_every=2, clip=0.5),
         Case("gpt_2bw_plan_auto", mode="2bw", num_microbatches=4, steps=5, plan="auto"),
         # several optimizers (Muon for the blocks' matrices + AdamW for the rest, each with its schedule)

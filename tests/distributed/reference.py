@@ -139,7 +139,7 @@ def _reference_run(
     mixed = case.precision == "bf16-mixed" and case.weight_dtype is not None
     if sparsity is not None:
         sparsity.sparsifier = sparsity.build(model)
-        if mixed and width > 1:  # each master on its owner alone: the masks ranked on the bf16 weights all replicas hold
+        if mixed and width > 1:  # each master on its owner alone: masks ranked on the bf16 weights every replica holds
             sparsity.sparsifier.score_dtype = torch.bfloat16
         sparsity.end_step_of_run = case.steps  # the runner's trainer.max_steps (SPDF's dense-phase schedule ends there)
         if (change := sparsity.change_at(0)) is not None:

@@ -49,7 +49,7 @@ def test_masks_match_single_process_reference(trained, name):
         assert not got, "sparse-to-dense removed every mask"
 
 
-@pytest.mark.parametrize("name", ["gpt_2bw_d2w2_sparse_static", "gpt_2bw_d2w2_bf16_sparse_gmp"])
+@pytest.mark.parametrize("name", ["gpt_2bw_d2w2_sparse_static", "gpt_2bw_d2w2_bf16_gmp"])
 def test_replicas_hold_identical_masks(trained, name):
     """Random masks, and magnitude masks where only each weight's owner keeps its float32 master (bf16 versions):
     every replica decides from the same values (``Sparsifier.score_dtype``)."""
