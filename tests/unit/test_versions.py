@@ -104,3 +104,29 @@ def test_bfloat16_versions_under_flush_hold_one_version_and_the_master():
         versions.reset_after_drain()  # flush drains after every batch
         versions.use(0)
     assert versions.num_versions == 1 and param.data.float().sub(torch.tensor([4.0, 5.0, 6.0])).abs().max() < 0.02
+
+
+def test_only_the_owned_parameters_keep_a_float32_master():
+    """Issue 77: ``owned`` (the sharded optimizer's share) keeps its float32 master; another replica's parameter lives
+    in the bf16 versions alone. At rest and during the update it shows its newest version (at ``begin_update`` a copy
+    of the last, what hooks read); ``publishable`` casts the owned masters into the newest version (the broadcasts'
+    messages); computing on a version reads owned casts refreshed from the master."""
+    mine, theirs = nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.tensor([3.0, 4.0]))
+    versions = WeightVersions([mine, theirs], double_buffer=True, compute_dtype=torch.bfloat16, owned=[mine])
+    assert versions.sharded_master and versions.unmastered() == [theirs]
+    assert versions.master_bytes == 2 * 4 and mine.dtype == torch.float32 and theirs.dtype == torch.bfloat16
+    versions.begin_update()
+    assert theirs.dtype == torch.bfloat16 and torch.equal(theirs.data, torch.tensor([3.0, 4.0], dtype=torch.bfloat16))
+    with torch.no_grad():
+        mine.add_(0.5)  # the owner's step on its master
+        theirs.copy_(torch.tensor([5.0, 6.0]))  # the owner's broadcast arriving here
+    sent = versions.publishable([mine, theirs])
+    assert torch.equal(sent[0], torch.tensor([1.5, 2.5], dtype=torch.bfloat16))
+    assert sent[1].data_ptr() == theirs.data.data_ptr()  # in place: where the broadcast lands
+    versions.use(1)  # the new version, for compute
+    assert torch.equal(mine.data, sent[0]) and torch.equal(theirs.data, torch.tensor([5.0, 6.0], dtype=torch.bfloat16))
+    versions.use(0)  # the version in-flight microbatches still read: untouched
+    assert torch.equal(mine.data, torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    assert torch.equal(theirs.data, torch.tensor([3.0, 4.0], dtype=torch.bfloat16))
+    versions.rest()
+    assert mine.dtype == torch.float32 and torch.equal(mine.data, torch.tensor([1.5, 2.5]))
