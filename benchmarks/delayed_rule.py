@@ -272,6 +272,11 @@ def main() -> None:
         help="write the time to quality where the docs and pd2bw-plan read it (docs/_generated/, planner/step_overhead.json)",
     )
     parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="only re-derive every recorded row's planned 2BW/Flush ratios from today's planner (no training)",
+    )
+    parser.add_argument(
         "--rates",
         choices=("planned", "measured"),
         default="planned",
@@ -283,6 +288,11 @@ def main() -> None:
         help="Hydra overrides, as pd2bw-train takes them; 'sync:KEY=V' or '2bw:KEY=V' for one rule",
     )
     args = parser.parse_args()
+    if args.replan:
+        from benchmarks.time_to_quality import replan
+
+        replan()
+        return
     rules = args.rules.split(",")
     if unknown := set(rules) - set(RULES):
         parser.error(f"--rules: {sorted(unknown)} unknown; the rules are {RULES}")

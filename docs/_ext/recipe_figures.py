@@ -130,8 +130,7 @@ def modes_table(twobw: dict[str, str], whole: dict[str, str], flush: dict[str, s
         "2BW's extra memory is its second weight version, its share of a batch's gradients set aside and the delay "
         f"correction's buffers ({extra:.1f} GiB on stage 0). All-reducing whole gradients needs a second gradient "
         "buffer but lets the reduce finish behind half a batch; reduced to their owners, it must finish within about "
-        "one microbatch (the planner waits for a stage's whole reduce before the next batch's first backward, an "
-        "upper bound: the engine waits bucket by bucket).",
+        "one microbatch (the next batch's first backward waits for each bucket's reduce as it first adds into it).",
     ]
     return "\n".join(lines) + "\n"
 

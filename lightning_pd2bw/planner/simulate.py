@@ -140,10 +140,14 @@ class _Lowering:
             if kind == S.FORWARD:
                 self.ops.append((COMPUTE, self.mine.forward))
             elif kind == S.BACKWARD:
-                for _, _, collective in op.reclaims:  # the previous batch's, still reading the buffers this one fills
-                    for handle in self.inflight.pop((op.batch - 1, collective), []):
-                        self.wait(handle, update=True)
-                self.ops.append((COMPUTE, self.mine.backward))
+                # the previous batch's reduces still reading the buckets this backward fills: bucket by bucket, in the
+                # order the backward fills them (the order they were issued), each before its share of the backward
+                reclaimed = [h for _, _, c in op.reclaims for h in self.inflight.pop((op.batch - 1, c), [])]
+                for handle in reclaimed:
+                    self.wait(handle, update=True)
+                    self.ops.append((COMPUTE, self.mine.backward / len(reclaimed)))
+                if not reclaimed:
+                    self.ops.append((COMPUTE, self.mine.backward))
                 if op.last:
                     self.update(op)
             elif kind in (S.SEND_FORWARD, S.SEND_BACKWARD):

@@ -109,3 +109,19 @@ def test_many_microbatches_extrapolate_by_the_steady_state_period():
     costs = [StageCosts(2.0, 4.0, shape=UpdateShape(True)), StageCosts(1.0, 2.0, shape=UpdateShape(True))]
     assert simulate(Layout(d, m, "2bw"), costs, free).step_time == pytest.approx(m * 6.0)
     assert simulate(Layout(d, m, "flush"), costs, free).step_time == pytest.approx(m * 6.0 + 1.0)
+
+
+def test_sharded_gradients_under_2bw_are_reclaimed_by_the_next_batchs_first_backward():
+    """Issue 77: reduced to their owners, 2BW's gradients keep one bucket set, so batch b + 1's first backward waits
+    for batch b's reduces (``Collective.reclaimed``), each before its share of the backward: cover of one forward
+    (F B | F B ...: F = 1, B = 2), not CHECK's half a batch (7, above). One bucket, two owners, each reduce 2.5: the
+    first is waited for 1.5 after the forward, the second after the backward's first half, 1.5 more: + 3 per step.
+    All-reduced (two sets), the same 5 hide behind half a batch."""
+    d, m, width = 1, 4, 2
+    sharded = [StageCosts(1.0, 2.0, shape=UpdateShape(True, width, buckets=1, sharded=True, owners_broadcast=True))]
+    whole = [StageCosts(1.0, 2.0, shape=UpdateShape(True, width, buckets=1, owners_broadcast=True))]
+    short = simulate(Layout(d, m, "2bw"), sharded, bucket_all_reduce(0.25))
+    assert short.step_time == pytest.approx(m * 3)
+    long = simulate(Layout(d, m, "2bw"), sharded, bucket_all_reduce(2.5))
+    assert long.step_time == pytest.approx(m * 3 + 3.0)
+    assert simulate(Layout(d, m, "2bw"), whole, bucket_all_reduce(5.0)).step_time == pytest.approx(m * 3)
