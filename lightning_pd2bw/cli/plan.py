@@ -33,7 +33,7 @@ def _select_cluster(argv: list[str]) -> list[str]:
 def search_plans(cfg, model, mode: str | None = None):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: the same run in another mode
-    (Flush without a lookahead)."""
+    (Flush without a lookahead, its gradients as the planner weighs them: ``search.gradient_choices``)."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
@@ -41,7 +41,8 @@ def search_plans(cfg, model, mode: str | None = None):
     options = check_options(cfg.strategy)
     options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
     if mode is not None and mode != options.mode:
-        options = options.replace(mode=mode, lookahead=options.lookahead if mode == "2bw" else 0)
+        lookahead = options.lookahead if mode == "2bw" else 0
+        options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None)
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
     return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
 
@@ -102,11 +103,13 @@ def recompute_value(recompute: bool | tuple[int, ...]) -> str:
 def train_overrides(cluster, best) -> str:
     """The ``pd2bw-train`` overrides that run prediction ``best`` on ``cluster`` (beside the plan's own)."""
     chosen = best.candidate
+    gradients = chosen.options.shard_gradients  # chosen by the planner where the run left it to the default
     return (
         f"trainer.num_nodes={cluster.num_nodes} trainer.devices={cluster.devices_per_node} "
         f"strategy.num_stages={chosen.depth} micro_batch_size={chosen.micro_batch_size} "
         f"'strategy.recompute={recompute_value(chosen.recompute)}' "
         f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'"
+        + (f" strategy.shard_gradients={str(gradients).lower()}" if gradients is not None else "")
     )
 
 

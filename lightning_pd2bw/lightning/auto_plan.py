@@ -78,5 +78,6 @@ def choose(
         num_microbatches=best.num_microbatches,
         recompute=chosen.recompute,
         layers_per_stage=tuple(len(r) for r in best.stages),
+        shard_gradients=chosen.options.shard_gradients,  # the planner's choice where left to the default (2BW)
     )
     return planned, best, global_batch // chosen.width

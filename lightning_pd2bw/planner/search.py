@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..engine.layout import Mode
+from ..engine.layout import Mode, sharded_at
 from ..engine.options import PipelineOptions
 from ..errors import Refusal
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict, stage_memory
@@ -127,8 +127,20 @@ def candidates(
             if per_replica % micro or per_replica // micro < depth:
                 continue
             for recompute in (False, True):
-                out.append(Candidate.of(options, width, depth, micro, recompute))
+                for chosen in gradient_choices(options, width):
+                    out.append(Candidate.of(chosen, width, depth, micro, recompute))
     return out
+
+
+def gradient_choices(options: PipelineOptions, width: int) -> list[PipelineOptions]:
+    """``options`` as given, or under 2BW with ``shard_gradients`` left to its default (and the optimizer sharded, at
+    width > 1) both ways: reduced to their owners (one gradient buffer, the reduce covered by about one microbatch)
+    or all-reduced whole (two buffers, covered by half a batch): the planner weighs memory against the cover."""
+    if options.shard_gradients is not None or not Mode(options.mode).double_buffered:
+        return [options]
+    if not sharded_at(width, options.shard_optimizer):
+        return [options]
+    return [options.replace(shard_gradients=True), options.replace(shard_gradients=False)]
 
 
 def search(
@@ -209,9 +221,10 @@ def refusal(too_big: list[Prediction], cluster: ClusterSpec, capacity: float, gl
 
 def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool = True) -> str:
     rows = [
-        f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} "
+        f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} {'grads':>6} "
         f"{'samples/s':>10} {'batch s':>9} {'update':>6} {'max stage GiB':>13}  stage memory GiB"
-    ]  # update: the slowest stage's update (blocked on its collectives and its own compute), of the batch time
+    ]  # grads: reduced to their owners or all-reduced whole (shard_gradients); update: the slowest stage's update
+    # (blocked on its collectives and its own compute), of the batch time
     for rank, p in enumerate(predictions[:limit], 1):
         c = p.candidate
         per_stage = " ".join(f"{sum(m.values()) / GiB:.1f}" for m in p.stage_memory)
@@ -220,10 +233,18 @@ def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool 
             per_stage = f"{memories[0]:.1f} ... {memories[-1]:.1f} ({len(memories)} stages)"
         rows.append(
             f"{rank if fits else '-':>4} {c.width:>5} {c.depth:>5} {c.micro_batch_size:>5} {p.num_microbatches:>4} "
-            f"{recompute_text(c.recompute):>9} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
+            f"{recompute_text(c.recompute):>9} {gradients_text(c):>6} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
             f"{100 * p.update_time / p.batch_time:>5.1f}% {p.peak_memory / GiB:>13.1f}  {per_stage}"
         )
     return "\n".join(rows)
+
+
+def gradients_text(candidate: Candidate) -> str:
+    """``owner`` (each gradient reduced to its owner), ``all`` (all-reduced), ``-`` (one replica)."""
+    if candidate.width == 1:
+        return "-"
+    options = candidate.options
+    return "owner" if options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer) else "all"
 
 
 def recompute_text(recompute: bool | tuple[int, ...]) -> str:
