@@ -22,7 +22,9 @@ each owner's parameters lie together, their flags beside them, and each owner's 
 (``dist.reduce``) instead of all-reduced: with the owners' weight broadcast after the step, each replica moves what
 DDP's all-reduce alone moves (ZeRO-1's exchange) instead of an all-reduce plus that broadcast. Only the owner then
 holds the average; elsewhere the parameter's gradient is None for the update (a parameter no optimizer steps has no
-owner and stays all-reduced).
+owner and stays all-reduced). Under 2BW sharded buckets keep one set, not two: the next batch's first gradient into a
+bucket (or CHECK, if first) waits for its reduces, copies this replica's segments out as the batch's set-aside and
+zeroes it (``_hand_over``; the lowering's ``Collective.reclaimed``).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class _Bucket:
     views: list[torch.Tensor]
     flag_at: torch.Tensor  # each parameter's flag: its index in ``flat``
     segments: list[tuple[int, torch.Tensor]]  # (owner replica or ALL, its part of ``flat``)
+    positions: list[list[int]]  # each segment's parameters, as positions in ``params``
     waiting: int = 0  # gradients still to arrive in the armed backward
     work: list[Any] | None = None  # its collectives, once started
     # sharded under 2BW: the launched batch's reduces still read ``flat``, which the next batch accumulates into once
@@ -95,9 +98,11 @@ def _new_bucket(params: list[nn.Parameter], dtype: torch.dtype, owner_of: dict[i
     views: list[torch.Tensor] = []
     flag_at: list[int] = []
     segments: list[tuple[int, torch.Tensor]] = []
+    positions: list[list[int]] = []
     offset = 0
     for key, members in itertools.groupby(params, key=owner):
         members = list(members)
+        positions.append(list(range(len(views), len(views) + len(members))))
         start = offset
         for param in members:
             views.append(flat[offset : offset + param.numel()].view_as(param))
@@ -106,7 +111,7 @@ def _new_bucket(params: list[nn.Parameter], dtype: torch.dtype, owner_of: dict[i
         offset += len(members)
         segments.append((key, flat[start:offset]))
     index = torch.tensor(flag_at, dtype=torch.long, device=flat.device)
-    return _Bucket(params, flat, views, index, segments)
+    return _Bucket(params, flat, views, index, segments, positions)
 
 
 @dataclass
@@ -244,28 +249,21 @@ class GradientBuckets:
         for work in bucket.work or []:
             work.wait()
         bucket.work = None
-        ours = [part for owner, part in bucket.segments if owner in (ALL, self.shards.replica)]
-        copy = torch.cat(ours) if ours else bucket.flat[:0].clone()
+        mine = (ALL, self.shards.replica)
+        ours = [(part, at) for (owner, part), at in zip(bucket.segments, bucket.positions) if owner in mine]
+        copy = torch.cat([part for part, _ in ours]) if ours else bucket.flat[:0].clone()
         copy.div_(self.size)
         kept, flag_at, offset = {}, {}, 0
-        for owner, members in itertools.groupby(range(len(bucket.params)), key=self._owner_index(bucket)):
-            members = list(members)
-            if owner not in (ALL, self.shards.replica):
-                continue
-            for position in members:
+        for _, at in ours:  # a segment: its gradients, then one flag per parameter (``_new_bucket``)
+            for position in at:
                 numel = bucket.params[position].numel()
                 kept[position] = copy[offset : offset + numel].view_as(bucket.params[position])
                 offset += numel
-            flag_at.update({position: offset + i for i, position in enumerate(members)})
-            offset += len(members)
+            flag_at.update({position: offset + i for i, position in enumerate(at)})
+            offset += len(at)
         bucket.kept, bucket.kept_flags = kept, (copy, flag_at)
         bucket.flat.zero_()
         bucket.handing_over = False
-
-    def _owner_index(self, bucket: _Bucket) -> Any:
-        """``position -> owner`` of ``bucket``'s parameters (the order ``_new_bucket`` laid its segments in)."""
-        owner_of = self._owner_of or {}
-        return lambda position: owner_of.get(id(bucket.params[position]), ALL)
 
     def launch(self, double_buffered: bool = True) -> Launched:
         """REDUCE: start what has not started and hand the buckets over in flight (``complete`` waits).
