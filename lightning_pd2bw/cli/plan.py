@@ -32,16 +32,17 @@ def _select_cluster(argv: list[str]) -> list[str]:
 
 def search_plans(cfg, model, mode: str | None = None):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
-    delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: the same run in another mode
-    (Flush without a lookahead, its gradients as the planner weighs them: ``search.gradient_choices``)."""
+    delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: that mode at its best plan
+    (Flush without a lookahead; the gradients as the planner weighs them, ``search.gradient_choices``, whatever the
+    run set: a recipe's ``shard_gradients`` is chosen for its own mode)."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
 
     options = check_options(cfg.strategy)
     options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
-    if mode is not None and mode != options.mode:
-        lookahead = options.lookahead if mode == "2bw" else 0
+    if mode is not None:
+        lookahead = options.lookahead if mode == options.mode or mode == "2bw" else 0
         options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None)
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
     return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
@@ -78,19 +79,28 @@ def plan(cfg, limit: int = 10) -> str:
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:
-    """Both modes' best planned rates (2BW's and Flush's, whichever the run's mode is) and the step overhead at which
-    they reach a loss at the same time."""
+    """Both modes' best planned rates (2BW's and Flush's, each at its best plan whatever the run's mode and its
+    ``shard_gradients``) and the step overhead at which they reach a loss at the same time; a line more where the
+    run's own ``shard_gradients`` plans its mode slower than its best (``rate``: the run's best)."""
     from ..planner.search import NoPlanFits
     from ..planner.step_overhead import choice_text
 
-    rates = {mode: rate}
-    for other in ("2bw", "flush"):
-        if other not in rates:
-            try:
-                rates[other] = search_plans(cfg, model, other)[0][0].throughput
-            except NoPlanFits:
-                return f"2BW or Flush: no {other} plan fits this cluster"
-    return choice_text(rates["2bw"], rates["flush"])
+    rates = {mode: rate} if cfg.strategy.shard_gradients is None else {}  # the run's best is its mode's best
+    for each in [m for m in ("2bw", "flush") if m not in rates]:
+        try:
+            rates[each] = search_plans(cfg, model, each)[0][0].throughput
+        except NoPlanFits:
+            if each == mode:
+                rates[each] = rate
+            else:
+                return f"2BW or Flush: no {each} plan fits this cluster"
+    text = choice_text(rates["2bw"], rates["flush"])
+    if rates[mode] > rate * 1.001:
+        text += (
+            f"\n  this run's strategy.shard_gradients={str(cfg.strategy.shard_gradients).lower()} plans {mode} at "
+            f"{rate:.1f} samples/s, its best at {rates[mode]:.1f}: strategy.shard_gradients=null lets the planner choose"
+        )
+    return text
 
 
 def recompute_value(recompute: bool | tuple[int, ...]) -> str:
