@@ -99,6 +99,7 @@ class TokensDataSchema:
 STRATEGY_YAML_TYPES: dict[str, Any] = {
     "boundary_dtype": str | None,  # auto | null | bfloat16 | float16 | float32
     "weight_dtype": str | None,  # auto | null | bfloat16
+    "grad_reduce_dtype": str | None,  # null (the gradients' own) | float32 | bfloat16
     "layers_per_stage": list[int] | None,  # null: the planner's time-balanced cut (pd2bw-train)
     "recompute": Any,  # true | false | [n0, n1, ...]: per stage, its first layers recomputed
     "compile": Any,  # true | {backend: ..., mode: ..., fullgraph: ...}

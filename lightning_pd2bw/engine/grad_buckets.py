@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .gradients import buckets as group_in_buckets
+from .gradients import replica_bucket_bytes
 
 if TYPE_CHECKING:
     from .sharding import OptimizerShards
@@ -53,6 +54,19 @@ def release(params: Sequence[nn.Parameter]) -> None:
         handle = _HOOKS.pop(param, None)
         if handle is not None:
             handle.remove()
+
+
+class _CastBack:
+    """A segment's collective run on a copy in ``grad_reduce_dtype``: once it is done, the result is cast back into
+    the float32 segment where this replica receives it (the owner, or every replica for an all-reduce)."""
+
+    def __init__(self, work: Any, message: torch.Tensor, part: torch.Tensor, receives: bool) -> None:
+        self.work, self.message, self.part, self.receives = work, message, part, receives
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.receives:
+            self.part.copy_(self.message)
 
 
 class _Done:
@@ -131,15 +145,19 @@ class GradientBuckets:
     params: Sequence[nn.Parameter]
     group: Any
     size: int
-    limit: int | None = None  # bytes per bucket (default: gradients.BUCKET_BYTES)
+    limit: int | None = None  # bytes per bucket (default: ``gradients.replica_bucket_bytes``, Megatron-LM's)
     shards: OptimizerShards | None = None  # sharded gradients: each owner's part reduced to it alone
     # the gradients' dtype (mixed weights: float32, whatever dtype a parameter points at here); None: each one's own
     dtype: torch.dtype | None = None
+    # the dtype the sums over the replicas travel in (``PipelineOptions.grad_reduce_dtype``); None: the buckets' own
+    reduce_dtype: torch.dtype | None = None
     buckets: list[_Bucket] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         order = [p for p in reversed(list(self.params)) if p.requires_grad]
-        groups = group_in_buckets(order, dtype=self.dtype, **({"limit": self.limit} if self.limit else {}))
+        itemsize = (self.dtype or (order[0].dtype if order else torch.float32)).itemsize
+        limit = self.limit or replica_bucket_bytes(self.size, itemsize)
+        groups = group_in_buckets(order, limit=limit, dtype=self.dtype)
         shards = self.shards
         self._owner_of = None if shards is None else {id(p): o for p, o in zip(shards.params, shards.owners)}
         self._slot: dict[int, tuple[int, int]] = {}  # id(parameter) -> (bucket index, position), in either set
@@ -229,10 +247,15 @@ class GradientBuckets:
         self._next += 1
 
     def _collective(self, owner: int, part: torch.Tensor) -> Any:
-        """A segment's sum over the replicas: to its owner alone (sharded), else to every replica."""
+        """A segment's sum over the replicas: to its owner alone (sharded), else to every replica; in
+        ``reduce_dtype`` on a cast copy where that differs from the bucket's (cast back when waited for)."""
+        cast = self.reduce_dtype is not None and self.reduce_dtype != part.dtype
+        message = part.to(self.reduce_dtype) if cast else part
         if owner == ALL:
-            return dist.all_reduce(part, group=self.group, async_op=True)
-        return dist.reduce(part, dst=self.shards.ranks[owner], group=self.group, async_op=True)
+            work = dist.all_reduce(message, group=self.group, async_op=True)
+        else:
+            work = dist.reduce(message, dst=self.shards.ranks[owner], group=self.group, async_op=True)
+        return _CastBack(work, message, part, owner == ALL or owner == self.shards.replica) if cast else work
 
     def _wait(self, bucket: _Bucket, missed: bool) -> list[float]:
         """Wait for ``bucket``'s collectives and average; its flags (read only where a gradient was missed)."""

@@ -161,6 +161,13 @@ class PipelineOptions:
             None at the others (a gradient-norm logger sees its replica's share). ``None`` (the default): on
             wherever the optimizer is sharded, except beside a callback that reads every gradient (RigL's
             regrowth: the Lightning strategy turns it off there and says so); ``True`` refuses such a callback.
+        grad_reduce_dtype: the dtype the replicated gradients travel in over the replicas. None (the default): the
+            gradients' own, float32 under ``bf16-mixed`` and in full precision (as Megatron-LM's
+            ``grad_reduce_in_fp32`` under bf16 and FSDP2's default ``reduce_dtype``); ``"bfloat16"``: half the bytes
+            of the gradient reduce, the sum over the replicas rounded to bf16's 8-bit mantissa. The gradients still
+            accumulate over the microbatches in their own dtype and the average lands there: each bucket is cast as
+            it starts and cast back where it is received (``grad_buckets.py``), at the cost of the cast copy of the
+            buckets in flight (the planner counts it). No effect at width 1.
 
         keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
             ``pd2bw-train``'s ``strategy.*``).
@@ -182,6 +189,7 @@ class PipelineOptions:
     sync_steps: int = 0
     shard_optimizer: bool = True
     shard_gradients: bool | None = None
+    grad_reduce_dtype: str | torch.dtype | None = None
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
 
     @property
@@ -226,6 +234,14 @@ class PipelineOptions:
             )
         for name in ("boundary_dtype", "weight_dtype"):
             self._set(name, dtype_option(name, getattr(self, name), keys))
+        given = self.grad_reduce_dtype
+        reduce_dtype = getattr(torch, given, given) if isinstance(given, str) else given
+        if reduce_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"{keys.named('grad_reduce_dtype', given)} is invalid; valid: None (the gradients' own dtype, "
+                "float32 under bf16-mixed), 'float32' or 'bfloat16' (half the gradient reduce's bytes)"
+            )
+        self._set("grad_reduce_dtype", reduce_dtype)
         self._set("compile", compile_options(self.compile, self.mode, keys.option("compile")))
 
     def _set(self, name: str, value: Any) -> None:

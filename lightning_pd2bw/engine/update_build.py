@@ -116,7 +116,10 @@ def build_update(
         replicated = [p for p in params if id(p) not in tied]
         owners = shards if options.gradients_to_owners else None  # each owner's gradients reduced to it
         main = torch.float32 if versions.mixed else None  # mixed: float32 main gradients, on every replica alike
-        buckets = GradientBuckets(replicated, groups.replica, width, shards=owners, dtype=main)
+        reduce_dtype = options.grad_reduce_dtype  # the sums over the replicas: float32, or bfloat16 on a cast copy
+        buckets = GradientBuckets(
+            replicated, groups.replica, width, shards=owners, dtype=main, reduce_dtype=reduce_dtype
+        )
     clip_val = options.clipping.value
     shape = UpdateShape.of(
         options.mode,

@@ -91,6 +91,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         compile: bool | dict[str, Any] = False,
         shard_optimizer: bool = True,
         shard_gradients: bool | None = None,
+        grad_reduce_dtype: str | torch.dtype | None = None,
     ) -> None:
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(*lightning_args, process_group_backend=process_group_backend, timeout=timeout)
@@ -111,6 +112,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             sync_steps=sync_steps,
             shard_optimizer=shard_optimizer,
             shard_gradients=shard_gradients,
+            grad_reduce_dtype=grad_reduce_dtype,
             keys=STRATEGY_KEYS,
         )
         self.strategy_options = own = StrategyOptions(  # the strategy's own
@@ -301,11 +303,8 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         assert self.engine is not None
-        loss = self.engine.train_batch(
-            batch,
-            global_step=self.lightning_module.trainer.global_step,
-            context=self.precision_plugin.train_step_context(),
-        )  # 2BW: the previous batch's loss (its backwards finish in this step)
+        step, context = self.lightning_module.trainer.global_step, self.precision_plugin.train_step_context()
+        loss = self.engine.train_batch(batch, global_step=step, context=context)  # 2BW: the previous batch's loss
         if loss is None:
             return torch.zeros((), device=self.root_device)
         self.lightning_module.log("train_loss", loss, prog_bar=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..engine.layout import Mode, sharded_at
 from ..engine.options import PipelineOptions, recomputed_layers
 from ..engine.sharding import owners_of
@@ -112,6 +114,12 @@ class Candidate:
         sizes = [n for i in span for n in profile.layer_tensors[i]]
         _, load = owners_of(sizes, self.width)
         return max(load) / sum(sizes) if sizes else share
+
+    def reduce_bytes(self, profile: ModelProfile) -> int:
+        """Bytes per parameter of the cast copy a gradient reduce sends (``grad_reduce_dtype`` narrower than the
+        gradients), or 0 where the buckets travel as they are."""
+        dtype = self.options.grad_reduce_dtype
+        return dtype.itemsize if isinstance(dtype, torch.dtype) and dtype.itemsize < profile.weight_bytes else 0
 
     @property
     def delay_correction(self) -> str | None:

@@ -199,11 +199,13 @@ def memory_of(
     in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
     options = candidate.options
     sharded_gradients = options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer)
+    reduce_copy = params * candidate.reduce_bytes(profile) if candidate.width > 1 else 0.0
     master = share if profile.version_bytes is not None else 0.0  # mixed: the float32 masters of the weights it steps
     return {
         "weights": in_versions + master,  # the versions (mixed: in their compute dtype, and the owned masters)
         # 2BW: batch b's, set aside until its STEP, and batch b + 1's (sharded gradients: the owner's share aside)
-        "gradients": weights + (versions - 1) * (share if sharded_gradients else weights),
+        # (+ the cast copy the reduce sends where ``grad_reduce_dtype`` is narrower: every bucket in flight at once)
+        "gradients": weights + (versions - 1) * (share if sharded_gradients else weights) + reduce_copy,
         "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here
         "activations": stashed,

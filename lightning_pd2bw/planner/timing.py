@@ -6,7 +6,7 @@ each way per microbatch (latency + bytes over NVLink inside a server, or the ser
 stages on it), the optimizer's step over the weights this replica steps, and the gradients read once each for the
 non-finite flags and the clip norm (at the device's memory bandwidth). Per collective the update's parts declare
 (``update_parts.py``): the replica all-reduce of the gradients (ring, on the level of the topology the replicas
-span; split in ``gradients.BUCKET_BYTES`` buckets; with ``shard_gradients`` each bucket reduced to its owners, half
+span; split in ``gradients.replica_bucket_bytes`` buckets; with ``shard_gradients`` each bucket reduced to its owners, half
 the bytes), the tied parameters' replica average and their sum between the stages holding them, the scalar sums
 over the pipeline and the shard group, and the sharded optimizer's owners' broadcasts (an all-gather's bytes in
 all; in the weight versions' dtype under mixed weights). The planner assumes the recipes' clipping by the global norm.
@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from ..engine import schedule as S
-from ..engine.gradients import BUCKET_BYTES
+from ..engine.gradients import replica_bucket_bytes
 from ..engine.layout import Layout
 from ..engine.update import Collective, CollectiveOp, GroupName, UpdateShape
 from .candidate import Candidate, ModelProfile
@@ -107,7 +107,7 @@ def update_shape(profile: ModelProfile, candidate: Candidate, span: range) -> Up
         shard_gradients=options.gradients_to_owners,
         nonfinite=options.on_nonfinite,
         clip=options.clipping.kind or options.clipping.mode,  # no value given (the Trainer's): by the norm, as recipes
-        buckets=max(1, math.ceil(replicated / BUCKET_BYTES)),
+        buckets=max(1, math.ceil(replicated / replica_bucket_bytes(width, profile.weight_bytes))),
         tied=tied_parameters(profile, span) > 0,
     )
 
@@ -122,7 +122,8 @@ def collective_cost(
         shape = update_shape(profile, candidate, span)
         params = sum(profile.layers[i].parameters for i in span)
         tied = tied_parameters(profile, span) * profile.weight_bytes
-        replicated = (params * profile.weight_bytes - tied) / max(1, shape.buckets)
+        travels = candidate.reduce_bytes(profile) or profile.weight_bytes  # per parameter (``grad_reduce_dtype``)
+        replicated = (params * profile.weight_bytes - tied) / max(1, shape.buckets) * travels / profile.weight_bytes
         if collective.group is GroupName.REPLICA and collective.issued == S.BACKWARD:  # one bucket (or an owner's part)
             whole = allreduce_time(replicated, candidate, cluster)
             return whole / 2 / shape.width if collective.op is CollectiveOp.REDUCE else whole

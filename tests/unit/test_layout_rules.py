@@ -269,6 +269,7 @@ DECLARATIONS = {
     "delay_correction_strength": 2,
     "failure_timeout": 3,
     "global_batch_size": 4,
+    "grad_reduce_dtype": 2,  # 0.14.0: PipelineOptions and the strategy's keyword, as every engine option
     "hang_timeout": 4,
     "layers_per_stage": 4,
     "lookahead": 5,

@@ -302,8 +302,10 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     choice = re.search(
         r"^2BW or Flush: 2BW's best plan ([\d.]+) samples/s, Flush's ([\d.]+) \(([\d.]+)x\)", result.stdout, re.M
     )
-    assert choice and float(choice[1]) == best, result.stdout[-2000:]
-    assert abs(float(choice[3]) - best / float(choice[2])) <= 0.005 + 1e-9  # printed to 2 decimals
+    assert choice and float(choice[1]) >= round(best, 1), result.stdout[-2000:]  # 2BW at its best plan
+    if float(choice[1]) > round(best, 1):  # the recipe's shard_gradients is not 2BW's best here: said so
+        assert f"plans 2bw at {best:.1f} samples/s, its best at {choice[1]}" in result.stdout
+    assert abs(float(choice[3]) - float(choice[1]) / float(choice[2])) <= 0.005 + 0.06 / float(choice[2])  # rounded
     refused = subprocess.run(
         [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
