@@ -21,7 +21,13 @@ def load(*overrides: str):
     with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
         return compose(
             config_name="tiny",
-            overrides=[f"hydra.searchpath=[file://{CONF}]", CLUSTER, "strategy.shard_gradients=false", "global_batch_size=512", *overrides],
+            overrides=[
+                f"hydra.searchpath=[file://{CONF}]",
+                CLUSTER,
+                "strategy.shard_gradients=false",
+                "global_batch_size=512",
+                *overrides,
+            ],
         )
 
 
