@@ -102,10 +102,10 @@ def costs_table(runs: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def modes_table(twobw: dict[str, str], owners: dict[str, str], flush: dict[str, str]) -> str:
-    """The recipe (2BW, whole gradients all-reduced: the plan's best), 2BW with each gradient reduced to its owner,
-    and Flush, at one layout."""
-    columns = (twobw, owners, flush)
+def modes_table(twobw: dict[str, str], whole: dict[str, str], flush: dict[str, str]) -> str:
+    """The recipe (2BW, each gradient reduced to its owner: the default), 2BW with whole gradients all-reduced, and
+    Flush, at one layout."""
+    columns = (twobw, whole, flush)
     rows = [
         ("layout", f"{twobw['stages']} stages x {twobw['replicas']} replicas, micro {twobw['micro']}, "
                    f"m = {twobw['microbatches']}, {twobw['recompute']}", "the same", "the same"),
@@ -113,25 +113,25 @@ def modes_table(twobw: dict[str, str], owners: dict[str, str], flush: dict[str, 
         ("fullest stage (H100, 80 GB)", *(f["fullest"] for f in columns)),
         (f"{twobw['tokens']} tokens ({twobw['steps']} steps)",
          f"{twobw['days']} days on {twobw['devices']} GPUs, {twobw['device_hours']} GPU-hours",
-         *(f"{f['days']} days, {f['device_hours']} GPU-hours" for f in (owners, flush))),
-        ("a checkpoint", f"{twobw['save']} per save, {twobw['save_rank']} on the fullest rank", owners["save"],
+         *(f"{f['days']} days, {f['device_hours']} GPU-hours" for f in (whole, flush))),
+        ("a checkpoint", f"{twobw['save']} per save, {twobw['save_rank']} on the fullest rank", whole["save"],
          flush["save"]),
         ("the tokenized corpus", *(f["corpus"] for f in columns)),
     ]  # fmt: skip
     lines = [
-        "| | 2BW (the recipe) | 2BW, gradients to their owners (`strategy.shard_gradients=true`) | Flush, same "
-        "layout, gradients to their owners (`strategy.mode=flush strategy.shard_gradients=true`) |",
+        "| | 2BW (the recipe; gradients to their owners, the default) | 2BW, whole gradients "
+        "(`strategy.shard_gradients=false`) | Flush, same layout (`strategy.mode=flush`) |",
         "|---|---|---|---|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    extra = float(twobw["stage0"].split()[0]) - float(flush["stage0"].split()[0])
+    stage0 = [float(f["stage0"].split()[0]) for f in columns]
     lines += [
         "",
-        "2BW's extra memory is its second weight version, the second gradient buffer and the delay correction's "
-        f"buffers ({extra:.1f} GiB on stage 0). Reduced to their owners (the engine's default; `pd2bw-plan` weighs "
-        "both), 2BW keeps one gradient buffer and its share of a batch aside, but the reduce must finish within "
-        "about one microbatch (the next batch's first backward waits for each bucket as it first adds into it), "
-        "not half a batch.",
+        "2BW's extra memory over Flush is its second weight version, the delay correction's buffers and its share of "
+        f"a batch's gradients set aside ({stage0[0] - stage0[2]:.1f} GiB on stage 0). With whole gradients it keeps "
+        f"a second gradient buffer instead ({stage0[1] - stage0[2]:.1f} GiB over Flush), so their all-reduce hides "
+        "behind half a batch; reduced to their owners, the reduce must finish within about one microbatch (the next "
+        "batch's first backward waits for each bucket as it first adds into it).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -155,9 +155,9 @@ def outputs() -> dict[Path, str]:
     """Every generated file and the README, as the dry runs make them now."""
     texts = {name: dry_run(name) for name in RECIPES}
     runs = {name: figures(text) for name, text in texts.items()}
-    flush = figures(dry_run("gpt13b", "strategy.mode=flush", "strategy.shard_gradients=true"))  # Flush's best
-    owners = figures(dry_run("gpt13b", "strategy.shard_gradients=true"))
-    modes = modes_table(runs["gpt13b"], owners, flush)
+    flush = figures(dry_run("gpt13b", "strategy.mode=flush"))  # gradients to their owners: Flush's best
+    whole = figures(dry_run("gpt13b", "strategy.shard_gradients=false"))
+    modes = modes_table(runs["gpt13b"], whole, flush)
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
     return {

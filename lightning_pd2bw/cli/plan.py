@@ -72,10 +72,22 @@ def plan(cfg, limit: int = 10) -> str:
         f"{best.num_microbatches} microbatches, recompute {chosen.recompute}: {best.throughput:.1f} samples/s "
         f"predicted, {best.peak_memory / 2**30:.1f} GiB on the fullest stage",
         f"stages (layers): {' '.join(f'{r.start}-{r.stop - 1}' for r in best.stages)}",
+        update_line(cfg, model, best),
         f"train it: pd2bw-train {train_overrides(cluster, best)}",
         mode_choice(cfg, model, options.mode, best.throughput),
     ]
     return "\n".join(lines)
+
+
+def update_line(cfg, model, best) -> str:
+    """What the update's collectives add to the best plan's step, by kind (``timing.update_cost``)."""
+    from ..planner.timing import update_cost
+
+    profile = analytic_model_profile(cfg, model, best.candidate.micro_batch_size)
+    added = update_cost(profile, best.candidate, cluster_of(cfg), best.stages, best.num_microbatches)
+    step, total = added.pop("step"), added.pop("all")
+    kinds = ", ".join(f"{name} {seconds:.3f}" for name, seconds in added.items() if seconds > 0.0005)
+    return f"update: its collectives add {total:.3f} s to the {step:.3f} s step ({total / step:.1%}){': ' * bool(kinds)}{kinds}"
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:

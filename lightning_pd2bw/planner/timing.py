@@ -15,7 +15,7 @@ all; in the weight versions' dtype under mixed weights). The planner assumes the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..engine import schedule as S
 from ..engine.gradients import replica_bucket_bytes
@@ -143,9 +143,15 @@ def collective_cost(
 
 
 def timing(
-    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], num_microbatches: int
+    profile: ModelProfile,
+    candidate: Candidate,
+    cluster: ClusterSpec,
+    stages: Sequence[range],
+    num_microbatches: int,
+    free: Callable[[Collective], bool] | None = None,
 ) -> Timing:
-    """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions."""
+    """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions (``free``: the
+    collectives that cost nothing, to see what the others add)."""
     costs, bandwidth = [], cluster.device.memory_bandwidth  # 0: unknown (a CPU), the reads not counted
     for s, span in enumerate(stages):
         forward, backward = compute_time(profile, candidate, s, span)
@@ -161,4 +167,27 @@ def timing(
             )
         )
     layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)
-    return simulate(layout, costs, collective_cost(profile, candidate, cluster, stages))
+    cost = collective_cost(profile, candidate, cluster, stages)
+    return simulate(layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c))
+
+
+# what ``update_cost`` splits the update's collectives into
+UPDATE_COLLECTIVES: dict[str, Callable[[Collective], bool]] = {
+    "gradient reduce": lambda c: c.group is GroupName.REPLICA and c.issued == S.BACKWARD,
+    "weight broadcasts": lambda c: c.op is CollectiveOp.BROADCAST,
+    "tied weights": lambda c: c.group is GroupName.TIED or (c.group is GroupName.REPLICA and c.issued != S.BACKWARD),
+}
+
+
+def update_cost(
+    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], num_microbatches: int
+) -> dict[str, float]:
+    """Seconds the update's collectives add to the step (``step``: the step simulated; ``all``: what it loses to
+    every collective; per ``UPDATE_COLLECTIVES`` entry, what that kind alone adds over the step without it). Unlike
+    a stage's time blocked on collectives (``Timing.exposed``), this leaves out the pipeline's own bubble."""
+    step = timing(profile, candidate, cluster, stages, num_microbatches).step_time
+    added = {"step": step}
+    added["all"] = step - timing(profile, candidate, cluster, stages, num_microbatches, free=lambda c: True).step_time
+    for name, kind in UPDATE_COLLECTIVES.items():
+        added[name] = step - timing(profile, candidate, cluster, stages, num_microbatches, free=kind).step_time
+    return added
