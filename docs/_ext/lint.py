@@ -102,7 +102,9 @@ def main(paths: list[str]) -> int:
     root = Path(__file__).resolve().parents[2]
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
-    found += [f for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md" for f in missing_paths(page, root)]
+    found += [
+        f for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md" for f in missing_paths(page, root)
+    ]
     print("\n".join(found))
     return 1 if found else 0
 
