@@ -153,6 +153,13 @@ class PipelineEngine(StageState):
         versions = self.versions
         return versions.compute_dtype if versions is not None and versions.sharded_master else None
 
+    @property
+    def device_mesh(self) -> Any:
+        """The run's ranks as a ``DeviceMesh`` (``("dp", "pp")``: replicas x stages) over this engine's own replica
+        and pipeline groups, for composing a stage with FSDP2 or tensor parallelism (``grid.Groups.mesh``)."""
+        grid = self.grid
+        return self.groups.mesh(self.device.type, grid.num_stages, grid.data_parallel_size)
+
     def all_reduce_over_stages(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the stages of this pipeline (the ranks that together hold one model)."""
         if self._closed:

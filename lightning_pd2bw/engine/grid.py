@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import width_of
 from .transport import LinkChannels
@@ -57,7 +58,10 @@ class ProcessGrid:
 
 @dataclass
 class Groups:
-    """Process groups this rank belongs to. Every rank creates every group, in the same order.
+    """Process groups this rank belongs to. A rank creates only the groups it is in (``use_local_synchronization``:
+    at 64 ranks each joins 7 or so of the run's ~100), in the order every member creates them; ``mesh`` gives the
+    replica and pipeline groups as a ``DeviceMesh`` (dimensions ``dp`` and ``pp``) for composing with FSDP2 or tensor
+    parallelism as torchtitan's meshes do.
 
     ``pipeline``: the stages of one replica (global clip norm, non-finite agreement, evaluation results);
     ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
@@ -74,6 +78,14 @@ class Groups:
     shared: dict[tuple[int, ...], object]
     link: LinkChannels = field(default_factory=LinkChannels)
     shard: object = None
+
+    def mesh(self, device_type: str, num_stages: int, width: int) -> DeviceMesh:
+        """The run's ranks as a ``DeviceMesh`` of shape ``(width, num_stages)``, dimensions ``("dp", "pp")``, over
+        this rank's own replica and pipeline groups (``DeviceMesh.from_group``: no new communicator)."""
+        layout = torch.arange(width * num_stages).view(width, num_stages)
+        return DeviceMesh.from_group(
+            [self.replica, self.pipeline], device_type, mesh=layout, mesh_dim_names=("dp", "pp")
+        )
 
     def members(self) -> list[object]:
         """Every group this rank belongs to, once each, ordered by the group's name (the same order on every rank
@@ -127,8 +139,11 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
     d, width = grid.num_stages, grid.data_parallel_size
 
     def new(name: str, stage: int = 0, replica: int = 0, tied: Sequence[int] = ()) -> tuple[object, tuple[int, ...]]:
+        """The group, created by its members alone (others get ``NON_GROUP_MEMBER`` and create nothing)."""
         desc, ranks = communicator(name, stage, replica, d, width, tied)
-        return dist.new_group(list(ranks), group_desc=desc), ranks
+        if grid.rank not in ranks:
+            return dist.GroupMember.NON_GROUP_MEMBER, ranks
+        return dist.new_group(list(ranks), group_desc=desc, use_local_synchronization=True), ranks
 
     for replica in range(width):
         pipeline, _ = new("pipeline", replica=replica)
