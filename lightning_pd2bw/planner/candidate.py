@@ -69,7 +69,7 @@ class Candidate:
     depth: int
     micro_batch_size: int
     recompute: bool | tuple[int, ...]  # all, none, or per stage its first layers (``PipelineOptions.recompute``)
-    options: PipelineOptions = PipelineOptions(delay_correction=None)
+    options: PipelineOptions  # the run's (``Candidate.of``), no defaults of the planner's own
 
     def recomputed(self, stage: int, span: range) -> range:
         """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""

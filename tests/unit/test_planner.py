@@ -20,6 +20,7 @@ from lightning_pd2bw.planner.profile import analytic_profile, block_activation_b
 from lightning_pd2bw.planner.search import partition
 
 ROOT = Path(__file__).resolve().parents[2]
+PLAIN = PipelineOptions(delay_correction=None)  # the run's options where a test weighs no correction's buffers
 DEVICE = DeviceSpec("toy", peak_flops=1e12, memory_bytes=10 * GiB, memory_bandwidth=1e11)
 
 
@@ -69,22 +70,26 @@ def test_unequal_stages_flush_sums_the_stages():
 def test_boundary_messages_and_server_crossing():
     # activations of 1e9 bytes cross each boundary; inside a server 1e10 B/s, between servers 1e9 B/s shared by d
     profile = uniform(out=1e9)
-    inside = predict(profile, Candidate(1, 2, 1, False), cluster(per_node=4), 4, [range(0, 2), range(2, 4)])
+    inside = predict(profile, Candidate(1, 2, 1, False, PLAIN), cluster(per_node=4), 4, [range(0, 2), range(2, 4)])
     assert inside.stage_times[0] == pytest.approx(6.0 + 1e9 / 1e10)
-    across = predict(profile, Candidate(1, 2, 1, False), cluster(nodes=2, per_node=1), 4, [range(0, 2), range(2, 4)])
+    across = predict(
+        profile, Candidate(1, 2, 1, False, PLAIN), cluster(nodes=2, per_node=1), 4, [range(0, 2), range(2, 4)]
+    )
     assert across.stage_times[0] == pytest.approx(6.0 + 1e9 / (1e9 / 1))
 
 
 def test_allreduce_on_the_right_level():
     bytes_ = 1e9
     # 4 replicas of a 1-stage model in one server: ring over NVLink, 2 (w-1)/w bytes / bandwidth
-    assert allreduce_time(bytes_, Candidate(4, 1, 1, False), cluster(per_node=4)) == pytest.approx(1.5 * bytes_ / 1e10)
+    assert allreduce_time(bytes_, Candidate(4, 1, 1, False, PLAIN), cluster(per_node=4)) == pytest.approx(
+        1.5 * bytes_ / 1e10
+    )
     # 2 servers x 1 device: the ring crosses the network
-    assert allreduce_time(bytes_, Candidate(2, 1, 1, False), cluster(nodes=2, per_node=1)) == pytest.approx(
+    assert allreduce_time(bytes_, Candidate(2, 1, 1, False, PLAIN), cluster(nodes=2, per_node=1)) == pytest.approx(
         1.0 * bytes_ / 1e9
     )
     # width 1: nothing to reduce
-    assert allreduce_time(bytes_, Candidate(1, 4, 1, False), cluster()) == 0.0
+    assert allreduce_time(bytes_, Candidate(1, 4, 1, False, PLAIN), cluster()) == 0.0
 
 
 EF = "error_feedback"
@@ -187,7 +192,7 @@ def test_tied_parameter_counted_once_on_one_stage():
 def test_partition_balances_time_not_layer_count():
     # an expensive head (the LM head's vocabulary matmul) gets a stage of its own
     layers = [LayerProfile(0.1, 0.2, 0, 0, 10)] + [LayerProfile(1, 2, 0, 0, 10)] * 4 + [LayerProfile(3, 6, 0, 0, 10)]
-    stages = partition(ModelProfile(layers), Candidate(1, 3, 1, False), 4, float("inf"))
+    stages = partition(ModelProfile(layers), Candidate(1, 3, 1, False, PLAIN), 4, float("inf"))
     assert stages == [range(0, 3), range(3, 5), range(5, 6)]
 
 
@@ -195,12 +200,12 @@ def test_partition_respects_memory_and_shifts_layers_off_the_first_stage():
     # the first stage stashes d microbatches, the last one: memory pushes layers to the back
     layers = [LayerProfile(1, 2, 1000.0, 0, 0)] * 6
     profile = ModelProfile(layers, communicator_bytes=0.0)  # the stash alone (no NCCL buffers: gloo)
-    balanced = partition(profile, Candidate(1, 2, 1, False), 4, float("inf"))
+    balanced = partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, float("inf"))
     assert balanced == [range(0, 3), range(3, 6)]
     # stage 0: 2 stashed x 2 layers + one layer's backward workspace; stage 1: 1 x 4 layers + workspace
-    tight = partition(profile, Candidate(1, 2, 1, False), 4, capacity=2 * 2 * 1000.0 + 1000.0 + 1)
+    tight = partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, capacity=2 * 2 * 1000.0 + 1000.0 + 1)
     assert tight == [range(0, 2), range(2, 6)]
-    assert partition(profile, Candidate(1, 2, 1, False), 4, capacity=1000.0) is None
+    assert partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, capacity=1000.0) is None
 
 
 def test_search_obeys_m_ge_d_and_ranks_by_throughput():
@@ -362,7 +367,7 @@ def test_sharded_gradients_move_half_an_all_reduce():
         candidate = Candidate.of(PipelineOptions(mode="flush", **options), 4, 1, 1)
         return predict(profile, candidate, cluster(per_node=4), 4, [range(0, 1)]).update_time
 
-    allreduce = allreduce_time(4e8, Candidate(4, 1, 1, False), cluster(per_node=4))
+    allreduce = allreduce_time(4e8, Candidate(4, 1, 1, False, PLAIN), cluster(per_node=4))
     reads = 2 * 4e8 / DEVICE.memory_bandwidth  # the gradients read for the non-finite flags and the clip norm
     assert update(shard_optimizer=False) == pytest.approx(allreduce + reads)
     assert update(shard_gradients=False) == pytest.approx(1.5 * allreduce + reads)
