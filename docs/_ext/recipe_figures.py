@@ -8,7 +8,8 @@ Runs ``pd2bw-train recipe=NAME dry_run=true +cluster=h100_80g_8x8`` for each rec
 writes: ``docs/_generated/recipe-costs.md`` (the table ``docs/configuration.md`` includes), ``recipe-dry-run-gpt13b.md``
 (the whole dry run, the sample ``docs/configuration.md`` shows), ``recipe-gpt13b-modes.md`` (2BW against Flush at
 13B: the README's block between ``<!-- recipe-figures -->`` markers, also included by ``docs/configuration.md``) and
-``recipe-checkpoint-gpt13b.md`` (the checkpoint line ``docs/checkpoints.md`` shows).
+``recipe-checkpoint-gpt13b.md`` (the checkpoint line ``docs/checkpoints.md`` shows); and ``plan-gpt13b.md``, what
+``pd2bw-plan recipe=gpt13b cluster=h100_80g_8x8`` prints (the sample ``docs/planner.md`` shows).
 ``tests/unit/test_recipe_figures.py`` runs ``--check``, so a figure that moves in the code moves in the docs.
 """
 
@@ -37,6 +38,26 @@ def dry_run(recipe: str, *overrides: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     return done.stdout
+
+
+def plan_sample(recipe: str = "gpt13b") -> str:
+    """``pd2bw-plan``'s whole output for ``recipe`` on the cluster, wrapped to the docs' width."""
+    command = [sys.executable, "-m", "lightning_pd2bw.cli.plan", f"recipe={recipe}", f"cluster={CLUSTER}"]
+    done = subprocess.run([*command, "hydra.output_subdir=null", "hydra.run.dir=."], cwd=ROOT, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    shown = f"$ pd2bw-plan recipe={recipe} cluster={CLUSTER}\n{done.stdout}"
+    return "```\n" + "\n".join(wrap(shown)) + "\n```\n"
+
+
+def wrap(text: str) -> list[str]:
+    """Each line wrapped to the docs' width, continuations indented."""
+    wrapped = []
+    for line in text.rstrip().splitlines():
+        indent = len(line) - len(line.lstrip())
+        wrapped += textwrap.wrap(line, WIDTH, subsequent_indent=" " * (indent + 4), break_on_hyphens=False) or [""]
+    return wrapped
 
 
 def _find(pattern: str, text: str) -> re.Match:
@@ -138,11 +159,9 @@ def modes_table(twobw: dict[str, str], whole: dict[str, str], flush: dict[str, s
 
 def sample(text: str) -> str:
     """The dry run as ``docs/configuration.md`` shows it: each line wrapped to the docs' width."""
-    wrapped = []
-    for line in text.rstrip().splitlines():
-        indent = len(line) - len(line.lstrip())
-        wrapped += textwrap.wrap(line, WIDTH, subsequent_indent=" " * (indent + 4), break_on_hyphens=False) or [""]
-    return "```\n$ pd2bw-train recipe=gpt13b dry_run=true +cluster=" + CLUSTER + "\n" + "\n".join(wrapped) + "\n```\n"
+    return (
+        "```\n$ pd2bw-train recipe=gpt13b dry_run=true +cluster=" + CLUSTER + "\n" + "\n".join(wrap(text)) + "\n```\n"
+    )
 
 
 def checkpoint_line(text: str) -> str:
@@ -165,6 +184,7 @@ def outputs() -> dict[Path, str]:
         GENERATED / "recipe-dry-run-gpt13b.md": sample(texts["gpt13b"]),
         GENERATED / "recipe-gpt13b-modes.md": modes,
         GENERATED / "recipe-checkpoint-gpt13b.md": checkpoint_line(texts["gpt13b"]),
+        GENERATED / "plan-gpt13b.md": plan_sample(),
         ROOT / "README.md": readme[:start] + "\n" + modes + readme[end:],
     }
 
