@@ -71,9 +71,9 @@ def _rank(rank: int, store: str, sharded: bool, double_buffered: bool, reduce_dt
     "sharded, double_buffered, reduce_dtype",
     [
         (False, False, torch.bfloat16),  # an all-reduce per bucket (Flush, gradients whole)
-        (True, False, torch.bfloat16),  # a reduce to each owner
+        pytest.param(True, False, torch.bfloat16, marks=pytest.mark.full),  # a reduce to each owner
         (True, True, torch.bfloat16),  # 2BW's one sharded set, handed over to the next batch
-        (False, True, torch.bfloat16),  # 2BW, gradients whole: the spare set
+        pytest.param(False, True, torch.bfloat16, marks=pytest.mark.full),  # 2BW, gradients whole: the spare set
         (True, True, None),  # the default: float32
     ],
 )
