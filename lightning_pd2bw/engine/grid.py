@@ -58,10 +58,12 @@ class ProcessGrid:
 
 @dataclass
 class Groups:
-    """Process groups this rank belongs to. A rank creates only the groups it is in (``use_local_synchronization``:
-    at 64 ranks each joins 7 or so of the run's ~100), in the order every member creates them; ``mesh`` gives the
-    replica and pipeline groups as a ``DeviceMesh`` (dimensions ``dp`` and ``pp``) for composing with FSDP2 or tensor
-    parallelism as torchtitan's meshes do.
+    """Process groups this rank belongs to. Every rank creates every group, in the same order (a group of ranks it is
+    not in costs it a store round and no communicator: NCCL creates one at a member's first collective). Not
+    ``use_local_synchronization``: its group names hash the ranks with how many groups the creating rank holds, which
+    differs between the stages of a pipeline (a middle stage has two links), so members would not meet. ``mesh``
+    gives the replica and pipeline groups as a ``DeviceMesh`` (dimensions ``dp`` and ``pp``) for composing with FSDP2
+    or tensor parallelism as torchtitan's meshes do.
 
     ``pipeline``: the stages of one replica (global clip norm, non-finite agreement, evaluation results);
     ``loss``: the same ranks, for the asynchronous loss broadcast (its own communicator, so it never queues
@@ -139,11 +141,8 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
     d, width = grid.num_stages, grid.data_parallel_size
 
     def new(name: str, stage: int = 0, replica: int = 0, tied: Sequence[int] = ()) -> tuple[object, tuple[int, ...]]:
-        """The group, created by its members alone (others get ``NON_GROUP_MEMBER`` and create nothing)."""
         desc, ranks = communicator(name, stage, replica, d, width, tied)
-        if grid.rank not in ranks:
-            return dist.GroupMember.NON_GROUP_MEMBER, ranks
-        return dist.new_group(list(ranks), group_desc=desc, use_local_synchronization=True), ranks
+        return dist.new_group(list(ranks), group_desc=desc), ranks
 
     for replica in range(width):
         pipeline, _ = new("pipeline", replica=replica)

@@ -1,7 +1,8 @@
-"""``grid.build_groups`` on 4 gloo ranks (2 stages x 2 replicas, a tied pair): each rank creates only the groups it
-is a member of (before 0.14.0 every rank created every group of the run, ~100 at 64 ranks), each group holds the
-ranks ``grid.communicator`` names and works, and ``Groups.mesh`` is a ``DeviceMesh`` over the same replica and
-pipeline groups (dimensions ``dp`` and ``pp``), with this rank at its coordinates."""
+"""``grid.build_groups`` on 6 gloo ranks (3 stages x 2 replicas, the first and last tied): every rank creates every
+group in the same order, each group this rank is in holds the ranks ``grid.communicator`` names and sums over them,
+and ``Groups.mesh`` is a ``DeviceMesh`` over the same replica and pipeline groups (dimensions ``dp`` and ``pp``),
+with this rank at its coordinates. Three stages: a middle stage holds two links where the others hold one (what
+``use_local_synchronization``'s group names cannot take, ``Groups``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.multiprocessing as mp
 from lightning_pd2bw.engine import grid as grid_module
 from lightning_pd2bw.engine.grid import ProcessGrid, build_groups, communicator
 
-STAGES, WIDTH = 2, 2
+STAGES, WIDTH = 3, 2
 
 
 def _rank(rank: int, store: str) -> None:
@@ -28,17 +29,20 @@ def _rank(rank: int, store: str) -> None:
     grid_module.dist.new_group = recording
     try:
         grid = ProcessGrid(rank, STAGES * WIDTH, STAGES)
-        groups = build_groups(grid, [(0, 1)])
+        groups = build_groups(grid, [(0, STAGES - 1)])
     finally:
         grid_module.dist.new_group = new_group
-    assert created and all(rank in ranks for ranks in created), created  # only its own groups
+    # every group of the run, on every rank: per replica its pipeline, loss, two links and tied pair; per stage its
+    # replica and shard groups
+    assert len(created) == WIDTH * (2 + STAGES - 1 + 1) + 2 * STAGES, created
+    tied = (0, STAGES - 1)
     mine = {
-        name: communicator(name, grid.stage, grid.replica, STAGES, WIDTH, tied=(0, 1))[1]
+        name: communicator(name, grid.stage, grid.replica, STAGES, WIDTH, tied=tied)[1]
         for name in ("pipeline", "loss", "replica", "shard", "tied")
     }
-    assert len(created) == len(mine) + 1, created  # and its one link to its neighbour
-    for name, group in [("pipeline", groups.pipeline), ("loss", groups.loss), ("replica", groups.replica),
-                        ("shard", groups.shard), ("tied", groups.shared[(0, 1)])]:  # fmt: skip
+    held = [("pipeline", groups.pipeline), ("loss", groups.loss), ("replica", groups.replica), ("shard", groups.shard)]
+    held += [("tied", groups.shared[tied])] if grid.stage in tied else []
+    for name, group in held:
         assert sorted(dist.get_process_group_ranks(group)) == sorted(mine[name]), name
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=group)
