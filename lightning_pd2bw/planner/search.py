@@ -29,9 +29,16 @@ def divisors(n: int) -> list[int]:
 
 
 def pack(
-    profile: ModelProfile, candidate: Candidate, num_microbatches: int, limit_s: float, capacity: float
+    profile: ModelProfile,
+    candidate: Candidate,
+    num_microbatches: int,
+    limit_s: float,
+    capacity: float,
+    shares: dict[tuple[int, int], float] | None = None,
 ) -> list[range] | None:
-    """Greedy contiguous cut: each stage takes as many layers as fit ``limit_s`` and ``capacity``."""
+    """Greedy contiguous cut: each stage takes as many layers as fit ``limit_s`` and ``capacity`` (its memory as
+    ``cost.stage_memory`` counts it: the fullest replica's optimizer share; ``shares`` caches it per span)."""
+    shares = {} if shares is None else shares
     n, d = len(profile.layers), candidate.depth
     stages, start = [], 0
     for s in range(d):
@@ -48,8 +55,11 @@ def pack(
             widest = max(largest, layer.activation_bytes)
             states = profile.states_of(range(start, end + 1))
             rebuilt = sum(profile.layers[i].activation_bytes for i in candidate.recomputed(s, range(start, end + 1)))
+            if (start, end) not in shares:  # owners take whole tensors: the fullest replica's share, as stage_memory
+                shares[start, end] = candidate.replica_share(profile, range(start, end + 1))
+            share = shares[start, end]
             memory = memory_of(
-                profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states, rebuilt
+                profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states, rebuilt, share
             )
             given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
             memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
@@ -73,12 +83,13 @@ def partition(
     factor = 2 if candidate.recompute else 1  # the bounds of the search (per-stage recomputation lies within)
     steps = [p.forward_s * factor + p.backward_s for p in profile.layers]
     low, high = max(steps) * (1 - 1e-9), sum(steps) * (1 + 1e-9)
-    best = pack(profile, candidate, num_microbatches, high, capacity)
+    shares: dict[tuple[int, int], float] = {}
+    best = pack(profile, candidate, num_microbatches, high, capacity, shares)
     if best is None:
         return None
     for _ in range(40):
         middle = (low + high) / 2
-        stages = pack(profile, candidate, num_microbatches, middle, capacity)
+        stages = pack(profile, candidate, num_microbatches, middle, capacity, shares)
         if stages is None:
             low = middle
         else:
