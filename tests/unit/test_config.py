@@ -229,9 +229,11 @@ def test_the_dry_run_counts_every_buffer_and_warns_what_does_not_fit(tmp_path):
         assert a["correction"] == pytest.approx(2 * share, abs=0.01) and b["correction"] == 0.0
         assert c["correction"] == pytest.approx(share, abs=0.01)
         assert unsharded["correction"] == pytest.approx(2 * weights, abs=0.01)
-        # sharded: the float32 masters of its share only; the recipe's whole gradients: two buffers (2BW)
+        # sharded: the float32 masters of its share only; gradients to their owners (the recipe's default since
+        # 0.14.0): one buffer and its share set aside (2BW); unsharded, two whole buffers
         assert a["weights"] == pytest.approx(weights + share, abs=0.02)
-        assert a["gradients"] == unsharded["gradients"] == pytest.approx(2 * weights, abs=0.01)
+        assert a["gradients"] == pytest.approx(weights + share, abs=0.02)
+        assert unsharded["gradients"] == pytest.approx(2 * weights, abs=0.01)
         assert a["transport"] > 0 and a["communication"] > 0
         assert (a["outputs"] > 0) == (stage < len(with_correction) - 1)
     small = run_cli(*base, "+cluster=v100_16g_8x8", cwd=tmp_path)
