@@ -4,6 +4,8 @@ Flush with it (all-reduced gradients), so the line's ratio depended on the mode 
 
 import re
 
+import pytest
+
 from hydra import compose, initialize_config_dir
 
 from lightning_pd2bw.cli.model_profile import build_model_on_meta
@@ -37,6 +39,7 @@ def rates(text: str) -> tuple[float, float]:
     return float(found[1]), float(found[2])
 
 
+@pytest.mark.full  # ~14 s: four searches; the fast tier's pd2bw-plan test checks the line against the table
 def test_both_modes_at_their_best_plan_whichever_mode_is_planned():
     twobw = load()
     flush = load("strategy.mode=flush", "strategy.lookahead=0")
