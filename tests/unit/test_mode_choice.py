@@ -5,7 +5,6 @@ Flush with it (all-reduced gradients), so the line's ratio depended on the mode 
 import re
 
 import pytest
-
 from hydra import compose, initialize_config_dir
 
 from lightning_pd2bw.cli.model_profile import build_model_on_meta
