@@ -19,6 +19,7 @@ import argparse
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -43,8 +44,9 @@ def dry_run(recipe: str, *overrides: str) -> str:
 def plan_sample(recipe: str = "gpt13b") -> str:
     """``pd2bw-plan``'s whole output for ``recipe`` on the cluster, wrapped to the docs' width."""
     command = [sys.executable, "-m", "lightning_pd2bw.cli.plan", f"recipe={recipe}", f"cluster={CLUSTER}"]
-    done = subprocess.run([*command, "hydra.output_subdir=null", "hydra.run.dir=."], cwd=ROOT, capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:  # Hydra's run folder and log: nowhere in the tree
+        done = subprocess.run([*command, f"hydra.run.dir={scratch}"], cwd=ROOT, capture_output=True, text=True,
+                              check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     shown = f"$ pd2bw-plan recipe={recipe} cluster={CLUSTER}\n{done.stdout}"
