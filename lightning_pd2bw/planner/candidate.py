@@ -116,10 +116,10 @@ class Candidate:
         return max(load) / sum(sizes) if sizes else share
 
     def reduce_bytes(self, profile: ModelProfile) -> int:
-        """Bytes per parameter of the cast copy a gradient reduce sends (``grad_reduce_dtype`` narrower than the
-        gradients), or 0 where the buckets travel as they are."""
+        """Bytes per parameter of the cast copy a gradient reduce sends (``grad_reduce_dtype`` other than the
+        gradients' own: the engine casts whenever they differ), or 0 where the buckets travel as they are."""
         dtype = self.options.grad_reduce_dtype
-        return dtype.itemsize if isinstance(dtype, torch.dtype) and dtype.itemsize < profile.weight_bytes else 0
+        return dtype.itemsize if isinstance(dtype, torch.dtype) and dtype.itemsize != profile.weight_bytes else 0
 
     @property
     def delay_correction(self) -> str | None:

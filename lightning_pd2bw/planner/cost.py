@@ -204,7 +204,7 @@ def memory_of(
     return {
         "weights": in_versions + master,  # the versions (mixed: in their compute dtype, and the owned masters)
         # 2BW: batch b's, set aside until its STEP, and batch b + 1's (sharded gradients: the owner's share aside)
-        # (+ the cast copy the reduce sends where ``grad_reduce_dtype`` is narrower: every bucket in flight at once)
+        # (+ the cast copy the reduce sends where ``grad_reduce_dtype`` differs: every bucket in flight at once)
         "gradients": weights + (versions - 1) * (share if sharded_gradients else weights) + reduce_copy,
         "optimizer": states * share,
         "correction": held * share,  # D(t-1) (and D(t-2)), held between updates, for the weights stepped here

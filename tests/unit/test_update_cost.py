@@ -43,6 +43,9 @@ def test_a_bf16_reduce_counts_its_copy_and_the_buckets_follow_megatron():
     plain, bf16 = flush(), flush(grad_reduce_dtype="bfloat16")
     grads = [stage_memory(profile(), range(4), 0, c, 2)["gradients"] for c in (plain, bf16)]
     assert grads[1] - grads[0] == PARAMS * 2  # the bf16 copy of every bucket, in flight at once
+    half = ModelProfile([LayerProfile(1.0, 2.0, 100.0, 0.0, 1000)] * 4, weight_bytes=2)  # bf16-true gradients
+    up = [stage_memory(half, range(4), 0, c, 2)["gradients"] for c in (plain, flush(grad_reduce_dtype="float32"))]
+    assert up[1] - up[0] == PARAMS * 4  # cast up: a float32 copy travels (the engine casts whenever dtypes differ)
     assert replica_bucket_bytes(16) == 40_000_000 * 4 and replica_bucket_bytes(64, 2) == 64_000_000 * 2
     big = ModelProfile([LayerProfile(1.0, 2.0, 100.0, 0.0, 30_000_000)] * 4, weight_bytes=4)
     assert update_shape(big, plain, range(4)).buckets == 3  # 120M float32 gradients in buckets of 40M
