@@ -253,6 +253,9 @@ def main() -> None:
         "--val-batches", type=int, default=16, help="held-out batches read at each validation but the last (all)"
     )
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument(
+        "--train-seeds", help="train only these of the seeds (e.g. 1,2: one process per seed); report when all are done"
+    )
     parser.add_argument("--data-seed", type=int, help="the batch order's seed (default: the run's, as pd2bw-train)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
@@ -304,11 +307,12 @@ def main() -> None:
         print(f"corpus {args.corpus}: {corpus_digest(CORPORA[args.corpus](args.out))}", flush=True)
     label = run_label(args, "2bw")
     results = {}
+    training = {int(s) for s in args.train_seeds.split(",")} if args.train_seeds else set(range(args.seeds))
     for seed in range(args.seeds):
         for rule in RULES:
             for steps in [args.steps] if rule == "sync" else lengths:
                 path = args.out / f"{run_label(args, rule, steps)}-{rule}-seed{seed}.json"
-                if not path.exists() and rule in rules:
+                if not path.exists() and rule in rules and seed in training:
                     path.write_text(json.dumps(train(args, rule, seed, steps)))
                 if path.exists():
                     results[f"{rule}@{steps}/seed{seed}"] = json.loads(path.read_text())

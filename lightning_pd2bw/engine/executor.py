@@ -156,7 +156,7 @@ class StageExecutor:
 
     @property
     def num_microbatches(self) -> int:
-        return self.layout.num_microbatches  # type: ignore[return-value]  (resolved: m defaults to d)
+        return self.layout.num_microbatches
 
     @property
     def stashed_microbatches(self) -> int:

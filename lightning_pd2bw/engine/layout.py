@@ -178,36 +178,45 @@ def ranges_of(layers_per_stage: Sequence[int], num_layers: int, keys: Keys = Key
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Layout:
     """A pipeline's layout, checked when built (``PipelineOptions.resolve(world_size).layout`` resolves one from the options).
 
     Args:
         num_stages: the depth d.
-        num_microbatches: microbatches m per batch and replica (default d; m >= d).
+        num_microbatches: microbatches m per batch and replica (``None``: d; m >= d). Read back, always an ``int``.
         mode: ``"2bw"``, ``"flush"`` or ``"gpipe"`` (a ``Mode`` or its value).
         layers_per_stage: the cut, layers per stage (default: balanced by parameter count).
         lookahead: more forwards in flight before the last stage (``schedule.warmup_forwards``; default 0).
     """
 
     num_stages: int
-    num_microbatches: int | None = None
-    mode: Mode = Mode.PD2BW  # or its value, e.g. "flush"
-    layers_per_stage: tuple[int, ...] | None = None
-    lookahead: int = 0
+    num_microbatches: int
+    mode: Mode
+    layers_per_stage: tuple[int, ...] | None
+    lookahead: int
 
-    def __post_init__(self) -> None:
-        if self.num_microbatches is None:
-            object.__setattr__(self, "num_microbatches", self.num_stages)
-        check_schedule(self.mode, self.num_stages, self.num_microbatches, lookahead=self.lookahead)
-        object.__setattr__(self, "mode", Mode(self.mode))
-        if self.layers_per_stage is not None:
-            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
-            if len(self.layers_per_stage) != self.num_stages:
-                raise ValueError(
-                    f"layers_per_stage={list(self.layers_per_stage)} needs one entry per stage "
-                    f"(num_stages={self.num_stages})"
-                )
+    def __init__(
+        self,
+        num_stages: int,
+        num_microbatches: int | None = None,
+        mode: Mode | str = Mode.PD2BW,
+        layers_per_stage: Sequence[int] | None = None,
+        lookahead: int = 0,
+    ) -> None:
+        microbatches = num_stages if num_microbatches is None else num_microbatches
+        check_schedule(mode, num_stages, microbatches, lookahead=lookahead)
+        cut = None if layers_per_stage is None else tuple(layers_per_stage)
+        if cut is not None and len(cut) != num_stages:
+            raise ValueError(f"layers_per_stage={list(cut)} needs one entry per stage (num_stages={num_stages})")
+        for name, value in (
+            ("num_stages", num_stages),
+            ("num_microbatches", microbatches),
+            ("mode", Mode(mode)),
+            ("layers_per_stage", cut),
+            ("lookahead", lookahead),
+        ):
+            object.__setattr__(self, name, value)
 
     def cut(self, layers: Sequence[nn.Module]) -> list[range]:
         """Each stage's range of layer indices."""

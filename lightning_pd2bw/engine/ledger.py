@@ -151,7 +151,7 @@ class LossBroadcast:
 
     def __call__(self, action: Any) -> None:
         if self.is_last:
-            value = (self.ledger.take_loss_sum(action.batch) / self.layout.num_microbatches).float()  # type: ignore[operator]
+            value = (self.ledger.take_loss_sum(action.batch) / self.layout.num_microbatches).float()
         else:  # what the last stage sends, whatever the default dtype (float64 under precision="64-true")
             value = torch.zeros((), dtype=torch.float32, device=self.device)
         work = dist.broadcast(value, src=self.source, group=self.group, async_op=True)

@@ -384,7 +384,7 @@ class Run:
 
     @property
     def num_microbatches(self) -> int:
-        return self.layout.num_microbatches  # type: ignore[return-value]
+        return self.layout.num_microbatches
 
     @property
     def mode(self) -> rules.Mode:

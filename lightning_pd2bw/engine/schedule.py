@@ -251,4 +251,4 @@ def stream(layout: Layout, stage: int, num_batches: int) -> list[Action]:
 
 def _of(layout: Layout) -> tuple[Mode, int, int, int]:
     """The layout's schedule facts (a ``Layout`` is valid by construction: nothing is checked per step)."""
-    return layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead  # type: ignore[return-value]
+    return layout.mode, layout.num_stages, layout.num_microbatches, layout.lookahead

@@ -235,9 +235,13 @@ def option_declarations() -> dict[str, set[str]]:
                 elif item.target.id in names:
                     found.setdefault(item.target.id, set()).add(f"{path.name}:{node.name}")
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    fields = {
+                        f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and hasattr(f.target, "id")
+                    }
                     for arg in (*item.args.args, *item.args.kwonlyargs):
-                        if arg.arg in names:
-                            found.setdefault(arg.arg, set()).add(f"{path.name}:{node.name}.__init__")
+                        if arg.arg in names:  # a dataclass's own __init__ declares its fields once, not again
+                            place = "" if arg.arg in fields else ".__init__"
+                            found.setdefault(arg.arg, set()).add(f"{path.name}:{node.name}{place}")
     return found
 
 
