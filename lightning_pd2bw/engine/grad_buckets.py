@@ -32,13 +32,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import actions as A
+from .collectives import Collective, CollectiveOp, GroupName
 from .gradients import buckets as group_in_buckets
 from .gradients import replica_bucket_bytes
 
@@ -153,6 +154,13 @@ class GradientBuckets:
     reduce_dtype: torch.dtype | None = None
     buckets: list[_Bucket] = field(default_factory=list)
 
+    # what each bucket issues over the replicas during the batch's last backward, waited for at CHECK (the reducer,
+    # ``update_parts.BucketReducer``, declares them, once per bucket or per bucket and owner)
+    ALL_REDUCE: ClassVar = Collective(
+        CollectiveOp.ALL_REDUCE, GroupName.REPLICA, "replica average", A.BACKWARD, A.CHECK
+    )
+    TO_OWNER: ClassVar = Collective(CollectiveOp.REDUCE, GroupName.REPLICA, "replica average", A.BACKWARD, A.CHECK)
+
     def __post_init__(self) -> None:
         order = [p for p in reversed(list(self.params)) if p.requires_grad]
         itemsize = (self.dtype or (order[0].dtype if order else torch.float32)).itemsize
@@ -252,9 +260,9 @@ class GradientBuckets:
         cast = self.reduce_dtype is not None and self.reduce_dtype != part.dtype
         message = part.to(self.reduce_dtype) if cast else part
         if owner == ALL:
-            work = dist.all_reduce(message, group=self.group, async_op=True)
+            work = self.ALL_REDUCE.issue(message, self.group)
         else:
-            work = dist.reduce(message, dst=self.shards.ranks[owner], group=self.group, async_op=True)
+            work = self.TO_OWNER.issue(message, self.group, root=self.shards.ranks[owner])
         return _CastBack(work, message, part, owner == ALL or owner == self.shards.replica) if cast else work
 
     def _wait(self, bucket: _Bucket, missed: bool) -> list[float]:

@@ -8,11 +8,14 @@ every stage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from .collectives import Collective
 
 BUCKET_BYTES = 25 * 1024**2  # as DDP: few large messages instead of one per tensor
 
@@ -46,9 +49,10 @@ def buckets(
     return out
 
 
-def average_over_replicas(grads: Sequence[torch.Tensor], group: Any, size: int) -> None:
+def average_over_replicas(grads: Sequence[torch.Tensor], group: Any, size: int, declared: Collective) -> None:
     """Average ``grads`` in place over the data-parallel replicas of this stage: flattened buckets, all-reduced
-    asynchronously, then divided and copied back (element-wise the same sums as one call per tensor).
+    asynchronously (``declared``: the caller's all-reduce), then divided and copied back (element-wise the same sums
+    as one call per tensor).
 
     At most two buckets are flattened at a time (the next one's all-reduce runs while the previous is
     copied back), so the extra memory is two buckets, not a second copy of every gradient."""
@@ -63,7 +67,7 @@ def average_over_replicas(grads: Sequence[torch.Tensor], group: Any, size: int) 
 
     for bucket in buckets(grads):
         buffer = torch._utils._flatten_dense_tensors(bucket)
-        in_flight.append((bucket, buffer, dist.all_reduce(buffer, group=group, async_op=True)))
+        in_flight.append((bucket, buffer, declared.issue(buffer, group)))
         if len(in_flight) > 1:
             finish(*in_flight.pop(0))
     for entry in in_flight:

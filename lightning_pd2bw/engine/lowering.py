@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import schedule as S
+from .collectives import Collective
 from .layout import Mode
-from .update import Collective, UpdatePart
+from .update import UpdatePart
 from .update_build import ISSUE, RUN, WAIT, at_action
 
 __all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "StepEnd", "lower", "step_end"]

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from . import actions as A
+from .collectives import Collective, CollectiveOp, GroupName
 from .grid import ProcessGrid
 from .layout import sharded_at
 
@@ -62,6 +64,10 @@ class OptimizerShards:
     ranks: list[int]  # each replica's global rank on this stage (the broadcasts' sources)
     group: object  # grid.Groups.shard
     by_owner: list[list[nn.Parameter]] = field(init=False)  # each replica's parameters, in order
+
+    # each owner's new weights to the others, launched at STEP, waited for at PUBLISH (``Stepper`` declares one
+    # per owner)
+    WEIGHTS: ClassVar = Collective(CollectiveOp.BROADCAST, GroupName.SHARD, "weights", A.STEP, A.PUBLISH)
 
     def __post_init__(self) -> None:
         self.by_owner = [[p for p, o in zip(self.params, self.owners) if o == r] for r in range(len(self.ranks))]
@@ -114,7 +120,7 @@ class OptimizerShards:
             for param in params:
                 target = tensors.get(id(param), param.data)
                 message = target if target.is_contiguous() else target.contiguous()
-                works.append(dist.broadcast(message, src=self.ranks[owner], group=self.group, async_op=True))
+                works.append(self.WEIGHTS.issue(message, self.group, root=self.ranks[owner]))
                 if message is not target:
                     copies.append((target, message))
 

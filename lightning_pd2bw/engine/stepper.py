@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from . import schedule as S
+from .collectives import Collective
 from .delay_correction import ErrorFeedback
 from .ledger import BatchLedger
 from .sharding import OptimizerShards
 from .torch_compat import optimizer_hooks_suspended, run_post_hooks
-from .update import Collective, CollectiveOp, GroupName, SetAside, UpdatePart, UpdateShape
+from .update import SetAside, UpdatePart, UpdateShape
 from .versions import WeightVersions
 
 
@@ -53,10 +54,7 @@ class Stepper(UpdatePart):
         with no tensor issues none, so a stage with fewer tensors than replicas has fewer)."""
         if not shape.owners_broadcast:
             return []
-        return [
-            Collective(CollectiveOp.BROADCAST, GroupName.SHARD, f"weights of {owner}", S.STEP, S.PUBLISH)
-            for owner in range(shape.width)
-        ]
+        return [OptimizerShards.WEIGHTS.times(1, what=f"weights of {owner}") for owner in range(shape.width)]
 
     def step(self, batch: int, aside: SetAside) -> None:
         hparams = self.ledger.take_hparams(batch)

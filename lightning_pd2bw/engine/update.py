@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from . import schedule as S
+from .collectives import Collective
 from .layout import Word
 from .versions import WeightVersions
 
@@ -82,21 +83,6 @@ class SetAside:
     @property
     def nbytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
-
-
-class CollectiveOp(Word):
-    ALL_REDUCE = "all_reduce"
-    REDUCE = "reduce"  # to each owner in turn (sharded gradients)
-    BROADCAST = "broadcast"
-
-
-class GroupName(Word):
-    """A stage's communicators (``grid.Groups``); ``TIED``: the stages holding a tied parameter (``Groups.shared``)."""
-
-    REPLICA = "replica"
-    SHARD = "shard"
-    PIPELINE = "pipeline"
-    TIED = "tied"
 
 
 class ClipKind(Word):
@@ -161,30 +147,6 @@ class UpdateShape:
             hooks=hooks,
             clip=clip,
         )
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective an update part issues for every batch, as data. ``issued``: the action issuing it (BACKWARD:
-    during the batch's last backward on the stage); ``waited``: the action of the same batch that waits for it
-    (None: waited as issued). ``group``: the stage's communicator (``grid.Groups``: ``replica``, ``pipeline``,
-    ``shard``, or ``tied``, the stages holding the tied parameter). ``repeat``: issued that many times in a row (one
-    per bucket, per bucket and owner). ``verify/comm_plan.py`` lowers exactly these; the recorded-trace tests
-    (``tests/distributed/test_nccl_traces.py``) check the parts issue exactly them."""
-
-    op: CollectiveOp
-    group: GroupName
-    what: str
-    issued: S.Kind
-    waited: S.Kind | None = None
-    repeat: int = 1
-    # the next batch's first backward on the stage waits for it, if still in flight (it reads the buffer that
-    # backward accumulates into: the sharded gradients' one bucket set under 2BW, ``grad_buckets.py``)
-    reclaimed: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "op", CollectiveOp(self.op))
-        object.__setattr__(self, "group", GroupName(self.group))
 
 
 class UpdatePart:

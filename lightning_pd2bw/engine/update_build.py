@@ -13,6 +13,7 @@ from torch import nn
 
 from . import schedule as S
 from .build import TiedParameter
+from .collectives import Collective
 from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets, release
 from .gradient_store import GradientStore
@@ -21,7 +22,7 @@ from .ledger import BatchLedger
 from .options import PipelineOptions
 from .sharding import OptimizerShards
 from .stepper import Stepper
-from .update import ClipKind, Collective, NonFinite, UpdatePart, UpdateRule, UpdateShape
+from .update import ClipKind, NonFinite, UpdatePart, UpdateRule, UpdateShape
 from .update_parts import (
     BeforeStepHooks,
     BucketReducer,

@@ -8,16 +8,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import gradients
 from . import schedule as S
 from .build import TiedParameter
+from .collectives import Collective, CollectiveOp, GroupName
 from .grad_buckets import GradientBuckets, Launched
 from .layout import Keys
 from .ledger import BatchLedger
-from .update import Collective, CollectiveOp, GroupName, SetAside, UpdatePart, UpdateShape
+from .update import SetAside, UpdatePart, UpdateShape
 
 
 class BucketReducer(UpdatePart):
@@ -37,9 +37,11 @@ class BucketReducer(UpdatePart):
         """Per bucket, in bucket order: one all-reduce, or (sharded) one reduce to each owner in turn."""
         if shape.width == 1:
             return []
-        op, per_bucket = (CollectiveOp.REDUCE, shape.width) if shape.sharded else (CollectiveOp.ALL_REDUCE, 1)
-        count, one_set = shape.buckets * per_bucket, shape.sharded and shape.double_buffered  # one set: reclaimed
-        return [Collective(op, GroupName.REPLICA, "replica average", S.BACKWARD, S.CHECK, count, reclaimed=one_set)]
+        if shape.sharded:  # one set under 2BW: reclaimed by the next batch's first backward
+            declared = GradientBuckets.TO_OWNER.times(shape.buckets * shape.width, reclaimed=shape.double_buffered)
+        else:
+            declared = GradientBuckets.ALL_REDUCE.times(shape.buckets)
+        return [declared]
 
     def reduce(self, batch: int, aside: SetAside) -> None:
         self.launched[batch] = self.buckets.launch(self.double_buffered)  # in flight until CHECK
@@ -76,27 +78,28 @@ class TiedSums(UpdatePart):
 
     ACTIONS: ClassVar[dict[S.Kind, str]] = {S.REDUCE: "reduce", S.CHECK: "check"}
 
-    @staticmethod
-    def collectives(shape: UpdateShape) -> list[Collective]:
-        average = Collective(CollectiveOp.ALL_REDUCE, GroupName.REPLICA, "replica average of tied parameters", S.CHECK)
-        return [Collective(CollectiveOp.ALL_REDUCE, GroupName.TIED, "tied sum", S.REDUCE, S.CHECK)] + [average] * (
-            shape.width > 1
-        )
+    SUM: ClassVar = Collective(CollectiveOp.ALL_REDUCE, GroupName.TIED, "tied sum", S.REDUCE, S.CHECK)
+    AVERAGE: ClassVar = Collective(
+        CollectiveOp.ALL_REDUCE, GroupName.REPLICA, "replica average of tied parameters", S.CHECK
+    )
+
+    @classmethod
+    def collectives(cls, shape: UpdateShape) -> list[Collective]:
+        return [cls.SUM] + [cls.AVERAGE] * (shape.width > 1)
 
     def reduce(self, batch: int, aside: SetAside) -> None:
+        grads = []
         for i, shared in zip(self.positions, self.shared):
             if aside.grads[i] is None:
                 aside.grads[i] = torch.zeros_like(shared.param)
-        self.works[batch] = [
-            dist.all_reduce(aside.grads[i], group=s.group, async_op=True)  # type: ignore[arg-type]
-            for i, s in zip(self.positions, self.shared)
-        ]
+            grads.append(aside.grads[i])
+        self.works[batch] = [self.SUM.issue(grad, s.group) for grad, s in zip(grads, self.shared)]
 
     def check(self, batch: int, aside: SetAside) -> None:
         for work in self.works.pop(batch):
             work.wait()
-        tied = [aside.grads[i] for i in self.positions]
-        gradients.average_over_replicas(tied, self.replica_group, self.width)  # type: ignore[arg-type]
+        tied = [g for g in (aside.grads[i] for i in self.positions) if g is not None]
+        gradients.average_over_replicas(tied, self.replica_group, self.width, self.AVERAGE)
 
 
 class StageNorm:
@@ -113,12 +116,13 @@ class StageNorm:
         self.is_tied = [id(p) in tied for p in params]
         self.device, self.shard_group = device, shard_group  # shard_group: None unless gradients are sharded
 
-    def squares(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def squares(self, grads: Sequence[torch.Tensor | None], owners: Collective) -> torch.Tensor:
+        """``owners``: the caller's declaration of the owners' sum (issued at its action)."""
         counted = [(g, t) for g, c, t in zip(grads, self.counted, self.is_tied) if c and g is not None]
         if self.shard_group is None:
             return gradients.squared_norm([g for g, _ in counted], self.device)
         owned = gradients.squared_norm([g for g, tied in counted if not tied], self.device)
-        dist.all_reduce(owned, group=self.shard_group)
+        owners.issue(owned, self.shard_group).wait()
         return owned + gradients.squared_norm([g for g, tied in counted if tied], self.device)
 
 
@@ -174,19 +178,22 @@ class SkipNonFinite(UpdatePart):
 
     ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CHECK: "check", S.HOOKS: "verdict"}
 
-    @staticmethod
-    def collectives(shape: UpdateShape) -> list[Collective]:
-        owners = Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' non-finite flags", S.CHECK)
-        return [owners] * shape.sharded + [
-            Collective(CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "non-finite flag", S.CHECK, S.HOOKS)
-        ]
+    OWNERS: ClassVar = Collective(
+        CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' non-finite flags", S.CHECK, maximum=True
+    )
+    FLAG: ClassVar = Collective(
+        CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "non-finite flag", S.CHECK, S.HOOKS, maximum=True
+    )
+
+    @classmethod
+    def collectives(cls, shape: UpdateShape) -> list[Collective]:
+        return [cls.OWNERS] * shape.sharded + [cls.FLAG]
 
     def check(self, batch: int, aside: SetAside) -> None:
         flag = gradients.nonfinite_flag([g for g in aside.grads if g is not None], self.device)
         if self.sharded:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.shard)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pipeline, async_op=True)
-        self.flags[batch] = (flag, work)
+            self.OWNERS.issue(flag, self.groups.shard).wait()
+        self.flags[batch] = (flag, self.FLAG.issue(flag, self.groups.pipeline))
 
     def verdict(self, batch: int, aside: SetAside) -> None:
         flag, work = self.flags.pop(batch)
@@ -231,20 +238,18 @@ class GlobalNormClip(UpdatePart):
 
     ACTIONS: ClassVar[dict[S.Kind, str]] = {S.NORM: "launch", S.CLIP: "clip"}
 
-    @staticmethod
-    def collectives(shape: UpdateShape) -> list[Collective]:
-        owners = Collective(
-            CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.NORM
-        )  # ``StageNorm.squares``
-        return [owners] * shape.sharded + [
-            Collective(CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "clip norm", S.NORM, S.CLIP)
-        ]
+    OWNERS: ClassVar = Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.NORM)
+    NORM: ClassVar = Collective(CollectiveOp.ALL_REDUCE, GroupName.PIPELINE, "clip norm", S.NORM, S.CLIP)
+
+    @classmethod
+    def collectives(cls, shape: UpdateShape) -> list[Collective]:
+        return [cls.OWNERS] * shape.sharded + [cls.NORM]
 
     def launch(self, batch: int, aside: SetAside) -> None:
         if self.ledger.is_skipped(batch):
             return
-        squares = self.norm.squares(aside.grads)
-        self.launched[batch] = (squares, dist.all_reduce(squares, group=self.pipeline_group, async_op=True))
+        squares = self.norm.squares(aside.grads, self.OWNERS)
+        self.launched[batch] = (squares, self.NORM.issue(squares, self.pipeline_group))
 
     def clip(self, batch: int, aside: SetAside) -> None:
         if batch not in self.launched:
@@ -262,15 +267,15 @@ class StageNormClip(UpdatePart):
 
     ACTIONS: ClassVar[dict[S.Kind, str]] = {S.CLIP: "clip"}
 
-    @staticmethod
-    def collectives(shape: UpdateShape) -> list[Collective]:
-        return [
-            Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.CLIP)
-        ] * shape.sharded  # ``StageNorm``
+    OWNERS: ClassVar = Collective(CollectiveOp.ALL_REDUCE, GroupName.SHARD, "owners' clip norm", S.CLIP)
+
+    @classmethod
+    def collectives(cls, shape: UpdateShape) -> list[Collective]:
+        return [cls.OWNERS] * shape.sharded
 
     def clip(self, batch: int, aside: SetAside) -> None:
         if not self.ledger.is_skipped(batch):
-            squares = self.norm.squares(aside.grads)
+            squares = self.norm.squares(aside.grads, self.OWNERS)
             gradients.scale_to_norm([g for g in aside.grads if g is not None], squares, self.max_norm)
 
 

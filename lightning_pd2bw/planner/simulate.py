@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ..engine import schedule as S
 from ..engine import update_build as U
 from ..engine import update_parts as P
+from ..engine.collectives import Collective
 from ..engine.grid import communicator
 from ..engine.layout import Layout
 from ..engine.lowering import ISSUE as ISSUE_PART
@@ -37,7 +38,7 @@ from ..engine.lowering import WAIT as WAIT_PART
 from ..engine.lowering import Op, step_end
 from ..engine.lowering import lower as lower_actions
 from ..engine.stepper import Stepper
-from ..engine.update import Collective, UpdatePart, UpdateShape
+from ..engine.update import UpdatePart, UpdateShape
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
 

@@ -18,9 +18,10 @@ import math
 from collections.abc import Callable, Sequence
 
 from ..engine import schedule as S
+from ..engine.collectives import Collective, CollectiveOp, GroupName
 from ..engine.gradients import replica_bucket_bytes
 from ..engine.layout import Layout
-from ..engine.update import Collective, CollectiveOp, GroupName, UpdateShape
+from ..engine.update import UpdateShape
 from .candidate import Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .simulate import CollectiveCost, StageCosts, Timing, simulate

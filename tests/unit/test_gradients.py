@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pd2bw.engine import gradients
+from lightning_pd2bw.engine.update_parts import TiedSums
 
 
 @pytest.fixture
@@ -39,7 +40,9 @@ def test_replica_average_flattens_at_most_two_buckets_at_once(group, monkeypatch
 
     monkeypatch.setattr(torch._utils, "_flatten_dense_tensors", counting)
     monkeypatch.setattr(gradients, "buckets", lambda grads, limit=None: [[g] for g in grads])
-    gradients.average_over_replicas([p.grad for p in params], group, size=2)  # one rank: the sum is the gradient itself
+    gradients.average_over_replicas(
+        [p.grad for p in params], group, 2, TiedSums.AVERAGE
+    )  # one rank: the sum is the gradient itself
     assert len(live) == 6
     assert most == 2, "the next bucket's all-reduce overlaps the previous one's copy-back; no more is held"
     for i, param in enumerate(params):

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 from .. import schedule as S
 from .. import update_build as U
+from ..collectives import Collective
 from ..grid import communicator
 from ..layout import Layout, check_schedule
 from ..lowering import ISSUE as ISSUE_PART
 from ..lowering import WAIT as WAIT_PART
 from ..lowering import Op as LoweredOp
 from ..lowering import lower, step_end
-from ..update import Collective, UpdateShape
+from ..update import UpdateShape
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 
