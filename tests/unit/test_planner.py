@@ -283,6 +283,7 @@ def test_measured_profile_counts_real_bytes():
     assert torch.equal(layers[0].weight, before) and layers[0].weight.grad is None, "profiling leaves the model alone"
 
 
+@pytest.mark.full  # a minute of two CLI runs; the fast tier plans through the CLI in test_config.py (the run that trains)
 def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     command = [
         sys.executable,
