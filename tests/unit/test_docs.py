@@ -164,6 +164,20 @@ def test_the_lint_refuses_paragraphs_in_cells_and_pages_too_long_to_read(tmp_pat
     assert len(found) == 2 and ":5: a table cell of 401 characters" in found[0] and "words (> 3000)" in found[1], found
 
 
+def test_the_page_length_counts_what_the_site_renders(tmp_path):
+    """Issue 78: a page's words include its ``--8<--`` includes (generated tables, the changelog's rendered releases:
+    docs/changelog.md is one line of source and was 8,207 words on the site), a named section only its own lines."""
+    lint = _lint()
+    (tmp_path / "long.md").write_text(
+        "head\n<!-- --8<-- [start:kept] -->\n" + "w " * 50 + "\n<!-- --8<-- [end:kept] -->\n" + "x " * 900
+    )
+    page = tmp_path / "page.md"
+    page.write_text('# P\n\n--8<-- "long.md:kept"\n\n--8<-- "long.md"\n')
+    kept, whole = 50, 1 + 50 + 900  # the site drops the markers' lines
+    assert lint.rendered_words(page, tmp_path) == 2 + kept + whole
+    assert lint.rendered_words(ROOT / "docs" / "changelog.md") > 1000, "the rendered releases are counted"
+
+
 def test_every_docs_page_passes_the_markdown_lint():
     lint = _lint()
     pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
