@@ -52,7 +52,7 @@ def _rank(rank: int, store: str) -> None:
         starts.append(first_layer_in[0])
         return all_reduce(tensor, *args, **kwargs)
 
-    grad_buckets.dist.all_reduce = recording
+    dist.all_reduce = recording  # the module the buckets issue through (engine/collectives.py)
     buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=6 * 6 * 4)
     assert all(p.grad is not None for p in net.parameters()), "every .grad is a bucket view from the start"
     net.layers[0].weight.register_post_accumulate_grad_hook(lambda _: first_layer_in.__setitem__(0, True))
@@ -186,9 +186,9 @@ def _rank_sharded(rank: int, store: str) -> None:
     shards = OptimizerShards.build(stepped, rank, [0, 1], dist.group.WORLD)
     owner_of = {id(p): o for p, o in zip(stepped, shards.owners)}
     calls: list[str] = []
-    originals = {name: getattr(grad_buckets.dist, name) for name in ("all_reduce", "reduce")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce")}
     for name, call in originals.items():
-        grad_buckets.dist.__dict__[name] = lambda *a, _name=name, _call=call, **k: calls.append(_name) or _call(*a, **k)
+        dist.__dict__[name] = lambda *a, _name=name, _call=call, **k: calls.append(_name) or _call(*a, **k)
     try:
         buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=6 * 6 * 4, shards=shards)
         assert buckets.sharded
@@ -205,7 +205,7 @@ def _rank_sharded(rank: int, store: str) -> None:
             (twin(x, rank) / 2).backward()
     finally:
         for name, call in originals.items():
-            grad_buckets.dist.__dict__[name] = call
+            dist.__dict__[name] = call
     segments = sum(len(bucket.segments) for bucket in buckets.buckets)
     assert calls.count("reduce") == segments - 1 and calls.count("all_reduce") == 1, calls
     for (name, param), reference in zip(net.named_parameters(), twin.parameters()):
