@@ -34,7 +34,7 @@ from .compiled import CompileMeter, compile_layers
 from .counters import stage_counters
 from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
-from .grid import ProcessGrid, default_device, describe_rank, device_barrier, rank_zero_print
+from .grid import ProcessGrid, default_device, device_barrier, rank_zero_print
 from .layout import Mode
 from .ledger import BatchLedger, LossBroadcast
 from .lowering import step_end
@@ -111,7 +111,9 @@ class PipelineEngine(StageState):
         self.run = run  # resolved once; checked when it was built
         self.options = options = run.options
         self.layout = layout = run.layout
-        self.grid = grid or ProcessGrid(dist.get_rank(), world_size, layout.num_stages)
+        self.grid = grid or ProcessGrid(dist.get_rank(), world_size, layout.num_stages, options.placement)
+        if self.grid.placement != options.placement:
+            raise ValueError(f"the grid places ranks by {self.grid.placement!r}; the options say {options.placement!r}")
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
@@ -215,7 +217,7 @@ class PipelineEngine(StageState):
         )
         stage = StageContext(
             self.options, self.params, self.shared, self.groups, self.grid.data_parallel_size, self.device,
-            self.ledger, self.parameter_names, lambda: describe_rank(self.grid.rank, self.num_stages), self.info,
+            self.ledger, self.parameter_names, lambda: self.grid.describe(), self.info,
         )  # fmt: skip
         self.update = build_update(
             stage, self.optimizers, versions, shards=shards, correction=self.correction, before_step=self.before_step

@@ -1,7 +1,10 @@
 """The process grid: world = depth (stages) x width (data-parallel replicas).
 
-Consecutive ranks form one pipeline (rank = replica * num_stages + stage), so stage-to-stage
-traffic stays inside a node; the replicas of one stage all-reduce gradients across nodes.
+By default consecutive ranks form one pipeline (rank = replica * num_stages + stage), so stage-to-stage traffic
+stays inside a node and the replicas of one stage reduce gradients across nodes; ``placement="replicas"`` puts a
+stage's replicas on consecutive ranks instead (rank = stage * width + replica: the reduce inside a node, the
+pipeline across nodes, as Megatron-LM orders data parallelism inside pipeline parallelism). ``layout.Placement``
+states the rule once; the grid, the communicators and the planner read it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .layout import width_of
+from .layout import Placement, width_of
 from .transport import LinkChannels
 
 
@@ -23,37 +26,48 @@ class ProcessGrid:
     rank: int
     world_size: int
     num_stages: int
+    placement: Placement = Placement.PIPELINE  # or its value
     data_parallel_size: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.data_parallel_size = width_of(self.world_size, self.num_stages)
+        self.placement = Placement(self.placement)
+
+    def rank_at(self, stage: int, replica: int) -> int:
+        return self.placement.rank(stage, replica, self.num_stages, self.data_parallel_size)
 
     @property
     def stage(self) -> int:
-        return self.rank % self.num_stages
+        return self.placement.position(self.rank, self.num_stages, self.data_parallel_size)[0]
 
     @property
     def replica(self) -> int:
-        return self.rank // self.num_stages
+        return self.placement.position(self.rank, self.num_stages, self.data_parallel_size)[1]
 
     def pipeline_ranks(self, replica: int | None = None) -> list[int]:
         replica = self.replica if replica is None else replica
-        return [replica * self.num_stages + s for s in range(self.num_stages)]
+        return [self.rank_at(s, replica) for s in range(self.num_stages)]
 
     def replica_ranks(self, stage: int | None = None) -> list[int]:
         stage = self.stage if stage is None else stage
-        return [r * self.num_stages + stage for r in range(self.data_parallel_size)]
+        return [self.rank_at(stage, r) for r in range(self.data_parallel_size)]
 
     @property
     def prev_rank(self) -> int | None:
-        return self.rank - 1 if self.stage > 0 else None
+        return self.rank_at(self.stage - 1, self.replica) if self.stage > 0 else None
 
     @property
     def next_rank(self) -> int | None:
-        return self.rank + 1 if self.stage < self.num_stages - 1 else None
+        return self.rank_at(self.stage + 1, self.replica) if self.stage < self.num_stages - 1 else None
 
     def rank_of(self, stage: int) -> int:
-        return self.replica * self.num_stages + stage
+        return self.rank_at(stage, self.replica)
+
+    def describe(self, rank: int | None = None) -> str:
+        """``rank`` (default: this one) as a person reads it: its stage and replica."""
+        rank = self.rank if rank is None else rank
+        stage, replica = self.placement.position(rank, self.num_stages, self.data_parallel_size)
+        return f"rank {rank} (stage {stage} of {self.num_stages}, replica {replica})"
 
 
 @dataclass
@@ -108,18 +122,24 @@ COMMUNICATORS = ("pipeline", "loss", "replica", "shard", "tied", "p2p")
 
 
 def communicator(
-    name: str, stage: int, replica: int, num_stages: int, width: int, tied: Sequence[int] = ()
+    name: str,
+    stage: int,
+    replica: int,
+    num_stages: int,
+    width: int,
+    tied: Sequence[int] = (),
+    placement: Placement = Placement.PIPELINE,
 ) -> tuple[str, tuple[int, ...]]:
     """The name (``group_desc``) and ranks of ``stage``'s communicator ``name`` in ``replica``: the one naming
     ``build_groups``, the NCCL lowering (``verify/comm_plan.py``) and the planner's simulator read. ``pipeline`` and
     ``loss``: the replica's stages; ``replica`` and ``shard``: the stage's replicas; ``tied``: the replica's stages
     ``tied`` (holding one tied parameter); ``p2p``: stages ``stage`` and ``stage + 1`` of the replica."""
-    d = num_stages
-    in_replica = tuple(replica * d + s for s in range(d))
+    at = Placement(placement).rank
+    in_replica = tuple(at(s, replica, num_stages, width) for s in range(num_stages))
     if name in ("pipeline", "loss"):
         return f"pd2bw/{name}/replica{replica}", in_replica
     if name in ("replica", "shard"):
-        return f"pd2bw/{name}/stage{stage}", tuple(r * d + stage for r in range(width))
+        return f"pd2bw/{name}/stage{stage}", tuple(at(stage, r, num_stages, width) for r in range(width))
     if name == "tied":
         return f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, tied))}", tuple(in_replica[s] for s in tied)
     if name == "p2p":
@@ -141,7 +161,7 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
     d, width = grid.num_stages, grid.data_parallel_size
 
     def new(name: str, stage: int = 0, replica: int = 0, tied: Sequence[int] = ()) -> tuple[object, tuple[int, ...]]:
-        desc, ranks = communicator(name, stage, replica, d, width, tied)
+        desc, ranks = communicator(name, stage, replica, d, width, tied, grid.placement)
         return dist.new_group(list(ranks), group_desc=desc), ranks
 
     for replica in range(width):
@@ -170,10 +190,6 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
             if replica == grid.replica and grid.stage in stages:
                 shared[stages] = group
     return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links), mine.get("shard"))
-
-
-def describe_rank(rank: int, num_stages: int) -> str:
-    return f"rank {rank} (stage {rank % num_stages} of {num_stages}, replica {rank // num_stages})"
 
 
 def default_device() -> torch.device:

@@ -65,6 +65,23 @@ class Mode(Word):
         return self is Mode.GPIPE
 
 
+class Placement(Word):
+    """Which ranks are neighbours (consecutive ranks share a server): the one statement of where a stage's replica
+    sits, read by the process grid, its communicators and the planner's links."""
+
+    PIPELINE = "pipeline"  # a pipeline's stages on consecutive ranks: stage traffic inside a server (rank = r d + s)
+    REPLICAS = "replicas"  # a stage's replicas on consecutive ranks (Megatron's data parallelism inside the pipeline
+    # parallelism): the gradient reduce inside a server, the boundary messages across servers (rank = s w + r)
+
+    def rank(self, stage: int, replica: int, num_stages: int, width: int) -> int:
+        return replica * num_stages + stage if self is Placement.PIPELINE else stage * width + replica
+
+    def position(self, rank: int, num_stages: int, width: int) -> tuple[int, int]:
+        """``rank``'s (stage, replica)."""
+        return (rank % num_stages, rank // num_stages) if self is Placement.PIPELINE else divmod(rank, width)
+
+
+PLACEMENTS: tuple[str, ...] = tuple(placement.value for placement in Placement)
 MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)
 DEFAULT_MODE = Mode.PD2BW.value  # the strategy's, the engine's and the Hydra schema's default
 

@@ -92,7 +92,7 @@ def check_clipping(value: float | None, algorithm: str, mode: str, named: Callab
 class PipelineOptions:
     """How the pipeline runs. Every field is checked when the object is built; a bad one raises ``ValueError``
     naming it, what is wrong and what is valid. The fields come in three groups: the layout (``num_stages`` to
-    ``layers_per_stage``; under the Lightning strategy the depth and the cut may instead come from the planner,
+    ``placement``; under the Lightning strategy the depth and the cut may instead come from the planner,
     ``plan="auto"``), the compute (``recompute`` to ``compile``) and the update (``clipping`` to
     ``shard_gradients``).
 
@@ -105,6 +105,10 @@ class PipelineOptions:
             uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
         layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
             time); default: balanced by parameter count.
+        placement: which ranks are neighbours (consecutive ranks share a server): ``"pipeline"`` (a pipeline's
+            stages, rank = replica x d + stage) or ``"replicas"`` (a stage's replicas, rank = stage x w + replica:
+            the gradient reduce inside a server, the stages' messages across; Megatron-LM's order). The planner
+            chooses the one that hides more (``grid.py``).
 
         recompute: recompute activations in the backward instead of stashing them. ``True``: every layer of every
             stage (a stage stashes only its input per microbatch); ``False``: none; per stage, the number of its
@@ -178,6 +182,7 @@ class PipelineOptions:
     mode: str = rules.DEFAULT_MODE
     lookahead: int = 0
     layers_per_stage: tuple[int, ...] | None = None
+    placement: str = rules.Placement.PIPELINE.value
     recompute: bool | tuple[int, ...] = False
     boundary_dtype: str | torch.dtype | None = "auto"
     weight_dtype: str | torch.dtype | None = "auto"
@@ -213,6 +218,7 @@ class PipelineOptions:
                 "lightning_pd2bw.engine.options"
             )
         self._check_choice("on_nonfinite", NONFINITE_POLICIES)
+        self._check_choice("placement", rules.PLACEMENTS)
         if self.delay_correction not in (None, *DELAY_CORRECTIONS):
             raise ValueError(
                 f"{keys.named('delay_correction', self.delay_correction)} is invalid; valid: None, "

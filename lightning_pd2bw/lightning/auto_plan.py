@@ -79,5 +79,6 @@ def choose(
         recompute=chosen.recompute,
         layers_per_stage=tuple(len(r) for r in best.stages),
         shard_gradients=chosen.options.shard_gradients,  # the planner's choice where left to the default (2BW)
+        placement=chosen.options.placement,  # where the planner puts the ranks
     )
     return planned, best, global_batch // chosen.width

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
 from ..engine.grid import device_barrier
+from ..engine.layout import Placement
 from ..engine.options import PipelineOptions, Run
 from ..observe import watchdog
 from . import checks
@@ -93,8 +94,10 @@ class PipelineProcesses(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # all stages of one pipeline read the same shard: the replica's
-        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // self.num_stages}
+        # all stages of one pipeline read the same shard: the replica's (where ranks sit: ``layout.Placement``)
+        placement = Placement(self.options.placement)
+        _, replica = placement.position(self.global_rank, self.num_stages, self.data_parallel_size)
+        return {"num_replicas": self.data_parallel_size, "rank": replica}
 
     @override
     def _configure_launcher(self) -> None:

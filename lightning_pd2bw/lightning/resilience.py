@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..engine.grid import ProcessGrid, describe_rank
+from ..engine.grid import ProcessGrid
 from ..engine.observer import Progress
 from ..observe import watchdog
 from .preemption import Preemption
@@ -36,7 +36,7 @@ class Resilience:
             grid.rank,
             grid.world_size,
             watched,
-            lambda rank: describe_rank(rank, grid.num_stages),
+            grid.describe,
             self.failure_timeout,
             hang_timeout=self.hang_timeout,
             progress=self.progress,
@@ -68,7 +68,7 @@ class Resilience:
         preemption = self.preemption
         if isinstance(exception, SIGTERMException) and preemption is not None and preemption.agreed:
             assert self.grid is not None
-            rank = describe_rank(self.grid.rank, self.grid.num_stages)
+            rank = self.grid.describe()
             preemption.stop(exception, drain, wait_for_checkpoint, rank)
             self.stop()
             return

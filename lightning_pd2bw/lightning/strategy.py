@@ -2,9 +2,7 @@
 
 One Lightning training step is one segment of the pipeline schedule; the engine owns ``zero_grad``, ``backward`` and
 ``optimizer.step``, Lightning counts steps, steps schedulers, logs and checkpoints. The options are one
-``PipelineOptions``; the narrow components beside this file do the rest (``processes``, ``checkpoints``,
-``auto_plan``, ``resilience``, ``drains``, ``data_position``, ``checks``, ``compat``: Lightning's private APIs).
-"""
+``PipelineOptions``; the components beside this file do the rest (``compat``: Lightning's private APIs)."""
 
 from __future__ import annotations
 
@@ -69,6 +67,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         plan: str | None = None,
         global_batch_size: int | None = None,
         layers_per_stage: list[int] | None = None,
+        placement: str = "pipeline",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -101,6 +100,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             mode=mode,
             lookahead=lookahead,
             layers_per_stage=layers_per_stage,
+            placement=placement,
             recompute=recompute,
             boundary_dtype=boundary_dtype,
             weight_dtype=weight_dtype,
@@ -167,7 +167,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             self._build_grid()
 
     def _build_grid(self) -> None:
-        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages)
+        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages, self.options.placement)
         self.resilience.start(self.grid)
 
     @override

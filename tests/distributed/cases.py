@@ -56,6 +56,7 @@ class Case:
     # width > 1: each gradient reduced to its owner (engine/grad_buckets.py); None: the strategy's default (on)
     shard_gradients: bool | None = None
     sync_steps: int = 0  # 2BW's synchronous start: the first N steps drain after their update (fresh weights)
+    placement: str = "pipeline"  # "replicas": a stage's replicas on consecutive ranks (layout.Placement)
 
     @property
     def bf16_update(self) -> bool:
@@ -172,6 +173,7 @@ CASES = {
         Case("gpt_2bw_d4_adamw", mode="2bw", num_stages=4, num_microbatches=4, steps=5, clip=0.5),
         Case("gpt_flush_d2w2_adamw", width=2, schedule=True),
         Case("gpt_2bw_d2w2_adamw", width=2, mode="2bw", steps=5, clip=0.5),
+        Case("gpt_2bw_d2w2_replicas_together", width=2, mode="2bw", steps=5, clip=0.5, placement="replicas"),
         Case("gpt_2bw_sparse_gmp_global", mode="2bw", steps=5, clip=0.5, sparsity="gmp_global"),
         Case("gpt_flush_sparse_rigl_erk", optimizer="sgd", momentum=0.9, steps=5, sparsity="rigl_erk"),
         Case("gpt_2bw_sparse_spdf", mode="2bw", steps=5, sparsity="spdf", schedule=True),

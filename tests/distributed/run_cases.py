@@ -129,6 +129,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         compile={"backend": "aot_eager"} if case.compile else False,
         shard_gradients=case.shard_gradients,
         sync_steps=case.sync_steps,
+        placement=case.placement,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     return quiet_trainer(

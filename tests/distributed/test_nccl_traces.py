@@ -103,6 +103,7 @@ def test_lowering_issues_what_the_run_issued(trained, name):
         eval_batches=2 if case.val_every else 0,
         lookahead=case.lookahead,
         shard_gradients=case.shard_gradients is not False,  # None: the default, on (no case at width > 1 is RigL)
+        placement=case.placement,
     )
     lowered = programs(layout)
     calls = recorded(trained[name])

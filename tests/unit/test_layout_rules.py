@@ -281,6 +281,7 @@ DECLARATIONS = {
     "num_microbatches": 7,
     "num_stages": 7,
     "on_nonfinite": 2,
+    "placement": 3,  # PipelineOptions, the strategy's keyword and the process grid (where its ranks sit)
     "plan": 2,
     "recompute": 3,
     "requeue": 3,

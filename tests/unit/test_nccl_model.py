@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -336,3 +337,36 @@ def test_every_declared_collective_is_waited_after_it_is_issued_on_a_group_the_l
                 assert order.index(collective.issued) <= order.index(waited), (part, collective)
                 assert collective.repeat >= 1
     assert seen == {"BucketReducer", "TiedSums", "SkipNonFinite", "GlobalNormClip", "StageNormClip", "Stepper"}
+
+
+@pytest.mark.parametrize(("mode", "lookahead"), SCHEDULES)
+def test_placing_replicas_together_relabels_ranks_and_stays_deadlock_free(mode, lookahead):
+    """``placement="replicas"`` (a stage's replicas on consecutive ranks) changes which global rank runs a (stage,
+    replica), nothing else: each rank's program is the pipeline placement's program of the same (stage, replica) with
+    every peer and member renamed, and the lowering is free of deadlock under both models (depth 2 and 4, width 2,
+    sharded gradients, global clipping, the non-finite agreement, tied parameters, drains and evaluation)."""
+    from lightning_pd2bw.engine.layout import Placement
+
+    for depth in (2, 4):
+        base = dict(steps=4, tied=True, drain_after=(2, 4), eval_batches=1, lookahead=lookahead)
+        layout = CommLayout(mode, depth, depth + 1, 2, **base, **UPDATES["sharded_clip_global_skip"])
+        by_pipeline = programs(layout)
+        replicas = dataclasses.replace(layout, placement=Placement.REPLICAS)
+        by_replicas = programs(replicas)
+        rename = {  # pipeline placement's rank -> the replicas placement's rank of the same (stage, replica)
+            Placement.PIPELINE.rank(s, r, depth, 2): Placement.REPLICAS.rank(s, r, depth, 2)
+            for s in range(depth)
+            for r in range(2)
+        }
+        assert sorted(rename.values()) == list(range(2 * depth)) and rename != {r: r for r in rename}
+        for rank, ops in by_pipeline.items():
+            world = tuple(range(2 * depth))  # the default group: every rank, in rank order under either placement
+            moved = [
+                op._replace(
+                    peer=rename.get(op.peer, op.peer),
+                    members=op.members if op.members == world else tuple(rename[m] for m in op.members),
+                )
+                for op in ops
+            ]
+            assert by_replicas[rename[rank]] == moved, f"{mode} d={depth}: rank {rank}"
+        check(replicas, serialized=(False, True))

@@ -23,7 +23,7 @@ from .. import schedule as S
 from .. import update_build as U
 from ..collectives import Collective
 from ..grid import communicator
-from ..layout import Layout, check_schedule
+from ..layout import Layout, Placement, check_schedule
 from ..lowering import ISSUE as ISSUE_PART
 from ..lowering import WAIT as WAIT_PART
 from ..lowering import Op as LoweredOp
@@ -50,6 +50,7 @@ class CommLayout:
     shard_optimizer: bool = True  # width > 1: each owner broadcasts its new weights after STEP (sharding.py)
     shard_gradients: bool = False  # each bucket's owners' parts reduced to them; norm and flag summed over replicas
     meta_init: bool = True  # built on the meta device: the tied weight's holders agree whose copy was initialised
+    placement: Placement = Placement.PIPELINE  # which ranks are neighbours (layout.Placement)
 
 
 class RankProgram:
@@ -57,10 +58,12 @@ class RankProgram:
 
     def __init__(self, layout: CommLayout, replica: int, stage: int) -> None:
         self.layout, self.replica, self.stage = layout, replica, stage
-        d = layout.num_stages
-        self.rank = replica * d + stage
-        self.world = tuple(range(d * layout.data_parallel_size))
-        self.pipeline = tuple(replica * d + s for s in range(d))
+        d, width = layout.num_stages, layout.data_parallel_size
+        self.pipeline = tuple(Placement(layout.placement).rank(s, replica, d, width) for s in range(d))
+        self.rank = self.pipeline[stage]
+        self.world = tuple(range(d * width))
+        self.previous = self.pipeline[stage - 1] if stage > 0 else -1  # the neighbours' ranks
+        self.next = self.pipeline[stage + 1] if stage < d - 1 else -1
         self.ops: list[Op] = []
         self.handles = 0
         self.batches = 0
@@ -99,8 +102,11 @@ class RankProgram:
 
     # -------------------------------------------------------------- transport (transport.StageLink)
     def _pair_channel(self, peer: int) -> str:
-        low = min(self.rank, peer) - self.replica * self.layout.num_stages
-        return communicator("p2p", low, self.replica, self.layout.num_stages, self.layout.data_parallel_size)[0]
+        low = min(self.pipeline.index(self.rank), self.pipeline.index(peer))  # the pair's first stage
+        layout = self.layout
+        return communicator(
+            "p2p", low, self.replica, layout.num_stages, layout.data_parallel_size, (), layout.placement
+        )[0]
 
     def batch(self, peer: int, sends: list[str], receives: int, label: str) -> tuple[list[int], list[int]]:
         """StageLink._issue: one batch_isend_irecv; a batch with sends is held until settled."""
@@ -141,31 +147,31 @@ class RankProgram:
             self.headers.add(("out", phase))
             sends = [f"{label} header"] + sends
         receives = self.layout.boundary_tensors if fused is not None else 0
-        handles = self.batch(self.rank + 1, sends, receives, f"{fused} fused with {label}")
+        handles = self.batch(self.next, sends, receives, f"{fused} fused with {label}")
         if fused is not None:
             self.fused["backward"].append(handles)
 
     def recv_forward(self, phase: str, label: str) -> None:
         if self.fused["forward"]:
-            return self.use("forward", self.rank - 1, label)
+            return self.use("forward", self.previous, label)
         if ("in", phase) not in self.headers:
             self.headers.add(("in", phase))
-            sent, received = self.batch(self.rank - 1, [], 1, f"{label} header")
+            sent, received = self.batch(self.previous, [], 1, f"{label} header")
             self.wait_all(received, label)
-            self.settle(self.rank - 1)
-        self.receive(self.rank - 1, label)
+            self.settle(self.previous)
+        self.receive(self.previous, label)
 
     def send_backward(self, label: str, fused: S.Action | None = None) -> None:
         fuse = fused is not None and ("in", "train") in self.headers
         receives = self.layout.boundary_tensors if fuse else 0
-        handles = self.batch(self.rank - 1, [label] * self.layout.boundary_tensors, receives, f"{fused} fused")
+        handles = self.batch(self.previous, [label] * self.layout.boundary_tensors, receives, f"{fused} fused")
         if fuse:
             self.fused["forward"].append(handles)
 
     def recv_backward(self, label: str) -> None:
         if self.fused["backward"]:
-            return self.use("backward", self.rank + 1, label)
-        self.receive(self.rank + 1, label)
+            return self.use("backward", self.next, label)
+        self.receive(self.next, label)
 
     def wait_sends(self) -> None:
         for peer in list(self.unsettled):
@@ -192,7 +198,7 @@ class RankProgram:
     def group(self, name: str) -> tuple[str, tuple[int, ...]]:
         """A ``grid.Groups`` communicator of this stage: its channel and members (``grid.communicator``)."""
         layout, d = self.layout, self.layout.num_stages
-        return communicator(name, self.stage, self.replica, d, layout.data_parallel_size, tied=(0, d - 1))
+        return communicator(name, self.stage, self.replica, d, layout.data_parallel_size, (0, d - 1), layout.placement)
 
     def update(self, op: LoweredOp) -> None:
         """What the update's parts issue and wait for at ``op`` (its lowered steps, ``lowering.Op.steps``: part by
@@ -250,7 +256,7 @@ class RankProgram:
 
     def after_eval_send(self) -> None:
         """StageLink settles an evaluation send once the next one is in flight."""
-        self.settle(self.rank + 1, keep=1, label="eval send")
+        self.settle(self.next, keep=1, label="eval send")
 
     def _backward(self, op: LoweredOp) -> None:
         """A batch's last backward on this stage starts the replica all-reduce of each gradient bucket
