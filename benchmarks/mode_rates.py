@@ -27,8 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
 PLANNED = {  # label -> pd2bw-plan's arguments (both modes get the same ones)
-    # each mode at its best: its gradients as the planner weighs them (the recipe fixes them for its 2BW run)
-    "gpt13b, 8 x 8 H100 (planned)": ["recipe=gpt13b", "cluster=h100_80g_8x8", "strategy.shard_gradients=null"],
+    # each mode at its best: its gradients and placement as the planner weighs them (the recipe fixes them for 2BW)
+    "gpt13b, 8 x 8 H100 (planned)": [
+        "recipe=gpt13b",
+        "cluster=h100_80g_8x8",
+        "strategy.shard_gradients=null",
+        "strategy.placement=null",
+    ],
     "GPT-2.2B, 64 V100 (planned)": [
         "recipe=gpt13b",
         "model.config.n_layer=32",
@@ -38,6 +43,7 @@ PLANNED = {  # label -> pd2bw-plan's arguments (both modes get the same ones)
         "global_batch_size=512",
         "cluster=v100_16g_8x8",
         "strategy.shard_gradients=null",
+        "strategy.placement=null",
     ],
 }
 BEST = re.compile(r"^best: .*: ([0-9.]+) samples/s predicted", re.M)

@@ -33,8 +33,8 @@ def _select_cluster(argv: list[str]) -> list[str]:
 def search_plans(cfg, model, mode: str | None = None):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: that mode at its best plan
-    (Flush without a lookahead; the gradients as the planner weighs them, ``search.gradient_choices``, whatever the
-    run set: a recipe's ``shard_gradients`` is chosen for its own mode)."""
+    (Flush without a lookahead; the gradients and the placement as the planner weighs them, ``search.gradient_choices``
+    and ``placement_choices``, whatever the run set: a recipe's are chosen for its own mode)."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
@@ -43,7 +43,7 @@ def search_plans(cfg, model, mode: str | None = None):
     options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
     if mode is not None:
         lookahead = options.lookahead if mode == options.mode or mode == "2bw" else 0
-        options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None)
+        options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None, placement=None)
     profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
     return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
 
@@ -91,13 +91,16 @@ def update_line(cfg, model, best) -> str:
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:
-    """Both modes' best planned rates (2BW's and Flush's, each at its best plan whatever the run's mode and its
-    ``shard_gradients``) and the step overhead at which they reach a loss at the same time; a line more where the
-    run's own ``shard_gradients`` plans its mode slower than its best (``rate``: the run's best)."""
+    """Both modes' best planned rates (2BW's and Flush's, each at its best plan whatever the run's mode, its
+    ``shard_gradients`` and its ``placement``) and the step overhead at which they reach a loss at the same time; a
+    line more where the run's own choices plan its mode slower than its best (``rate``: the run's best)."""
     from ..planner.search import NoPlanFits
     from ..planner.step_overhead import choice_text
 
-    rates = {mode: rate} if cfg.strategy.shard_gradients is None else {}  # the run's best is its mode's best
+    fixed = {
+        key: cfg.strategy.get(key) for key in ("shard_gradients", "placement") if cfg.strategy.get(key) is not None
+    }
+    rates = {} if fixed else {mode: rate}  # the run's best is its mode's best
     for each in [m for m in ("2bw", "flush") if m not in rates]:
         try:
             rates[each] = search_plans(cfg, model, each)[0][0].throughput
@@ -108,9 +111,10 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
                 return f"2BW or Flush: no {each} plan fits this cluster"
     text = choice_text(rates["2bw"], rates["flush"])
     if rates[mode] > rate * 1.001:
+        given = " ".join(f"strategy.{key}={str(value).lower()}" for key, value in fixed.items())
         text += (
-            f"\n  this run's strategy.shard_gradients={str(cfg.strategy.shard_gradients).lower()} plans {mode} at "
-            f"{rate:.1f} samples/s, its best at {rates[mode]:.1f}: strategy.shard_gradients=null lets the planner choose"
+            f"\n  this run's {given} plans {mode} at {rate:.1f} samples/s, its best at {rates[mode]:.1f}: "
+            f"{' '.join(f'strategy.{key}=null' for key in fixed)} lets the planner choose"
         )
     return text
 
@@ -132,6 +136,7 @@ def train_overrides(cluster, best) -> str:
         f"'strategy.recompute={recompute_value(chosen.recompute)}' "
         f"'strategy.layers_per_stage=[{','.join(str(len(r)) for r in best.stages)}]'"
         + (f" strategy.shard_gradients={str(gradients).lower()}" if gradients is not None else "")
+        + (f" strategy.placement={chosen.options.placement}" if chosen.options.placement is not None else "")
     )
 
 

@@ -107,8 +107,8 @@ class PipelineOptions:
             time); default: balanced by parameter count.
         placement: which ranks are neighbours (consecutive ranks share a server): ``"pipeline"`` (a pipeline's
             stages, rank = replica x d + stage) or ``"replicas"`` (a stage's replicas, rank = stage x w + replica:
-            the gradient reduce inside a server, the stages' messages across; Megatron-LM's order). The planner
-            chooses the one that hides more (``grid.py``).
+            the gradient reduce inside a server, the stages' messages across; Megatron-LM's order). None (the
+            default): the planner's choice (``pd2bw-plan``, ``plan="auto"``), else ``"pipeline"`` (``grid.py``).
 
         recompute: recompute activations in the backward instead of stashing them. ``True``: every layer of every
             stage (a stage stashes only its input per microbatch); ``False``: none; per stage, the number of its
@@ -182,7 +182,7 @@ class PipelineOptions:
     mode: str = rules.DEFAULT_MODE
     lookahead: int = 0
     layers_per_stage: tuple[int, ...] | None = None
-    placement: str = rules.Placement.PIPELINE.value
+    placement: str | None = None
     recompute: bool | tuple[int, ...] = False
     boundary_dtype: str | torch.dtype | None = "auto"
     weight_dtype: str | torch.dtype | None = "auto"
@@ -218,7 +218,8 @@ class PipelineOptions:
                 "lightning_pd2bw.engine.options"
             )
         self._check_choice("on_nonfinite", NONFINITE_POLICIES)
-        self._check_choice("placement", rules.PLACEMENTS)
+        if self.placement is not None:
+            self._check_choice("placement", rules.PLACEMENTS)
         if self.delay_correction not in (None, *DELAY_CORRECTIONS):
             raise ValueError(
                 f"{keys.named('delay_correction', self.delay_correction)} is invalid; valid: None, "
@@ -367,7 +368,10 @@ class Run:
             )
         layout = rules.Layout(depth, microbatches, options.mode, options.layers_per_stage, options.lookahead)
         resolved = options.replace(
-            num_stages=depth, num_microbatches=microbatches, **resolved_dtypes(options, precision)
+            num_stages=depth,
+            num_microbatches=microbatches,
+            placement=options.placement or rules.Placement.PIPELINE.value,
+            **resolved_dtypes(options, precision),
         )
         return cls(resolved, layout, world_size, precision)
 

@@ -95,7 +95,7 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # all stages of one pipeline read the same shard: the replica's (where ranks sit: ``layout.Placement``)
-        placement = Placement(self.options.placement)
+        placement = Placement(self._run().options.placement)
         _, replica = placement.position(self.global_rank, self.num_stages, self.data_parallel_size)
         return {"num_replicas": self.data_parallel_size, "rank": replica}
 

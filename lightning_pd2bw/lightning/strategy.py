@@ -67,7 +67,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         plan: str | None = None,
         global_batch_size: int | None = None,
         layers_per_stage: list[int] | None = None,
-        placement: str = "pipeline",
+        placement: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -167,7 +167,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             self._build_grid()
 
     def _build_grid(self) -> None:
-        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages, self.options.placement)
+        self.grid = ProcessGrid(self.global_rank, self.world_size, self.num_stages, self._run().options.placement)
         self.resilience.start(self.grid)
 
     @override

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..engine.layout import Mode, sharded_at
+from ..engine.layout import PLACEMENTS, Mode, Placement, sharded_at
 from ..engine.options import PipelineOptions
 from ..errors import Refusal
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict, stage_memory
@@ -139,8 +139,17 @@ def candidates(
                 continue
             for recompute in (False, True):
                 for chosen in gradient_choices(options, width):
-                    out.append(Candidate.of(chosen, width, depth, micro, recompute))
+                    for placed in placement_choices(chosen, width, depth):
+                        out.append(Candidate.of(placed, width, depth, micro, recompute))
     return out
+
+
+def placement_choices(options: PipelineOptions, width: int, depth: int) -> list[PipelineOptions]:
+    """``options`` as given, or with ``placement`` left to the planner (None) both ways where they differ (width and
+    depth > 1): a pipeline's stages on one server, or a stage's replicas (``layout.Placement``)."""
+    if options.placement is not None or width == 1 or depth == 1:
+        return [options]
+    return [options.replace(placement=placement) for placement in PLACEMENTS]
 
 
 def gradient_choices(options: PipelineOptions, width: int) -> list[PipelineOptions]:
@@ -232,9 +241,10 @@ def refusal(too_big: list[Prediction], cluster: ClusterSpec, capacity: float, gl
 
 def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool = True) -> str:
     rows = [
-        f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} {'grads':>6} "
+        f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} {'grads':>6} {'ranks':>8} "
         f"{'samples/s':>10} {'batch s':>9} {'update':>6} {'max stage GiB':>13}  stage memory GiB"
-    ]  # grads: reduced to their owners or all-reduced whole (shard_gradients); update: the slowest stage's update
+    ]  # grads: reduced to their owners or all-reduced whole (shard_gradients); ranks: which are neighbours, a
+    # pipeline's stages or a stage's replicas (placement); update: the slowest stage's update
     # (blocked on its collectives and its own compute), of the batch time
     for rank, p in enumerate(predictions[:limit], 1):
         c = p.candidate
@@ -244,7 +254,7 @@ def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool 
             per_stage = f"{memories[0]:.1f} ... {memories[-1]:.1f} ({len(memories)} stages)"
         rows.append(
             f"{rank if fits else '-':>4} {c.width:>5} {c.depth:>5} {c.micro_batch_size:>5} {p.num_microbatches:>4} "
-            f"{recompute_text(c.recompute):>9} {gradients_text(c):>6} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
+            f"{recompute_text(c.recompute):>9} {gradients_text(c):>6} {placement_text(c):>8} {p.throughput:>10.2f} {p.batch_time:>9.3f} "
             f"{100 * p.update_time / p.batch_time:>5.1f}% {p.peak_memory / GiB:>13.1f}  {per_stage}"
         )
     return "\n".join(rows)
@@ -256,6 +266,13 @@ def gradients_text(candidate: Candidate) -> str:
         return "-"
     options = candidate.options
     return "owner" if options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer) else "all"
+
+
+def placement_text(candidate: Candidate) -> str:
+    """``pipeline`` or ``replicas`` (which ranks share a server), ``-`` where both are the same (width or depth 1)."""
+    if candidate.width == 1 or candidate.depth == 1:
+        return "-"
+    return Placement(candidate.options.placement or Placement.PIPELINE).value
 
 
 def recompute_text(recompute: bool | tuple[int, ...]) -> str:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from ..engine import schedule as S
 from ..engine.collectives import Collective, CollectiveOp, GroupName
 from ..engine.gradients import replica_bucket_bytes
-from ..engine.layout import Layout
+from ..engine.layout import Layout, Placement
 from ..engine.update import UpdateShape
 from .candidate import Candidate, ModelProfile
 from .hardware import ClusterSpec
@@ -29,17 +29,23 @@ from .simulate import CollectiveCost, StageCosts, Timing, simulate
 RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
 
 
+def node_of(candidate: Candidate, cluster: ClusterSpec, stage: int, replica: int) -> int:
+    """The server running ``stage`` of ``replica`` (consecutive ranks share a server; ``layout.Placement`` says which
+    ranks are consecutive: a pipeline's stages, the default, or a stage's replicas)."""
+    placement = Placement(candidate.options.placement or Placement.PIPELINE)
+    return placement.rank(stage, replica, candidate.depth, candidate.width) // cluster.devices_per_node
+
+
 def crosses_servers(candidate: Candidate, cluster: ClusterSpec, stage: int) -> bool:
-    """Does the boundary after ``stage`` join ranks on two servers? (pipelines are consecutive ranks)"""
-    per_node = cluster.devices_per_node
+    """Does the boundary after ``stage`` join ranks on two servers?"""
     return any(
-        (r * candidate.depth + stage) // per_node != (r * candidate.depth + stage + 1) // per_node
+        node_of(candidate, cluster, stage, r) != node_of(candidate, cluster, stage + 1, r)
         for r in range(candidate.width)
     )
 
 
 def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec) -> float:
-    """Ring all-reduce of one stage's gradients over its w replicas (ranks s, s+d, s+2d, ...).
+    """Ring all-reduce of one stage's gradients over its w replicas (every stage's replicas are placed alike).
 
     Replicas on one server reduce over NVLink; across servers the ring's traffic goes through each
     server's network link, which the stages on that server share (hierarchical all-reduce).
@@ -47,30 +53,32 @@ def allreduce_time(num_bytes: float, candidate: Candidate, cluster: ClusterSpec)
     w = candidate.width
     if w == 1:
         return 0.0
-    per_node = cluster.devices_per_node
-    nodes = -(-w * candidate.depth // per_node)
-    if nodes == 1:
+    nodes = [node_of(candidate, cluster, 0, r) for r in range(w)]
+    if len(set(nodes)) == 1:
         return 2 * (w - 1) / w * num_bytes / cluster.intra_node_bandwidth + 2 * (w - 1) * cluster.latency
-    local = max(1, per_node // candidate.depth)  # replicas of one stage per server
-    stages_per_node = min(candidate.depth, per_node)
+    local = nodes.count(nodes[0])  # replicas of one stage per server
+    per_node, placement = cluster.devices_per_node, Placement(candidate.options.placement or Placement.PIPELINE)
+    on_server = range(nodes[0] * per_node, min((nodes[0] + 1) * per_node, candidate.depth * w))
+    # the stages whose reduces share that server's network link
+    stages_per_node = len({placement.position(rank, candidate.depth, w)[0] for rank in on_server})
     intra = 2 * (local - 1) / local * num_bytes / cluster.intra_node_bandwidth if local > 1 else 0.0
-    span = -(-w // local)  # servers the ring crosses
+    span = len(set(nodes))  # servers the ring crosses
     inter = 2 * (span - 1) / span * num_bytes * stages_per_node / cluster.inter_node_bandwidth
     return intra + inter + 2 * (w - 1) * cluster.latency
 
 
 def link_bandwidth(candidate: Candidate, cluster: ClusterSpec, boundary: int) -> float:
     """Bytes/s of the link after stage ``boundary``: NVLink inside a server, else the server's network link, shared
-    by every pipeline boundary that leaves the same server (pipelines are consecutive ranks: a pipeline deeper than a
-    server leaves each of its servers once)."""
+    by every pipeline boundary that leaves the same server (a pipeline deeper than a server, by pipeline, leaves
+    each of its servers once; by replicas, every replica's boundary leaves the server at once)."""
     if not crosses_servers(candidate, cluster, boundary):
         return cluster.intra_node_bandwidth
-    per_node, depth = cluster.devices_per_node, candidate.depth
-    node_of = lambda rank: rank // per_node  # noqa: E731
-    leaving = [(r * depth + s) for r in range(candidate.width) for s in range(depth - 1)]
-    leaving = [rank for rank in leaving if node_of(rank) != node_of(rank + 1)]
-    node = next(node_of(rank) for rank in leaving if rank % depth == boundary)
-    return cluster.inter_node_bandwidth / sum(node_of(rank) == node for rank in leaving)
+    node = lambda s, r: node_of(candidate, cluster, s, r)  # noqa: E731
+    leaving = [
+        (s, r) for r in range(candidate.width) for s in range(candidate.depth - 1) if node(s, r) != node(s + 1, r)
+    ]
+    here = next(node(s, r) for s, r in leaving if s == boundary)
+    return cluster.inter_node_bandwidth / sum(node(s, r) == here for s, r in leaving)
 
 
 def compute_time(profile: ModelProfile, candidate: Candidate, stage: int, span: range) -> tuple[float, float]:
@@ -131,7 +139,7 @@ def collective_cost(
         if collective.group is GroupName.REPLICA:  # the tied parameters' replica average
             return allreduce_time(tied, candidate, cluster)
         if collective.group is GroupName.TIED:  # between the first and the last stage
-            same_server = (candidate.depth - 1) // cluster.devices_per_node == 0
+            same_server = node_of(candidate, cluster, 0, 0) == node_of(candidate, cluster, candidate.depth - 1, 0)
             return cluster.latency + tied / (
                 cluster.intra_node_bandwidth if same_server else cluster.inter_node_bandwidth
             )

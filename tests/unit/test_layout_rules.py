@@ -281,7 +281,7 @@ DECLARATIONS = {
     "num_microbatches": 7,
     "num_stages": 7,
     "on_nonfinite": 2,
-    "placement": 3,  # PipelineOptions, the strategy's keyword and the process grid (where its ranks sit)
+    "placement": 4,  # PipelineOptions, the strategy's keyword, the process grid and the NCCL model's CommLayout
     "plan": 2,
     "recompute": 3,
     "requeue": 3,

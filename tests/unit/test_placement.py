@@ -38,5 +38,37 @@ def test_each_rank_sits_where_the_rule_says(placement):
 
 
 def test_a_placement_that_is_not_one_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"PipelineOptions\(placement='servers'\) is invalid; valid: pipeline, replicas"):
+    with pytest.raises(
+        ValueError, match=r"PipelineOptions\(placement='servers'\) is invalid; valid: pipeline, replicas"
+    ):
         PipelineOptions(placement="servers")
+
+
+def test_the_planner_times_each_placement_by_hand():
+    """2 servers x 8 devices, 4 stages x 4 replicas, B bytes of gradients, latency 0. By pipeline (ranks r*4 + s):
+    stage 0's replicas are ranks 0, 4, 8, 12, two per server, and the four stages of a server share its network link:
+    a 2-way ring inside (B/2 over NVLink, twice) plus a 2-way ring across carrying 4 stages' traffic; every boundary
+    inside a server. By replicas (ranks s*4 + r): stage 0's replicas are ranks 0-3, one server, one 4-way ring over
+    NVLink; the boundary after stage 1 (ranks 4-7 on server 0 to 8-11 on server 1) leaves server 0 four times."""
+    from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec
+    from lightning_pd2bw.planner.timing import allreduce_time, link_bandwidth
+
+    intra, inter, size = 1e10, 1e9, 1e8
+    cluster = ClusterSpec(DeviceSpec("toy", 1e12, 10 << 30, 1e11), 2, 8, intra, inter, latency=0.0)
+    by_pipeline = Candidate(4, 4, 1, False, PipelineOptions(placement="pipeline"))
+    by_replicas = Candidate(4, 4, 1, False, PipelineOptions(placement="replicas"))
+    assert allreduce_time(size, by_pipeline, cluster) == pytest.approx(size / intra + size * 4 / inter)
+    assert allreduce_time(size, by_replicas, cluster) == pytest.approx(2 * 3 / 4 * size / intra)
+    assert [link_bandwidth(by_pipeline, cluster, b) for b in range(3)] == [intra] * 3
+    assert [link_bandwidth(by_replicas, cluster, b) for b in range(3)] == [intra, inter / 4, intra]
+    unplaced = Candidate(4, 4, 1, False, PipelineOptions())  # None: timed as the grid runs it, by pipeline
+    assert allreduce_time(size, unplaced, cluster) == allreduce_time(size, by_pipeline, cluster)
+
+
+def test_the_planner_weighs_both_placements_only_where_the_run_leaves_it():
+    from lightning_pd2bw.planner.search import candidates
+
+    left = {c.options.placement for c in candidates(16, 8, 64, PipelineOptions()) if c.width > 1 and c.depth > 1}
+    given = {c.options.placement for c in candidates(16, 8, 64, PipelineOptions(placement="replicas"))}
+    assert left == {"pipeline", "replicas"} and given == {"replicas"}
+    assert all(c.options.placement is None for c in candidates(16, 8, 64, PipelineOptions()) if c.width == 1)
