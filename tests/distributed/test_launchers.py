@@ -32,6 +32,18 @@ SMALL_RUN = [
 ]
 
 
+def getting_started_sample() -> list[str]:
+    """The lines of ``make train``'s sample output in docs/getting-started.md that any run of the default recipe
+    prints alike (the layout line, and the end-of-run table's row names), not its numbers, dates or model."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    sample = page.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    layout = [line for line in sample if line.startswith("layout: ")]
+    table = sample[sample.index(next(line for line in sample if line.startswith("run finished at step"))) + 1 :]
+    rows = [line.strip().split("  ")[0] + "  " for line in table if line.startswith("  ")]
+    assert layout and len(rows) >= 8, sample
+    return [*layout, "run finished at step", *rows]
+
+
 def run(command: list[str], cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true")
     env.update(extra_env)
@@ -89,6 +101,11 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     assert torch.load(tmp_path / "m.ckpt", weights_only=True)["global_step"] == 6
     for line in ("stage 0: layers", "tokens per step = 8 x 32 = 256", "wandb sync"):
         assert line in result.stdout
+    # docs/getting-started.md's sample of the main job's output (issue 78): its stable lines are what a run prints
+    for line in getting_started_sample():
+        assert line in result.stdout, (
+            f"docs/getting-started.md shows {line!r}; the run printed:\n{result.stdout[-2000:]}"
+        )
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, "one wandb run for all ranks"
     history, config = read_run(runs[0])
