@@ -189,14 +189,23 @@ def search(
     num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
     fits, too_big = [], []
     found = candidates(cluster.num_devices, num_layers, global_batch, options or PipelineOptions(), micro_batch_sizes)
+    cuts: dict[str, list[range] | None] = {}
+
+    def cut(candidate: Candidate, m: int, limit: float) -> list[range] | None:
+        """``partition``, once per candidate whatever its placement (the cut weighs compute and memory only)."""
+        key = repr((replace(candidate, options=candidate.options.replace(placement=None)), m, limit))
+        if key not in cuts:
+            cuts[key] = partition(profile_at(candidate.micro_batch_size), candidate, m, limit)
+        return cuts[key]
+
     for candidate in found:
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
-        stages = partition(profile, candidate, m, capacity)
+        stages = cut(candidate, m, capacity)
         if stages is not None:
             fits.append(predict(profile, candidate, cluster, global_batch, stages))
             continue
-        stages = partition(profile, candidate, m, float("inf"))  # the time-balanced cut
+        stages = cut(candidate, m, float("inf"))  # the time-balanced cut
         fewest = fewest_recomputed(profile, candidate, m, capacity, stages) if candidate.recompute is False else None
         if fewest is not None:  # recomputing some blocks of some stages is enough (Megatron's recompute_num_layers)
             fits.append(predict(profile, fewest, cluster, global_batch, stages))

@@ -23,6 +23,7 @@ formula of its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -132,9 +133,9 @@ class _Lowering:
                 else:
                     self.inflight[(batch, collective)] = handles
 
-    def segment(self, actions: list[S.Action]) -> None:
+    def segment(self, step: int) -> None:
         s = self.stage
-        for op in lower_actions(actions, self.parts, self.layout.num_microbatches):
+        for op in _segment_ops(self.layout, s, step, self.mine.shape):
             kind, micro = op.kind, op.microbatch
             if self.mine.dispatch:
                 self.ops.append((COMPUTE, self.mine.dispatch))
@@ -179,6 +180,13 @@ class _Lowering:
 CollectiveCost = Callable[[int, Collective], float]  # (stage, declared collective) -> seconds of one issue
 
 
+@functools.lru_cache(maxsize=4096)
+def _segment_ops(layout: Layout, stage: int, step: int, shape: UpdateShape) -> tuple:
+    """The lowered ops of ``stage``'s segment of ``step`` (``lowering.lower``): the schedule's, not the costs', so
+    the candidates that differ only in costs (placement, gradients, recomputation, the cluster) share them."""
+    return tuple(lower_actions(S.segment(layout, stage, step), U.collectives(shape), layout.num_microbatches))
+
+
 def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int) -> list[list[tuple]]:
     """Every stage's timed operations for ``steps`` training steps, as the strategy drives them."""
     programs = []
@@ -191,7 +199,7 @@ def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, 
             sigterm = lowering.issue("world", tuple(range(layout.num_stages)), 0.0)
             if costs[stage].per_step:
                 lowering.ops.append((COMPUTE, costs[stage].per_step))
-            lowering.segment(S.segment(layout, stage, step))
+            lowering.segment(step)
             end = step_end(layout.mode, step)
             if end.wait_sends:
                 lowering.ops.append((WAIT_SENDS,))

@@ -291,6 +291,7 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
         "lightning_pd2bw.cli.plan",
         "recipe=gpt13b",
         "cluster=a100_80g_8x8",
+        "global_batch_size=256",  # a quarter of the recipe's: the same layouts, fewer microbatch counts to simulate
         f"hydra.run.dir={tmp_path}",
     ]
     result = subprocess.run(
