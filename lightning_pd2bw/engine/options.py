@@ -92,19 +92,17 @@ def check_clipping(value: float | None, algorithm: str, mode: str, named: Callab
 class PipelineOptions:
     """How the pipeline runs. Every field is checked when the object is built; a bad one raises ``ValueError``
     naming it, what is wrong and what is valid. The fields come in three groups: the layout (``num_stages`` to
-    ``placement``; under the Lightning strategy the depth and the cut may instead come from the planner,
-    ``plan="auto"``), the compute (``recompute`` to ``compile``) and the update (``clipping`` to
-    ``shard_gradients``).
+    ``placement``; under the Lightning strategy the planner's, ``plan="auto"``), the compute (``recompute`` to
+    ``compile``) and the update (``clipping`` to ``grad_reduce_dtype``).
 
     Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
-        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d is
-            used): each costs one more stashed microbatch per stage and buys slack between neighbours, whose
-            uneven action times 1F1B otherwise turns into waits (0: plain 1F1B, ``d - s`` stashed on stage s).
-        layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by
-            time); default: balanced by parameter count.
+        lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d used):
+            each one more stashed microbatch per stage, slack between neighbours (0: plain 1F1B).
+        layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by time);
+            default: balanced by parameter count.
         placement: which ranks are neighbours (consecutive ranks share a server): ``"pipeline"`` (a pipeline's
             stages, rank = replica x d + stage) or ``"replicas"`` (a stage's replicas, rank = stage x w + replica:
             the gradient reduce inside a server, the stages' messages across; Megatron-LM's order). None (the
@@ -117,9 +115,8 @@ class PipelineOptions:
             (``plan="auto"``, ``pd2bw-plan``) chooses the fewest that fit.
         boundary_dtype: the dtype floating-point activations and their gradients cross stage boundaries in.
             ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"`` (half the bytes on the wire and in the
-            receiving stage's stash, as Megatron's ``pipeline_dtype``), else each tensor's own dtype;
-            ``None``: always the tensor's own dtype (bitwise the single-device computation); or a dtype
-            (``torch.bfloat16`` or its name, ``"bfloat16"``).
+            receiving stash, Megatron's ``pipeline_dtype``), else each tensor's own; ``None``: each tensor's own
+            (bitwise the single-device computation); or a dtype (``torch.bfloat16`` or ``"bfloat16"``).
         weight_dtype: the dtype each weight version is held in for compute, over one float32 master copy that the
             optimizer steps (Megatron's bf16 parameters over fp32 main parameters; ``engine/versions.py``): no cast
             of the weights per microbatch, nothing cast stashed, and each microbatch's weight gradient added into
@@ -146,9 +143,8 @@ class PipelineOptions:
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
         sync_steps: a synchronous start under 2BW: the first ``sync_steps`` training steps (by global step) drain
-            after their update, so each reads fresh weights (Flush's rule, at about Flush's speed: each step pays the
-            pipeline's fill and drain); 2BW's delay starts after them, as after any drain. 0: none. No effect under
-            flush.
+            after their update, so each reads fresh weights (Flush's rule and speed); 2BW's delay starts after them.
+            0: none. About 250 lets 2BW train at Flush's tuned rate (docs/time-to-quality.md). No effect under flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
@@ -157,21 +153,17 @@ class PipelineOptions:
             each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
             across tensors. No effect at width 1.
         shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
-            instead of all-reducing it (``engine/grad_buckets.py``): with the owners' weight broadcast, each
-            replica moves what DDP's all-reduce alone moves (ZeRO-1's exchange), about 2/3 of all-reduce plus
-            broadcast, and under 2BW keeps one gradient buffer plus its share of the batch set aside, not two
-            buffers. The clip norm and the non-finite check sum the owners' parts over the replicas. A replica
-            holds the average of its own parameters' gradients only, so the ``on_before_optimizer_step`` hooks see
-            None at the others (a gradient-norm logger sees its replica's share). ``None`` (the default): on
-            wherever the optimizer is sharded, except beside a callback that reads every gradient (RigL's
-            regrowth: the Lightning strategy turns it off there and says so); ``True`` refuses such a callback.
+            instead of all-reducing it (``engine/grad_buckets.py``): ZeRO-1's exchange, about 2/3 of all-reduce plus
+            broadcast, and under 2BW one gradient buffer plus its share of the batch set aside, not two. The clip
+            norm and the non-finite check sum the owners' parts over the replicas; the ``on_before_optimizer_step``
+            hooks see None at the parameters other replicas own. ``None`` (the default): on wherever the optimizer
+            is sharded, except beside a callback that reads every gradient (RigL's regrowth: the strategy turns it
+            off there and says so); ``True`` refuses such a callback.
         grad_reduce_dtype: the dtype the replicated gradients travel in over the replicas. None (the default): the
-            gradients' own, float32 under ``bf16-mixed`` and in full precision (as Megatron-LM's
-            ``grad_reduce_in_fp32`` under bf16 and FSDP2's default ``reduce_dtype``); ``"bfloat16"``: half the bytes
-            of the gradient reduce, the sum over the replicas rounded to bf16's 8-bit mantissa. The gradients still
-            accumulate over the microbatches in their own dtype and the average lands there: each bucket is cast as
-            it starts and cast back where it is received (``grad_buckets.py``), at the cost of the cast copy of the
-            buckets in flight (the planner counts it). No effect at width 1.
+            gradients' own, float32 under ``bf16-mixed`` (Megatron-LM's ``grad_reduce_in_fp32``, FSDP2's default);
+            ``"bfloat16"``: half the reduce's bytes, the sum rounded to bf16. The gradients accumulate in their own
+            dtype and the average lands there: each bucket is cast as it starts and back where it is received
+            (``grad_buckets.py``; the planner counts the copy). No effect at width 1.
 
         keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
             ``pd2bw-train``'s ``strategy.*``).
