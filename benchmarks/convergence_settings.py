@@ -64,6 +64,11 @@ SETTINGS = {  # name -> Hydra overrides
     "static75+supar": ["sparsity=static", "sparsity.sparsity=0.75", "sparsity.density_scaling=true"],
     "rigl75+supar": ["sparsity=rigl", "sparsity.sparsity=0.75", "sparsity.density_scaling=true"],
     "spdf75": ["sparsity=spdf", "sparsity.sparsity=0.75"],
+    # issue 80 item 4: 2:4 semi-structured (its recipe: dense -> 3:4 -> 2:4 over 25%-50%, then fixed) against 50%
+    # unstructured at the same density, by the gradual default's schedule and by 2:4's window (--settings
+    # dense,s50,s50+to0.5,semi24)
+    "s50": ["sparsity=gradual", "sparsity.sparsity=0.5"],
+    "semi24": ["sparsity=semi_structured"],
 }
 OPTIMIZERS = ("adamw", "muon")
 SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ",".join(

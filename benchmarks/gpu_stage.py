@@ -236,6 +236,21 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     return record
 
 
+def roofline_step(config: GPTConfig, args: argparse.Namespace) -> tuple[str, float] | None:
+    """The planner's analytic step for this slice (``m`` microbatches, one update) on the device preset named like
+    this GPU (``NVIDIA H200`` -> ``h200_141g``), or None where no preset matches: what ``flush`` is checked against."""
+    from lightning_pd2bw.planner.hardware import DEVICES
+    from lightning_pd2bw.planner.profile import analytic_profile
+
+    name = torch.cuda.get_device_name()
+    preset = next((k for k in DEVICES if k.split("_")[0].upper() in name), None)
+    if preset is None:
+        return None
+    layers = analytic_profile(num_blocks=args.layers, hidden=config.n_embd, heads=config.n_head,
+                              vocab=config.vocab_size, seq=args.seq, micro=args.micro, device=DEVICES[preset])  # fmt: skip
+    return preset, args.m * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=6, help="transformer blocks in the slice")
@@ -277,6 +292,9 @@ def main() -> None:
             f"{r['kind']:>17} | {r['step_s']:>7.4f} {overhead:>12} | {r['tokens_per_sec']:>9.0f} {mfu:>6} | "
             f"{r['max_memory_allocated'] / GiB:>8.2f} {predicted:>11}"
         )
+    planned = roofline_step(config, args)
+    if planned:
+        print(f"  the planner's roofline on {planned[0]}: {planned[1]:.4f} s per step (flush's step, update and all)")
     for r in records:
         if "predicted_bytes" in r:
             print(

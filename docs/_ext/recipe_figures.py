@@ -73,7 +73,7 @@ def figures(text: str) -> dict[str, str]:
     """The figures of one dry run, as it prints them."""
     layout = _find(r"^layout: (\d+) processes = (\d+) stages x (\d+) replicas; mode=(\w+) recompute=(\w+)", text)
     batch = _find(r"^batch: global (\d+) = \d+ replicas x (\d+) microbatches x (\d+) sequences", text)
-    plan = _find(r"^plan: ([\d.]+) samples/s \(([\d.]+) s per step, ([\d.]+)% MFU\)", text)
+    plan = _find(r"^plan: ([\d.]+) samples/s \(([\d.]+) s per step, ([\d.]+)% MFU, ([\d.]+) of the ideal", text)
     stages = [float(m) for m in re.findall(r"^  stage \d+: .*est\. memory ([\d.]+) GiB", text, re.MULTILINE)]
     cut = re.findall(r"^  stage \d+: layers (\d+)\.\.(\d+),", text, re.MULTILINE)
     checkpoint = _find(r"^checkpoint: ([\d.]+ GiB) per save \(([\d.]+ GiB) on the fullest rank\)", text)
@@ -91,6 +91,7 @@ def figures(text: str) -> dict[str, str]:
         "rate": plan[1],
         "step": plan[2],
         "mfu": plan[3],
+        "of_ideal": plan[4],
         "fullest": f"{max(stages):.1f} GiB",
         "stage0": f"{stages[0]:.1f} GiB",
         "save": checkpoint[1],
@@ -132,7 +133,7 @@ def modes_table(twobw: dict[str, str], whole: dict[str, str], flush: dict[str, s
     rows = [
         ("layout", f"{twobw['stages']} stages x {twobw['replicas']} replicas, micro {twobw['micro']}, "
                    f"m = {twobw['microbatches']}, {twobw['recompute']}", "the same", "the same"),
-        ("planned step, rate", *(f"{f['step']} s, {f['rate']} samples/s ({f['mfu']}% MFU)" for f in columns)),
+        ("planned step, rate", *(f"{f['step']} s, {f['rate']} samples/s ({f['mfu']}% MFU, {f['of_ideal']} of the ideal)" for f in columns)),
         ("fullest stage (H100, 80 GB)", *(f["fullest"] for f in columns)),
         (f"{twobw['tokens']} tokens ({twobw['steps']} steps)",
          f"{twobw['days']} days on {twobw['devices']} GPUs, {twobw['device_hours']} GPU-hours",
@@ -172,6 +173,33 @@ def checkpoint_line(text: str) -> str:
     return "```\n" + "\n".join(textwrap.wrap(line, WIDTH, break_on_hyphens=False)) + "\n```\n"
 
 
+def device_forecast(recipe_at_micro: dict[int, dict[str, str]]) -> str:
+    """The micro size and the device in the plan (issue 77): the 13B stage slice measured on one H200
+    (``docs/gpus-log.md``) as the planner times it on the H200 and the H100, at micro 1 and 2 (8 sequences a step),
+    and the gpt13b recipe's layout on 8 x 8 H100 at both micro sizes (the recipe's: 2)."""
+    from lightning_pd2bw.planner.hardware import DEVICES
+    from lightning_pd2bw.planner.profile import analytic_profile
+
+    def step(device: str, micro: int) -> float:  # embedding, 5 blocks, head: one stage, 8 sequences, one update
+        layers = analytic_profile(num_blocks=5, hidden=5120, heads=40, vocab=50304, seq=2048, micro=micro,
+                                  device=DEVICES[device])  # fmt: skip
+        return 8 // micro * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)
+
+    lines = [
+        "| planned (never run unless marked) | micro 1 (8 microbatches) | micro 2 (4 microbatches) | micro 2 gains |",
+        "|---|---|---|---|",
+    ]
+    for device in ("h200_141g", "h100_80g"):
+        one, two = step(device, 1), step(device, 2)
+        lines.append(
+            f"| the 13B stage slice on one {device}, s per step | {one:.3f} | {two:.3f} | {one / two - 1:.0%} |"
+        )
+    one, two = (float(recipe_at_micro[b]["rate"]) for b in (1, 2))
+    lines.append(f"| gpt13b, 4 x 16 on 8 x 8 h100_80g, samples/s | {one:.1f} | {two:.1f} | {two / one - 1:.0%} |")
+    stage0 = " / ".join(recipe_at_micro[b]["stage0"] for b in (1, 2))
+    return "\n".join(lines) + f"\n\nStage 0 of gpt13b at micro 1 / 2: {stage0}.\n"
+
+
 def outputs() -> dict[Path, str]:
     """Every generated file and the README, as the dry runs make them now."""
     texts = {name: dry_run(name) for name in RECIPES}
@@ -179,6 +207,7 @@ def outputs() -> dict[Path, str]:
     flush = figures(dry_run("gpt13b", "strategy.mode=flush"))  # gradients to their owners: Flush's best
     whole = figures(dry_run("gpt13b", "strategy.shard_gradients=false"))
     modes = modes_table(runs["gpt13b"], whole, flush)
+    micro1 = figures(dry_run("gpt13b", "micro_batch_size=1"))  # the recipe's micro size until 0.16.0
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
     return {
@@ -187,6 +216,7 @@ def outputs() -> dict[Path, str]:
         GENERATED / "recipe-gpt13b-modes.md": modes,
         GENERATED / "recipe-checkpoint-gpt13b.md": checkpoint_line(texts["gpt13b"]),
         GENERATED / "plan-gpt13b.md": plan_sample(),
+        GENERATED / "planner-devices.md": device_forecast({1: micro1, 2: runs["gpt13b"]}),
         ROOT / "README.md": readme[:start] + "\n" + modes + readme[end:],
     }
 

@@ -60,7 +60,7 @@ def plan_text(cfg, layout, model) -> str:
     lines += memory_warnings(cfg, layout.run, memories, fewest, stages)
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
-        lines.append(throughput_text(cfg, layout, model, step_s))
+        lines.append(throughput_text(cfg, layout, model, step_s, profile))
     lines.append(checkpoint_cost(cfg, layout, profile, stages, memories, step_s).describe())
     lines.append(training_cost_text(cfg, layout, step_s))
     return "\n".join(lines)
@@ -100,8 +100,10 @@ def planned_step_s(cfg, layout, profile, stages) -> float | None:
     return predict(profile, candidate, cluster_of(cfg), layout.global_batch_size, stages).batch_time
 
 
-def throughput_text(cfg, layout, model, step_s: float) -> str:
-    """``plan: N samples/s ...``: the planned rate and MFU (model FLOPs per token as ``RunMetrics`` counts them)."""
+def throughput_text(cfg, layout, model, step_s: float, profile) -> str:
+    """``plan: N samples/s ...``: the planned rate, its MFU (model FLOPs per token as ``RunMetrics`` counts them) and
+    its fraction of the ideal: every device computing the model's layers at the run's micro size, nothing else
+    (no bubble, no communication, no update)."""
     cluster = cluster_of(cfg)
     samples = layout.global_batch_size / step_s
     flops = getattr(model, "flops_per_token", None)
@@ -109,9 +111,14 @@ def throughput_text(cfg, layout, model, step_s: float) -> str:
     if flops is not None:
         achieved = samples * layout.seq_len * flops()
         mfu = f", {achieved / (layout.world_size * cluster.device.peak_flops):.1%} MFU"
+    compute = sum(layer.forward_s + layer.backward_s for layer in profile.layers)
+    ideal = layout.world_size * layout.micro_batch_size / compute
+    device = cluster.device
     return (
-        f"plan: {samples:.1f} samples/s ({step_s:.2f} s per step{mfu}) on {cluster.name}, the engine's actions simulated "
-        f"at the device's measured efficiency {cluster.device.efficiency:.0%} (pd2bw-plan ranks the alternatives)"
+        f"plan: {samples:.1f} samples/s ({step_s:.2f} s per step{mfu}, {samples / ideal:.2f} of the ideal "
+        f"{ideal:.1f}) on {cluster.name}, the engine's actions simulated, each GEMM and memory pass on the device's "
+        f"roofline ({device.efficiency:.0%} of peak FLOPs, {device.memory_efficiency:.0%} of the bandwidth; "
+        "pd2bw-plan ranks the alternatives)"
     )
 
 

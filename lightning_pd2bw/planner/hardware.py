@@ -3,7 +3,9 @@
 A cluster is ``num_nodes`` servers of ``devices_per_node`` devices. Inside a server devices talk
 over NVLink/NVSwitch (``intra_node_bandwidth``, bytes/s per device); servers talk over the network
 (``inter_node_bandwidth``, bytes/s per server, shared by its devices). Cluster presets live in
-``conf/cluster/*.yaml``; device figures are vendor datasheet numbers (dense, no sparsity).
+``conf/cluster/*.yaml``; device figures are vendor datasheet numbers (dense, no sparsity), and the two achieved
+fractions (``efficiency`` of the tensor cores, ``memory_efficiency`` of the memory) are measured
+(``planner/profile.py`` turns them into a roofline per GEMM shape and per memory pass).
 """
 
 from __future__ import annotations
@@ -19,20 +21,35 @@ class DeviceSpec:
     name: str
     peak_flops: float  # dense matmul FLOP/s in the training precision (bf16/fp16 tensor cores)
     memory_bytes: float  # capacity
-    memory_bandwidth: float  # bytes/s (HBM): bounds embeddings, norms, optimizer steps
-    efficiency: float = 0.45  # achieved fraction of peak on transformer layers (model FLOPs utilisation)
+    memory_bandwidth: float  # bytes/s (HBM): bounds embeddings, norms, casts, optimizer steps, small GEMMs
+    # achieved fraction of peak by a GEMM whose output tiles fill every multiprocessor's last wave (attention alike)
+    efficiency: float = 0.8
+    memory_efficiency: float = 1.0  # achieved fraction of ``memory_bandwidth`` by streaming kernels
+    # streaming multiprocessors: a GEMM's output tiles run in waves of this many, the last one partly idle (0: not
+    # modelled, every GEMM at ``efficiency``)
+    multiprocessors: int = 0
 
 
-# Datasheet figures. V100 SXM2: 125 TFLOP/s fp16 tensor, 900 GB/s; A100 SXM4 80GB: 312 TFLOP/s bf16,
-# 2.04 TB/s; H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s.
+# Datasheet figures. V100 SXM2: 125 TFLOP/s fp16 tensor, 900 GB/s, 80 SMs; A100 SXM4 80GB: 312 TFLOP/s bf16,
+# 2.04 TB/s, 108 SMs; H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s, 132 SMs; H200: the H100's tensor cores and
+# clocks with 141 GB at 4.8 TB/s.
+# Measured on one H200 (2026-11-27, docs/gpus-log.md): the kernel profile of one microbatch of 2 GPT-13B blocks at
+# micro 1 plus a fused AdamW step (19.3 ms of kernels: GEMMs and attention 10.2 ms for 8.25e12 FLOPs, 0.91 of peak
+# with the last waves counted; the optimizer's 28 bytes per parameter at 0.73 of the bandwidth) splits the time
+# between the tensor cores and the memory, and the 13B stage slice's whole step under Flush (embedding, 5 blocks,
+# head, 8 microbatches of 1 and the update: 0.400 s) sets the level: the kernels ran 0.87 of the step, so both
+# fractions are the kernels' x 0.87, launch gaps and all (tests/unit/test_planner_roofline.py reproduces both).
+# The A100 takes the H200's fractions until measured.
+MEASURED = {"efficiency": 0.79, "memory_efficiency": 0.63}
 DEVICES: dict[str, DeviceSpec] = {
-    "v100_16g": DeviceSpec("v100_16g", 125e12, 16 * GiB, 900 * GB, efficiency=0.35),
-    "a100_80g": DeviceSpec("a100_80g", 312e12, 80 * GiB, 2039 * GB),
-    # measured: a GPT-13B stage slice (embedding, 5 blocks of 5120, head; micro 1, m = 8, recomputation off, eager)
-    # trained by the engine at 45.8% MFU under 2BW and 48.0% under Flush, the whole step with its update, on one
-    # H200 (the H100 SXM's tensor cores and clocks) on 2026-11-27 (docs/gpus-log.md; benchmarks/gpu_stage.py --model
-    # gpt13b --layers 5 --micro 1 --m 8 --lookahead 7 --runs 2bw,flush)
-    "h100_80g": DeviceSpec("h100_80g", 989e12, 80 * GiB, 3350 * GB, efficiency=0.46),
+    # not measured: the tensor cores' fraction keeps a GPT-2.2B block at micro 4 at the 0.35 of peak the V100 was
+    # planned at before the roofline (0.16.0)
+    "v100_16g": DeviceSpec(
+        "v100_16g", 125e12, 16 * GiB, 900 * GB, efficiency=0.5, memory_efficiency=0.63, multiprocessors=80
+    ),
+    "a100_80g": DeviceSpec("a100_80g", 312e12, 80 * GiB, 2039 * GB, **MEASURED, multiprocessors=108),
+    "h100_80g": DeviceSpec("h100_80g", 989e12, 80 * GiB, 3350 * GB, **MEASURED, multiprocessors=132),
+    "h200_141g": DeviceSpec("h200_141g", 989e12, 140 * GiB, 4800 * GB, **MEASURED, multiprocessors=132),
 }
 
 
@@ -60,7 +77,8 @@ class ClusterSpec:
         d = self.device
         return (
             f"{self.name}: {self.num_nodes} x {self.devices_per_node} {d.name} ({d.memory_bytes / GiB:.0f} GiB, "
-            f"{d.peak_flops / 1e12:.0f} TFLOP/s x {d.efficiency:.0%}), "
+            f"{d.peak_flops / 1e12:.0f} TFLOP/s, GEMMs at {d.efficiency:.0%} of a full wave, "
+            f"{d.memory_bandwidth / GB:.0f} GB/s at {d.memory_efficiency:.0%}), "
             f"{self.intra_node_bandwidth / GB:.0f} GB/s inside a server, {self.inter_node_bandwidth / GB:.1f} GB/s "
             "between servers"
         )

@@ -7,6 +7,7 @@ clusters the user is not on). Layer order is the pipeline's: embedding, blocks, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..engine.precision import Precision
@@ -31,6 +32,56 @@ def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activa
     return seq * micro * hidden * (34 + 5 * heads * seq / hidden) * activation_bytes / 2
 
 
+# The output tile of a large 16-bit GEMM in cuBLAS/CUTLASS on Ampere and Hopper (rows x columns of the output): a
+# GEMM runs ceil(rows/128) x ceil(cols/256) tiles in waves of one tile per multiprocessor (NVIDIA's "Matrix
+# Multiplication Background" guide, wave quantization).
+TILE = (128, 256)
+# Activation-sized memory passes of one block's elementwise work per microbatch, forward and backward together (norms,
+# GELU, residual adds, casts): calibrated on the H200 profile in ``hardware.py`` (4.03 ms of elementwise
+# kernels for 2 blocks, less the float32 gradient accumulation counted apart, at the measured memory fraction); a
+# third of it in the forward.
+ELEMENTWISE_PASSES = 185
+
+
+def block_linears(hidden: int) -> tuple[tuple[int, int], ...]:
+    """(fan_in, fan_out) of a GPT block's matrices: Q/K/V fused, the attention's output, the MLP's two."""
+    return ((hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden))
+
+
+def wave_efficiency(rows: int, cols: int, device: DeviceSpec) -> float:
+    """The fraction of the multiprocessors' waves a GEMM with a ``rows x cols`` output keeps busy (1.0 when the
+    device does not say how many it has)."""
+    if not device.multiprocessors:
+        return 1.0
+    tiles = math.ceil(rows / TILE[0]) * math.ceil(cols / TILE[1])
+    return tiles / (math.ceil(tiles / device.multiprocessors) * device.multiprocessors)
+
+
+def gemm_seconds(rows: int, cols: int, reduction: int, element_bytes: int, device: DeviceSpec) -> float:
+    """A roofline: the GEMM's FLOPs at the tensor cores' achieved rate (its last wave counted), or its operands' and
+    output's bytes at the memory's, whichever is longer."""
+    compute = (
+        2 * rows * cols * reduction / (device.peak_flops * device.efficiency * wave_efficiency(rows, cols, device))
+    )
+    traffic = (rows * reduction + reduction * cols + rows * cols) * element_bytes
+    return max(compute, memory_seconds(traffic, device))
+
+
+def memory_seconds(num_bytes: float, device: DeviceSpec) -> float:
+    """Streaming ``num_bytes`` through the device's memory at its achieved bandwidth."""
+    return num_bytes / (device.memory_bandwidth * device.memory_efficiency)
+
+
+def linear_seconds(
+    tokens: int, fan_in: int, fan_out: int, element_bytes: int, device: DeviceSpec
+) -> tuple[float, float]:
+    """(forward, backward) of a linear layer over ``tokens`` rows: the backward is the input's gradient (tokens x
+    fan_in) and the weight's (fan_in x fan_out), each with its own shape's waves."""
+    forward = gemm_seconds(tokens, fan_out, fan_in, element_bytes, device)
+    backward = gemm_seconds(tokens, fan_in, fan_out, element_bytes, device)
+    return forward, backward + gemm_seconds(fan_in, fan_out, tokens, element_bytes, device)
+
+
 def analytic_profile(
     *,
     num_blocks: int,
@@ -47,39 +98,52 @@ def analytic_profile(
 ) -> list[LayerProfile]:
     """Embedding, ``num_blocks`` pre-norm transformer blocks and the LM head, from FLOPs and bytes.
 
-    Matmul time is FLOPs / (peak x efficiency); the backward is twice the forward. Memory-bound work
-    (embedding lookup, optimizer step) is bytes / memory bandwidth.
+    Each GEMM is timed by a roofline with its last wave counted (``gemm_seconds``), so the micro size and the device
+    both enter: a small microbatch leaves more of the last wave idle. Memory-bound work is bytes at the achieved
+    bandwidth: the embedding lookup, the blocks' elementwise passes, the cross-entropy, the optimizer step and, every
+    microbatch, the backward adding each parameter's new gradient into its float32 (the parameters' dtype)
+    accumulator (read both, write one).
     """
     bytes_of = Precision.of(precision)
     weight_bytes, act_bytes = bytes_of.parameter_bytes, bytes_of.activation_bytes
     tokens = seq * micro
-    flop_rate = device.peak_flops * device.efficiency
     boundary = tokens * hidden * act_bytes
 
     def optimizer_time(params: int) -> float:
         # read param, grad and states, write param and states
-        return params * weight_bytes * (3 + 2 * optimizer_states) / device.memory_bandwidth
+        return memory_seconds(params * weight_bytes * (3 + 2 * optimizer_states), device)
+
+    def accumulation(params: int) -> float:  # each microbatch's gradient added into the accumulator
+        return memory_seconds(params * (act_bytes + 2 * weight_bytes), device)
 
     embed_params = embedding_parameters if embedding_parameters is not None else (vocab + seq) * hidden
-    embed_time = 3 * boundary / device.memory_bandwidth
+    embed_time = memory_seconds(3 * boundary, device)
     embedding = LayerProfile(
-        embed_time, 2 * embed_time, tokens * 8, boundary, embed_params, optimizer_time(embed_params)
+        embed_time,
+        2 * embed_time + accumulation(embed_params),
+        tokens * 8,
+        boundary,
+        embed_params,
+        optimizer_time(embed_params),
     )
     block_params = 12 * hidden * hidden + 13 * hidden
-    block_flops = 2 * tokens * 12 * hidden * hidden + 4 * micro * seq * seq * hidden
+    linears = [linear_seconds(tokens, i, o, act_bytes, device) for i, o in block_linears(hidden)]
+    attention = 4 * micro * seq * seq * hidden / (device.peak_flops * device.efficiency)
+    elementwise = memory_seconds(ELEMENTWISE_PASSES * boundary, device)
     block = LayerProfile(
-        block_flops / flop_rate,
-        2 * block_flops / flop_rate,
+        sum(f for f, _ in linears) + attention + elementwise / 3,
+        sum(b for _, b in linears) + 2 * attention + 2 * elementwise / 3 + accumulation(block_params),
         block_activation_bytes(seq, micro, hidden, heads, act_bytes),
         boundary,
         block_params,
         optimizer_time(block_params),
     )
-    head_flops = 2 * tokens * hidden * vocab
     head_params = head_parameters if head_parameters is not None else vocab * hidden + 2 * hidden
+    logits_forward, logits_backward = linear_seconds(tokens, hidden, vocab, act_bytes, device)
+    loss = memory_seconds(tokens * vocab * (act_bytes + 4), device)  # the logits read, float32 log-softmax written
     head = LayerProfile(
-        head_flops / flop_rate,
-        2 * head_flops / flop_rate,
+        logits_forward + loss,
+        logits_backward + 2 * loss + accumulation(head_params),
         2 * boundary + tokens * vocab * (act_bytes + 4),  # norm and matmul inputs, logits and fp32 log-softmax
         0.0,
         head_params,

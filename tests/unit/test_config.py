@@ -172,7 +172,7 @@ def test_gpt13b_dry_run_prints_the_plan_without_allocating(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "12,853,626,880 parameters (12.85B)" in out
-    assert "64 processes = 4 stages x 16 replicas" in out and "64 microbatches" in out
+    assert "64 processes = 4 stages x 16 replicas" in out and "32 microbatches x 2 sequences" in out
     assert "tokens per step = 1024 x 2048 = 2,097,152" in out
     assert out.count("est. memory") == 4 and "stage 3: layers 31..41" in out
     # issue 63, 4: what the run costs. 143,052 steps x 2,097,152 tokens, in uint16 ids (vocabulary 50,304)
