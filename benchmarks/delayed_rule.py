@@ -342,11 +342,11 @@ def main() -> None:
         ratios = {label: plan["ratio"] for label, plan in found["planned"].items()}
         if "measured" in found:
             ratios = {"measured here, 2 CPU processes": found["measured"]["ratio"], **ratios}
-        table, overheads = time_to_quality(results, args, lengths, ratios)
+        table, _ = time_to_quality(results, args, lengths, ratios)
         print(f"\ntime to quality: 2BW against sync's final validation loss (< 1: 2BW is there sooner)\n{table}")
         report |= {"time_to_quality": table, "ratios": ratios}
         if args.record:
-            record(args, results, lengths, table, overheads, ratios)
+            record(args, results, lengths, ratios)
     (args.out / "delayed_rule.json").write_text(json.dumps(report))
 
 

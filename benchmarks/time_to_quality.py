@@ -30,40 +30,79 @@ def time_to_quality(
     2BW's time to it over sync's at each throughput ratio (time ratio = steps ratio / rate ratio; a synchronous
     start's steps at Flush's rate, ``flush_steps``). Returns the table and the steps ratio per seed (None: not
     reached by the longest horizon)."""
+    entry = measurement(results, args, lengths, ratios)
+    return table_of(entry), entry["overheads"]
+
+
+def measurement(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float]) -> dict:
+    """What a table and a plot are drawn from, as ``step_overhead.json`` keeps it: each seed's final losses (sync's
+    at ``--steps``, 2BW's at each length), the steps ratios found from them at full precision, the rate ratios."""
     from benchmarks.convergence import horizon_to
 
+    losses = {
+        "sync": [results[f"sync@{args.steps}/seed{seed}"]["curve"][-1][1] for seed in range(args.seeds)],
+        "2bw": {
+            str(n): [results[f"2bw@{n}/seed{seed}"]["curve"][-1][1] for seed in range(args.seeds)] for n in lengths
+        },
+    }
+    overheads = []
+    for seed, target in enumerate(losses["sync"]):
+        found = horizon_to(target, [(n, losses["2bw"][str(n)][seed], 0.0) for n in lengths])
+        overheads.append(None if found is None else found[0] / args.steps)
+    return {
+        "overheads": overheads,
+        "losses": losses,
+        "shortest": lengths[0] / args.steps,
+        "longest": lengths[-1] / args.steps,
+        "ratios": dict(ratios),
+        "sync_steps": args.sync_steps,
+        "steps": args.steps,
+    }
+
+
+def table_of(entry: dict) -> str:
+    """The per-seed table of one measurement (``measurement``, or a record of ``step_overhead.json``) at its
+    ``ratios``: what ``--record`` writes and ``--replan`` rewrites when the planner's ratios move."""
+    from lightning_pd2bw.planner.step_overhead import time_ratio
+
+    ratios, steps, lengths = entry["ratios"], entry["steps"], [int(n) for n in entry["losses"]["2bw"]]
     header = " | ".join(f"time at {r:.2f}x ({label})" for label, r in ratios.items())
     lines = [
-        f"| seed | sync's loss at {args.steps} | 2BW's at " + ", ".join(map(str, lengths)) + " | 2BW's steps to it "
+        f"| seed | sync's loss at {steps} | 2BW's at " + ", ".join(map(str, lengths)) + " | 2BW's steps to it "
         f"(x sync's) | {header} |",
         "|---" * (4 + len(ratios)) + "|",
     ]
-    overheads, bounds = [], []
-    for seed in range(args.seeds):
-        target = results[f"sync@{args.steps}/seed{seed}"]["curve"][-1][1]
-        horizons = [(n, results[f"2bw@{n}/seed{seed}"]["curve"][-1][1], 0.0) for n in lengths]
-        finals = ", ".join(f"{loss:.4f}" for _, loss, _ in horizons)
-        found = horizon_to(target, horizons)
-        if found is None:
-            lines.append(f"| {seed} | {target:.4f} | {finals} | > {lengths[-1] / args.steps:.2f}x (not reached) |")
-            overheads.append(None)
+    for seed, (target, overhead) in enumerate(zip(entry["losses"]["sync"], entry["overheads"])):
+        finals = ", ".join(f"{entry['losses']['2bw'][str(n)][seed]:.4f}" for n in lengths)
+        if overhead is None:
+            lines.append(f"| {seed} | {target:.4f} | {finals} | > {entry['longest']:.2f}x (not reached) |")
             continue
-        bound = "" if found[2] else "<= "
-        overhead = found[0] / args.steps
-        overheads.append(overhead)
-        bounds.append(bound)
-        times = " | ".join(
-            f"{bound}{flush_steps(found[0], r, args.sync_steps) / args.steps:.3f}" for r in ratios.values()
-        )
+        bound = "<= " if overhead <= entry["shortest"] else ""  # reached by the shortest run: an upper bound
+        times = " | ".join(f"{bound}{time_ratio(entry, overhead, r):.3f}" for r in ratios.values())
         lines.append(f"| {seed} | {target:.4f} | {finals} | {bound}{overhead:.3f}x | {times} |")
-    reached = [o for o in overheads if o is not None]
-    if len(reached) == len(overheads):
-        mean, bound = statistics.mean(reached), "<= " if any(b for b in bounds) else ""
-        times = " | ".join(
-            f"{bound}{flush_steps(mean * args.steps, r, args.sync_steps) / args.steps:.3f}" for r in ratios.values()
-        )
+    if None not in entry["overheads"]:
+        mean = statistics.mean(entry["overheads"])
+        bound = "<= " if any(o <= entry["shortest"] for o in entry["overheads"]) else ""
+        times = " | ".join(f"{bound}{time_ratio(entry, mean, r):.3f}" for r in ratios.values())
         lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
-    return "\n".join(lines), overheads
+    return "\n".join(lines)
+
+
+def page_text(entry: dict) -> str:
+    """``docs/_generated/PAGE.md`` of one record of ``step_overhead.json``: heading, command, table, plot."""
+    page = entry["page"]
+    return (
+        f"{entry['heading']}\n\n```\n{entry['command']}\n```\n\n{table_of(entry)}\n\n"
+        f"![validation loss against time, {page.removeprefix('time-to-quality-')}]({page}.png)\n"
+    )
+
+
+def write_page(entry: dict) -> None:
+    """``page_text`` into ``docs/_generated/`` (the docs include it) and its plot into ``docs/PAGE.png``."""
+    plot(entry, ROOT / "docs" / f"{entry['page']}.png")
+    folder = ROOT / "docs" / "_generated"  # included by the pages (pymdownx.snippets), not a page itself
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{entry['page']}.md").write_text(page_text(entry))
 
 
 def parameter_count(cfg) -> int:
@@ -76,17 +115,10 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def record(
-    args: argparse.Namespace,
-    results: dict,
-    lengths: list[int],
-    table: str,
-    overheads: list[float | None],
-    ratios: dict[str, float],
-) -> None:
-    """The one source of the time-to-quality figures: ``docs/_generated/time-to-quality-MODEL-OPTIMIZER.md`` (the
-    table with its date, command and corpus; the docs include it), its plot, and the steps ratios ``pd2bw-plan`` prints
-    (``lightning_pd2bw/planner/step_overhead.json``)."""
+def record(args: argparse.Namespace, results: dict, lengths: list[int], ratios: dict[str, float]) -> None:
+    """The one source of the time-to-quality figures: the record in ``lightning_pd2bw/planner/step_overhead.json``
+    (each seed's losses, the steps ratios ``pd2bw-plan`` prints, the date, command and corpus), from which
+    ``write_page`` draws ``docs/_generated/time-to-quality-MODEL-OPTIMIZER.md`` (the docs include it) and its plot."""
     import datetime
 
     from benchmarks.corpora import CORPORA, corpus_digest
@@ -101,40 +133,33 @@ def record(
     optimizer, name = str(cfg.model.optimizer), f"{args.model}-{cfg.model.optimizer}{start}{lever}"
     size = parameter_count(cfg)
     today = datetime.date.today().isoformat()
-    command = "python benchmarks/delayed_rule.py " + " ".join(sys.argv[1:])
     corpus = (
         args.corpus if args.corpus == "stdlib" else f"{args.corpus}, {corpus_digest(CORPORA[args.corpus](args.out))}"
     )
-    picture = f"time-to-quality-{name}.png"
-    plot(results, args, lengths, ratios, ROOT / "docs" / picture)
-    folder = ROOT / "docs" / "_generated"  # included by the pages (pymdownx.snippets), not a page itself
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"time-to-quality-{name}.md").write_text(
-        f"{args.model}, {optimizer}, {args.seeds} seed(s), {today} ({corpus}; [the machine](benchmarks.md#machines)):"
-        f"\n\n```\n{command}\n```\n\n{table}\n\n![validation loss against time, {name}]({picture})\n"
-    )
+    entry = measurement(results, args, lengths, ratios) | {
+        "optimizer": optimizer,
+        "date": today,
+        "command": "python benchmarks/delayed_rule.py " + " ".join(sys.argv[1:]),
+        "peak_lr": {"flush": float(cfg_sync.model.lr), "2bw": float(cfg.model.lr)},
+        "page": f"time-to-quality-{name}",
+        "heading": f"{args.model}, {optimizer}, {args.seeds} seed(s), {today} ({corpus}; "
+        "[the machine](benchmarks.md#machines)):",
+    }
+    entry["overheads"] = [round(o, 4) if o is not None else None for o in entry["overheads"]]
+    entry["ratios"] = {label: round(ratio, 4) for label, ratio in ratios.items()}
+    entry["losses"] = json.loads(json.dumps(entry["losses"]))
     record_overhead(
         f"{args.model} ({size / 1e6:.1f}M, {optimizer}{f', sync start {args.sync_steps}' if args.sync_steps else ''}"
         f"{f', {lever_name}' if lever_name else ''})",
-        {
-            "overheads": [round(o, 4) if o is not None else None for o in overheads],
-            "shortest": lengths[0] / args.steps,
-            "longest": lengths[-1] / args.steps,
-            "optimizer": optimizer,
-            "date": today,
-            "command": command,
-            "ratios": {label: round(ratio, 4) for label, ratio in ratios.items()},
-            "sync_steps": args.sync_steps,
-            "steps": args.steps,
-            "peak_lr": {"flush": float(cfg_sync.model.lr), "2bw": float(cfg.model.lr)},
-        },
+        entry,
     )
+    write_page(entry)
     readme = ROOT / "README.md"
     readme.write_text(with_summary(readme.read_text()))
-    (folder / "time-to-quality-summary.md").write_text(summary_table() + "\n")  # docs/quality.md's lead
+    (ROOT / "docs" / "_generated" / "time-to-quality-summary.md").write_text(summary_table() + "\n")  # quality.md
 
 
-def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: dict[str, float], path: Path) -> None:
+def plot(entry: dict, path: Path) -> None:
     """The one picture a user decides by: the final validation loss (whole held-out split, mean over seeds) of runs
     of each length against their training time in Flush's steps, 2BW's step taking 1/ratio of Flush's at each rate
     ratio; Flush's final loss (the target) drawn across. Each point is a run that stops there, schedules and all."""
@@ -143,23 +168,24 @@ def plot(results: dict, args: argparse.Namespace, lengths: list[int], ratios: di
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def final(key: str) -> float:
-        return statistics.mean(results[f"{key}/seed{seed}"]["curve"][-1][1] for seed in range(args.seeds))
-
+    steps, losses = entry["steps"], entry["losses"]
+    lengths = [int(n) for n in losses["2bw"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    target = final(f"sync@{args.steps}")
-    ax.plot([args.steps], [target], "ko", label=f"Flush, {args.steps} steps")
+    target = statistics.mean(losses["sync"])
+    ax.plot([steps], [target], "ko", label=f"Flush, {steps} steps")
     ax.axhline(target, color="k", lw=0.6, ls=":")
-    losses = [final(f"2bw@{n}") for n in lengths]
-    for i, (label, ratio) in enumerate(ratios.items()):
-        times = [flush_steps(n, ratio, args.sync_steps) for n in lengths]
-        ax.plot(times, losses, f"C{i}o-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
+    finals = [statistics.mean(losses["2bw"][str(n)]) for n in lengths]
+    for i, (label, ratio) in enumerate(entry["ratios"].items()):
+        times = [flush_steps(n, ratio, entry.get("sync_steps", 0)) for n in lengths]
+        ax.plot(times, finals, f"C{i}o-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
     ax.set_xlabel("training time, in Flush's steps (each point a run of that length)")
     ax.set_ylabel("final validation loss (whole held-out split)")
     ax.legend(fontsize=7)
-    ax.set_title(f"{args.model}: 2BW's runs of {', '.join(map(str, lengths))} steps against Flush's", fontsize=9)
+    model = entry["page"].removeprefix("time-to-quality-").split("-")[0]
+    ax.set_title(f"{model}: 2BW's runs of {', '.join(map(str, lengths))} steps against Flush's", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
 
 
 def replan() -> None:
@@ -172,6 +198,7 @@ def replan() -> None:
     ratios = {label: round(plan["ratio"], 4) for label, plan in rates_planned().items()}
     for model, entry in measured().items():
         record(model, entry | {"ratios": ratios})
+        write_page(entry | {"ratios": ratios})  # the table's time columns and the plot at today's ratios
     readme = ROOT / "README.md"
     readme.write_text(with_summary(readme.read_text()))
     (ROOT / "docs" / "_generated" / "time-to-quality-summary.md").write_text(summary_table() + "\n")

@@ -14,7 +14,8 @@ MEASURED = Path(__file__).with_name("step_overhead.json")
 
 def measured() -> dict[str, dict]:
     """Per model: ``overheads`` (2BW's steps to Flush's final held-out loss over Flush's, per seed; None where a seed
-    never reached it), ``date``, ``command``, ``optimizer``."""
+    never reached it), ``losses`` (each seed's final loss: Flush's, 2BW's at each run length), ``ratios`` (the
+    planner's 2BW/Flush rates), ``date``, ``command``, ``optimizer``, ``page`` and ``heading`` (the docs' table)."""
     return json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
 
 

@@ -253,3 +253,13 @@ def test_the_lint_finds_a_file_the_docs_name_that_is_not_in_the_tree(tmp_path):
     ]
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     assert [fault for p in pages for fault in lint.missing_paths(p, ROOT)] == []
+
+
+def test_the_schedule_pictures_are_what_the_generator_draws():
+    """``docs/2bw-vs-flush.md`` shows Flush's and 2BW's timelines as ``make schedules`` prints them, from the schedule
+    generator itself: a change to the schedules that moves a slot fails here until the page is regenerated."""
+    from lightning_pd2bw.observe.draw import render
+
+    page = (ROOT / "docs" / "2bw-vs-flush.md").read_text()
+    shown = page.split("```\nflush (d=4", 1)[1].split("```", 1)[0]
+    assert "flush (d=4" + shown == render("flush", 4, 4, 2) + "\n\n" + render("2bw", 4, 4, 3) + "\n"

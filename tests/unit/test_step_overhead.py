@@ -1,10 +1,13 @@
 """Which mode reaches a loss sooner, from the planned rates and the measured step overhead (time = steps / rate)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from lightning_pd2bw.planner import step_overhead
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -65,3 +68,21 @@ def test_a_synchronous_starts_steps_run_at_flushs_rate():
     assert step_overhead.time_ratio(started, 1.0, 1.25) == pytest.approx(0.825)
     assert step_overhead.time_ratio(entry(1.0), 1.0, 1.25) == pytest.approx(0.8)
     assert step_overhead.verdict(started | {"overheads": [1.1]}, 1.1) == "Flush sooner"  # 0.125 + 0.975 / 1.1 > 1
+
+
+def test_each_measurements_page_is_drawn_from_its_record():
+    """Every ``docs/_generated/time-to-quality-*.md`` is ``page_text`` of its record in ``step_overhead.json`` (the
+    losses per seed, the steps ratios, the planner's rate ratios of today): ``--replan`` moves the time columns and the
+    plots with the planner, so no page keeps a ratio the summary no longer states."""
+    from benchmarks.time_to_quality import page_text
+
+    entries = step_overhead.measured()
+    pages = {path.stem for path in (ROOT / "docs" / "_generated").glob("time-to-quality-*.md")} - {
+        "time-to-quality-summary"
+    }
+    assert pages == {entry["page"] for entry in entries.values()}
+    for entry in entries.values():
+        assert (ROOT / "docs" / "_generated" / f"{entry['page']}.md").read_text() == page_text(entry), entry["page"]
+        assert (ROOT / "docs" / f"{entry['page']}.png").is_file()
+        labels = [line for line in page_text(entry).splitlines() if line.startswith("| seed")][0]
+        assert all(f"{ratio:.2f}x ({label})" in labels for label, ratio in entry["ratios"].items())
