@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
-from lightning_pd2bw.engine.delay_correction import ErrorFeedback  # noqa: E402
+from lightning_pd2bw.engine.updates.delay_correction import ErrorFeedback  # noqa: E402
 
 RULES = ("sync", "2bw")
 

@@ -70,7 +70,7 @@ def worker(out: Path, mode: str, m: int, clip: bool) -> None:
 
 def costs_from(trace: dict, mode: str, m: int, clip: bool):
     """Each stage's ``StageCosts`` from its spans (seconds)."""
-    from lightning_pd2bw.engine.update import UpdateShape
+    from lightning_pd2bw.engine.updates.update import UpdateShape
     from lightning_pd2bw.planner.simulate import StageCosts
 
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]

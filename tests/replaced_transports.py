@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.schedules import schedule as S
 from lightning_pd2bw.engine.verify.comm_plan import CommLayout, RankProgram, programs
 from lightning_pd2bw.engine.verify.nccl_model import RECV, SEND, Programs
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_pd2bw.engine import schedule as S
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule as S
+from lightning_pd2bw.engine.state.versions import WeightVersions
 
 
 def local_update(versions: WeightVersions, step_fn: Callable[[int], None]) -> dict[S.Kind, Callable[[S.Action], None]]:

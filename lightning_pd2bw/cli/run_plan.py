@@ -205,7 +205,7 @@ def memory_warnings(
     (``run``: the resolved run, whose options say which correction applies; ``per_stage``: the fewest first layers
     per stage whose recomputation makes every stage fit with this cut, ``stages``, where some do; the fix names the
     cut too, since with recomputation the planner would cut anew)."""
-    from ..engine.delay_correction import buffers as correction_buffers
+    from ..engine.updates.delay_correction import buffers as correction_buffers
     from ..planner.hardware import DEVICES, GiB
     from ..planner.search import MEMORY_HEADROOM
 

@@ -253,7 +253,7 @@ def main() -> None:
 
 
 def _main(cfg) -> None:
-    from ..engine.grid import end_default_group
+    from ..engine.comm.grid import end_default_group
 
     try:
         run(cfg)

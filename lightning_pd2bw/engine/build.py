@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import gradients
-from .grid import Groups, ProcessGrid, build_groups
+from .comm.grid import Groups, ProcessGrid, build_groups
 from .layout import Layout
 from .materialize import check_initialized, initialize_layers, materialize, release, unwritten
 from .partition import shared_parameters
+from .updates import gradients
 
 
 @dataclass

@@ -28,26 +28,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import schedule
 from .build import build_stage
+from .comm.grid import ProcessGrid, default_device, device_barrier, rank_zero_print
+from .comm.microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
+from .comm.transport import StageLink
 from .compiled import CompileMeter, compile_layers
-from .counters import stage_counters
-from .delay_correction import ErrorFeedback
 from .executor import StageExecutor
-from .grid import ProcessGrid, default_device, device_barrier, rank_zero_print
 from .layout import Mode
-from .ledger import BatchLedger, LossBroadcast
-from .lowering import step_end
-from .microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .observer import ActionRecorder, Progress, SavedTensorMeter
 from .options import PipelineOptions, Run
-from .sharding import OptimizerShards
-from .stage_state import StageState
+from .schedules import schedule
+from .schedules.lowering import step_end
+from .state.counters import stage_counters
+from .state.ledger import BatchLedger, LossBroadcast
+from .state.stage_state import StageState
+from .state.versions import WeightVersions
 from .stepper import hyperparameters, local_optimizers
-from .transport import StageLink
-from .update import UpdateRule
-from .update_build import StageContext, build_update
-from .versions import WeightVersions
+from .updates.delay_correction import ErrorFeedback
+from .updates.sharding import OptimizerShards
+from .updates.update import UpdateRule
+from .updates.update_build import StageContext, build_update
 
 
 class PipelineEngine(StageState):

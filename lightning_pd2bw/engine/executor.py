@@ -20,14 +20,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import schedule as S
+from .comm.transport import StageLink, carries_gradient, input_signature
 from .layout import Layout
-from .ledger import BatchLedger
-from .lowering import Op, Parts, lower
 from .observer import ActionRecorder, SavedTensorMeter
 from .options import PipelineOptions, recomputed_layers
-from .transport import StageLink, carries_gradient, input_signature
-from .versions import WeightVersions
+from .schedules import schedule as S
+from .schedules.lowering import Op, Parts, lower
+from .state.ledger import BatchLedger
+from .state.versions import WeightVersions
 
 
 def add_note(error: BaseException, note: str) -> None:

@@ -27,8 +27,8 @@ import torch
 
 from . import layout as rules
 from .compiled import compile_options
-from .delay_correction import METHODS as DELAY_CORRECTIONS
 from .precision import Precision
+from .updates.delay_correction import METHODS as DELAY_CORRECTIONS
 
 CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
 CLIP_ALGORITHMS = ("norm", "value")  # Lightning's gradient_clip_algorithm
@@ -118,7 +118,7 @@ class PipelineOptions:
             receiving stash, Megatron's ``pipeline_dtype``), else each tensor's own; ``None``: each tensor's own
             (bitwise the single-device computation); or a dtype (``torch.bfloat16`` or ``"bfloat16"``).
         weight_dtype: the dtype each weight version is held in for compute, over one float32 master copy that the
-            optimizer steps (Megatron's bf16 parameters over fp32 main parameters; ``engine/versions.py``): no cast
+            optimizer steps (Megatron's bf16 parameters over fp32 main parameters; ``engine/state/versions.py``): no cast
             of the weights per microbatch, nothing cast stashed, and each microbatch's weight gradient added into
             float32 gradients. ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"``, else the parameters' own
             dtype; ``None``: the parameters' own dtype (autocast casts them at every forward and recomputation);
@@ -135,7 +135,7 @@ class PipelineOptions:
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
-        delay_correction: corrects 2BW's one-step gradient delay, for any optimizer (``engine/delay_correction.py``,
+        delay_correction: corrects 2BW's one-step gradient delay, for any optimizer (``engine/updates/delay_correction.py``,
             ``D`` the optimizers' updates). ``"predictive_error_feedback"`` (the default): the weights run one
             corrected update ahead, so that gradients are taken where the weights are about to be,
             ``V(t+1) = V(t) + 4 D(t) - 4 D(t-1) + D(t-2)`` at beta 1; two extra buffers of the stage's weights.
@@ -145,7 +145,7 @@ class PipelineOptions:
         sync_steps: a synchronous start under 2BW: the first ``sync_steps`` training steps (by global step) drain
             after their update, so each reads fresh weights (Flush's rule and speed); 2BW's delay starts after them.
             0: none. About 250 lets 2BW train at Flush's tuned rate (docs/time-to-quality.md). No effect under flush.
-        shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/sharding.py``): each
+        shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/updates/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
             to the other replicas. Optimizer and correction memory drop to about 1/w, and each replica runs 1/w
@@ -153,7 +153,7 @@ class PipelineOptions:
             each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
             across tensors. No effect at width 1.
         shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
-            instead of all-reducing it (``engine/grad_buckets.py``): ZeRO-1's exchange, about 2/3 of all-reduce plus
+            instead of all-reducing it (``engine/updates/grad_buckets.py``): ZeRO-1's exchange, about 2/3 of all-reduce plus
             broadcast, and under 2BW one gradient buffer plus its share of the batch set aside, not two. The clip
             norm and the non-finite check sum the owners' parts over the replicas; the ``on_before_optimizer_step``
             hooks see None at the parameters other replicas own. ``None`` (the default): on wherever the optimizer

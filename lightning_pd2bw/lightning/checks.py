@@ -111,7 +111,7 @@ def layout_report(engine: Any, options: Any, layers: list[nn.Module]) -> str:
 
 def expect_scheduler_before_first_update() -> None:
     """2BW's first step has no update yet (batch 0's backwards finish in step 1); the scheduler still counts
-    Lightning's steps, and each update uses its own batch's learning rate (engine/update.py): torch's warning about
+    Lightning's steps, and each update uses its own batch's learning rate (engine/updates/update.py): torch's warning about
     a scheduler stepped before its optimizer does not apply."""
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 

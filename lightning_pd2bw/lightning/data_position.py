@@ -146,7 +146,7 @@ def prepare_train_loader(
     """The strategy's training loader: re-batched to ``per_replica_batch`` (``plan="auto"``), with a resumable
     sampler placed at ``position`` (a resumed checkpoint's), and its last batch checked against the microbatches
     when the run reaches it."""
-    from ..engine.microbatch import check_last_batch
+    from ..engine.comm.microbatch import check_last_batch
 
     if per_replica_batch is not None and loader.batch_size != per_replica_batch:
         if loader.batch_size is None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
-from ..engine.grid import device_barrier
+from ..engine.comm.grid import device_barrier
 from ..engine.layout import Placement
 from ..engine.options import PipelineOptions, Run
 from ..observe import watchdog

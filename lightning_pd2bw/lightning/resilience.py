@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..engine.grid import ProcessGrid
+from ..engine.comm.grid import ProcessGrid
 from ..engine.observer import Progress
 from ..observe import watchdog
 from .preemption import Preemption

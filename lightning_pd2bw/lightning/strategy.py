@@ -21,13 +21,13 @@ from torch import nn
 from typing_extensions import override
 
 from ..engine import layout as rules
+from ..engine.comm.grid import ProcessGrid
+from ..engine.comm.microbatch import batch_device
 from ..engine.engine import PipelineEngine
-from ..engine.grid import ProcessGrid
-from ..engine.ledger import BatchLedger
 from ..engine.materialize import parameters_on_meta
-from ..engine.microbatch import batch_device
 from ..engine.observer import Progress
 from ..engine.options import DEFAULT_CORRECTION, Clipping, PipelineOptions
+from ..engine.state.ledger import BatchLedger
 from . import auto_plan, checks
 from .checkpoints import StageCheckpoints
 from .compat import (
@@ -219,7 +219,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         place_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         if fitting:
-            with several_optimizers_allowed():  # the engine steps each of them (engine/update.py)
+            with several_optimizers_allowed():  # the engine steps each of them (engine/updates/update.py)
                 self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.engine.start(self.optimizers if fitting else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import string
 import sys
 
-from ..engine import schedule as S
+from ..engine.schedules import schedule as S
 from .draw import timeline
 
 VERSION_COLOURS = ["#4C78A8", "#F58518", "#54A24B", "#B279A2"]  # version 0, 1, 2, 3

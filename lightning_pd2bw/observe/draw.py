@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import string
 
-from ..engine import schedule as S
 from ..engine.layout import Layout
+from ..engine.schedules import schedule as S
 
 
 def timeline(

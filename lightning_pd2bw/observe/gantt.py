@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..engine import schedule as S
+from ..engine.schedules import schedule as S
 from .timeline import StageTimeline, bubble_fraction
 
 _REDUCTIONS = (S.REDUCE, S.CHECK, S.HOOKS, S.CLIP)

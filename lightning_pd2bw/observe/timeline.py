@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..engine import schedule as S
+from ..engine.schedules import schedule as S
 
 COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP)  # the rest (transport, reductions, clipping) is bubble
 

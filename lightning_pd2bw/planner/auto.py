@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.microbatch import resize_batch, to_device
+from ..engine.comm.microbatch import resize_batch, to_device
 from ..engine.options import PipelineOptions
 from .cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec

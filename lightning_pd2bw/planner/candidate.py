@@ -11,7 +11,7 @@ import torch
 
 from ..engine.layout import Mode, sharded_at
 from ..engine.options import PipelineOptions, recomputed_layers
-from ..engine.sharding import owners_of
+from ..engine.updates.sharding import owners_of
 from .profile import LayerProfile
 
 MiB = 1 << 20
@@ -102,7 +102,7 @@ class Candidate:
     @property
     def optimizer_share(self) -> float:
         """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
-        ``engine/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
+        ``engine/updates/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
         return 1 / self.width if sharded_at(self.width, self.options.shard_optimizer) else 1.0
 
     def replica_share(self, profile: ModelProfile, span: range) -> float:
@@ -123,7 +123,7 @@ class Candidate:
 
     @property
     def delay_correction(self) -> str | None:
-        """2BW's correction (``engine/delay_correction.py``): its buffers of weights."""
+        """2BW's correction (``engine/updates/delay_correction.py``): its buffers of weights."""
         return self.options.applied_delay_correction
 
     def num_microbatches(self, global_batch: int) -> int:

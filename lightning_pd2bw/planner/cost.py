@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..engine.delay_correction import buffers as correction_buffers
 from ..engine.layout import Mode, sharded_at
-from ..engine.schedule import warmup_forwards
+from ..engine.schedules.schedule import warmup_forwards
+from ..engine.updates.delay_correction import buffers as correction_buffers
 from .candidate import NCCL_BYTES_PER_COMMUNICATOR, Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .profile import LayerProfile
@@ -138,7 +138,7 @@ def boundary_memory(
 
 
 def communicators(profile: ModelProfile, stage: int, candidate: Candidate, span: range | None = None) -> int:
-    """The NCCL communicators a stage joins (``engine/grid.py`` creates them; NCCL allocates each one's buffers at
+    """The NCCL communicators a stage joins (``engine/comm/grid.py`` creates them; NCCL allocates each one's buffers at
     its first use): one per neighbouring stage (``p2p``), the pipeline's and the loss broadcast's (depth > 1), the
     replicas' and the sharded optimizer's weight broadcasts (width > 1), the tied parameters' (only on a stage that
     holds one another stage holds too), and the world's (Lightning's barriers and metric gathers)."""

@@ -27,19 +27,19 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..engine import schedule as S
-from ..engine import update_build as U
-from ..engine import update_parts as P
-from ..engine.collectives import Collective
-from ..engine.grid import communicator
+from ..engine.comm.grid import communicator
 from ..engine.layout import Layout
-from ..engine.lowering import ISSUE as ISSUE_PART
-from ..engine.lowering import RUN as RUN_PART
-from ..engine.lowering import WAIT as WAIT_PART
-from ..engine.lowering import Op, step_end
-from ..engine.lowering import lower as lower_actions
+from ..engine.schedules import schedule as S
+from ..engine.schedules.lowering import ISSUE as ISSUE_PART
+from ..engine.schedules.lowering import RUN as RUN_PART
+from ..engine.schedules.lowering import WAIT as WAIT_PART
+from ..engine.schedules.lowering import Op, step_end
+from ..engine.schedules.lowering import lower as lower_actions
 from ..engine.stepper import Stepper
-from ..engine.update import UpdatePart, UpdateShape
+from ..engine.updates import update_build as U
+from ..engine.updates import update_parts as P
+from ..engine.updates.collectives import Collective
+from ..engine.updates.update import UpdatePart, UpdateShape
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
 

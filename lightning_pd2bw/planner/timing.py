@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from ..engine import schedule as S
-from ..engine.collectives import Collective, CollectiveOp, GroupName
-from ..engine.gradients import replica_bucket_bytes
 from ..engine.layout import Layout, Placement
-from ..engine.update import UpdateShape
+from ..engine.schedules import schedule as S
+from ..engine.updates.collectives import Collective, CollectiveOp, GroupName
+from ..engine.updates.gradients import replica_bucket_bytes
+from ..engine.updates.update import UpdateShape
 from .candidate import Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .simulate import CollectiveCost, StageCosts, Timing, simulate

@@ -53,7 +53,7 @@ class Case:
     async_checkpoint: bool = False  # checkpoints written in the background (DCP async_save over a gloo group)
     lookahead: int = 0  # more forwards in flight before the last stage: same update rule, one more stash each
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
-    # width > 1: each gradient reduced to its owner (engine/grad_buckets.py); None: the strategy's default (on)
+    # width > 1: each gradient reduced to its owner (engine/updates/grad_buckets.py); None: the strategy's default (on)
     shard_gradients: bool | None = None
     sync_steps: int = 0  # 2BW's synchronous start: the first N steps drain after their update (fresh weights)
     placement: str = "pipeline"  # "replicas": a stage's replicas on consecutive ranks (layout.Placement)
@@ -307,7 +307,7 @@ CASES = {
         Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
         Case("gpt_2bw_d2w2_lookahead", width=2, mode="2bw", num_microbatches=4, steps=5, lookahead=1, val_every=3),
         Case("gpt_flush_lookahead", num_microbatches=4, lookahead=1, schedule=True),
-        # the optimizer sharded over 4 replicas (engine/sharding.py; on by default): Muon's whole matrices and AdamW
+        # the optimizer sharded over 4 replicas (engine/updates/sharding.py; on by default): Muon's whole matrices and AdamW
         # assigned to owners, global clipping; 2BW with the predictive correction's buffers sharded and masks
         Case("gpt_flush_d1w4_muon", num_stages=1, width=4, optimizer="muon", clip=0.5, schedule=True),
         Case(

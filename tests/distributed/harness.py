@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_pd2bw.engine.grid import end_default_group
+from lightning_pd2bw.engine.comm.grid import end_default_group
 
 # every rank script ends its process group while the interpreter is whole: Lightning's DDP leaves it up and gloo's
 # threads can abort the exit otherwise (SIGABRT after a passing run: the flaky CI failure of 2026-11-29)

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_pd2bw.engine import Clipping, PipelineEngine, PipelineOptions  # noqa: E402
+from lightning_pd2bw.engine.comm.transport import StageLink  # noqa: E402
 from lightning_pd2bw.engine.materialize import parameters_on_meta  # noqa: E402
-from lightning_pd2bw.engine.transport import StageLink  # noqa: E402
 from lightning_pd2bw.models import GPTConfig, GPTCore  # noqa: E402
 from lightning_pd2bw.models.core import warmup_cosine  # noqa: E402
 

@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from lightning_pd2bw.engine import schedule
+from lightning_pd2bw.engine.comm.grid import ProcessGrid, build_groups
+from lightning_pd2bw.engine.comm.transport import StageLink
 from lightning_pd2bw.engine.executor import StageExecutor
-from lightning_pd2bw.engine.grid import ProcessGrid, build_groups
 from lightning_pd2bw.engine.layout import Layout
-from lightning_pd2bw.engine.transport import StageLink
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule
+from lightning_pd2bw.engine.state.versions import WeightVersions
 from tests.stage_update import local_update
 
 NUM_MICROBATCHES, WIDTH, BATCH = 4, 8, 16

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
 from lightning_pd2bw.data import LMDataset, read_corpus  # noqa: E402
-from lightning_pd2bw.engine.grad_buckets import _HOOKS  # noqa: E402
+from lightning_pd2bw.engine.updates.grad_buckets import _HOOKS  # noqa: E402
 from lightning_pd2bw.models import GPT, GPTConfig  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
 

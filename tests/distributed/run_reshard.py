@@ -2,7 +2,7 @@
 (one ``Trainer`` per OUT:STAGES, one after another in the same processes).
 
 save: train the case ``SAVE_STEPS`` steps and checkpoint; every rank writes the optimizer state it holds by
-      parameter name (``saved-optim-rank-R.pt``: with replicas, each holds its shard: ``engine/sharding.py``).
+      parameter name (``saved-optim-rank-R.pt``: with replicas, each holds its shard: ``engine/updates/sharding.py``).
 load: resume from that checkpoint with ``STAGES`` stages (and the world's width); at the start of
       training (after the restore, before any step) every rank writes what it loaded
       (``loaded-rank-R.pt``: weights, optimizer state by name, sparsity masks), then trains to

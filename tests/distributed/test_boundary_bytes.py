@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_pd2bw.engine.transport import HEADER_SIZE
+from lightning_pd2bw.engine.comm.transport import HEADER_SIZE
 
 from .launch import torchrun_script
 

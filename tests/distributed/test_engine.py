@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.schedules import schedule as S
 
 from .cases import SEQ_LEN, Case, replica_batch
 from .launch import torchrun_script

@@ -1,4 +1,4 @@
-"""The optimizer sharded over a stage's replicas (ZeRO-1, ``engine/sharding.py``) is exactly the unsharded run, and
+"""The optimizer sharded over a stage's replicas (ZeRO-1, ``engine/updates/sharding.py``) is exactly the unsharded run, and
 holds about 1/w of the optimizer's state and the correction's buffers (``run_sharding.py``: depth 2 x width 2,
 2BW, AdamW, the predictive correction, global clipping). The unsharded run is itself held to single-device
 training by ``test_equivalence.py``, whose width-2 and width-4 cases run sharded (the default)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pd2bw.engine.sharding import assign_owners
+from lightning_pd2bw.engine.updates.sharding import assign_owners
 
 from .launch import ROOT, torchrun_script
 

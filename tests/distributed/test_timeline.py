@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.schedules import schedule as S
 
 from .launch import torchrun_script
 from .run_timeline import MICROBATCHES, STEPS

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pd2bw.engine import schedule
+from lightning_pd2bw.engine.comm.transport import StageLink
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.options import PipelineOptions
-from lightning_pd2bw.engine.transport import StageLink
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule
+from lightning_pd2bw.engine.state.versions import WeightVersions
 from tests.stage_update import local_update
 
 LR, STEPS, M = 0.5, 4, 2

@@ -9,7 +9,7 @@ from torch import nn
 
 import lightning_pd2bw
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.engine.grid import ProcessGrid
+from lightning_pd2bw.engine.comm.grid import ProcessGrid
 from lightning_pd2bw.engine.layout import Layout, width_of
 from lightning_pd2bw.lightning import checks
 from lightning_pd2bw.lightning.strategy import pipeline_layers_of

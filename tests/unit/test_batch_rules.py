@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pd2bw.engine.comm.microbatch import batch_device, check_last_batch, split_microbatches
 from lightning_pd2bw.engine.executor import StageExecutor
-from lightning_pd2bw.engine.microbatch import batch_device, check_last_batch, split_microbatches
 
 
 def test_per_sample_fields_are_split_and_others_travel_whole():
@@ -48,7 +48,7 @@ def test_boundary_output_that_cannot_cross_is_named(outputs, shown):
 
 
 def test_predictions_join_in_order():
-    from lightning_pd2bw.engine.microbatch import join_microbatches
+    from lightning_pd2bw.engine.comm.microbatch import join_microbatches
 
     batch = {"logits": torch.arange(12.0).view(6, 2), "text": ["a", "b", "c", "d", "e", "f"]}
     parts = split_microbatches(batch, 3)

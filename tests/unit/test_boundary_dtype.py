@@ -9,12 +9,12 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.comm.transport import LinkChannels, StageLink
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.options import PipelineOptions
-from lightning_pd2bw.engine.transport import LinkChannels, StageLink
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule as S
+from lightning_pd2bw.engine.state.versions import WeightVersions
 
 
 def first_stage(boundary_dtype):

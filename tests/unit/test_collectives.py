@@ -1,4 +1,4 @@
-"""``Collective.issue`` (``engine/collectives.py``) on two gloo ranks: a part's declaration is what travels. Each
+"""``Collective.issue`` (``engine/updates/collectives.py``) on two gloo ranks: a part's declaration is what travels. Each
 declared op against its plain ``torch.distributed`` meaning, computed apart from the values each rank holds: the
 all-reduce's sum and (``maximum``, the non-finite flags) its max, the reduce to a root and the broadcast from one;
 a reduce or broadcast declared without its root is refused by name. The parts' own declarations issue through it
@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_pd2bw.engine import actions as A
-from lightning_pd2bw.engine.collectives import Collective, CollectiveOp, GroupName
-from lightning_pd2bw.engine.grad_buckets import GradientBuckets
-from lightning_pd2bw.engine.sharding import OptimizerShards
-from lightning_pd2bw.engine.update_parts import GlobalNormClip, SkipNonFinite, TiedSums
+from lightning_pd2bw.engine.schedules import actions as A
+from lightning_pd2bw.engine.updates.collectives import Collective, CollectiveOp, GroupName
+from lightning_pd2bw.engine.updates.grad_buckets import GradientBuckets
+from lightning_pd2bw.engine.updates.sharding import OptimizerShards
+from lightning_pd2bw.engine.updates.update_parts import GlobalNormClip, SkipNonFinite, TiedSums
 
 
 def _rank(rank: int, store: str) -> None:
@@ -52,8 +52,8 @@ def test_a_rooted_collective_without_its_root_is_refused():
 def test_the_parts_declare_the_objects_they_issue():
     """Each part's ``collectives`` returns the very declarations its handlers issue (only repeat and names vary)."""
     from lightning_pd2bw.engine.stepper import Stepper
-    from lightning_pd2bw.engine.update import UpdateShape
-    from lightning_pd2bw.engine.update_parts import BucketReducer
+    from lightning_pd2bw.engine.updates.update import UpdateShape
+    from lightning_pd2bw.engine.updates.update_parts import BucketReducer
 
     shape = UpdateShape(True, 2, buckets=3, tied=True, sharded=True, owners_broadcast=True, nonfinite="skip")
     assert TiedSums.collectives(shape) == [TiedSums.SUM, TiedSums.AVERAGE]

@@ -18,7 +18,7 @@ from lightning_pd2bw.checkpoint import store as ckpt
 from lightning_pd2bw.cli.consolidate import main as consolidate_main
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.state.versions import WeightVersions
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 
 SEQ, VOCAB = 12, 64

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_pd2bw.data import LMDataset, MLMDataset, read_corpus, split
-from lightning_pd2bw.engine.microbatch import split_microbatches
+from lightning_pd2bw.engine.comm.microbatch import split_microbatches
 from lightning_pd2bw.models.core import MASK_TOKEN
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.engine.delay_correction import ErrorFeedback
+from lightning_pd2bw.engine.updates.delay_correction import ErrorFeedback
 
 
 def test_rule_by_hand():

@@ -189,7 +189,7 @@ def test_every_action_the_docs_name_is_a_kind_of_the_ir():
     renamed or removed kind cannot linger in the prose (issue 61)."""
     import re
 
-    from lightning_pd2bw.engine.schedule import Kind
+    from lightning_pd2bw.engine.schedules.schedule import Kind
 
     kinds = {kind.value for kind in Kind}
     named: dict[str, set[str]] = {}
@@ -245,7 +245,7 @@ def test_the_lint_finds_a_file_the_docs_name_that_is_not_in_the_tree(tmp_path):
     lint = _lint()
     page = tmp_path / "page.md"
     page.write_text(
-        "The IR is `engine/schedule.py`; the recipe `conf/model/gpt13b.yaml`; a run writes `outputs/RUN/x.json`.\n"
+        "The IR is `engine/schedules/schedule.py`; the recipe `conf/model/gpt13b.yaml`; a run writes `outputs/RUN/x.json`.\n"
         "It was in `lightning_pd2bw/engine/old_schedule.py:12`.\n"
     )
     assert lint.missing_paths(page, ROOT) == [

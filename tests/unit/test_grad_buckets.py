@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_pd2bw.engine import grad_buckets
-from lightning_pd2bw.engine.grad_buckets import GradientBuckets
+from lightning_pd2bw.engine.updates import grad_buckets
+from lightning_pd2bw.engine.updates.grad_buckets import GradientBuckets
 
 MICROBATCHES = 3
 
@@ -52,7 +52,7 @@ def _rank(rank: int, store: str) -> None:
         starts.append(first_layer_in[0])
         return all_reduce(tensor, *args, **kwargs)
 
-    dist.all_reduce = recording  # the module the buckets issue through (engine/collectives.py)
+    dist.all_reduce = recording  # the module the buckets issue through (engine/updates/collectives.py)
     buckets = GradientBuckets(list(net.parameters()), dist.group.WORLD, size=2, limit=6 * 6 * 4)
     assert all(p.grad is not None for p in net.parameters()), "every .grad is a bucket view from the start"
     net.layers[0].weight.register_post_accumulate_grad_hook(lambda _: first_layer_in.__setitem__(0, True))
@@ -174,7 +174,7 @@ def _rank_sharded(rank: int, store: str) -> None:
     """Sharded gradients (``shard_gradients``): each bucket's parts go to their owners by ``dist.reduce`` (no
     all-reduce); an owner's gradient is the replicas' average, a non-owner's is None; a parameter no optimizer
     steps (no owner) is all-reduced to every replica; one no replica used stays None on its owner."""
-    from lightning_pd2bw.engine.sharding import OptimizerShards
+    from lightning_pd2bw.engine.updates.sharding import OptimizerShards
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

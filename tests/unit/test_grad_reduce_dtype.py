@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_pd2bw.engine.grad_buckets import GradientBuckets
 from lightning_pd2bw.engine.options import PipelineOptions
-from lightning_pd2bw.engine.sharding import OptimizerShards
+from lightning_pd2bw.engine.updates.grad_buckets import GradientBuckets
+from lightning_pd2bw.engine.updates.sharding import OptimizerShards
 
 
 class Net(nn.Module):

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pd2bw.engine import gradients
-from lightning_pd2bw.engine.update_parts import TiedSums
+from lightning_pd2bw.engine.updates import gradients
+from lightning_pd2bw.engine.updates.update_parts import TiedSums
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from lightning_pd2bw.engine.grid import end_default_group
+from lightning_pd2bw.engine.comm.grid import end_default_group
 
 
 def test_it_destroys_an_initialized_default_group_and_is_a_no_op_without_one(tmp_path):

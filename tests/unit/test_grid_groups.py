@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_pd2bw.engine import grid as grid_module
-from lightning_pd2bw.engine.grid import ProcessGrid, build_groups, communicator
+from lightning_pd2bw.engine.comm import grid as grid_module
+from lightning_pd2bw.engine.comm.grid import ProcessGrid, build_groups, communicator
 
 STAGES, WIDTH = 3, 2
 

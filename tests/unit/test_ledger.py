@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pd2bw.engine.ledger import LIMIT, BatchLedger
+from lightning_pd2bw.engine.state.ledger import LIMIT, BatchLedger
 
 
 class Done:

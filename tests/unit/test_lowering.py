@@ -1,4 +1,4 @@
-"""The one lowering (``engine/lowering.py``) the executor runs, the NCCL model checks and the simulator times:
+"""The one lowering (``engine/schedules/lowering.py``) the executor runs, the NCCL model checks and the simulator times:
 checked against references computed apart from it (backwards counted per batch, the fused receives by a forward
 scan, the parts' handlers), and the executor's update refusing an op lowered for other parts."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.layout import Layout
-from lightning_pd2bw.engine.lowering import ISSUE, RUN, WAIT, lower, step_end
-from lightning_pd2bw.engine.update import UpdateShape
-from lightning_pd2bw.engine.update_build import choose_parts, collectives
+from lightning_pd2bw.engine.schedules import schedule as S
+from lightning_pd2bw.engine.schedules.lowering import ISSUE, RUN, WAIT, lower, step_end
+from lightning_pd2bw.engine.updates.update import UpdateShape
+from lightning_pd2bw.engine.updates.update_build import choose_parts, collectives
 
 LAYOUTS = [(d, m, mode, lookahead) for d, m in ((1, 1), (2, 2), (2, 5), (4, 8)) for mode in ("flush", "gpipe", "2bw")
            for lookahead in (0, 1) if not (mode == "gpipe" and lookahead)]  # fmt: skip
@@ -87,10 +87,10 @@ def test_the_executors_update_refuses_an_op_lowered_for_other_parts():
     halfway (an executor built without ``parts`` would otherwise skip every part)."""
     import torch
 
-    from lightning_pd2bw.engine.gradient_store import GradientStore
-    from lightning_pd2bw.engine.update import UpdateRule
-    from lightning_pd2bw.engine.update_parts import StopOnNonFinite
-    from lightning_pd2bw.engine.versions import WeightVersions
+    from lightning_pd2bw.engine.state.versions import WeightVersions
+    from lightning_pd2bw.engine.updates.gradient_store import GradientStore
+    from lightning_pd2bw.engine.updates.update import UpdateRule
+    from lightning_pd2bw.engine.updates.update_parts import StopOnNonFinite
 
     param = torch.nn.Parameter(torch.zeros(2))
     versions = WeightVersions([param], double_buffer=False)

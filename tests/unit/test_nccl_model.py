@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.schedules import schedule as S
 from lightning_pd2bw.engine.verify.comm_plan import CommLayout, RankProgram, programs
 from lightning_pd2bw.engine.verify.nccl_model import (
     COLLECTIVE,
@@ -319,8 +319,8 @@ def test_the_lowering_interprets_every_kind_the_engine_does():
 def test_every_declared_collective_is_waited_after_it_is_issued_on_a_group_the_lowering_knows():
     """Each update part's collectives, for every shape a run can have: issued at an action of the update (or the
     batch's last backward) and waited at the same or a later one, on a communicator the lowering names."""
-    from lightning_pd2bw.engine.update import UpdateShape
-    from lightning_pd2bw.engine.update_build import collectives
+    from lightning_pd2bw.engine.updates.update import UpdateShape
+    from lightning_pd2bw.engine.updates.update_build import collectives
 
     order = [S.BACKWARD, *S.UPDATE_KINDS]
     lowering = RankProgram(CommLayout("2bw", 2, 2, 2, tied=True), replica=1, stage=1)

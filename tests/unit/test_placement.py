@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pd2bw.engine.grid import ProcessGrid, communicator
+from lightning_pd2bw.engine.comm.grid import ProcessGrid, communicator
 from lightning_pd2bw.engine.layout import Placement
 from lightning_pd2bw.engine.options import PipelineOptions
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.comm.transport import StageLink
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.options import PipelineOptions, recomputed_layers
-from lightning_pd2bw.engine.transport import StageLink
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule as S
+from lightning_pd2bw.engine.state.versions import WeightVersions
 from lightning_pd2bw.observe.activations import ActivationMeter
 from lightning_pd2bw.planner import Candidate, LayerProfile
 from lightning_pd2bw.planner.cost import ModelProfile, stage_memory

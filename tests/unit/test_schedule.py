@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pd2bw.engine import schedule as S
 from lightning_pd2bw.engine.layout import Layout, check_schedule
+from lightning_pd2bw.engine.schedules import schedule as S
 
 LAYOUTS = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8)]
 # (mode, lookahead): lookahead applies to the 1F1B schedules

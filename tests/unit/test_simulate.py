@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from lightning_pd2bw.engine.collectives import Collective
 from lightning_pd2bw.engine.layout import Layout
-from lightning_pd2bw.engine.update import UpdateShape
+from lightning_pd2bw.engine.updates.collectives import Collective
+from lightning_pd2bw.engine.updates.update import UpdateShape
 from lightning_pd2bw.planner.simulate import SIMULATED_MICROBATCHES, StageCosts, lower, simulate
 
 

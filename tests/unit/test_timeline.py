@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pd2bw.engine import schedule as S
+from lightning_pd2bw.engine.comm.transport import StageLink
 from lightning_pd2bw.engine.executor import StageExecutor
 from lightning_pd2bw.engine.layout import Layout
-from lightning_pd2bw.engine.transport import StageLink
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.schedules import schedule as S
+from lightning_pd2bw.engine.state.versions import WeightVersions
 from lightning_pd2bw.observe.activations import ActivationMeter
 from lightning_pd2bw.observe.gantt import draw_gantt
 from lightning_pd2bw.observe.timeline import Event, Recorder, StageTimeline, bubble_fraction, busy_seconds, chrome_trace

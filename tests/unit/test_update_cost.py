@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pd2bw.engine.gradients import replica_bucket_bytes
 from lightning_pd2bw.engine.options import PipelineOptions
+from lightning_pd2bw.engine.updates.gradients import replica_bucket_bytes
 from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerProfile
 from lightning_pd2bw.planner.cost import ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_pd2bw.engine.versions import WeightVersions
+from lightning_pd2bw.engine.state.versions import WeightVersions
 
 
 def test_double_buffer_holds_two_versions_and_swaps_without_copy():

@@ -19,16 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import schedule as S
-from .. import update_build as U
-from ..collectives import Collective
-from ..grid import communicator
+from ..comm.grid import communicator
 from ..layout import Layout, Placement, check_schedule
-from ..lowering import ISSUE as ISSUE_PART
-from ..lowering import WAIT as WAIT_PART
-from ..lowering import Op as LoweredOp
-from ..lowering import lower, step_end
-from ..update import UpdateShape
+from ..schedules import schedule as S
+from ..schedules.lowering import ISSUE as ISSUE_PART
+from ..schedules.lowering import WAIT as WAIT_PART
+from ..schedules.lowering import Op as LoweredOp
+from ..schedules.lowering import lower, step_end
+from ..updates import update_build as U
+from ..updates.collectives import Collective
+from ..updates.update import UpdateShape
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .layout import Placement, width_of
+from ..layout import Placement, width_of
 from .transport import LinkChannels
 
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..checkpoint import engine_state
-from .grid import device_barrier
+from ...checkpoint import engine_state
+from ..comm.grid import device_barrier
 
 if TYPE_CHECKING:
-    from .grid import ProcessGrid
-    from .layout import Layout
+    from ..comm.grid import ProcessGrid
+    from ..layout import Layout
     from .ledger import BatchLedger
     from .versions import WeightVersions
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..layout import Mode
+from ..updates.collectives import Collective
+from ..updates.update import UpdatePart
+from ..updates.update_build import ISSUE, RUN, WAIT, at_action
 from . import schedule as S
-from .collectives import Collective
-from .layout import Mode
-from .update import UpdatePart
-from .update_build import ISSUE, RUN, WAIT, at_action
 
 __all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "StepEnd", "lower", "step_end"]
 

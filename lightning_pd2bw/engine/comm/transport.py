@@ -156,7 +156,7 @@ class StageLink:
         if (prev_rank is not None and channels.previous is None) or (next_rank is not None and channels.next is None):
             raise ValueError(
                 "StageLink needs a process group shared with each neighbour: pass channels=build_groups(grid, ...).link "
-                "from lightning_pd2bw.engine.grid"
+                "from lightning_pd2bw.engine.comm.grid"
             )
         self.prev_rank = prev_rank
         self.next_rank = next_rank

@@ -20,7 +20,7 @@ class Kind(str, Enum):
     RECV_FORWARD = "RECV_F"
     SEND_BACKWARD = "SEND_B"
     RECV_BACKWARD = "RECV_B"
-    # the update of batch b, in this order (what each part does: engine/update.py's docstring)
+    # the update of batch b, in this order (what each part does: engine/updates/update.py's docstring)
     REDUCE = "REDUCE"  # the update begins: the next weight version writable, the gradients set aside
     CHECK = "CHECK"  # the reductions waited for; the non-finite policy
     HOOKS = "HOOKS"  # the before-step hooks (Lightning: on_before_optimizer_step)

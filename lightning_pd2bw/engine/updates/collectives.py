@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import actions as A
-from .layout import Word
+from ..layout import Word
+from ..schedules import actions as A
 
 
 class CollectiveOp(Word):

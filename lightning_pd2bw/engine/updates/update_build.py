@@ -11,17 +11,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import schedule as S
-from .build import TiedParameter
+from ..build import TiedParameter
+from ..layout import Mode
+from ..options import PipelineOptions
+from ..schedules import schedule as S
+from ..state.ledger import BatchLedger
+from ..state.versions import WeightVersions
+from ..stepper import Stepper
 from .collectives import Collective
 from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets, release
 from .gradient_store import GradientStore
-from .layout import Mode
-from .ledger import BatchLedger
-from .options import PipelineOptions
 from .sharding import OptimizerShards
-from .stepper import Stepper
 from .update import ClipKind, NonFinite, UpdatePart, UpdateRule, UpdateShape
 from .update_parts import (
     BeforeStepHooks,
@@ -34,7 +35,6 @@ from .update_parts import (
     StopOnNonFinite,
     TiedSums,
 )
-from .versions import WeightVersions
 
 
 def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import actions as A
+from ..schedules import actions as A
 from .collectives import Collective, CollectiveOp, GroupName
 from .gradients import buckets as group_in_buckets
 from .gradients import replica_bucket_bytes

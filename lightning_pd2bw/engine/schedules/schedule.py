@@ -27,6 +27,16 @@ concatenation for a whole run, used by tests and the schedule picture.
 
 from __future__ import annotations
 
+from ..layout import MODES, Layout, Mode
+from ..updates.update_placement import (  # noqa: F401  (where the update goes, re-exported)
+    _insert_steps,
+    finish,
+    finish_after,
+    prepare,
+    prepare_after,
+    update,
+    warmup_forwards,
+)
 from .actions import (  # noqa: F401  (the instruction set, re-exported: ``schedule.Action``, ``schedule.FORWARD``)
     BACKWARD,
     BATCH_KINDS,
@@ -57,16 +67,6 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     fuse_receives,
     fused_receive,
     listing,
-)
-from .layout import MODES, Layout, Mode
-from .update_placement import (  # noqa: F401  (where the update goes, re-exported)
-    _insert_steps,
-    finish,
-    finish_after,
-    prepare,
-    prepare_after,
-    update,
-    warmup_forwards,
 )
 
 __all__ = ["MODES", "Action", "Kind", "drain", "evaluation", "listing", "segment", "stream", "update"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from ..layout import Layout
 
 LIMIT = 4
 

@@ -1,6 +1,6 @@
 """The update of one batch, identical on every stage, made of parts with one job each (the one home of this text).
 
-``schedule.update(b)`` places the update's actions (``engine/schedule.py``): REDUCE, CHECK, HOOKS, NORM, CLIP,
+``schedule.update(b)`` places the update's actions (``engine/schedules/schedule.py``): REDUCE, CHECK, HOOKS, NORM, CLIP,
 STEP and PUBLISH of batch b. Under 2BW the update of batch b is first read by batch b + 2's first forward, so it runs
 while batch b + 1 computes: REDUCE(b) right after b's last backward on the stage, CHECK/HOOKS/NORM(b) half a batch
 later, beside batch b + 1 (``schedule.prepare_after``: the buckets' all-reduce has that long to finish), CLIP and
@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from . import schedule as S
+from ..layout import Word
+from ..schedules import schedule as S
+from ..state.versions import WeightVersions
 from .collectives import Collective
-from .layout import Word
-from .versions import WeightVersions
 
 if TYPE_CHECKING:
     from .gradient_store import GradientStore
@@ -133,7 +133,7 @@ class UpdateShape:
         """The shape of a stage's update from the run's options and the stage's facts: the one derivation the engine's
         builder, the NCCL lowering and the planner's timing share (sharding only at width > 1:
         ``layout.sharded_at``)."""
-        from .layout import Mode, sharded_at
+        from ..layout import Mode, sharded_at
 
         owners = sharded_at(width, shard_optimizer)
         return cls(

@@ -31,10 +31,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from . import actions as A
+from ..comm.grid import ProcessGrid
+from ..layout import sharded_at
+from ..schedules import actions as A
 from .collectives import Collective, CollectiveOp, GroupName
-from .grid import ProcessGrid
-from .layout import sharded_at
 
 
 def assign_owners(params: Sequence[nn.Parameter], width: int) -> list[int]:
