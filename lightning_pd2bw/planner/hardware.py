@@ -28,6 +28,9 @@ class DeviceSpec:
     # streaming multiprocessors: a GEMM's output tiles run in waves of this many, the last one partly idle (0: not
     # modelled, every GEMM at ``efficiency``)
     multiprocessors: int = 0
+    # activation-sized memory passes of one block's elementwise work per microbatch, forward and backward together
+    # (norms, GELU, residual adds, casts; a third in the forward): measured with the kernel mix (0: not counted)
+    elementwise_passes: float = 0.0
 
 
 # Datasheet figures. V100 SXM2: 125 TFLOP/s fp16 tensor, 900 GB/s, 80 SMs; A100 SXM4 80GB: 312 TFLOP/s bf16,
@@ -38,14 +41,22 @@ class DeviceSpec:
 # with the last waves counted; the optimizer's 28 bytes per parameter at 0.73 of the bandwidth) splits the time
 # between the tensor cores and the memory, and the 13B stage slice's whole step under Flush (embedding, 5 blocks,
 # head, 8 microbatches of 1 and the update: 0.400 s) sets the level: the kernels ran 0.87 of the step, so both
-# fractions are the kernels' x 0.87, launch gaps and all (tests/unit/test_planner_roofline.py reproduces both).
+# fractions are the kernels' x 0.87, launch gaps and all; the elementwise kernels' 4.03 ms, less the float32 gradient
+# accumulation counted apart, are 185 activation-sized passes per block at that bandwidth (tests/unit/test_planner_roofline.py reproduces both).
 # The A100 takes the H200's fractions until measured.
-MEASURED = {"efficiency": 0.79, "memory_efficiency": 0.63}
+MEASURED = {"efficiency": 0.79, "memory_efficiency": 0.63, "elementwise_passes": 185}
 DEVICES: dict[str, DeviceSpec] = {
     # not measured: the tensor cores' fraction keeps a GPT-2.2B block at micro 4 at the 0.35 of peak the V100 was
     # planned at before the roofline (0.16.0)
     "v100_16g": DeviceSpec(
-        "v100_16g", 125e12, 16 * GiB, 900 * GB, efficiency=0.5, memory_efficiency=0.63, multiprocessors=80
+        "v100_16g",
+        125e12,
+        16 * GiB,
+        900 * GB,
+        efficiency=0.5,
+        memory_efficiency=0.63,
+        multiprocessors=80,
+        elementwise_passes=185,
     ),
     "a100_80g": DeviceSpec("a100_80g", 312e12, 80 * GiB, 2039 * GB, **MEASURED, multiprocessors=108),
     "h100_80g": DeviceSpec("h100_80g", 989e12, 80 * GiB, 3350 * GB, **MEASURED, multiprocessors=132),

@@ -36,11 +36,6 @@ def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activa
 # GEMM runs ceil(rows/128) x ceil(cols/256) tiles in waves of one tile per multiprocessor (NVIDIA's "Matrix
 # Multiplication Background" guide, wave quantization).
 TILE = (128, 256)
-# Activation-sized memory passes of one block's elementwise work per microbatch, forward and backward together (norms,
-# GELU, residual adds, casts): calibrated on the H200 profile in ``hardware.py`` (4.03 ms of elementwise
-# kernels for 2 blocks, less the float32 gradient accumulation counted apart, at the measured memory fraction); a
-# third of it in the forward.
-ELEMENTWISE_PASSES = 185
 
 
 def block_linears(hidden: int) -> tuple[tuple[int, int], ...]:
@@ -129,7 +124,7 @@ def analytic_profile(
     block_params = 12 * hidden * hidden + 13 * hidden
     linears = [linear_seconds(tokens, i, o, act_bytes, device) for i, o in block_linears(hidden)]
     attention = 4 * micro * seq * seq * hidden / (device.peak_flops * device.efficiency)
-    elementwise = memory_seconds(ELEMENTWISE_PASSES * boundary, device)
+    elementwise = memory_seconds(device.elementwise_passes * boundary, device)
     block = LayerProfile(
         sum(f for f, _ in linears) + attention + elementwise / 3,
         sum(b for _, b in linears) + 2 * attention + 2 * elementwise / 3 + accumulation(block_params),

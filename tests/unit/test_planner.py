@@ -16,7 +16,7 @@ from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerPro
 from lightning_pd2bw.planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB, device_spec
 from lightning_pd2bw.planner.measure import measure_layers
-from lightning_pd2bw.planner.profile import ELEMENTWISE_PASSES, analytic_profile, block_activation_bytes
+from lightning_pd2bw.planner.profile import analytic_profile, block_activation_bytes
 from lightning_pd2bw.planner.search import partition
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,14 +261,16 @@ def test_search_over_1024_devices_does_bounded_work(monkeypatch):
 def test_analytic_profile_flops_and_activations():
     """A device without waves or memory losses: every GEMM at peak (compute-bound at these shapes), the elementwise
     passes and the float32 accumulation at the bandwidth, by hand."""
-    device = DeviceSpec("unit", peak_flops=1e12, memory_bytes=GiB, memory_bandwidth=1e12, efficiency=1.0)
+    device = DeviceSpec(
+        "unit", peak_flops=1e12, memory_bytes=GiB, memory_bandwidth=1e12, efficiency=1.0, elementwise_passes=100
+    )
     layers = analytic_profile(
         num_blocks=2, hidden=64, heads=4, vocab=256, seq=32, micro=2, device=device, precision="32-true"
     )
     block = layers[1]
     gemms = 2 * 64 * 12 * 64 * 64 / 1e12  # 2 x tokens x 12 h^2, at peak
     attention = 4 * 2 * 32 * 32 * 64 / 1e12  # 4 b s^2 h
-    elementwise = ELEMENTWISE_PASSES * 64 * 64 * 4 / 1e12  # activation-sized passes of tokens x h float32 elements
+    elementwise = 100 * 64 * 64 * 4 / 1e12  # 100 activation-sized passes of tokens x h float32 elements
     accumulate = (
         (12 * 64 * 64 + 13 * 64) * (4 + 2 * 4) / 1e12
     )  # the new gradient read, the accumulator read and written
