@@ -61,7 +61,8 @@ def plan_text(cfg, layout, model) -> str:
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s, profile))
-    lines.append(checkpoint_cost(cfg, layout, profile, stages, memories, step_s).describe())
+    cost = checkpoint_cost(cfg, layout, profile, stages, memories, step_s)
+    lines += [cost.describe(), cost.preemption_text()] if step_s is not None else [cost.describe()]
     lines.append(training_cost_text(cfg, layout, step_s))
     return "\n".join(lines)
 

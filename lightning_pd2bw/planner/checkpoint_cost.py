@@ -59,6 +59,28 @@ class CheckpointCost:
             return None
         return max(1, math.ceil(self.blocking_s / (TARGET * self.step_s)), math.ceil(self.background_s / self.step_s))
 
+    @property
+    def preemption_s(self) -> float | None:
+        """What SIGTERM (a time limit, a preemption) needs before the job is killed: the step in progress, the drain
+        (at most one more step of the pipeline's tail) and the fullest rank's synchronous save at the local-disk
+        rate (``reliability``: a preempted run always writes ``last.ckpt`` synchronously)."""
+        if self.step_s is None:
+            return None
+        return 2 * self.step_s + self.rank_bytes / GiB * WRITE_S_PER_GIB
+
+    def preemption_text(self) -> str:
+        """``preemption: ...``: the time SIGTERM needs and the ``--signal`` lead that leaves twice that (whole
+        minutes), for SLURM's ``#SBATCH --signal=SIGTERM@N``."""
+        needed = self.preemption_s
+        if needed is None:
+            return "preemption: the step time needs a cluster (+cluster=NAME)"
+        lead = 60 * math.ceil(2 * needed / 60)
+        return (
+            f"preemption: {needed:.0f} s from SIGTERM to exit (a step, the drain, {self.rank_bytes / GiB:.1f} GiB "
+            f"written synchronously at the local-disk rate): #SBATCH --signal=SIGTERM@{lead} leaves twice that; a "
+            "shared file system's rate for 8 ranks of a node scales the write"
+        )
+
     def describe(self) -> str:
         how = "async" if self.asynchronous else "synchronous"
         text = (

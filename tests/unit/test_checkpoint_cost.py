@@ -47,3 +47,15 @@ def test_the_gpt13b_recipe_is_planned_at_nine_tenths_of_the_clusters_ideal_rate(
     rate = float(line.split()[1])
     ideal = float(line.split(" of the ideal ")[1].split(")")[0])
     assert rate / ideal >= 0.90, line
+
+
+def test_the_preemption_lead_is_a_step_the_drain_and_the_synchronous_save():
+    """Issue 78, 6: SIGTERM needs the step in progress, the drain (one more step at most) and the fullest rank's
+    synchronous save; the suggested ``--signal`` lead is twice that, in whole minutes."""
+    cost = CheckpointCost(13.8 * GiB, 99.7 * GiB, 64, 50, step_s=5.5, asynchronous=True)
+    needed = 2 * 5.5 + 13.8 * WRITE_S_PER_GIB
+    assert cost.preemption_s == pytest.approx(needed)
+    assert f"preemption: {needed:.0f} s" in cost.preemption_text()
+    assert "--signal=SIGTERM@120 " in cost.preemption_text()  # 2 x 30.6 s = 61 s: two minutes
+    no_cluster = CheckpointCost(13.8 * GiB, 99.7 * GiB, 64, 50, step_s=None, asynchronous=True)
+    assert no_cluster.preemption_s is None and "needs a cluster" in no_cluster.preemption_text()
