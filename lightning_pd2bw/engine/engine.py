@@ -305,7 +305,8 @@ class PipelineEngine(StageState):
 
     def actions(self, batch: int, drain: bool = False) -> list[schedule.Action]:
         """This stage's actions for batch ``batch`` of a run (``drain``: what its drain runs), the update's parts
-        included; ``print(schedule.listing(engine.actions(3)))`` shows them."""
+        included; ``print(schedule.listing(engine.actions(3)))`` shows them
+        (``from lightning_pd2bw.engine.schedules import schedule``)."""
         make = schedule.drain if drain else schedule.segment
         return make(self.layout, self.grid.stage, batch)
 
