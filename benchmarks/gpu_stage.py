@@ -240,7 +240,7 @@ def roofline_step(config: GPTConfig, args: argparse.Namespace) -> tuple[str, flo
     """The planner's analytic step for this slice (``m`` microbatches, one update) on the device preset named like
     this GPU (``NVIDIA H200`` -> ``h200_141g``), or None where no preset matches: what ``flush`` is checked against."""
     from lightning_pd2bw.planner.hardware import DEVICES
-    from lightning_pd2bw.planner.profile import analytic_profile
+    from lightning_pd2bw.planner.profile import analytic_profile, one_stage_step
 
     name = torch.cuda.get_device_name()
     preset = next((k for k in DEVICES if k.split("_")[0].upper() in name), None)
@@ -248,7 +248,7 @@ def roofline_step(config: GPTConfig, args: argparse.Namespace) -> tuple[str, flo
         return None
     layers = analytic_profile(num_blocks=args.layers, hidden=config.n_embd, heads=config.n_head,
                               vocab=config.vocab_size, seq=args.seq, micro=args.micro, device=DEVICES[preset])  # fmt: skip
-    return preset, args.m * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)
+    return preset, one_stage_step(layers, args.m)
 
 
 def main() -> None:

@@ -178,12 +178,12 @@ def device_forecast(recipe_at_micro: dict[int, dict[str, str]]) -> str:
     (``docs/gpus-log.md``) as the planner times it on the H200 and the H100, at micro 1 and 2 (8 sequences a step),
     and the gpt13b recipe's layout on 8 x 8 H100 at both micro sizes (the recipe's: 2)."""
     from lightning_pd2bw.planner.hardware import DEVICES
-    from lightning_pd2bw.planner.profile import analytic_profile
+    from lightning_pd2bw.planner.profile import analytic_profile, one_stage_step
 
     def step(device: str, micro: int) -> float:  # embedding, 5 blocks, head: one stage, 8 sequences, one update
         layers = analytic_profile(num_blocks=5, hidden=5120, heads=40, vocab=50304, seq=2048, micro=micro,
                                   device=DEVICES[device])  # fmt: skip
-        return 8 // micro * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)
+        return one_stage_step(layers, 8 // micro)
 
     lines = [
         "| planned (never run unless marked) | micro 1 (8 microbatches) | micro 2 (4 microbatches) | micro 2 gains |",

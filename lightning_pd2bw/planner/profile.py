@@ -145,3 +145,9 @@ def analytic_profile(
         optimizer_time(head_params),
     )
     return [embedding, *[block] * num_blocks, head]
+
+
+def one_stage_step(layers: list[LayerProfile], microbatches: int) -> float:
+    """A one-stage pipeline's step from a profile: every layer's forward and backward per microbatch, one optimizer
+    step (what ``benchmarks/gpu_stage.py`` measures on one GPU)."""
+    return microbatches * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)

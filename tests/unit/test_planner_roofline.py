@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 
 from lightning_pd2bw.planner.hardware import DEVICES, DeviceSpec, GiB
-from lightning_pd2bw.planner.profile import TILE, analytic_profile, gemm_seconds, wave_efficiency
+from lightning_pd2bw.planner.profile import TILE, analytic_profile, gemm_seconds, one_stage_step, wave_efficiency
 
 GPT13B = {"hidden": 5120, "heads": 40, "vocab": 50304, "seq": 2048}  # conf/model/gpt13b.yaml's shapes
 
 
 def slice_step(device: DeviceSpec, micro: int, microbatches: int, blocks: int = 5) -> float:
     """One step of a one-stage pipeline: the layers' forward and backward per microbatch, one optimizer step."""
-    layers = analytic_profile(num_blocks=blocks, micro=micro, device=device, **GPT13B)
-    return microbatches * sum(x.forward_s + x.backward_s for x in layers) + sum(x.optimizer_s for x in layers)
+    return one_stage_step(analytic_profile(num_blocks=blocks, micro=micro, device=device, **GPT13B), microbatches)
 
 
 def test_the_roofline_reproduces_the_h200_step_it_is_calibrated_on():
