@@ -77,7 +77,9 @@ def run(
         return folder
     settings = [f"model.optimizer={optimizer}", f"trainer.devices={args.stages}", "trainer.enable_checkpointing=false"]
     settings += [FRACTION.sub(lambda m: f"={round(float(m[1]) * steps)}", o) for o in overrides(setting)]
-    return train(folder, args.model, corpus, out, steps, seed, settings, args.val_every, args.log_every)
+    return train(
+        folder, args.model, corpus, out, steps, seed, settings, args.val_every, args.log_every, args.val_batches
+    )
 
 
 def train(
@@ -90,10 +92,12 @@ def train(
     settings: list[str],
     val_every: int,
     log_every: int = 10,
+    val_batches: str = "16",
 ) -> Path:
     """One ``pd2bw-train`` run into ``folder`` as a user starts it (``settings``: Hydra overrides, a ``recipe=``
     among them), the same data order and initialisation per seed; validation every ``val_every`` steps ending at
-    the last; ``corpus`` built under ``out``."""
+    the last, reading ``val_batches`` batches of the held-out split ("all": the whole split); ``corpus`` built under
+    ``out``."""
     data = [] if corpus == "stdlib" else [f"data.paths=[{CORPORA[corpus](out)}]"]
     command = [
         sys.executable,
@@ -104,7 +108,7 @@ def train(
         f"data.seq_len={MODELS[model]}",
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={val_interval(steps, val_every)}",
-        "trainer.limit_val_batches=16",
+        f"trainer.limit_val_batches={'1.0' if val_batches == 'all' else int(val_batches)}",
         f"trainer.log_every_n_steps={log_every}",
         "trainer.enable_progress_bar=false",
         f"seed={seed}",
@@ -246,6 +250,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--val-every", type=int, default=50)
+    parser.add_argument("--val-batches", default="16", help='held-out batches each validation reads ("all": every one)')
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--corpora", default="stdlib,packages")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))

@@ -142,16 +142,17 @@ SUFFIXES = {
     "every": "sparsity.update_interval",  # steps between mask updates (RigL's drop-and-grow, gradual pruning)
     "denselr": "sparsity.dense_lr",  # SPDF's dense phase: its own peak rate (x the schedule's peak)
     "width": "model.config.n_embd",  # another width, depth and heads kept (Jin et al.'s comparator: dense+width48)
+    "sync": "strategy.sync_steps",  # a synchronous start: the first N steps with fresh gradients, then 2BW
 }
 # a sweep suffix: its key in SUFFIXES, value
-SUFFIX = re.compile(r"(lr|wu|strength|from|to|rewarm|b1_|every|denselr|width)([0-9.e-]+)")
+SUFFIX = re.compile(r"(lr|wu|strength|from|to|rewarm|b1_|every|denselr|width|sync)([0-9.e-]+)")
 
 
 def overrides(setting: str) -> list[str]:
     """A setting's Hydra overrides: ``SETTINGS[name]``, then sweep suffixes: ``+lrX`` (``model.lr``), ``+wuN``
     (``model.warmup_steps``), ``+strengthX`` (``strategy.delay_correction_strength``), ``+fromF`` / ``+toF`` (the
     pruning window, as fractions of the run), ``+rewarmN`` (``sparsity.rewarmup_steps``), ``+b1_X`` (AdamW's
-    ``model.betas=[X,0.95]``), ``+everyN`` (``sparsity.update_interval``), ``+denselrX`` (``sparsity.dense_lr``), ``+widthN`` (``model.config.n_embd``), e.g. ``2bw+ef+lr1e-3+wu60``, ``s75+global+from0.5+to0.9``, ``dense+b1_0.85``."""
+    ``model.betas=[X,0.95]``), ``+everyN`` (``sparsity.update_interval``), ``+denselrX`` (``sparsity.dense_lr``), ``+widthN`` (``model.config.n_embd``), ``+syncN`` (``strategy.sync_steps``), e.g. ``2bw+ef+lr1e-3+wu60``, ``s75+global+from0.5+to0.9``, ``dense+b1_0.85``."""
     parts, extra = setting.split("+"), []
     while parts and (suffix := SUFFIX.fullmatch(parts[-1])):
         parts.pop()
@@ -162,7 +163,7 @@ def overrides(setting: str) -> list[str]:
     if name not in SETTINGS:
         raise SystemExit(
             f"unknown setting {setting!r}: one of {sorted(SETTINGS)}, optionally +lrX, +wuN, +strengthX, +fromF, +toF, "
-            "+rewarmN, +b1_X, +everyN, +denselrX, +widthN"
+            "+rewarmN, +b1_X, +everyN, +denselrX, +widthN, +syncN"
         )
     return list({o.split("=")[0]: o for o in [*SETTINGS[name], *extra]}.values())  # the last value of a key wins
 

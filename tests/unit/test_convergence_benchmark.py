@@ -44,6 +44,7 @@ def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
     assert overrides("rigl75+every10") == [*SETTINGS["rigl75"], "sparsity.update_interval=10"]
     assert overrides("spdf75+denselr0.5") == [*SETTINGS["spdf75"], "sparsity.dense_lr=0.5"]
     assert overrides("dense+width48") == [*SETTINGS["dense"], "model.config.n_embd=48"]
+    assert overrides("2bw+dense+sync250+lr8e-3") == [*SETTINGS["2bw+dense"], "strategy.sync_steps=250", "model.lr=8e-3"]
     with pytest.raises(SystemExit, match="unknown setting '2bw\\+xx'"):
         overrides("2bw+xx")
 
