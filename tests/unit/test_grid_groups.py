@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_pd2bw.engine.comm import grid as grid_module
-from lightning_pd2bw.engine.comm.grid import ProcessGrid, build_groups, communicator
+from lightning_pd2bw.engine.comm.grid import ProcessGrid, build_groups, communicator, group_kinds
 
 STAGES, WIDTH = 3, 2
 
@@ -58,3 +58,34 @@ def _rank(rank: int, store: str) -> None:
 
 def test_a_rank_creates_only_its_groups_and_the_mesh_reuses_them(tmp_path):
     mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=STAGES * WIDTH)
+
+
+def test_at_64_ranks_a_rank_holds_only_the_groups_it_uses():
+    """gpt13b's 4 x 16 on 64 ranks, as ranks 0, 5 and 63 build them (torch's ``fake`` backend: one process plays a
+    rank of 64, nothing is sent): every rank calls ``new_group`` for every group, but a group it is not in leaves
+    nothing behind (torch returns ``NON_GROUP_MEMBER`` before any store round or communicator), so a rank's
+    process groups are the default and its own, whatever the width."""
+    from torch.distributed.distributed_c10d import _world
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    stages, world, tied = 4, 64, (0, 3)
+    for rank in (0, 5, 63):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            grid = ProcessGrid(rank, world, stages)
+            groups = build_groups(grid, [tied])
+            names = ["pipeline", "loss", "replica", "shard", *(["tied"] if grid.stage in tied else [])]
+            names += ["p2p"] * (grid.stage < stages - 1)  # its link to the next stage
+            expected = {communicator(n, grid.stage, grid.replica, stages, world // stages, tied)[1] for n in names}
+            if grid.stage > 0:  # its link to the previous stage
+                expected.add(communicator("p2p", grid.stage - 1, grid.replica, stages, world // stages)[1])
+            held = {tuple(dist.get_process_group_ranks(g)) for g in groups.members()}
+            assert held == expected, rank
+            assert len(_world.pg_map) == 1 + len(groups.members()) <= 8, rank  # the default group and its own
+            kinds = group_kinds(grid, [tied])  # one split_group each under an eager NCCL: 8 where groups are 104
+            assert len(kinds) == 8 and sum(map(len, kinds)) == 2 * 16 + 3 * 16 + 2 * 4 + 16
+            for parts in kinds:  # split_group's rule: the groups of one kind share no rank
+                members = [r for _, ranks in parts for r in ranks]
+                assert len(members) == len(set(members))
+        finally:
+            dist.destroy_process_group()

@@ -72,8 +72,8 @@ class ProcessGrid:
 
 @dataclass
 class Groups:
-    """Process groups this rank belongs to. Every rank creates every group, in the same order (a group of ranks it is
-    not in costs it a store round and no communicator: NCCL creates one at a member's first collective). Not
+    """Process groups this rank belongs to (``build_groups``). Every rank takes part in creating every group, in the
+    same order; a rank outside a group keeps nothing of it (no process group, no communicator). Not
     ``use_local_synchronization``: its group names hash the ranks with how many groups the creating rank holds, which
     differs between the stages of a pipeline (a middle stage has two links), so members would not meet. ``mesh``
     gives the replica and pipeline groups as a ``DeviceMesh`` (dimensions ``dp`` and ``pp``) for composing with FSDP2
@@ -155,41 +155,58 @@ def end_default_group() -> None:
         dist.destroy_process_group()
 
 
-def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
-    mine: dict[str, object] = {}
-    links: dict[str, object] = {}
+def group_kinds(
+    grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Every group of the run as (name, ranks), by kind: the pipeline and loss groups of every replica, each link
+    between stages s and s + 1, the replica and shard groups of every stage, each tied stage set's groups. The groups
+    of one kind never share a rank (what one ``split_group`` call needs); every rank lists them in the same order."""
     d, width = grid.num_stages, grid.data_parallel_size
 
-    def new(name: str, stage: int = 0, replica: int = 0, tied: Sequence[int] = ()) -> tuple[object, tuple[int, ...]]:
-        desc, ranks = communicator(name, stage, replica, d, width, tied, grid.placement)
-        return dist.new_group(list(ranks), group_desc=desc), ranks
+    def kind(name: str, stages: Sequence[int] = (0,), replicas: Sequence[int] = (0,), tied=()) -> list:
+        return [communicator(name, s, r, d, width, tied, grid.placement) for s in stages for r in replicas]
 
-    for replica in range(width):
-        pipeline, _ = new("pipeline", replica=replica)
-        loss, _ = new("loss", replica=replica)
-        if replica == grid.replica:
-            mine["pipeline"], mine["loss"] = pipeline, loss
-        for stage in range(d - 1):
-            group, pair = new("p2p", stage, replica)
-            if grid.rank == pair[0]:
-                links["next"] = group
-            if grid.rank == pair[1]:
-                links["previous"] = group
-    for stage in range(d):
-        group, _ = new("replica", stage)
-        if stage == grid.stage:
-            mine["replica"] = group
-        if width > 1:
-            group, _ = new("shard", stage)
-            if stage == grid.stage:
-                mine["shard"] = group
-    shared: dict[tuple[int, ...], object] = {}
-    for stages in dict.fromkeys(shared_stage_sets):
-        for replica in range(width):
-            group, _ = new("tied", replica=replica, tied=stages)
-            if replica == grid.replica and grid.stage in stages:
-                shared[stages] = group
-    return Groups(mine["pipeline"], mine["loss"], mine["replica"], shared, LinkChannels(**links), mine.get("shard"))
+    everyone = range(width)
+    kinds = [kind("pipeline", replicas=everyone), kind("loss", replicas=everyone)]
+    kinds += [kind("p2p", stages=[stage], replicas=everyone) for stage in range(d - 1)]
+    kinds += [kind("replica", stages=range(d))] + ([kind("shard", stages=range(d))] if width > 1 else [])
+    kinds += [kind("tied", replicas=everyone, tied=stages) for stages in dict.fromkeys(shared_stage_sets)]
+    return kinds
+
+
+def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
+    """This rank's groups. Under an eagerly started NCCL (the default group bound to a device: how the strategy starts
+    it on GPUs), one ``split_group`` per kind, one ``ncclCommSplit`` of the world each, as ``DeviceMesh`` creates
+    its dimensions (at 64 ranks 8 splits where a ``new_group`` per group would be about 100, each of which every
+    rank, member or not, joins); elsewhere a ``new_group`` per group, which leaves nothing on a rank outside it."""
+    default = dist.distributed_c10d._get_default_group()
+    split = dist.get_backend() == "nccl" and default.bound_device_id is not None
+    mine: dict[str, object] = {}
+    for groups in group_kinds(grid, shared_stage_sets):
+        own = next(((desc, ranks) for desc, ranks in groups if grid.rank in ranks), None)
+        if split:
+            group = dist.split_group(split_ranks=[list(r) for _, r in groups], group_desc=own[0] if own else None)
+        else:
+            made = [dist.new_group(list(ranks), group_desc=desc) for desc, ranks in groups]
+            group = made[groups.index(own)] if own else None
+        if own:
+            mine[own[0]] = group
+    d, width = grid.num_stages, grid.data_parallel_size
+
+    def held(name: str, stage: int = grid.stage, tied: Sequence[int] = ()) -> object:
+        return mine.get(communicator(name, stage, grid.replica, d, width, tied, grid.placement)[0])
+
+    links = {"previous": held("p2p", grid.stage - 1) if grid.stage > 0 else None}
+    links["next"] = held("p2p") if grid.stage < d - 1 else None
+    shared = {stages: held("tied", tied=stages) for stages in dict.fromkeys(shared_stage_sets) if grid.stage in stages}
+    return Groups(
+        held("pipeline"),
+        held("loss"),
+        held("replica"),
+        shared,
+        LinkChannels(**links),
+        held("shard"),
+    )
 
 
 def default_device() -> torch.device:
