@@ -53,7 +53,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     from ..engine.precision import Precision
     from ..lightning.contract import pipeline_layers_of
     from ..planner.auto import layer_tensors, shared_layers
-    from ..planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile
+    from ..planner.cost import NCCL_GROUP_BYTES, ModelProfile
     from ..planner.hardware import DEVICES
     from ..planner.profile import analytic_profile
 
@@ -101,7 +101,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         states,
         shared_layers(layers),
         version_bytes=precision.version_bytes(dtypes["weight_dtype"]),
-        communicator_bytes=0.0 if on_cpu else NCCL_BYTES_PER_COMMUNICATOR,
+        communicator_bytes=0.0 if on_cpu else NCCL_GROUP_BYTES,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
         layer_masks=mask_bytes(cfg, model),

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..engine.comm.microbatch import resize_batch, to_device
 from ..engine.options import PipelineOptions
-from .cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, Prediction
+from .cost import NCCL_GROUP_BYTES, ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec
 from .measure import measure_layers, synchronize
 from .search import divisors, search
@@ -137,7 +137,7 @@ def plan_on_world(
                 weight_dtype=weight_dtype,
                 boundary_dtype=boundary_dtype,
             )
-            nccl = NCCL_BYTES_PER_COMMUNICATOR if device.type == "cuda" else 0.0
+            nccl = NCCL_GROUP_BYTES if device.type == "cuda" else 0.0
             fused = 0.0 if device.type == "cuda" else None  # models/optim.py: fused AdamW on CUDA, no temporaries
             return ModelProfile(
                 profiles,

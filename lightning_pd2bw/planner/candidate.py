@@ -15,10 +15,15 @@ from ..engine.updates.sharding import owners_of
 from .profile import LayerProfile
 
 MiB = 1 << 20
-# NCCL's own device buffers per communicator: NCCL_BUFFSIZE (4 MiB) for each direction of each of its channels,
-# allocated when the communicator is first used. 64 MiB is an estimate (8 channels x 2 x 4 MiB), to be checked
-# on each GPU generation (``torch.cuda.mem_get_info`` before and after the first step: docs/planner.md).
-NCCL_BYTES_PER_COMMUNICATOR = 64 * MiB
+MB = 10**6
+# NCCL's device memory per communicator, by its size. Each channel keeps, per connection, the three protocols'
+# buffers (Simple: NCCL_BUFFSIZE, 4 MiB by default; LL128 ~4.7 MiB; LL 0.5 MiB): 10 MiB in cuMem's 2 MiB granules,
+# as NCCL's ALLOC log shows (NVIDIA/nccl#1685); the total is linear in the channels (NCCL_MAX_NCHANNELS lowers it)
+# and in the buffer (NCCL_BUFFSIZE). Measured with PyTorch on 4 A100 over NVLink, one all-reduce on each group
+# (NVIDIA/nccl#964, 2023): 544 MB for a pair, 688 MB for a larger group (about 52 and 66 connections' buffers).
+# Not yet measured by this project: ``torch.cuda.mem_get_info`` before and after the first step (docs/planner.md).
+NCCL_GROUP_BYTES = 688 * MB
+NCCL_PAIR_BYTES = 544 * MB
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,8 @@ class ModelProfile:
     optimizer_states: float = 2  # weight-sized state tensors per parameter (AdamW 2, SGD with momentum 1)
     shared: tuple[tuple[int, int, int], ...] = ()  # (layer a, layer b, parameters) held by both
     output_factor: float = 1.0  # bytes a stage keeps of its output per byte that crosses (2 under bf16-mixed)
-    communicator_bytes: float = NCCL_BYTES_PER_COMMUNICATOR  # per communicator (0: gloo, on a CPU)
+    # per NCCL communicator of more than two ranks, a pair's in proportion (0: gloo, on a CPU)
+    communicator_bytes: float = NCCL_GROUP_BYTES
     # per layer, where optimizers differ by layer (Muon: 1 state for the blocks' matrices, AdamW's 2 for the rest)
     layer_states: tuple[float, ...] = ()
     # weight-sized temporaries of one optimizer step: 1 for foreach AdamW (the CPU), 0 for fused AdamW (CUDA),

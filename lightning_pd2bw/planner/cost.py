@@ -24,8 +24,9 @@ each term checked against ``PipelineEngine.counters()`` in ``tests/distributed/t
     transport     boundary messages in flight: (warm-up + 2) outputs to the next stage (its warm-up sends, one
                   batched send, the gradient receive posted with it) and 2 inputs from the previous (one
                   gradient send, one activation receive); never more with m (``transport.py``)
-    communication NCCL's buffers: an estimate per communicator the stage uses (pipeline neighbours, the
-                  pipeline's collectives, the loss broadcast, replicas, tied parameters), 0 on a CPU
+    communication NCCL's buffers: per communicator the stage uses (pipeline neighbours, the pipeline's
+                  collectives, the loss broadcast, replicas, tied parameters, the world), by its size, from a
+                  public measurement (``candidate.py``); 0 on a CPU
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from dataclasses import dataclass, field
 from ..engine.layout import Mode, sharded_at
 from ..engine.schedules.schedule import warmup_forwards
 from ..engine.updates.delay_correction import buffers as correction_buffers
-from .candidate import NCCL_BYTES_PER_COMMUNICATOR, Candidate, ModelProfile
+from .candidate import NCCL_GROUP_BYTES, NCCL_PAIR_BYTES, Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .profile import LayerProfile
 from .timing import allreduce_time, compute_time, message_time, timing
 
 __all__ = [  # the candidate and the timing's pieces are read from here too
-    "NCCL_BYTES_PER_COMMUNICATOR",
+    "NCCL_GROUP_BYTES",
     "Candidate",
     "ModelProfile",
     "Prediction",
@@ -124,32 +125,39 @@ def boundary_memory(
     another stage)."""
     stash = stash_count(candidate.mode, stage, candidate.depth, num_microbatches, candidate.lookahead)
     warmup = stash - 1
-    depth, width = candidate.depth, candidate.width
+    depth = candidate.depth
     sends = stage < depth - 1
     output = last.output_bytes if sends else 0.0
     kept = last.kept_output_bytes if last.kept_output_bytes is not None else output * profile.output_factor
     return {
         "outputs": stash * kept if sends else 0.0,
         "transport": (warmup + 2) * output + 2 * given if depth > 1 else 0.0,
-        "communication": communicators(profile, stage, candidate, span) * profile.communicator_bytes
-        if depth * width > 1
-        else 0.0,
+        "communication": communication_bytes(profile, communicators(profile, stage, candidate, span)),
     }
 
 
-def communicators(profile: ModelProfile, stage: int, candidate: Candidate, span: range | None = None) -> int:
-    """The NCCL communicators a stage joins (``engine/comm/grid.py`` creates them; NCCL allocates each one's buffers at
-    its first use): one per neighbouring stage (``p2p``), the pipeline's and the loss broadcast's (depth > 1), the
-    replicas' and the sharded optimizer's weight broadcasts (width > 1), the tied parameters' (only on a stage that
-    holds one another stage holds too), and the world's (Lightning's barriers and metric gathers)."""
+def communicators(profile: ModelProfile, stage: int, candidate: Candidate, span: range | None = None) -> list[int]:
+    """The ranks of each NCCL communicator a stage joins (``engine/comm/grid.py`` creates them; NCCL allocates each
+    one's buffers at its first use): one per neighbouring stage (``p2p``, a pair), the pipeline's and the loss
+    broadcast's (depth > 1), the replicas' and the sharded optimizer's weight broadcasts (width > 1), the tied
+    parameters' (only on a stage that holds one another stage holds too: the two stages) and the world's
+    (Lightning's barriers and metric gathers)."""
     depth, width = candidate.depth, candidate.width
     tied = (
         any((a in span) != (b in span) and (a in span or b in span) for a, b, _ in profile.shared)
         if span is not None
         else bool(profile.shared)
     )
-    sharded = candidate.optimizer_share < 1
-    return (stage > 0) + (stage < depth - 1) + 2 * (depth > 1) + (width > 1) + sharded + tied + 1
+    sizes = [2] * ((stage > 0) + (stage < depth - 1)) + [depth] * (2 * (depth > 1))
+    sizes += [width] * ((width > 1) + (width > 1 and candidate.optimizer_share < 1))
+    return sizes + [2] * tied + ([depth * width] if depth * width > 1 else [])
+
+
+def communication_bytes(profile: ModelProfile, sizes: Sequence[int]) -> float:
+    """NCCL's buffers for communicators of ``sizes`` ranks: ``profile.communicator_bytes`` each, a pair's in the
+    measured proportion (``candidate.py``)."""
+    pair = NCCL_PAIR_BYTES / NCCL_GROUP_BYTES
+    return sum(profile.communicator_bytes * (pair if n == 2 else 1.0) for n in sizes if n > 1)
 
 
 def memory_of(

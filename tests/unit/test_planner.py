@@ -13,7 +13,8 @@ import torch
 
 from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerProfile, NoPlanFits, predict, search
-from lightning_pd2bw.planner.cost import NCCL_BYTES_PER_COMMUNICATOR, ModelProfile, allreduce_time, stage_memory
+from lightning_pd2bw.planner.candidate import NCCL_PAIR_BYTES
+from lightning_pd2bw.planner.cost import ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB, device_spec
 from lightning_pd2bw.planner.measure import measure_layers
 from lightning_pd2bw.planner.profile import analytic_profile, block_activation_bytes
@@ -131,7 +132,8 @@ def test_memory_per_stage_matches_the_paper_formula():
         "correction": 0.0,
         "outputs": 2 * 10.0,  # the stage's output of each stashed microbatch, kept for the backward
         "transport": (1 + 2) * 10.0,  # its warm-up send, one batched send and the gradient receive posted with it
-        "communication": 4 * NCCL_BYTES_PER_COMMUNICATOR,  # the next stage, the pipeline's, the loss's, the world's
+        "communication": 4
+        * NCCL_PAIR_BYTES,  # pairs at depth 2: the next stage, the pipeline's, the loss's, the world's
     }
     last = stage_memory(profile, range(2, 4), 1, candidate, 4)
     assert last["activations"] == 1 * 200.0
@@ -389,17 +391,28 @@ def test_sharded_gradients_move_half_an_all_reduce():
 def test_nccl_communicators_are_those_the_stage_joins():
     """Issue 47: the world group counts on every stage; the tied parameters' group only on the stages holding a
     parameter another stage holds (GPT's embedding and head), not on the middle ones; the sharded optimizer's own."""
-    from lightning_pd2bw.planner.cost import communicators
+    from lightning_pd2bw.planner.cost import communication_bytes, communicators
 
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 10)] * 6
     profile = ModelProfile(layers, shared=((0, 5, 10),))
     sharded = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw"))
     whole = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw", shard_optimizer=False))
     # first: next, pipeline, loss, replica, shard, tied, world; middle: both neighbours, no tied; last: like the first
-    assert [communicators(profile, s, sharded, span) for s, span in enumerate(S3)] == [7, 7, 7]
-    assert [communicators(profile, s, whole, span) for s, span in enumerate(S3)] == [6, 6, 6]
+    assert [communicators(profile, s, sharded, span) for s, span in enumerate(S3)] == [
+        [2, 3, 3, 2, 2, 2, 6],
+        [2, 2, 3, 3, 2, 2, 6],
+        [2, 3, 3, 2, 2, 2, 6],
+    ]
+    assert [len(communicators(profile, s, whole, span)) for s, span in enumerate(S3)] == [6, 6, 6]
     alone = Candidate(1, 3, 1, False, PipelineOptions(mode="2bw"))
-    assert [communicators(profile, s, alone, span) for s, span in enumerate(S3)] == [5, 5, 5]
+    assert [communicators(profile, s, alone, span) for s, span in enumerate(S3)] == [
+        [2, 3, 3, 2, 3],
+        [2, 2, 3, 3, 3],
+        [2, 3, 3, 2, 3],
+    ]
+    # NCCL's buffers by size (NVIDIA/nccl#964's measurement): a pair 544 MB, a larger group 688 MB, one rank none
+    assert communication_bytes(profile, [2, 3, 1, 6]) == 544e6 + 688e6 + 688e6
+    assert communication_bytes(ModelProfile(layers, communicator_bytes=0.0), [2, 3]) == 0.0  # gloo
 
 
 S3 = (range(0, 2), range(2, 4), range(4, 6))
