@@ -80,7 +80,9 @@ def scale_learning_rates(optimizers: list[torch.optim.Optimizer], scales: dict[i
     """Give the parameters in ``scales`` (``id(param)`` -> factor) their own groups in Adam-type optimizers, at the
     group's rate times the factor (``group["lr_scale"]`` records it), before any step and before a schedule reads the
     rates: SμPar's per-layer rate (``SparsityCallback(density_scaling=True)``). SGD and Muon keep theirs (SμPar's
-    rate rule is Adam's)."""
+    rate rule is Adam's). Under AdamW the group's weight decay is divided by the factor: torch decays by rate x
+    ``weight_decay`` per step, and μP's rules (SμPar's among them) take weight decay independent of the rate they
+    scale, so a scaled layer decays as the dense one does (until 0.17.0 it decayed 1/density times faster)."""
     for optimizer in optimizers:
         if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
             continue
@@ -90,7 +92,10 @@ def scale_learning_rates(optimizers: list[torch.optim.Optimizer], scales: dict[i
             for param in group["params"]:
                 by_scale.setdefault(scales.get(id(param), 1.0), []).append(param)
             for scale, params in sorted(by_scale.items()):
-                groups.append({**group, "params": params, "lr": group["lr"] * scale, "lr_scale": scale})
+                decay = group.get("weight_decay", 0.0) / (scale if isinstance(optimizer, torch.optim.AdamW) else 1.0)
+                groups.append(
+                    {**group, "params": params, "lr": group["lr"] * scale, "lr_scale": scale, "weight_decay": decay}
+                )
         optimizer.param_groups[:] = groups
 
 

@@ -133,3 +133,23 @@ def test_muon_on_the_cpu_runs_newton_schulz_in_float32_within_bfloat16s_rounding
     matrix, bias = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
     [muon, _] = build_optimizers([matrix, bias], [matrix], "muon")
     assert type(muon).__name__ == "Muon" and muon.ns_dtype is None
+
+
+def test_supars_scaled_rate_keeps_adamws_weight_decay_of_the_dense_layer():
+    """``scale_learning_rates`` at 4x (density 1/4): the scaled group steps at 4 x the rate and decays as the dense
+    group does (μP's independent weight decay). By hand: with a zero gradient (Adam's update 0 / (0 + eps) = 0) both
+    parameters shrink by exactly 1 - lr x wd; with a unit gradient, Adam's first update is 1 (eps aside), so the
+    scaled one moves 4 x lr where the dense one moves lr, both after the same decay."""
+    from lightning_pd2bw.models.optim import scale_learning_rates
+
+    lr, wd = 1e-2, 0.1
+    for gradient, moved in ((0.0, (0.0, 0.0)), (1.0, (lr, 4 * lr))):
+        dense, sparse = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.AdamW([dense, sparse], lr=lr, weight_decay=wd)
+        scale_learning_rates([optimizer], {id(sparse): 4.0})
+        scaled = next(g for g in optimizer.param_groups if g["params"][0] is sparse)
+        assert scaled["lr"] == 4 * lr and scaled["lr"] * scaled["weight_decay"] == pytest.approx(lr * wd)
+        dense.grad, sparse.grad = torch.full((3,), gradient), torch.full((3,), gradient)
+        optimizer.step()
+        for param, step in zip((dense, sparse), moved):
+            torch.testing.assert_close(param.detach(), torch.full((3,), 1 - lr * wd - step), rtol=0, atol=1e-6)
