@@ -1,4 +1,5 @@
-"""``grid.build_groups`` on 6 gloo ranks (3 stages x 2 replicas, the first and last tied): every rank creates every
+"""``grid.build_groups`` on 6 gloo ranks (3 stages x 2 replicas, the first and last tied), with a ``new_group`` per
+group and with one ``split_group`` per kind (NCCL's path, its split played on gloo): every rank creates every
 group in the same order, each group this rank is in holds the ranks ``grid.communicator`` names and sums over them,
 and ``Groups.mesh`` is a ``DeviceMesh`` over the same replica and pipeline groups (dimensions ``dp`` and ``pp``),
 with this rank at its coordinates. Three stages: a middle stage holds two links where the others hold one (what
@@ -6,6 +7,7 @@ with this rank at its coordinates. Three stages: a middle stage holds two links 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,25 +18,34 @@ from lightning_pd2bw.engine.comm.grid import ProcessGrid, build_groups, communic
 STAGES, WIDTH = 3, 2
 
 
-def _rank(rank: int, store: str) -> None:
+def _rank(rank: int, store: str, split: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=STAGES * WIDTH)
     created: list[tuple[int, ...]] = []
-    new_group = dist.new_group
+    splits: list[list[list[int]]] = []
+    new_group, split_group = dist.new_group, dist.split_group
 
     def recording(ranks, *args, **kwargs):
         created.append(tuple(ranks))
         return new_group(ranks, *args, **kwargs)
 
-    grid_module.dist.new_group = recording
+    def splitting(parent_pg=None, split_ranks=None, group_desc=None, **kwargs):
+        """``split_group`` as NCCL's comm split behaves, on gloo: every rank joins every part, keeps its own."""
+        splits.append(split_ranks)
+        made = [new_group(ranks) for ranks in split_ranks]
+        return next((g for g, ranks in zip(made, split_ranks) if rank in ranks), None)
+
+    grid_module.dist.new_group, grid_module.dist.split_group = recording, splitting
     try:
         grid = ProcessGrid(rank, STAGES * WIDTH, STAGES)
-        groups = build_groups(grid, [(0, STAGES - 1)])
+        groups = build_groups(grid, [(0, STAGES - 1)], split=split)
     finally:
-        grid_module.dist.new_group = new_group
+        grid_module.dist.new_group, grid_module.dist.split_group = new_group, split_group
     # every group of the run, on every rank: per replica its pipeline, loss, two links and tied pair; per stage its
-    # replica and shard groups
-    assert len(created) == WIDTH * (2 + STAGES - 1 + 1) + 2 * STAGES, created
+    # replica and shard groups; split: one call per kind (pipeline, loss, each link, replica, shard, tied)
+    made = [tuple(ranks) for kind in splits for ranks in kind] if split else created
+    assert len(made) == WIDTH * (2 + STAGES - 1 + 1) + 2 * STAGES, made
+    assert len(splits) == (2 + (STAGES - 1) + 2 + 1 if split else 0) and (not split or not created)
     tied = (0, STAGES - 1)
     mine = {
         name: communicator(name, grid.stage, grid.replica, STAGES, WIDTH, tied=tied)[1]
@@ -56,8 +67,9 @@ def _rank(rank: int, store: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_rank_creates_only_its_groups_and_the_mesh_reuses_them(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=STAGES * WIDTH)
+@pytest.mark.parametrize("split", [False, True], ids=["new_group", "split_group"])
+def test_a_rank_creates_only_its_groups_and_the_mesh_reuses_them(tmp_path, split):
+    mp.spawn(_rank, args=(str(tmp_path / "store"), split), nprocs=STAGES * WIDTH)
 
 
 def test_at_64_ranks_a_rank_holds_only_the_groups_it_uses():

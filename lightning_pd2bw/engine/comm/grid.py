@@ -174,13 +174,19 @@ def group_kinds(
     return kinds
 
 
-def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]) -> Groups:
+def eager_nccl() -> bool:
+    """Whether the default group is NCCL started eagerly (bound to a device: how the strategy starts it on GPUs),
+    where ``split_group`` can make groups from its communicator."""
+    return dist.get_backend() == "nccl" and dist.distributed_c10d._get_default_group().bound_device_id is not None
+
+
+def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]], split: bool | None = None) -> Groups:
     """This rank's groups. Under an eagerly started NCCL (the default group bound to a device: how the strategy starts
     it on GPUs), one ``split_group`` per kind, one ``ncclCommSplit`` of the world each, as ``DeviceMesh`` creates
     its dimensions (at 64 ranks 8 splits where a ``new_group`` per group would be about 100, each of which every
-    rank, member or not, joins); elsewhere a ``new_group`` per group, which leaves nothing on a rank outside it."""
-    default = dist.distributed_c10d._get_default_group()
-    split = dist.get_backend() == "nccl" and default.bound_device_id is not None
+    rank, member or not, joins); elsewhere a ``new_group`` per group, which leaves nothing on a rank outside it.
+    ``split``: which of the two (None: ``eager_nccl()``)."""
+    split = eager_nccl() if split is None else split
     mine: dict[str, object] = {}
     for groups in group_kinds(grid, shared_stage_sets):
         own = next(((desc, ranks) for desc, ranks in groups if grid.rank in ranks), None)
