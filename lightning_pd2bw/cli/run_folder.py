@@ -64,6 +64,10 @@ def resolve_last_checkpoint(cfg) -> None:
 
     if cfg.get("ckpt_path") != "last":
         return
+    if (chosen := _parents_choice(cfg)) is not None:
+        with open_dict(cfg):
+            cfg.ckpt_path = chosen or None
+        return
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     directory = Path(node.dirpath) if node and node.get("dirpath") else Path(cfg.paths.output_dir) / "checkpoints"
     found = newest_checkpoint(directory)
@@ -84,8 +88,25 @@ def resolve_last_checkpoint(cfg) -> None:
                 "purpose with ckpt_path=null"
             )
     say(f"ckpt_path=last: {f'resuming from {found}' if found else f'no checkpoint in {directory} yet, starting'}")
+    os.environ[CHOSEN] = json.dumps({"pid": os.getpid(), "dir": str(cfg.paths.output_dir), "ckpt": str(found or "")})
     with open_dict(cfg):
         cfg.ckpt_path = str(found) if found else None
+
+
+CHOSEN = "PD2BW_CKPT_LAST"  # the job's first process's choice, which the ranks Lightning's launcher starts inherit
+
+
+def _parents_choice(cfg) -> str | None:
+    """In a rank Lightning's launcher started, the checkpoint its parent (the job's first process) chose ("": none):
+    the parent writes ``config.yaml`` before it starts the ranks, which would otherwise read as an earlier start's.
+    None where this process must choose (no such parent: torchrun's and SLURM's ranks, a restart, another run)."""
+    try:
+        choice = json.loads(os.environ.get(CHOSEN, ""))
+    except ValueError:
+        return None
+    if choice.get("pid") != os.getppid() or choice.get("dir") != str(cfg.paths.output_dir):
+        return None
+    return choice.get("ckpt", "")
 
 
 RUN_LOCK = ".pd2bw-run.json"
