@@ -303,15 +303,18 @@ def test_schema_defaults_are_the_classes_defaults():
 
 
 @pytest.mark.parametrize(
-    "recipe, extra",
+    "recipe, cluster, extra",
     [
-        ("gpt13b", ()),
-        pytest.param(  # ~14 s: the full tier
-            "gpt13b", ("strategy.lookahead=2", "strategy.delay_correction=error_feedback"), marks=pytest.mark.full
+        ("gpt13b", "a100_80g_8x1", ()),  # ~9 s: 8 GPUs, a recomputation count per stage
+        pytest.param(  # ~20 s: the full tier
+            "gpt13b",
+            "a100_80g_8x8",
+            ("strategy.lookahead=2", "strategy.delay_correction=error_feedback"),
+            marks=pytest.mark.full,
         ),
     ],
 )
-def test_pd2bw_plan_plans_the_run_that_trains(recipe, extra):
+def test_pd2bw_plan_plans_the_run_that_trains(recipe, cluster, extra):
     """pd2bw-plan's proposal, trained with its own "train it:" overrides, is the run the dry run (and plan="auto",
     through the same ``Candidate.of``) plans: the same stages, the same memory per stage to the byte, the same
     predicted time. Before 0.2.0, pd2bw-plan left out the default delay correction's buffers and the lookahead."""
@@ -321,7 +324,7 @@ def test_pd2bw_plan_plans_the_run_that_trains(recipe, extra):
     from lightning_pd2bw.cli.run_plan import candidate_of, stage_plan
     from lightning_pd2bw.planner.cost import predict
 
-    cluster = ("+cluster=a100_80g_8x8",)
+    cluster = (f"+cluster={cluster}",)
     planned = load(recipe, cluster + extra)
     best = search_plans(planned, build_model_on_meta(planned))[0][0]
     assert best.candidate.delay_correction == planned.strategy.delay_correction is not None
