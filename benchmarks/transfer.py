@@ -39,6 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: benchmarks.* importable
 
@@ -53,7 +55,15 @@ PRETRAINING = {  # name -> pd2bw-train overrides
     "static75": ["sparsity=static", "sparsity.sparsity=0.75"],  # SPDF's: a random mask from step 0
 }
 PRUNED = {"prune50": 0.5, "prune75": 0.75}  # recipe=prune from the dense pre-trained model, to this sparsity
-PEAK_LR = {"gpt_tiny": 1e-3, "gpt_small": 6e-4}  # conf/model: pre-training's peak rate (a fine-tune takes a third)
+MODELS = ("gpt_small", "gpt_tiny")
+
+
+def peak_lr(model: str) -> float:
+    """Pre-training's peak rate: ``conf/model/MODEL.yaml``'s ``lr``, or the one it inherits through ``defaults``."""
+    spec = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
+    if "lr" in spec:
+        return float(spec["lr"])
+    return peak_lr(next(name for name in spec["defaults"] if name != "_self_" and not name.endswith("_schema")))
 
 
 def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus: str, extra: list[str]) -> Path:
@@ -68,7 +78,7 @@ def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus:
 def fine_tune(args: argparse.Namespace, steps: int | None = None) -> list[str]:
     """A fine-tune's rate and warm-up (the prune recipe's rule: a third of pre-training's peak, 2% warm-up)."""
     return [
-        f"model.lr={PEAK_LR[args.model] / 3:.3g}",
+        f"model.lr={peak_lr(args.model) / 3:.3g}",
         f"model.warmup_steps={max(1, round(0.02 * (steps or args.finetune_steps)))}",
     ]
 
@@ -157,7 +167,7 @@ def table(per_seed: list[dict[str, dict]], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt_tiny", choices=sorted(PEAK_LR))
+    parser.add_argument("--model", default="gpt_tiny", choices=MODELS)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--pretrain", default="stdlib", choices=["stdlib", *CORPORA])
     parser.add_argument("--finetune", default="fortunes", choices=["stdlib", *CORPORA])

@@ -153,3 +153,17 @@ def test_a_run_at_another_width_counts_its_own_flops(tmp_path):
     assert dense_flops("gpt_tiny", 64) == 1.0
     (tmp_path / "config.yaml").write_text("model:\n  config:\n    name: tiny\n    n_embd: null\n")
     assert width_flops(tmp_path, "gpt_tiny") == 1.0
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "gpt_small"])
+def test_the_transfer_benchmark_reads_each_models_peak_rate_from_its_config(model):
+    """The fine-tune's rate is a third of the pre-training rate Hydra composes for the model (never a typed copy)."""
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks.transfer import peak_lr
+    from lightning_pd2bw.cli.train import CONF, setup_hydra
+
+    setup_hydra()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        composed = compose("config", overrides=[f"model={model}"])
+    assert peak_lr(model) == float(composed.model.lr)
