@@ -20,7 +20,9 @@ task matches the dense-pretrained model after the same fine-tuning. Per seed, as
    a Hugging Face GPT-2 directory (``pd2bw-consolidate --format hf``: how a user starts from GPT-2's weights);
 4. the fair comparator of Jin et al. (ICLR 2025): per sparse pre-training, a dense GPT of equal average parameter
    count (the non-embedding parameters, averaged over the pre-training steps from the logged density; the width
-   ``n_embd`` that matches it, the depth and heads kept), pre-trained and fine-tuned alike;
+   ``n_embd`` that matches it, the depth and heads kept), pre-trained and fine-tuned alike, at its own best peak
+   rate: seed 0 pre-trains it at each of ``--comparator-rates`` (multiples of the model's rate) and the lowest
+   pre-training validation loss picks the rate every seed uses (its fine-tune at a third of it, as for the others);
 5. the equal-FLOPs control: the full-width dense model pre-trained for each sparse run's FLOPs (its steps times the
    sparse run's logged FLOPs ratio, the cosine stretched to that length by ``trainer.max_steps``), fine-tuned alike:
    whether sparse pre-training beats shorter dense training; and for every full-width pre-training a short fine-tune
@@ -75,12 +77,29 @@ def train(folder: Path, args: argparse.Namespace, seed: int, steps: int, corpus:
     )
 
 
-def fine_tune(args: argparse.Namespace, steps: int | None = None) -> list[str]:
+def fine_tune(args: argparse.Namespace, steps: int | None = None, peak: float | None = None) -> list[str]:
     """A fine-tune's rate and warm-up (the prune recipe's rule: a third of pre-training's peak, 2% warm-up)."""
     return [
-        f"model.lr={peak_lr(args.model) / 3:.3g}",
+        f"model.lr={(peak or peak_lr(args.model)) / 3:.3g}",
         f"model.warmup_steps={max(1, round(0.02 * (steps or args.finetune_steps)))}",
     ]
+
+
+def rate_suffix(args: argparse.Namespace, rate: float) -> str:
+    """A run's name suffix for a peak rate other than the model's (none at the model's: its runs keep their names)."""
+    return "" if rate == peak_lr(args.model) else f"-lr{rate:g}"
+
+
+def comparator_sweep(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[float, float]:
+    """Seed 0's dense pre-training of a comparator at each of ``--comparator-rates`` times the model's peak rate:
+    rate -> its final validation loss on the pre-training corpus (the lowest is the rate every seed uses)."""
+    sweep = {}
+    for factor in args.comparator_rates:
+        rate = float(f"{factor * peak_lr(args.model):.3g}")
+        folder = args.out / args.model / f"pretrain-{name}{rate_suffix(args, rate)}-seed0"
+        settings = ["sparsity=none", *overrides, *([f"model.lr={rate:g}"] if rate_suffix(args, rate) else [])]
+        sweep[rate] = curve(train(folder, args, 0, args.pretrain_steps, args.pretrain, settings))[-1][1]
+    return sweep
 
 
 def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
@@ -103,9 +122,15 @@ def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         }
 
     pretraining = {name: (overrides, args.pretrain_steps) for name, overrides in PRETRAINING.items()}
+    sweeps = {}  # comparator's run -> {peak rate: seed 0's pre-training validation loss}
     for name in ("sparse75", "static75"):  # a dense comparator of equal average parameters each (Jin et al.)
         width = equal_params_width(args.model, logged_mean(pretrain(name, PRETRAINING[name]), "sparsity/density"))
-        pretraining[f"dense{width}-{name}"] = (["sparsity=none", f"model.config.n_embd={width}"], args.pretrain_steps)
+        comparator = [f"model.config.n_embd={width}"]
+        sweep = comparator_sweep(args, f"dense{width}-{name}", comparator)
+        best = min(sweep, key=sweep.get)
+        rate = [f"model.lr={best:g}"] if rate_suffix(args, best) else []
+        chosen = f"dense{width}-{name}{rate_suffix(args, best)}"
+        pretraining[chosen], sweeps[chosen] = (["sparsity=none", *comparator, *rate], args.pretrain_steps), sweep
     # the equal-FLOPs control: the full-width dense model pre-trained for the sparse run's FLOPs (fewer steps, its
     # schedule stretched to them by trainer.max_steps), fine-tuned alike: does sparsity beat shorter dense training?
     for name in ("sparse75", "static75"):
@@ -115,13 +140,16 @@ def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
     for name, (overrides, steps) in pretraining.items():
         folder, width = pretrain(name, overrides, steps), [o for o in overrides if o.startswith("model.config.")]
         start = f"init_from={folder / 'checkpoints' / 'last.ckpt'}"
-        settings = ["sparsity=none", start, *width, *fine_tune(args)]
+        peak = next((float(o.split("=")[1]) for o in overrides if o.startswith("model.lr=")), None)
+        settings = ["sparsity=none", start, *width, *fine_tune(args, peak=peak)]
         tuned = train(out / f"finetune-{name}-seed{seed}", args, seed, *tune, settings)
         if width:
             flops = dense_flops(args.model, int(width[0].split("=")[1]))
         else:
             flops = flops_ratio(folder) * steps / args.pretrain_steps
         record(name, tuned, flops, folder)
+        if name in sweeps:
+            results[name]["sweep"] = sweeps[name]
         if args.short_finetune_steps and not width:  # the short fine-tune: less room to wash a difference out
             short_settings = ["sparsity=none", start, *fine_tune(args, args.short_finetune_steps)]
             shortened = train(out / f"finetune{short[0]}-{name}-seed{seed}", args, seed, *short, short_settings)
@@ -162,6 +190,10 @@ def table(per_seed: list[dict[str, dict]], args: argparse.Namespace) -> str:
             f"| {name} | {pretrain} | {flops:.2f} | {' / '.join(f'{f:.4f}' for f in finals)} "
             f"| {' / '.join(f'{g:+.2f}%' for g in gaps)} | {statistics.mean(gaps):+.2f}% |"
         )
+    for name, row in per_seed[0].items():
+        if "sweep" in row:  # the comparator's rate, chosen on seed 0
+            points = ", ".join(f"{rate:g}: {loss:.4f}" for rate, loss in sorted(row["sweep"].items()))
+            lines.append(f"\n{name}'s peak rate, seed 0's pre-training validation loss at each: {points}")
     return "\n".join(lines)
 
 
@@ -175,6 +207,12 @@ def main() -> None:
     parser.add_argument("--finetune-steps", type=int, default=500)
     parser.add_argument("--short-finetune-steps", type=int, default=100, help="the short fine-tune rows (0: none)")
     parser.add_argument("--val-every", type=int, default=250)
+    parser.add_argument(
+        "--comparator-rates",
+        type=lambda text: [float(x) for x in text.split(",")],
+        default=[0.5, 1.0, 2.0],
+        help="the comparators' peak-rate sweep on seed 0, as multiples of the model's rate",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer")
     parser.add_argument("--record", action="store_true", help="write the table where docs/sparsity.md reads it")
     args = parser.parse_args()
