@@ -12,6 +12,9 @@
   edge (Material's content column at a laptop's width).
 - A page longer than about a screen (``SCREEN_WORDS``) without ``##`` subheadings: no table of contents to
   find one's way with.
+- The manual (every page of the site's navigation but its ``Results log`` section: the dated measurements the
+  result pages rest on, read when a figure is questioned) over ``MANUAL_WORDS`` words as rendered: a fact added
+  means an older one rewritten shorter or moved to the log.
 - A file path in inline code (``lightning_pd2bw/engine/schedule.py``, ``conf/model/gpt13b.yaml``) that is not in the
   tree: a moved or removed file left named (a run's outputs, ``outputs/...``, and the changelog's history excepted).
 
@@ -28,6 +31,8 @@ CODE_WIDTH = 120
 SCREEN_WORDS = 400
 CELL_CHARS = 400
 PAGE_WORDS = 3000
+MANUAL_WORDS = 45000  # issue 78, item 7: the manual's size when it was set (the Results log not counted)
+LOG_SECTION = "Results log"  # mkdocs.yml's navigation section the manual's budget leaves out
 ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
 PATH = re.compile(r"`([A-Za-z0-9_./-]+/[A-Za-z0-9_.-]+\.(?:py|md|yaml|json|png|sh|toml|cff|txt))(?::[\d,-]+)?`")
 SEARCHED = ("", "lightning_pd2bw", "docs", "conf", "tests")  # where a path in the docs is read from
@@ -125,10 +130,41 @@ def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
+def manual_pages(mkdocs: Path) -> tuple[list[Path], list[Path]]:
+    """The site's pages (``mkdocs.yml``'s navigation) split into the manual and the ``Results log`` section."""
+    import yaml
+
+    def pages(entry) -> list[str]:
+        if isinstance(entry, str):
+            return [entry]
+        children = entry if isinstance(entry, list) else list(entry.values())
+        return [page for child in children for page in pages(child)]
+
+    nav = yaml.safe_load(mkdocs.read_text())["nav"]
+    log = [page for section in nav if LOG_SECTION in section for page in pages(section[LOG_SECTION])]
+    manual = [page for page in pages(nav) if page not in log]
+    docs = mkdocs.parent / "docs"
+    return [docs / page for page in manual], [docs / page for page in log]
+
+
+def manual_size(mkdocs: Path) -> list[str]:
+    """A fault when the manual outside the Results log renders to more than ``MANUAL_WORDS`` words."""
+    manual, _ = manual_pages(mkdocs)
+    words = sum(rendered_words(page) for page in manual)
+    if words <= MANUAL_WORDS:
+        return []
+    largest = ", ".join(f"{p.name} {w}" for w, p in sorted(((rendered_words(p), p) for p in manual), reverse=True)[:3])
+    return [
+        f"{mkdocs}:1: the manual renders to {words} words (> {MANUAL_WORDS}) outside the {LOG_SECTION}: "
+        f"shorten a page (largest: {largest}) or move dated results to the log"
+    ]
+
+
 def main(paths: list[str]) -> int:
     root = Path(__file__).resolve().parents[2]
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
+    found += [] if paths else manual_size(root / "mkdocs.yml")
     found += [
         f for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md" for f in missing_paths(page, root)
     ]
