@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench gpu-planner gpu-quality gpu-quality-corpus
+.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench gpu-planner gpu-sparse gpu-quality gpu-quality-corpus
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ gpu-planner: export PYTHONPATH := $(CURDIR)
 gpu-planner: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU, ~5 min: the 13B stage slice at micro 1 and 2, each step beside the planner's roofline (issue 77)
 	$(BENCH_PY) benchmarks/gpu_stage.py --model gpt13b --layers 5 --micro 1 --m 8 --lookahead 7 --runs flush,2bw
 	$(BENCH_PY) benchmarks/gpu_stage.py --model gpt13b --layers 5 --micro 2 --m 4 --lookahead 3 --runs flush,2bw
+
+gpu-sparse: export PYTHONPATH := $(CURDIR)
+gpu-sparse: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU, ~1 min: a 13B block's matrices, forward + backward, dense against the 2:4 kernels (issue 80)
+	$(BENCH_PY) benchmarks/gpu_semi_sparse.py
+	$(BENCH_PY) benchmarks/gpu_semi_sparse.py --tokens 4096
 
 # The corpus comes from Debian's registry, which a lent GPU machine cannot reach: build it here first
 # (`make gpu-quality-corpus`) and carry outputs/delayed_rule/fortunes.txt with the working tree.

@@ -16,6 +16,8 @@ from .callback_base import (  # noqa: F401  (flops_ratio: re-exported)
     flops_ratio,
 )
 from .masks import MaskUpdate
+from .semi_sparse import check as check_kernels
+from .semi_sparse import layers_of, use_kernels
 
 
 class GradualMagnitudeSparsity(SparsityCallback):
@@ -152,7 +154,7 @@ class SemiStructuredSparsity(SparsityCallback):
     the kept count per group falls from ``m`` to ``n`` over the window (``schedules.n_of_m_at``), the masks recomputed
     from the weights every ``update_interval`` steps; fixed from ``end_step`` on (``start_step == end_step``: one
     shot). ``dense_from_step`` gives SPDF's dense finish. The masks cut FLOPs on paper; a GPU runs them faster only
-    through the semi-structured kernels (not used here yet: docs/sparsity.md).
+    through the semi-structured kernels: ``kernels=True`` (``semi_sparse.py``; their speed: docs/sparsity.md).
 
     Args:
         n: weights kept per group (0 < n < m).
@@ -161,6 +163,11 @@ class SemiStructuredSparsity(SparsityCallback):
         end_step: the window's last step; the mask is fixed from it on.
         update_interval: steps between mask updates in the window.
         sparsity: optional, must equal ``1 - n / m`` (a recipe's ``sparsity.sparsity`` checked, not used).
+        transposable: N:M along the rows and the columns of each ``m`` x ``m`` tile (``m <= 4``), the largest total
+            magnitude per tile: the weight and its transpose both N:M, so the input-gradient GEMM can be sparse too.
+        kernels: on CUDA (compute capability >= 8.0, float16 / bfloat16), once the mask is final the targeted
+            ``nn.Linear`` layers run their forward and input-gradient GEMMs on the 2:4 sparse tensor cores (needs
+            ``n=2, m=4, transposable=True``); refused by name at the start where they cannot run.
         **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``dense_from_step``, ``rewarmup_steps``,
             ``dense_lr``, ``seed``, ``log_per_layer`` (the allocation is per group: ``uniform`` only).
     """
@@ -173,9 +180,16 @@ class SemiStructuredSparsity(SparsityCallback):
         end_step: int = 0,
         update_interval: int = 100,
         sparsity: float | None = None,
+        transposable: bool = False,
+        kernels: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if kernels and (n, m, transposable) != (2, 4, True):
+            raise ValueError(
+                f"SemiStructuredSparsity(kernels=True, n={n}, m={m}, transposable={transposable}): the 2:4 kernels run "
+                "the forward and the input-gradient GEMMs from one mask: set n=2, m=4, transposable=True"
+            )
         if not 0 < n < m:
             raise ValueError(f"SemiStructuredSparsity(n={n}, m={m}): need 0 < n < m (2:4 is n=2, m=4)")
         if sparsity is not None and abs(sparsity - (1 - n / m)) > 1e-9:
@@ -196,14 +210,54 @@ class SemiStructuredSparsity(SparsityCallback):
             )
         self.n, self.m, self.sparsity = n, m, 1 - n / m
         self.start_step, self.end_step, self.update_interval = start_step, end_step, update_interval
+        self.transposable, self.kernels = transposable, kernels
+        self._kernel_layers: dict[str, Any] = {}
 
     def build(self, module: Any, all_reduce: Any = None, device: Any = None) -> Any:
         sparsifier = super().build(module, all_reduce, device)
-        sparsifier.check_groups(self.m)  # refused by name at the start, not at the first update
+        sparsifier.check_groups(self.m, self.transposable)  # refused by name at the start, not at the first update
         return sparsifier
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.kernels:
+            self._kernel_layers = layers_of(pl_module, list(self.sparsifier.local))
+            check_kernels(self._kernel_layers, trainer.strategy.root_device, _compute_dtype(str(trainer.precision)))
+            self._sync_kernels()
+
+    def after_step(self, optimizers: Any) -> None:
+        super().after_step(optimizers)
+        self._sync_kernels()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_end(trainer, pl_module)
+        for layer in self._kernel_layers.values():  # the module leaves fit as it came
+            use_kernels(layer, False)
+
+    def _sync_kernels(self) -> None:
+        """The kernels run once every weight a forward can read is 2:4 (the compression would drop the rest): from
+        the start for a one-shot mask at step 0, else two updates after the final mask's (2BW's forward reads the
+        version before the last update), until SPDF's dense finish."""
+        final = self.end_step == 0 or self.step >= self.end_step + 2
+        on = final and (self.dense_from_step is None or self.step < self.dense_from_step)
+        for layer in self._kernel_layers.values():
+            use_kernels(layer, on)
 
     def plan(self, step: int) -> MaskUpdate | None:
         if not schedules.is_update_step(step, self.start_step, self.end_step, self.update_interval):
             return None
         kept = schedules.n_of_m_at(step, self.start_step, self.end_step, self.n, self.m)
-        return MaskUpdate("n_of_m", density=kept / self.m, n=kept, m=self.m)
+        return MaskUpdate("n_of_m", density=kept / self.m, n=kept, m=self.m, transposable=self.transposable)
+
+
+def _compute_dtype(precision: str) -> Any:
+    """The GEMMs' dtype under a Lightning precision setting (``"bf16-mixed"``: bfloat16)."""
+    import torch
+
+    return (
+        torch.bfloat16
+        if precision.startswith("bf16")
+        else torch.float16
+        if precision.startswith("16")
+        else torch.float32
+    )

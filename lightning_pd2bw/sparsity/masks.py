@@ -23,6 +23,7 @@ from torch import nn
 
 from ..checkpoint.entries import BY_PARAMETER
 from .allocation import ALLOCATIONS, global_threshold, keep_count, layer_densities
+from .transposable import transposable_mask
 
 # Embeddings and the (tied) output head stay dense by default, as do norms and biases (not Linear weights).
 DEFAULT_EXCLUDE = (r"(^|\.)(wte|wpe|embed\w*|lm_head|head)(\.|$)",)
@@ -41,6 +42,8 @@ class MaskUpdate:
         n: n_of_m's weights kept per group: the ``n`` largest magnitudes of each ``m`` consecutive weights along
             the last dimension (a Linear's input features: the GEMM's reduction dimension, as 2:4 kernels group them).
         m: n_of_m's group size.
+        transposable: n_of_m's groups in both directions: at most ``n`` of each ``m`` x ``m`` tile's rows and
+            columns kept (``transposable.py``), so a 2:4 kernel also runs the input-gradient GEMM.
     """
 
     kind: str  # magnitude | random | rigl | n_of_m | dense
@@ -48,6 +51,7 @@ class MaskUpdate:
     drop_fraction: float = 0.0  # rigl: fraction of each layer's active weights replaced
     n: int = 0  # n_of_m: kept per group
     m: int = 0  # n_of_m: the group's size
+    transposable: bool = False  # n_of_m: N:M along the rows and the columns of each m x m tile
 
 
 def select_targets(
@@ -142,7 +146,7 @@ class Sparsifier:
         elif change.kind == "rigl":
             new = self._rigl(change.drop_fraction) if old else {}
         elif change.kind == "n_of_m":
-            new = self._n_of_m(change.n, change.m)
+            new = self._n_of_m(change.n, change.m, change.transposable)
         else:
             raise ValueError(f"mask update kind={change.kind!r} is not valid; valid: {', '.join(KINDS)}")
         changed = {n: old.get(n, _all_true(p)) ^ new.get(n, _all_true(p)) for n, p in self.local.items()}
@@ -168,28 +172,39 @@ class Sparsifier:
             masks[name] = mask if int(mask.sum()) >= floor else _top(score, floor)  # no layer collapses
         return masks
 
-    def _n_of_m(self, n: int, m: int) -> dict[str, torch.Tensor]:
+    def _n_of_m(self, n: int, m: int, transposable: bool = False) -> dict[str, torch.Tensor]:
         """In each group of ``m`` consecutive weights along the last dimension, the ``n`` largest magnitudes kept
-        (the same weights give the same mask on every stage and replica)."""
-        self.check_groups(m)
+        (the same weights give the same mask on every stage and replica); ``transposable``: per ``m`` x ``m``
+        tile, ``n`` in each row and each column, the pattern of largest total magnitude."""
+        self.check_groups(m, transposable)
         self.layer_targets = {name: n / m for name in self.shapes}
         masks = {}
         for name, param in self.local.items():
+            if transposable:
+                masks[name] = transposable_mask(self._magnitude_of(param), n, m)
+                continue
             groups = self._magnitude_of(param).reshape(-1, m)
             keep = torch.topk(groups, n, dim=1, sorted=False).indices
             mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, keep, True)
             masks[name] = mask.view(param.shape)
         return masks
 
-    def check_groups(self, m: int) -> None:
-        """N:M groups need every target's last dimension to be a multiple of ``m``: refused by name otherwise."""
-        uneven = {name: shape for name, shape in self.shapes.items() if len(shape) < 2 or shape[-1] % m}
+    def check_groups(self, m: int, transposable: bool = False) -> None:
+        """N:M groups need every target's last dimension (``transposable``: both, a 2-D weight) to be a multiple of
+        ``m``: refused by name otherwise."""
+        where = "both dimensions (a transposable mask's tiles)" if transposable else "its last dimension"
+        dims = (lambda shape: shape) if transposable else (lambda shape: shape[-1:])
+        uneven = {
+            name: shape
+            for name, shape in self.shapes.items()
+            if len(shape) < 2 or (transposable and len(shape) != 2) or any(d % m for d in dims(shape))
+        }
         if uneven:
             name, shape = next(iter(uneven.items()))
             raise ValueError(
-                f"sparsity n_of_m: {name} {list(shape)} cannot be grouped by {m} along its last dimension (the GEMM's "
-                f"reduction dimension); {len(uneven)} such target(s). Leave them out (sparsity.exclude: a regex of "
-                "their names) or choose m dividing every target's input features"
+                f"sparsity n_of_m: {name} {list(shape)} cannot be grouped by {m} along {where} (the GEMMs' "
+                f"reduction dimensions); {len(uneven)} such target(s). Leave them out (sparsity.exclude: a regex of "
+                "their names) or choose m dividing every target's features"
             )
 
     def _random(self, step: int, density: float) -> dict[str, torch.Tensor]:

@@ -149,6 +149,10 @@ def sparsity_callback(case: Case):
         "rigl_every_step": lambda: RigL(0.5, end_step=5, update_interval=1, drop_fraction=0.3, allocation="erk"),
         # 2:4 by magnitude, gradually (3 of 4 at step 1, 2 of 4 from step 2), while 2BW's versions are in flight
         "n_of_m": lambda: SemiStructuredSparsity(n=2, m=4, start_step=1, end_step=3, update_interval=1),
+        # the same, transposable (2 of 4 in each row and column of every 4 x 4 tile: the kernels' masks)
+        "n_of_m_transposable": lambda: SemiStructuredSparsity(
+            start_step=1, end_step=3, update_interval=1, transposable=True
+        ),
         "dense_right_after_pruning": lambda: GradualMagnitudeSparsity(
             0.6, start_step=0, end_step=2, update_interval=1, dense_from_step=3
         ),
@@ -201,7 +205,7 @@ CASES = {
         Case("gpt_2bw_d2w2_sparse_static", width=2, mode="2bw", steps=5, sparsity="static_random"),
         Case("gpt_2bw_sparse_2of4", mode="2bw", steps=5, clip=0.5, sparsity="n_of_m", correction=PREDICTIVE),
         Case("gpt_flush_sparse_2of4_resume", steps=7, checkpoint_every=3, sparsity="n_of_m", schedule=True),
-        Case("gpt_2bw_d2w2_sparse_2of4", width=2, mode="2bw", steps=5, sparsity="n_of_m"),
+        Case("gpt_2bw_d2w2_sparse_2of4", width=2, mode="2bw", steps=5, sparsity="n_of_m_transposable"),
         # a synchronous start: 3 fresh steps, then 2BW; checkpoints at steps 2 (inside it) and 4 (after the switch),
         # resumed from each; the predictive correction's history starts at the switch
         Case("gpt_2bw_sync_start", mode="2bw", steps=7, sync_steps=3, checkpoint_every=2, correction=PREDICTIVE),

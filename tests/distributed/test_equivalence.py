@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -109,6 +110,20 @@ def test_delay_correction_changes_the_update(trained, name):
     for other in others:  # not the plain rule, and the predictive one is not the first-order one either
         expected = reference_weights(replace(case, correction=other), width)
         assert max((got[k] - expected[k]).abs().max().item() for k in expected) > 1e-3, other
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].sparsity == "n_of_m_transposable"])
+def test_transposable_masks_leave_2_of_4_in_every_row_and_column_of_each_tile(trained, name):
+    """The pipeline's trained weights (every replica's masks the same) are 2:4 along both dimensions: the pattern
+    the 2:4 kernels read for the forward and the input-gradient GEMMs."""
+    got = merged(trained[name])
+    targets = [k for k in got if re.search(r"\.(attn\.qkv|attn\.proj|fc|proj)\.weight$", k)]  # the blocks' matrices
+    assert len(targets) >= 4, list(got)
+    for key in targets:
+        nonzero = got[key].ne(0)
+        rows, cols = nonzero.shape
+        assert nonzero.reshape(rows, cols // 4, 4).sum(-1).le(2).all(), key
+        assert nonzero.t().reshape(cols, rows // 4, 4).sum(-1).le(2).all(), key
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].mode == "2bw"])

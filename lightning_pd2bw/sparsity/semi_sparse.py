@@ -1,0 +1,103 @@
+"""2:4 sparse tensor-core GEMMs for the masked Linear layers of ``SemiStructuredSparsity(kernels=True)`` on CUDA.
+
+Once the schedule's mask is final (2:4, transposable: ``transposable.py``), each targeted ``nn.Linear`` runs its
+forward GEMM (``x @ W.t()``) and its input-gradient GEMM (``g @ W``) on the sparse tensor cores through PyTorch's
+semi-structured tensors (CUTLASS; ``SparseSemiStructuredTensorCUTLASS.prune_dense_static_sort`` compresses W and
+W.t() in one kernel, re-packed at every forward from the weights as they are, so a 2BW weight version or an update
+needs nothing else). The weight gradient stays a dense GEMM (the callback masks it). The masked weights are zero
+outside a transposable 2:4 pattern, so the compression keeps exactly their non-zeros: the kernels compute what the
+dense masked GEMM computes, up to the GEMMs' rounding.
+
+The layer's forward is replaced on the instance (``use_kernels``; no hook, the parameters and their names
+unchanged) and restored when the kernels stop (SPDF's dense finish). Refused by name where they cannot run: a
+device other than CUDA of compute capability 8.0 or more (A100, H100), a compute dtype other than float16 or
+bfloat16, a target that is not an ``nn.Linear`` (Hugging Face's ``Conv1D`` holds its weight transposed), or a weight
+whose dimensions are not multiples of ``MULTIPLE`` (the kernels' tile for both W and W.t())."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+MULTIPLE = 64  # CUTLASS's sparse operand for 16-bit types: rows a multiple of 32, columns of 64; W and W.t() both
+MIN_CAPABILITY = (8, 0)
+
+
+def refusal(name: str, module: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the 2:4 kernels cannot run layer ``name`` (None: they can)."""
+    if type(module) is not nn.Linear:
+        return f"{name} belongs to a {type(module).__name__}, not an nn.Linear"
+    rows, cols = module.weight.shape
+    if rows % MULTIPLE or cols % MULTIPLE:
+        return f"{name} is {rows} x {cols}: both dimensions must be multiples of {MULTIPLE}"
+    if dtype not in KERNEL_DTYPES:
+        return f"the compute dtype is {dtype}: the kernels take float16 or bfloat16 (precision=bf16-mixed)"
+    if device.type != "cuda":
+        return f"the run's device is {device.type}: the 2:4 kernels run on CUDA GPUs (compute capability >= 8.0)"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return f"{torch.cuda.get_device_name(device)} is compute capability {capability}: the kernels need 8.0 or more"
+    return None
+
+
+def check(layers: Mapping[str, nn.Module], device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, naming the first layer and the fix, when the kernels cannot run every targeted layer."""
+    refused = {name: reason for name, layer in layers.items() if (reason := refusal(name, layer, device, dtype))}
+    if refused:
+        name, reason = next(iter(refused.items()))
+        raise ValueError(
+            f"SemiStructuredSparsity(kernels=True): {reason} ({len(refused)} of {len(layers)} targeted layers "
+            f"refused, first {name}). Set sparsity.kernels=false (kernels=False: the same masks and the same "
+            "training on dense GEMMs; the kernels only speed them up), or leave the layers out (sparsity.exclude)"
+        )
+
+
+class _SemiSparseLinear(torch.autograd.Function):
+    """``x @ W.t() + b`` with W compressed to 2:4 for the forward and the input gradient; dW dense."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from torch.sparse import SparseSemiStructuredTensorCUTLASS
+
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        sparse = SparseSemiStructuredTensorCUTLASS.prune_dense_static_sort(weight.detach().to(dtype).contiguous())
+        out = flat @ sparse.t()
+        if bias is not None:
+            out = out + bias.to(dtype)
+        ctx.sparse, ctx.has_bias, ctx.dtypes = sparse, bias is not None, (x.dtype, weight.dtype)
+        ctx.save_for_backward(flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad: torch.Tensor):
+        (flat,) = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1]).to(flat.dtype)
+        x_dtype, weight_dtype = ctx.dtypes
+        grad_x = (grad2d @ ctx.sparse).reshape(*grad.shape[:-1], flat.shape[-1]).to(x_dtype)
+        grad_weight = (grad2d.t() @ flat).to(weight_dtype)
+        grad_bias = grad2d.sum(0).to(weight_dtype) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias
+
+
+def _sparse_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _SemiSparseLinear.apply(x, self.weight, self.bias)
+
+
+def use_kernels(layer: nn.Linear, on: bool) -> None:
+    """Route ``layer``'s forward through the 2:4 kernels (``on``) or back to ``nn.Linear``'s own."""
+    if on:
+        layer.forward = types.MethodType(_sparse_forward, layer)
+    else:
+        layer.__dict__.pop("forward", None)
+
+
+def layers_of(module: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    """Each targeted weight's owning module, by the weight's name."""
+    return {name: module.get_submodule(name.rpartition(".")[0]) for name in names}
