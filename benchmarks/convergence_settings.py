@@ -69,6 +69,7 @@ SETTINGS = {  # name -> Hydra overrides
     # dense,s50,s50+to0.5,semi24)
     "s50": ["sparsity=gradual", "sparsity.sparsity=0.5"],
     "semi24": ["sparsity=semi_structured"],
+    "semi24t": ["sparsity=semi_structured", "sparsity.transposable=true"],  # 2 of 4 along rows and columns (kernels')
 }
 OPTIMIZERS = ("adamw", "muon")
 SPARSE_SWEEP = "s75,s75+erk,s75+global,s75+linear,s75+win,s75+win+global," + ",".join(
