@@ -66,10 +66,12 @@ gpu-planner: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU, ~
 	$(BENCH_PY) benchmarks/gpu_stage.py --model gpt13b --layers 5 --micro 1 --m 8 --lookahead 7 --runs flush,2bw
 	$(BENCH_PY) benchmarks/gpu_stage.py --model gpt13b --layers 5 --micro 2 --m 4 --lookahead 3 --runs flush,2bw
 
+# the planner's name of the lent GPU (h200_141g for an H200): the key its measured factors are recorded under
+GPU_DEVICE ?= h100_80g
 gpu-sparse: export PYTHONPATH := $(CURDIR)
-gpu-sparse: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU, ~1 min: a 13B block's matrices, forward + backward, dense against the 2:4 kernels (issue 80)
-	$(BENCH_PY) benchmarks/gpu_semi_sparse.py
-	$(BENCH_PY) benchmarks/gpu_semi_sparse.py --tokens 4096
+gpu-sparse: $(if $(filter $(BIN)/python,$(BENCH_PY)),venv)  ## on a lent GPU, ~1 min: a 13B block's matrices, forward + backward, dense against the 2:4 kernels, recorded as the planner's factors (issue 80)
+	$(BENCH_PY) benchmarks/gpu_semi_sparse.py --record $(GPU_DEVICE)
+	$(BENCH_PY) benchmarks/gpu_semi_sparse.py --tokens 4096 --record $(GPU_DEVICE)
 
 # The corpus comes from Debian's registry, which a lent GPU machine cannot reach: build it here first
 # (`make gpu-quality-corpus`) and carry outputs/delayed_rule/fortunes.txt with the working tree.

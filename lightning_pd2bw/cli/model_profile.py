@@ -56,6 +56,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     from ..planner.cost import NCCL_GROUP_BYTES, ModelProfile
     from ..planner.hardware import DEVICES
     from ..planner.profile import analytic_profile
+    from ..planner.semi_sparse_speedup import speedup_for
 
     config = instantiate(cfg.model.config)
     layers = pipeline_layers_of(model)
@@ -74,6 +75,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         precision=cfg.trainer.precision,
         embedding_parameters=counts[0],
         head_parameters=counts[-1],
+        sparse_speedup=speedup_for(device.name) if (sparsity_config(cfg) or {}).get("kernels") else None,
     )
     dtypes = run_dtypes(cfg)
     counted = counted_activations(cfg, model, micro_batch_size)

@@ -8,6 +8,7 @@ clusters the user is not on). Layer order is the pipeline's: embedding, blocks, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.precision import Precision
@@ -68,12 +69,13 @@ def memory_seconds(num_bytes: float, device: DeviceSpec) -> float:
 
 
 def linear_seconds(
-    tokens: int, fan_in: int, fan_out: int, element_bytes: int, device: DeviceSpec
+    tokens: int, fan_in: int, fan_out: int, element_bytes: int, device: DeviceSpec, speedup: float = 1.0
 ) -> tuple[float, float]:
     """(forward, backward) of a linear layer over ``tokens`` rows: the backward is the input's gradient (tokens x
-    fan_in) and the weight's (fan_in x fan_out), each with its own shape's waves."""
-    forward = gemm_seconds(tokens, fan_out, fan_in, element_bytes, device)
-    backward = gemm_seconds(tokens, fan_in, fan_out, element_bytes, device)
+    fan_in) and the weight's (fan_in x fan_out), each with its own shape's waves. ``speedup``: the 2:4 kernels'
+    measured factor on the forward and the input-gradient GEMMs (``semi_sparse_speedup.py``; the weight's stays dense)."""
+    forward = gemm_seconds(tokens, fan_out, fan_in, element_bytes, device) / speedup
+    backward = gemm_seconds(tokens, fan_in, fan_out, element_bytes, device) / speedup
     return forward, backward + gemm_seconds(fan_in, fan_out, tokens, element_bytes, device)
 
 
@@ -90,6 +92,7 @@ def analytic_profile(
     embedding_parameters: int | None = None,
     head_parameters: int | None = None,
     optimizer_states: int = 2,
+    sparse_speedup: Callable[[int, int, int], float] | None = None,
 ) -> list[LayerProfile]:
     """Embedding, ``num_blocks`` pre-norm transformer blocks and the LM head, from FLOPs and bytes.
 
@@ -97,7 +100,8 @@ def analytic_profile(
     both enter: a small microbatch leaves more of the last wave idle. Memory-bound work is bytes at the achieved
     bandwidth: the embedding lookup, the blocks' elementwise passes, the cross-entropy, the optimizer step and, every
     microbatch, the backward adding each parameter's new gradient into its float32 (the parameters' dtype)
-    accumulator (read both, write one).
+    accumulator (read both, write one). ``sparse_speedup`` (tokens, fan_in, fan_out) -> factor: the blocks' matrices
+    on the 2:4 kernels (``sparsity.kernels=true``), at their measured factor per shape.
     """
     bytes_of = Precision.of(precision)
     weight_bytes, act_bytes = bytes_of.parameter_bytes, bytes_of.activation_bytes
@@ -122,7 +126,8 @@ def analytic_profile(
         optimizer_time(embed_params),
     )
     block_params = 12 * hidden * hidden + 13 * hidden
-    linears = [linear_seconds(tokens, i, o, act_bytes, device) for i, o in block_linears(hidden)]
+    factor = sparse_speedup or (lambda *_: 1.0)
+    linears = [linear_seconds(tokens, i, o, act_bytes, device, factor(tokens, i, o)) for i, o in block_linears(hidden)]
     attention = 4 * micro * seq * seq * hidden / (device.peak_flops * device.efficiency)
     elementwise = memory_seconds(device.elementwise_passes * boundary, device)
     block = LayerProfile(
