@@ -300,7 +300,8 @@ def _semi_structured_time(cfg, sparsity) -> str:
     """What N:M sparsity saves of the step: with ``kernels``, the planned time at the measured factors."""
     from ..planner.semi_sparse_speedup import measured
 
-    pattern = f"{sparsity.n}:{sparsity.m} semi-structured{' (transposable)' if sparsity.get('transposable') else ''}"
+    transposable = sparsity.get("kernels") if sparsity.get("transposable") is None else sparsity.get("transposable")
+    pattern = f"{sparsity.n}:{sparsity.m} semi-structured{' (transposable)' if transposable else ''}"
     if not sparsity.get("kernels"):
         return f"{pattern}: fewer FLOPs on paper; GPU time is saved only with sparsity.kernels=true (the 2:4 kernels)"
     device = cfg.cluster.device if cfg.get("cluster") else None

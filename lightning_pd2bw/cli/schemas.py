@@ -198,7 +198,7 @@ class SemiStructuredSchema:
     n: int = 2
     m: int = 4
     sparsity: float | None = None  # 1 - n/m; a recipe's value (tiny's 0.5) must agree
-    transposable: bool = False  # n of m along rows and columns of each m x m tile (m <= 4): W and W.t() both N:M
+    transposable: bool | None = None  # n of m in each row and column of every m x m tile (null: as kernels)
     kernels: bool = False  # CUDA: the final 2:4 mask's forward and input-gradient GEMMs on sparse tensor cores
     start_step: int = 0
     end_step: int = 0

@@ -164,10 +164,11 @@ class SemiStructuredSparsity(SparsityCallback):
         update_interval: steps between mask updates in the window.
         sparsity: optional, must equal ``1 - n / m`` (a recipe's ``sparsity.sparsity`` checked, not used).
         transposable: N:M along the rows and the columns of each ``m`` x ``m`` tile (``m <= 4``), the largest total
-            magnitude per tile: the weight and its transpose both N:M, so the input-gradient GEMM can be sparse too.
+            magnitude per tile: the weight and its transpose both N:M, so the input-gradient GEMM can be sparse too
+            (None: as ``kernels``).
         kernels: on CUDA (compute capability >= 8.0, float16 / bfloat16), once the mask is final the targeted
             ``nn.Linear`` layers run their forward and input-gradient GEMMs on the 2:4 sparse tensor cores (needs
-            ``n=2, m=4, transposable=True``); refused by name at the start where they cannot run.
+            ``n=2, m=4`` and a transposable mask); refused by name at the start where they cannot run.
         **kwargs: ``SparsityCallback``'s: ``targets``, ``exclude``, ``dense_from_step``, ``rewarmup_steps``,
             ``dense_lr``, ``seed``, ``log_per_layer`` (the allocation is per group: ``uniform`` only).
     """
@@ -180,11 +181,12 @@ class SemiStructuredSparsity(SparsityCallback):
         end_step: int = 0,
         update_interval: int = 100,
         sparsity: float | None = None,
-        transposable: bool = False,
+        transposable: bool | None = None,
         kernels: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        transposable = kernels if transposable is None else transposable
         if kernels and (n, m, transposable) != (2, 4, True):
             raise ValueError(
                 f"SemiStructuredSparsity(kernels=True, n={n}, m={m}, transposable={transposable}): the 2:4 kernels run "

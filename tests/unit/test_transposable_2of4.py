@@ -67,8 +67,10 @@ def test_the_sparsifier_prunes_to_a_transposable_mask_and_refuses_a_shape_it_can
 
 
 def test_the_kernels_need_transposable_2of4_and_refuse_by_name_where_they_cannot_run():
+    assert SemiStructuredSparsity(kernels=True).transposable  # the kernels' mask unless told otherwise
+    assert not SemiStructuredSparsity().transposable
     with pytest.raises(ValueError, match="set n=2, m=4, transposable=True"):
-        SemiStructuredSparsity(kernels=True)
+        SemiStructuredSparsity(kernels=True, transposable=False)
     with pytest.raises(ValueError, match="set n=2, m=4, transposable=True"):
         SemiStructuredSparsity(n=1, m=4, transposable=True, kernels=True)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
