@@ -223,9 +223,15 @@ class SemiStructuredSparsity(SparsityCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
         if self.kernels:
-            self._kernel_layers = layers_of(pl_module, list(self.sparsifier.local))
-            check_kernels(self._kernel_layers, trainer.strategy.root_device, _compute_dtype(str(trainer.precision)))
-            self._sync_kernels()
+            self.attach_kernels(pl_module, trainer.strategy.root_device, _compute_dtype(str(trainer.precision)))
+
+    def attach_kernels(self, module: Any, device: Any, dtype: Any) -> None:
+        """The layers of the built sparsifier's targets (of ``module``) take the 2:4 kernels when the schedule allows
+        (``after_step`` switches them); refused by name where they cannot run on ``device`` in ``dtype``. The
+        Lightning hooks call it; an engine-level loop (``build``, ``before_step``, ``after_step``) calls it once."""
+        self._kernel_layers = layers_of(module, list(self.sparsifier.local))
+        check_kernels(self._kernel_layers, device, dtype)
+        self._sync_kernels()
 
     def after_step(self, optimizers: Any) -> None:
         super().after_step(optimizers)

@@ -140,3 +140,16 @@ def test_a_user_asking_for_the_kernels_on_the_cpu_is_told_at_the_start_by_layer_
         fit(kernels=True)
     masks = fit(kernels=False).sparsifier.masks
     assert masks and all(m.t().reshape(m.shape[1], -1, 4).sum(-1).eq(2).all() for m in masks.values())
+
+
+def test_an_engine_level_loop_attaches_the_kernels_itself_and_is_refused_alike():
+    from lightning_pd2bw.models import GPT, GPTConfig
+
+    module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16))
+    module.configure_model()
+    callback = SemiStructuredSparsity(kernels=True)
+    callback.sparsifier = callback.build(module)
+    with pytest.raises(ValueError, match=r"float32.*sparsity.kernels=false"):
+        callback.attach_kernels(module, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match=r"device is cpu"):
+        callback.attach_kernels(module, torch.device("cpu"), torch.bfloat16)
