@@ -140,8 +140,13 @@ def manual_pages(mkdocs: Path) -> tuple[list[Path], list[Path]]:
         children = entry if isinstance(entry, list) else list(entry.values())
         return [page for child in children for page in pages(child)]
 
+    def sections(entry) -> list:  # every (nested) navigation entry that is a section of its own
+        children = entry if isinstance(entry, list) else list(entry.values()) if isinstance(entry, dict) else []
+        own = [entry] if isinstance(entry, dict) else []
+        return own + [section for child in children for section in sections(child)]
+
     nav = yaml.safe_load(mkdocs.read_text())["nav"]
-    log = [page for section in nav if LOG_SECTION in section for page in pages(section[LOG_SECTION])]
+    log = [page for section in sections(nav) if LOG_SECTION in section for page in pages(section[LOG_SECTION])]
     manual = [page for page in pages(nav) if page not in log]
     docs = mkdocs.parent / "docs"
     return [docs / page for page in manual], [docs / page for page in log]

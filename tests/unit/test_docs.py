@@ -274,7 +274,7 @@ def test_the_lint_holds_the_manual_under_its_budget_the_results_log_left_out(tmp
     lint = _lint()
     monkeypatch.setattr(lint, "MANUAL_WORDS", 100)
     (tmp_path / "docs").mkdir()
-    nav = "nav:\n  - Home: index.md\n  - Learn:\n      - A: a.md\n  - Results log:\n      - L: log.md\n"
+    nav = "nav:\n  - Home: index.md\n  - Learn:\n      - A: a.md\n  - Results:\n      - Results log:\n          - L: log.md\n"
     (tmp_path / "mkdocs.yml").write_text(nav)
     for name, words in [("index.md", 40), ("a.md", 50), ("log.md", 500)]:
         (tmp_path / "docs" / name).write_text("w " * words)
