@@ -3,6 +3,8 @@ while fine-tuning it (issue 65, items 2 and 3).
 
     python benchmarks/transfer.py                       # the tiny GPT, 2 seeds (about 15 minutes here)
     python benchmarks/transfer.py --model gpt_small --pretrain-steps 1000 --finetune-steps 300
+    python benchmarks/transfer.py --model gpt_small --pretrain-steps 1000 --finetune-steps 300 --sparse sparse75 \
+        --parts equal-flops,short          # GPT small's equal-FLOPs control alone (about 90 minutes a seed here)
 
 SPDF (Thangarasa et al. 2023) claims that a model pre-trained 75% sparse and then fine-tuned densely on a downstream
 task matches the dense-pretrained model after the same fine-tuning. Per seed, as a user runs it (``pd2bw-train``,
@@ -58,6 +60,7 @@ PRETRAINING = {  # name -> pd2bw-train overrides
 }
 PRUNED = {"prune50": 0.5, "prune75": 0.75}  # recipe=prune from the dense pre-trained model, to this sparsity
 MODELS = ("gpt_small", "gpt_tiny")
+PARTS = ("comparators", "equal-flops", "short", "scratch", "pruning")  # the rows beside dense and sparse (all default)
 
 
 def peak_lr(model: str) -> float:
@@ -121,9 +124,10 @@ def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
             "baseline": baseline,
         }
 
-    pretraining = {name: (overrides, args.pretrain_steps) for name, overrides in PRETRAINING.items()}
+    chosen_runs = ["dense", *args.sparse]
+    pretraining = {name: (PRETRAINING[name], args.pretrain_steps) for name in chosen_runs}
     sweeps = {}  # comparator's run -> {peak rate: seed 0's pre-training validation loss}
-    for name in ("sparse75", "static75"):  # a dense comparator of equal average parameters each (Jin et al.)
+    for name in args.sparse if "comparators" in args.parts else ():  # a dense GPT of equal average parameters each
         width = equal_params_width(args.model, logged_mean(pretrain(name, PRETRAINING[name]), "sparsity/density"))
         comparator = [f"model.config.n_embd={width}"]
         sweep = comparator_sweep(args, f"dense{width}-{name}", comparator)
@@ -133,7 +137,7 @@ def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         pretraining[chosen], sweeps[chosen] = (["sparsity=none", *comparator, *rate], args.pretrain_steps), sweep
     # the equal-FLOPs control: the full-width dense model pre-trained for the sparse run's FLOPs (fewer steps, its
     # schedule stretched to them by trainer.max_steps), fine-tuned alike: does sparsity beat shorter dense training?
-    for name in ("sparse75", "static75"):
+    for name in args.sparse if "equal-flops" in args.parts else ():
         steps = round(flops_ratio(pretrain(name, PRETRAINING[name])) * args.pretrain_steps)
         pretraining[f"dense-{steps}steps"] = (["sparsity=none"], steps)
     short = (args.short_finetune_steps, args.finetune)
@@ -150,16 +154,15 @@ def runs(args: argparse.Namespace, seed: int) -> dict[str, dict]:
         record(name, tuned, flops, folder)
         if name in sweeps:
             results[name]["sweep"] = sweeps[name]
-        if args.short_finetune_steps and not width:  # the short fine-tune: less room to wash a difference out
+        if "short" in args.parts and args.short_finetune_steps and not width:  # less room to wash a gap out
             short_settings = ["sparsity=none", start, *fine_tune(args, args.short_finetune_steps)]
             shortened = train(out / f"finetune{short[0]}-{name}-seed{seed}", args, seed, *short, short_settings)
             record(f"{name}, fine-tune {short[0]}", shortened, flops, folder, baseline=f"dense, fine-tune {short[0]}")
-    record(
-        "scratch",
-        train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)]),
-        0.0,
-        None,
-    )
+    if "scratch" in args.parts:
+        scratch = train(out / f"finetune-scratch-seed{seed}", args, seed, *tune, ["sparsity=none", *fine_tune(args)])
+        record("scratch", scratch, 0.0, None)
+    if "pruning" not in args.parts:
+        return results
     dense = out / f"pretrain-dense-seed{seed}"
     gpt2 = dense / "gpt2"  # the dense model written as a Hugging Face GPT-2 directory
     if not (gpt2 / "config.json").is_file():
@@ -212,6 +215,15 @@ def main() -> None:
         type=lambda text: [float(x) for x in text.split(",")],
         default=[0.5, 1.0, 2.0],
         help="the comparators' peak-rate sweep on seed 0, as multiples of the model's rate",
+    )
+    parser.add_argument(
+        "--sparse", type=lambda text: text.split(","), default=["sparse75", "static75"], help="sparse pre-trainings"
+    )
+    parser.add_argument(
+        "--parts",
+        type=lambda text: text.split(","),
+        default=list(PARTS),
+        help=f"which rows besides dense and the sparse pre-trainings: a subset of {','.join(PARTS)}",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer")
     parser.add_argument("--record", action="store_true", help="write the table where docs/sparsity.md reads it")
