@@ -111,34 +111,19 @@ def test_the_kernels_switch_on_two_updates_after_the_final_mask_and_off_at_the_d
 def test_a_user_asking_for_the_kernels_on_the_cpu_is_told_at_the_start_by_layer_and_fix():
     """``Trainer.fit`` with ``kernels=True`` on a CPU stops before the first step, naming the device, the first
     layer and the key that turns them off; the same run with ``kernels=False`` trains the transposable masks."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from lightning_pd2bw.data import LMDataset, read_corpus
     from lightning_pd2bw.models import GPT, GPTConfig
 
-    def fit(kernels: bool) -> SemiStructuredSparsity:
-        torch.manual_seed(0)
+    from .test_sparsity_training import SEQ, fit
+
+    def run(kernels: bool) -> SemiStructuredSparsity:
         callback = SemiStructuredSparsity(transposable=True, kernels=kernels)
-        module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16), lr=1e-2)
-        data = DataLoader(LMDataset(read_corpus(max_bytes=20_000), 16), batch_size=2, drop_last=True)
-        trainer = pl.Trainer(
-            max_steps=2,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-            precision="bf16-true",
-        )
-        trainer.fit(module, data)
+        module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=SEQ), lr=1e-2)  # 64: the kernels' multiple
+        fit(module, [callback], 2, precision="bf16-true")
         return callback
 
     with pytest.raises(ValueError, match=r"device is cpu.*first \S+attn\S*weight.*sparsity.kernels=false"):
-        fit(kernels=True)
-    masks = fit(kernels=False).sparsifier.masks
+        run(kernels=True)
+    masks = run(kernels=False).sparsifier.masks
     assert masks and all(m.t().reshape(m.shape[1], -1, 4).sum(-1).eq(2).all() for m in masks.values())
 
 
