@@ -52,26 +52,35 @@ class KernelsSeen(Callback):
         self.steps_on = 0
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        self.steps_on += any("forward" in m.__dict__ for m in pl_module.modules() if isinstance(m, nn.Linear))
+        on = [m for m in pl_module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
+        self.steps_on += bool(on)
+        for layer in on:  # what the compression keeps is all there is: 2 of 4 along both dimensions
+            nonzero = layer.weight.detach().ne(0)
+            rows, cols = nonzero.shape
+            assert nonzero.reshape(rows, cols // 4, 4).sum(-1).le(2).all()
+            assert nonzero.t().reshape(cols, rows // 4, 4).sum(-1).le(2).all()
 
 
 def test_a_pipeline_run_with_the_kernels_trains_as_the_dense_gemms_do():
+    """The mask thins 3:4 -> 2:4 while 2BW's versions are in flight (steps 1-3); the kernels switch on two updates
+    after the final mask. Were they on while a version still held a third weight of 4, the compression would drop it
+    and the weights would part from the dense GEMMs' run by far more than bfloat16's rounding."""
     from torch.utils.data import DataLoader
 
     from lightning_pd2bw.data import LMDataset, read_corpus
     from lightning_pd2bw.models import GPT, GPTConfig
 
-    losses, seen = {}, {}
+    weights, seen = {}, {}
     for kernels in (False, True):
         pl.seed_everything(0)
         seen[kernels] = KernelsSeen()
-        sparsity = SemiStructuredSparsity(transposable=True, kernels=kernels)  # 2:4 from step 0
+        sparsity = SemiStructuredSparsity(start_step=1, end_step=3, update_interval=1, kernels=kernels)
         trainer = pl.Trainer(
             strategy=PipeDream2BWStrategy(mode="2bw", num_microbatches=2),
             accelerator="gpu",
             devices=1,
             precision="bf16-mixed",
-            max_steps=6,
+            max_steps=10,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -80,6 +89,7 @@ def test_a_pipeline_run_with_the_kernels_trains_as_the_dense_gemms_do():
         )
         module = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, block_size=32), lr=1e-3)
         trainer.fit(module, DataLoader(LMDataset(read_corpus(max_bytes=40_000), 32), batch_size=8, drop_last=True))
-        losses[kernels] = float(trainer.callback_metrics["train_loss"])
-    assert seen[True].steps_on == 6 and seen[False].steps_on == 0
-    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
+        weights[kernels] = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+    assert seen[True].steps_on >= 3 and seen[False].steps_on == 0
+    for key, dense in weights[False].items():
+        assert _relative(weights[True][key], dense) < 1e-2, key
