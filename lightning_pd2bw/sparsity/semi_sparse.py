@@ -35,7 +35,7 @@ def refusal(name: str, module: nn.Module, device: torch.device, dtype: torch.dty
     if rows % MULTIPLE or cols % MULTIPLE:
         return f"{name} is {rows} x {cols}: both dimensions must be multiples of {MULTIPLE}"
     if dtype not in KERNEL_DTYPES:
-        return f"the compute dtype is {dtype}: the kernels take float16 or bfloat16 (precision=bf16-mixed)"
+        return f"the compute dtype is {dtype}: the kernels take float16 or bfloat16 (trainer.precision=bf16-mixed)"
     if device.type != "cuda":
         return f"the run's device is {device.type}: the 2:4 kernels run on CUDA GPUs (compute capability >= 8.0)"
     capability = torch.cuda.get_device_capability(device)
