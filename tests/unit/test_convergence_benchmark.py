@@ -169,9 +169,10 @@ def test_the_transfer_benchmark_reads_each_models_peak_rate_from_its_config(mode
     assert peak_lr(model) == float(composed.model.lr)
 
 
-def test_the_transfer_comparators_rate_sweep_names_runs_by_rate_and_tunes_at_a_third_of_the_best(tmp_path, monkeypatch):
-    """Seed 0 pre-trains a comparator at each multiple of the model's rate; the model's own rate keeps the run's
-    plain name (runs from before the sweep are reused) and the fine-tune of the chosen one runs at a third of it."""
+def test_the_transfer_rate_sweep_names_runs_by_rate_and_tunes_at_a_third_of_the_best(tmp_path, monkeypatch):
+    """Seed 0 pre-trains a row (here a comparator) at each multiple of the model's rate; the model's own rate keeps
+    the run's plain name (runs from before the sweep are reused) and the fine-tune of the chosen one runs at a third
+    of it."""
     import argparse
 
     import benchmarks.transfer as transfer
@@ -188,9 +189,9 @@ def test_the_transfer_comparators_rate_sweep_names_runs_by_rate_and_tunes_at_a_t
     monkeypatch.setattr(transfer, "train", fake_train)
     monkeypatch.setattr(transfer, "curve", lambda folder: [(100, losses[folder.name])])
     args = argparse.Namespace(
-        model="gpt_tiny", comparator_rates=[0.5, 1.0, 2.0], out=tmp_path, pretrain_steps=100, pretrain="stdlib"
+        model="gpt_tiny", rates=[0.5, 1.0, 2.0], out=tmp_path, pretrain_steps=100, pretrain="stdlib"
     )
-    sweep = transfer.comparator_sweep(args, "dense48-sparse75", ["model.config.n_embd=48"])
+    sweep = transfer.rate_sweep(args, "dense48-sparse75", ["sparsity=none", "model.config.n_embd=48"])
     assert sweep == {float(f"{rate / 2:.3g}"): 3.3, rate: 3.1, float(f"{2 * rate:.3g}"): 2.9}
     assert calls[1] == ("pretrain-dense48-sparse75-seed0", ["sparsity=none", "model.config.n_embd=48"])
     assert calls[2][1][-1] == f"model.lr={2 * rate:g}"
