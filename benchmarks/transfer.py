@@ -259,8 +259,9 @@ def main() -> None:
     print(text)
     if args.record:  # the one source of the docs' table (docs/sparsity.md includes it)
         import datetime
+        import textwrap
 
-        command = "python benchmarks/transfer.py " + " ".join(sys.argv[1:])
+        command = " \\\n    ".join(textwrap.wrap("python benchmarks/transfer.py " + " ".join(sys.argv[1:]), 100))
         out = ROOT / "docs" / "_generated" / f"transfer-{args.model}.md"
         today = datetime.date.today().isoformat()
         out.write_text(f"{today}, [the 2-core CPU machine](benchmarks.md#machines):\n\n```\n{command}\n```\n\n{text}\n")
