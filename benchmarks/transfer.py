@@ -4,7 +4,7 @@ while fine-tuning it (issue 65, items 2 and 3).
     python benchmarks/transfer.py                       # the tiny GPT, 2 seeds (about an hour here)
     python benchmarks/transfer.py --model gpt_small --pretrain-steps 1000 --finetune-steps 300
     python benchmarks/transfer.py --model gpt_small --pretrain-steps 1000 --finetune-steps 300 --sparse sparse75 \
-        --parts equal-flops,short --rates 1   # GPT small's equal-FLOPs control alone (about 90 minutes a seed here)
+        --parts equal-flops,short --rates 1   # GPT small's equal-FLOPs control alone (about 45 minutes a seed here)
 
 SPDF (Thangarasa et al. 2023) claims that a model pre-trained 75% sparse and then fine-tuned densely on a downstream
 task matches the dense-pretrained model after the same fine-tuning. Per seed, as a user runs it (``pd2bw-train``,
