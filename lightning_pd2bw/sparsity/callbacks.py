@@ -18,6 +18,7 @@ from .callback_base import (  # noqa: F401  (flops_ratio: re-exported)
 from .masks import MaskUpdate
 from .semi_sparse import check as check_kernels
 from .semi_sparse import layers_of, use_kernels
+from .transposable import MAX_TILE
 
 
 class GradualMagnitudeSparsity(SparsityCallback):
@@ -194,6 +195,11 @@ class SemiStructuredSparsity(SparsityCallback):
             )
         if not 0 < n < m:
             raise ValueError(f"SemiStructuredSparsity(n={n}, m={m}): need 0 < n < m (2:4 is n=2, m=4)")
+        if transposable and m > MAX_TILE:
+            raise ValueError(
+                f"SemiStructuredSparsity(m={m}, transposable=True): transposable masks are chosen per m x m tile among "
+                f"every qualifying pattern, m <= {MAX_TILE}; set m=4 or transposable=False"
+            )
         if sparsity is not None and abs(sparsity - (1 - n / m)) > 1e-9:
             raise ValueError(
                 f"sparsity.sparsity={sparsity} contradicts n={n}, m={m} (sparsity {1 - n / m:g}): N:M sets its own; "

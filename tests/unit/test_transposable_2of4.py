@@ -34,6 +34,8 @@ def test_the_pattern_tables_hold_every_tile_with_n_per_row_and_column():
         assert len({tuple(t.flatten().tolist()) for t in tiles}) == len(tiles)
     with pytest.raises(ValueError, match="m <= 4"):
         patterns(2, 8)
+    with pytest.raises(ValueError, match=r"m <= 4; set m=4 or transposable=False"):
+        SemiStructuredSparsity(n=2, m=8, transposable=True)
 
 
 @pytest.mark.parametrize("n", [2, 3])
