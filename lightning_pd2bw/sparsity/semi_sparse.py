@@ -25,6 +25,12 @@ from torch import nn
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MULTIPLE = 64  # CUTLASS's sparse operand for 16-bit types: rows a multiple of 32, columns of 64; W and W.t() both
 MIN_CAPABILITY = (8, 0)
+# How the CUDA tile kernel picks each 4 x 4 tile's 2:4 pattern (aten/src/ATen/native/sparse/cuda/ComputeSparseTile.h,
+# LargestValuesGreedy: values taken largest first while their row and column have room). Its default ("") ranks
+# them by signed value, so a zero outranks a negative weight and can take its row's place, dropping the weight: the
+# kernels would then compute with another matrix than the masked one. Ranked by magnitude, every non-zero of a
+# transposable 2:4 weight comes before any zero and is kept.
+TILE_ALGORITHM = "largest_abs_values_greedy"
 
 
 def refusal(name: str, module: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -66,7 +72,8 @@ class _SemiSparseLinear(torch.autograd.Function):
 
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         flat = x.reshape(-1, x.shape[-1]).to(dtype)
-        sparse = SparseSemiStructuredTensorCUTLASS.prune_dense_static_sort(weight.detach().to(dtype).contiguous())
+        dense = weight.detach().to(dtype).contiguous()
+        sparse = SparseSemiStructuredTensorCUTLASS.prune_dense_static_sort(dense, algorithm=TILE_ALGORITHM)
         out = flat @ sparse.t()
         if bias is not None:
             out = out + bias.to(dtype)

@@ -140,3 +140,67 @@ def test_an_engine_level_loop_attaches_the_kernels_itself_and_is_refused_alike()
         callback.attach_kernels(module, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match=r"device is cpu"):
         callback.attach_kernels(module, torch.device("cpu"), torch.bfloat16)
+
+
+def _cuda_tile_selection(tile: torch.Tensor, algorithm: str) -> torch.Tensor:
+    """Which cells of a 4 x 4 tile the CUDA tile kernel keeps (``torch._sparse_semi_structured_tile``, written from
+    aten/src/ATen/native/sparse/cuda/ComputeSparseTile.h: ``LargestValuesGreedy`` takes the values largest first,
+    each while its row and its column hold fewer than 2; "" and "largest_values_greedy" rank by signed value,
+    "largest_abs_values_greedy" by magnitude)."""
+    ranks = {"": tile, "largest_values_greedy": tile, "largest_abs_values_greedy": tile.abs()}[algorithm].flatten()
+    rows, cols, kept = [0] * 4, [0] * 4, torch.zeros(16, dtype=torch.bool)
+    for cell in sorted(range(16), key=lambda i: float(ranks[i]), reverse=True):
+        r, c = divmod(cell, 4)
+        if rows[r] < 2 and cols[c] < 2:
+            kept[cell], rows[r], cols[c] = True, rows[r] + 1, cols[c] + 1
+    return kept.reshape(4, 4)
+
+
+class _EmulatedCutlass:
+    """``SparseSemiStructuredTensorCUTLASS`` on the CPU: ``prune_dense_static_sort`` keeps what the CUDA kernel keeps
+    (``_cuda_tile_selection``), and the product with a dense matrix is the kept matrix's (both orientations, as the
+    real tensor holds W and W.t() packed)."""
+
+    algorithms: list[str] = []
+
+    def __init__(self, kept: torch.Tensor) -> None:
+        self.kept = kept
+
+    @classmethod
+    def prune_dense_static_sort(cls, dense: torch.Tensor, algorithm: str = "") -> _EmulatedCutlass:
+        cls.algorithms.append(algorithm)
+        rows, cols = dense.shape
+        tiles = dense.reshape(rows // 4, 4, cols // 4, 4).transpose(1, 2)
+        keep = torch.stack([torch.stack([_cuda_tile_selection(t, algorithm) for t in row]) for row in tiles])
+        return cls(dense * keep.transpose(1, 2).reshape(rows, cols))
+
+    def t(self) -> torch.Tensor:
+        return self.kept.t()
+
+    def __rmatmul__(self, other: torch.Tensor) -> torch.Tensor:
+        return other @ self.kept
+
+
+def test_the_kernels_compress_every_non_zero_of_a_transposable_weight_negative_ones_included(monkeypatch):
+    """The CUDA tile kernel's default ranks a tile's values by sign, so a zero takes a negative weight's place and the
+    kernels compute with another matrix: the kernels ask it to rank by magnitude, and the forward and both gradients
+    of the layer through the (emulated) kernels equal the dense masked layer's."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 128)
+    with torch.no_grad():
+        layer.weight.mul_(transposable_mask(layer.weight.abs(), 2, 4))
+    default = _EmulatedCutlass.prune_dense_static_sort(layer.weight.detach(), "").kept
+    assert default.ne(layer.weight).any()  # the hazard is real for this weight: the default drops negative values
+    monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS", _EmulatedCutlass)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    grad = torch.randn(3, 5, 128)
+    results = []
+    for kernels in (False, True):
+        use_kernels(layer, kernels)
+        layer(x).backward(grad)
+        results.append([layer(x).detach(), x.grad, layer.weight.grad, layer.bias.grad])
+        x.grad = layer.weight.grad = layer.bias.grad = None
+    use_kernels(layer, False)
+    for dense, sparse in zip(*results):  # float32 GEMMs of 64-128 terms summed in another order
+        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+    assert _EmulatedCutlass.algorithms[-1] == "largest_abs_values_greedy"
