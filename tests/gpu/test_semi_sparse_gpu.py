@@ -74,7 +74,9 @@ def test_a_pipeline_run_with_the_kernels_trains_as_the_dense_gemms_do():
     for kernels in (False, True):
         pl.seed_everything(0)
         seen[kernels] = KernelsSeen()
-        sparsity = SemiStructuredSparsity(start_step=1, end_step=3, update_interval=1, kernels=kernels)
+        sparsity = SemiStructuredSparsity(
+            start_step=1, end_step=3, update_interval=1, transposable=True, kernels=kernels
+        )
         trainer = pl.Trainer(
             strategy=PipeDream2BWStrategy(mode="2bw", num_microbatches=2),
             accelerator="gpu",
