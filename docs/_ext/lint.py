@@ -15,6 +15,9 @@
 - The manual (every page of the site's navigation, its ``Results log`` section of dated measurements included) over
   ``MANUAL_WORDS`` words as rendered: a fact added means an older one rewritten shorter, or a superseded measurement
   moved to the repository's history with the revision that holds it.
+- An option key in inline code (``strategy.sync_steps``, ``sparsity.kernels=true``) that no group option's composed
+  configuration has (every option of every group in ``conf/`` composed, the models' config fields added): a renamed
+  or removed key left named. Names of that shape that are not keys are listed in ``NOT_OPTIONS`` with what they are.
 - A file path in inline code (``lightning_pd2bw/engine/schedule.py``, ``conf/model/gpt13b.yaml``) that is not in the
   tree: a moved or removed file left named (a run's outputs, ``outputs/...``, and the changelog's history excepted).
 
@@ -36,6 +39,15 @@ LOG_SECTION = "Results log"  # mkdocs.yml's navigation section of dated measurem
 ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
 PATH = re.compile(r"`([A-Za-z0-9_./-]+/[A-Za-z0-9_.-]+\.(?:py|md|yaml|json|png|sh|toml|cff|txt))(?::[\d,-]+)?`")
 SEARCHED = ("", "lightning_pd2bw", "docs", "conf", "tests")  # where a path in the docs is read from
+OPTION = re.compile(
+    r"`\+?((?:model|data|strategy|sparsity|trainer|logger|callbacks|paths|cluster)\.[A-Za-z_][\w.]*)(?:=[^`]*)?`"
+)
+NOT_OPTIONS = {  # inline code shaped like an option key that names something else
+    "model.lrr": "the bad-input example: a misspelt key, which Hydra refuses by name",
+    "model.safetensors": "a Hugging Face directory's weights file",
+    "trainer.pt": "the file of a checkpoint that holds Lightning's loops",
+    "trainer.predict": "Lightning's Trainer.predict",
+}
 MARKER = re.compile(r"--8<-- \[(start|end):([\w-]+)\]")  # a section's bounds in an included file
 INCLUDE = re.compile(r'^\s*--8<--\s+"([^"]+)"\s*$')  # pymdownx.snippets: "file" or "file:section"
 
@@ -116,6 +128,45 @@ def missing_paths(path: Path, root: Path) -> list[str]:
     return found
 
 
+def option_keys(root: Path) -> set[str]:
+    """Every key ``pd2bw-train`` accepts: each option of each group in ``conf/`` composed over the default recipe
+    (its schema merged in), flattened to dotted names, and every field of the models' configs under ``model.config``."""
+    import dataclasses
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra
+    from lightning_pd2bw.models.core import BERTConfig, GPTConfig
+
+    def dotted(node: object, prefix: str) -> set[str]:
+        if not isinstance(node, dict):
+            return set()
+        return {name for key, value in node.items() for name in {f"{prefix}{key}", *dotted(value, f"{prefix}{key}.")}}
+
+    setup_hydra()
+    keys: set[str] = set()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
+            for option in sorted(group.glob("*.yaml")):
+                choice = f"{'+' if group.name == 'cluster' else ''}{group.name}={option.stem}"
+                cfg = compose(config_name="tiny", overrides=[f"hydra.searchpath=[file://{CONF}]", choice])
+                keys |= dotted(OmegaConf.to_container(cfg, resolve=False), "")
+    fields = {f.name for config in (GPTConfig, BERTConfig) for f in dataclasses.fields(config)}
+    return keys | {f"model.config.{name}" for name in fields}
+
+
+def unknown_options(pages: list[Path], keys: set[str]) -> list[str]:
+    """Each option key named in inline code that is not in ``keys`` (nor in ``NOT_OPTIONS``)."""
+    return [
+        f"{page}:{number}: `{key}` is not an option of any group in conf/: name the key as it is now"
+        for page in pages
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for key in OPTION.findall(line)
+        if key not in keys and key not in NOT_OPTIONS
+    ]
+
+
 def _code(match: re.Match) -> str:
     return "x" * len(match.group())  # inline code: its length counts, its pipes do not
 
@@ -173,9 +224,11 @@ def main(paths: list[str]) -> int:
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
     found += [] if paths else manual_size(root / "mkdocs.yml")
-    found += [
-        f for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md" for f in missing_paths(page, root)
-    ]
+    current = [
+        page for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md"
+    ]  # the history says what was
+    found += [f for page in current for f in missing_paths(page, root)]
+    found += [] if paths else unknown_options(current, option_keys(root))
     print("\n".join(found))
     return 1 if found else 0
 

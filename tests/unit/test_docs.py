@@ -286,3 +286,21 @@ def test_the_lint_holds_the_whole_manual_under_its_budget_the_results_log_includ
     assert "101 words (> 100; 11 of them in the Results log)" in fault and "a.md 50" in fault
     monkeypatch.undo()
     assert lint.manual_size(ROOT / "mkdocs.yml") == []
+
+
+def test_the_lint_names_an_option_key_no_group_has(tmp_path):
+    """Issue 78, item 3: inline code naming an option key is resolved against every group option's composed
+    configuration (the models' config fields included); a renamed or misspelt key is named with its line."""
+    lint = _lint()
+    keys = lint.option_keys(ROOT)
+    assert {"strategy.sync_steps", "sparsity.kernels", "model.config.gelu", "cluster.latency"} <= keys
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Set `strategy.sync_steps=250` and `sparsity.kernels=true`; `trainer.pt` is a file.\n"
+        "Then `strategy.sync_step=250` and `+model.config.n_embed=384`.\n"
+    )
+    assert lint.unknown_options([page], keys) == [
+        f"{page}:2: `strategy.sync_step` is not an option of any group in conf/: name the key as it is now",
+        f"{page}:2: `model.config.n_embed` is not an option of any group in conf/: name the key as it is now",
+    ]
+    assert lint.unknown_options([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], keys) == []
