@@ -224,9 +224,7 @@ def main(paths: list[str]) -> int:
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
     found = [fault for page in pages for fault in faults(page)]
     found += [] if paths else manual_size(root / "mkdocs.yml")
-    current = [
-        page for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md"
-    ]  # the history says what was
+    current = [page for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md"]  # not the history
     found += [f for page in current for f in missing_paths(page, root)]
     found += [] if paths else unknown_options(current, option_keys(root))
     print("\n".join(found))
