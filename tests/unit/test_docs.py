@@ -304,3 +304,22 @@ def test_the_lint_names_an_option_key_no_group_has(tmp_path):
         f"{page}:2: `model.config.n_embed` is not an option of any group in conf/: name the key as it is now",
     ]
     assert lint.unknown_options([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], keys) == []
+
+
+def _two_stage_listing(mode: str, num_microbatches: int, step: int) -> str:
+    """What ``schedule.listing`` prints for each stage of a depth-2 run's training step ``step``, side by side."""
+    from lightning_pd2bw.engine.layout import Layout
+    from lightning_pd2bw.engine.schedules import schedule
+    from lightning_pd2bw.engine.schedules.actions import listing
+
+    layout = Layout(num_stages=2, num_microbatches=num_microbatches, mode=mode)
+    first, second = (listing(schedule.segment(layout, stage, step)).splitlines() for stage in (0, 1))
+    return "\n".join([f"{'stage 0':29s}stage 1", *(f"{a:29s}{b}".rstrip() for a, b in zip(first, second))])
+
+
+def test_the_architecture_pages_action_listing_is_what_the_schedule_prints():
+    """Issue 78, item 2: ``docs/architecture.md``'s listing of a 2BW step is the schedule's own (it had kept CLIP and
+    STEP at the head of the step and no PUBLISH, two releases after both moved)."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    shown = page.split("Step 2 of a 2BW run, d = 2, m = 2:\n\n```\n", 1)[1].split("```", 1)[0]
+    assert shown.rstrip("\n") == _two_stage_listing("2bw", 2, 2)
