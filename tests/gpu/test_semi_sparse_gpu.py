@@ -7,13 +7,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.sparsity import SemiStructuredSparsity
 from lightning_pd2bw.sparsity.semi_sparse import use_kernels
 from lightning_pd2bw.sparsity.transposable import transposable_mask
+
+from ..unit.test_semi_sparse_emulated import KernelsSeen
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,20 +46,6 @@ def test_the_kernels_compute_the_dense_masked_gemms_forward_and_backward():
     use_kernels(layer, False)
     for dense, sparse in zip(*results):
         assert _relative(sparse, dense) < 1e-2  # bfloat16's rounding of GEMMs of 256-512 terms, not a rule's gap
-
-
-class KernelsSeen(Callback):
-    def __init__(self) -> None:
-        self.steps_on = 0
-
-    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        on = [m for m in pl_module.modules() if isinstance(m, nn.Linear) and "forward" in m.__dict__]
-        self.steps_on += bool(on)
-        for layer in on:  # what the compression keeps is all there is: 2 of 4 along both dimensions
-            nonzero = layer.weight.detach().ne(0)
-            rows, cols = nonzero.shape
-            assert nonzero.reshape(rows, cols // 4, 4).sum(-1).le(2).all()
-            assert nonzero.t().reshape(cols, rows // 4, 4).sum(-1).le(2).all()
 
 
 def test_a_pipeline_run_with_the_kernels_trains_as_the_dense_gemms_do():

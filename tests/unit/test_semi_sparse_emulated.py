@@ -80,8 +80,9 @@ def test_the_kernels_compress_every_non_zero_of_a_transposable_weight_negative_o
     assert _EmulatedCutlass.algorithms[-1] == "largest_abs_values_greedy"
 
 
-class _KernelsSeen(Callback):
-    """Counts the steps that ended with the kernels on, and checks the weights then are 2:4 along both dimensions."""
+class KernelsSeen(Callback):
+    """Counts the steps that ended with the kernels on, and checks the weights then are 2:4 along both dimensions
+    (what the compression keeps is all there is); the GPU test uses it too."""
 
     def __init__(self) -> None:
         self.steps_on = 0
@@ -119,7 +120,7 @@ def test_a_2bw_run_with_the_kernels_trains_as_the_dense_gemms_do(emulated_kernel
 
     weights, seen = {}, {}
     for kernels in (False, True):
-        seen[kernels] = _KernelsSeen()
+        seen[kernels] = KernelsSeen()
         sparsity = SemiStructuredSparsity(
             start_step=1, end_step=3, update_interval=1, transposable=True, kernels=kernels
         )
