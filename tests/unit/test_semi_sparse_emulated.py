@@ -75,8 +75,10 @@ def test_the_kernels_compress_every_non_zero_of_a_transposable_weight_negative_o
         results.append([layer(x).detach(), x.grad, layer.weight.grad, layer.bias.grad])
         x.grad = layer.weight.grad = layer.bias.grad = None
     use_kernels(layer, False)
-    for dense, sparse in zip(*results):  # float32 GEMMs of 64-128 terms summed in another order
-        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
+    for dense, sparse in zip(*results):
+        # float32 sums of at most 128 terms in another order: |error| <= 128 eps sum|a b|, about 1.5e-5 per unit of
+        # sum|a b| (<= ~5 for these unit-variance inputs and weights of ~0.1); a dropped weight moves outputs by ~0.1
+        torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-4)
     assert _EmulatedCutlass.algorithms[-1] == "largest_abs_values_greedy"
 
 
