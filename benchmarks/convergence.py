@@ -114,6 +114,7 @@ def train(
         f"seed={seed}",
         f"model.config.seed={1234 + seed}",
         f"paths.output_dir={folder}",
+        "strategy.sync_steps=0",  # 2BW from the first step unless the setting starts synchronously (+syncN)
         *[s for s in settings if not s.startswith("recipe=")],
         *data,
     ]

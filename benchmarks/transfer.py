@@ -8,7 +8,7 @@ while fine-tuning it (issue 65, items 2 and 3).
 
 SPDF (Thangarasa et al. 2023) claims that a model pre-trained 75% sparse and then fine-tuned densely on a downstream
 task matches the dense-pretrained model after the same fine-tuning. Per seed, as a user runs it (``pd2bw-train``,
-2 CPU processes, the product's defaults: 2BW with its correction, AdamW):
+2 CPU processes, the product's defaults but the synchronous start: 2BW with its correction from the first step, AdamW):
 
 1. pre-training on ``--pretrain`` (``stdlib``: the embedded corpus, Python source) for ``--pretrain-steps``: dense,
    75% sparse with the default gradual schedule (``sparsity=gradual``), and 75% static (random masks from step 0,
@@ -92,13 +92,14 @@ def fine_tune(args: argparse.Namespace, steps: int | None = None, peak: float | 
 
 
 def rate_suffix(args: argparse.Namespace, rate: float) -> str:
-    """A run's name suffix for a peak rate other than the model's (none at the model's: its runs keep their names)."""
-    return "" if rate == peak_lr(args.model) else f"-lr{rate:g}"
+    """A run's name suffix: its peak rate itself, never relative to the model's (a change of the model's default rate
+    must not make a finished run pass for one at the new rate)."""
+    return f"-lr{rate:g}"
 
 
 def at_rate(args: argparse.Namespace, rate: float) -> list[str]:
-    """The override of a pre-training's peak rate (none at the model's own)."""
-    return [f"model.lr={rate:g}"] if rate_suffix(args, rate) else []
+    """The override of a pre-training's peak rate (stated even at the model's own, as its name is)."""
+    return [f"model.lr={rate:g}"]
 
 
 def rate_sweep(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[float, float]:

@@ -179,7 +179,11 @@ def recipe_line(cfg) -> str:
     family = str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
     model = f"{family} {cfg.model.config.get('name', '')}".strip() if cfg.model.get("config") else family
     described = recipe_description(RECIPES / f"{name}.yaml")
-    return f"recipe {name}: {described}\nthis run: mode={cfg.strategy.mode}, model={model}"
+    mode = cfg.strategy.mode
+    if mode == "2bw" and cfg.strategy.get("sync_steps", 0) > 0:
+        steps = cfg.strategy.sync_steps
+        mode += f" after a synchronous start of {steps} step{'s' * (steps != 1)}"
+    return f"recipe {name}: {described}\nthis run: mode={mode}, model={model}"
 
 
 def _log_lightning_to_file() -> None:

@@ -142,9 +142,9 @@ class PipelineOptions:
             ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
-        sync_steps: a synchronous start under 2BW: the first ``sync_steps`` training steps (by global step) drain
-            after their update, so each reads fresh weights (Flush's rule and speed); 2BW's delay starts after them.
-            0: none. About 250 lets 2BW train at Flush's tuned rate (docs/time-to-quality.md). No effect under flush.
+        sync_steps: 2BW's first ``sync_steps`` steps (by global step) drain after their update: fresh weights, Flush's
+            rule and speed; 0: the paper's 2BW. A quarter of a run lets 2BW take Flush's tuned rate
+            (docs/time-to-quality.md): the recipes start so (conf/strategy/pd2bw_2bw.yaml). No effect under flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/updates/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast

@@ -209,6 +209,18 @@ CASES = {
         # a synchronous start: 3 fresh steps, then 2BW; checkpoints at steps 2 (inside it) and 4 (after the switch),
         # resumed from each; the predictive correction's history starts at the switch
         Case("gpt_2bw_sync_start", mode="2bw", steps=7, sync_steps=3, checkpoint_every=2, correction=PREDICTIVE),
+        # the default recipe's combination (a synchronous start, gradual pruning, the correction, the schedule, clipping):
+        # masks updated inside the start (step 1) and after the switch (step 3), with 2BW's versions in flight
+        Case(
+            "gpt_2bw_sync_start_sparse",
+            mode="2bw",
+            steps=6,
+            sync_steps=2,
+            sparsity="gmp_global",
+            correction=PREDICTIVE,
+            schedule=True,
+            clip=0.5,
+        ),
         # the sharded optimizer with per-layer groups, under the predictive correction
         Case("gpt_2bw_d2w2_sparse_supar", width=2, mode="2bw", steps=5, sparsity="static_supar", correction=PREDICTIVE),
         Case("gpt_2bw_d4_sparse_rigl", mode="2bw", num_stages=4, num_microbatches=4, steps=5, sparsity="rigl_erk"),

@@ -38,6 +38,7 @@ def test_default_settings_do_not_spike(tmp_path, mode):
             f"model.max_steps={HORIZON}",
             f"trainer.max_steps={STEPS}",
             f"strategy.mode={mode}",
+            f"strategy.sync_steps={HORIZON // 4}",  # the main job's synchronous start: a quarter of its 150 steps
             "trainer.log_every_n_steps=1",
             "trainer.val_check_interval=1000",
             "trainer.limit_val_batches=0",

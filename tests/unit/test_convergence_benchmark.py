@@ -170,15 +170,18 @@ def test_the_transfer_benchmark_reads_each_models_peak_rate_from_its_config(mode
 
 
 def test_the_transfer_rate_sweep_names_runs_by_rate_and_tunes_at_a_third_of_the_best(tmp_path, monkeypatch):
-    """Seed 0 pre-trains a row (here a comparator) at each multiple of the model's rate; the model's own rate keeps
-    the run's plain name (runs from before the sweep are reused) and the fine-tune of the chosen one runs at a third
-    of it."""
+    """Seed 0 pre-trains a row (here a comparator) at each multiple of the model's rate, each run named by its rate
+    itself (the model's own too: a later change of the default must not pass its runs off as at the new rate); the
+    fine-tune of the chosen one runs at a third of it."""
     import argparse
 
     import benchmarks.transfer as transfer
 
     rate = transfer.peak_lr("gpt_tiny")
-    losses = {"pretrain-dense48-sparse75-seed0": 3.1, f"pretrain-dense48-sparse75-lr{2 * rate:g}-seed0": 2.9}
+    losses = {
+        f"pretrain-dense48-sparse75-lr{rate:g}-seed0": 3.1,
+        f"pretrain-dense48-sparse75-lr{2 * rate:g}-seed0": 2.9,
+    }
     losses[f"pretrain-dense48-sparse75-lr{rate / 2:g}-seed0"] = 3.3
     calls = []
 
@@ -193,7 +196,10 @@ def test_the_transfer_rate_sweep_names_runs_by_rate_and_tunes_at_a_third_of_the_
     )
     sweep = transfer.rate_sweep(args, "dense48-sparse75", ["sparsity=none", "model.config.n_embd=48"])
     assert sweep == {float(f"{rate / 2:.3g}"): 3.3, rate: 3.1, float(f"{2 * rate:.3g}"): 2.9}
-    assert calls[1] == ("pretrain-dense48-sparse75-seed0", ["sparsity=none", "model.config.n_embd=48"])
+    assert calls[1] == (
+        f"pretrain-dense48-sparse75-lr{rate:g}-seed0",
+        ["sparsity=none", "model.config.n_embd=48", f"model.lr={rate:g}"],
+    )
     assert calls[2][1][-1] == f"model.lr={2 * rate:g}"
     assert transfer.fine_tune(args, 500, peak=2 * rate)[0] == f"model.lr={2 * rate / 3:.3g}"
     assert transfer.fine_tune(args, 500)[0] == f"model.lr={rate / 3:.3g}"
