@@ -32,13 +32,15 @@ RECIPES = _PACKAGED / "recipes" if (_PACKAGED / "recipes" / "tiny.yaml").is_file
 
 
 def register_resolvers() -> None:
-    """``${mul:a,b}`` (an int: steps from fractions of training) and ``${max:a,b}`` for the configs."""
+    """``${mul:a,b}`` (an int: steps from fractions of training), ``${max:a,b}`` and ``${min:a,b}`` for the configs."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("mul"):
         OmegaConf.register_new_resolver("mul", lambda a, b: int(a * b))
     if not OmegaConf.has_resolver("max"):
         OmegaConf.register_new_resolver("max", lambda a, b: max(a, b))
+    if not OmegaConf.has_resolver("min"):
+        OmegaConf.register_new_resolver("min", lambda a, b: min(a, b))
     if not OmegaConf.has_resolver("pd2bw_run_name"):
         OmegaConf.register_new_resolver("pd2bw_run_name", run_name, use_cache=True)
     if not OmegaConf.has_resolver("pd2bw_wandb_offline"):

@@ -143,8 +143,8 @@ class PipelineOptions:
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
         sync_steps: 2BW's first ``sync_steps`` steps (by global step) drain after their update: fresh weights, Flush's
-            rule and speed; 0: the paper's 2BW. A quarter of a run lets 2BW take Flush's tuned rate
-            (docs/time-to-quality.md): the recipes start so (conf/strategy/pd2bw_2bw.yaml). No effect under flush.
+            rule and speed; 0: the paper's 2BW. About 250 let 2BW take Flush's tuned rate (docs/time-to-quality.md):
+            the recipes start so, or with half a shorter run (conf/strategy/pd2bw_2bw.yaml). No effect under flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/updates/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast

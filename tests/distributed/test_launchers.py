@@ -80,7 +80,7 @@ def test_lightning_launcher_run_directory_and_offline_wandb(tmp_path):
     assert "Trainer.fit` stopped" in log, "Lightning's own messages reach the log"
     assert (
         "recipe tiny: The default main job" in log
-        and "this run: mode=2bw after a synchronous start of 1 step, model=GPT tiny" in result.stdout
+        and "this run: mode=2bw after a synchronous start of 3 steps, model=GPT tiny" in result.stdout
     )
     assert f"summary: {out / 'summary.json'}" in result.stdout and "Epoch 0/-2" not in result.stdout + result.stderr
     assert (
