@@ -1,9 +1,10 @@
 """The default main job trains without loss spikes in both modes: the first 100 steps of its 150-step schedule (its
 warm-up, its synchronous start of 75 steps and 25 steps of 2BW after it), its model and settings, through pd2bw-train
-as users start it. Every step from the tenth on is checked (a start of 37 steps let 2BW's loss go 2.54 -> 3.94 by step
-48 at 2.4e-3, docs/time-to-quality-log.md). Spikes seen before: with AdamW at lr 1e-3 and no delay correction,
-2BW's loss went 3.4 -> 4.7 -> 9.0 -> 6.5 at steps 19-22, inside the warm-up; with the predictive error feedback at lr 6e-4 and a
-30-step warm-up, 4.2 -> 6.1 -> 6.7 -> 4.1 at steps 15-17 (docs/quality.md; the 60-step warm-up removed it)."""
+as users start it. Every step from the tenth on is checked (a start of 37 steps let 2BW's loss go 2.54 -> 3.94 by
+step 48 at 2.4e-3, docs/time-to-quality-log.md). Spikes seen before: with AdamW at lr 1e-3 and no delay correction,
+2BW's loss went 3.4 -> 4.7 -> 9.0 -> 6.5 at steps 19-22, inside the warm-up; with the predictive error feedback at lr
+6e-4 and a 30-step warm-up, 4.2 -> 6.1 -> 6.7 -> 4.1 at steps 15-17 (docs/quality.md; the 60-step warm-up removed
+it)."""
 
 from __future__ import annotations
 
