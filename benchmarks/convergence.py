@@ -253,6 +253,7 @@ def main() -> None:
     parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--val-batches", default="16", help='held-out batches each validation reads ("all": every one)')
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds FIRST..FIRST+SEEDS-1 (add seeds to a record)")
     parser.add_argument("--corpora", default="stdlib,packages")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     parser.add_argument("--settings", default="flush,2bw,2bw+ef")
@@ -281,6 +282,11 @@ def main() -> None:
     plot(results, args.out / "convergence.png", args.steps)
 
 
+def seeds(args: argparse.Namespace) -> range:
+    """The seeds ``args`` asks for (``--first-seed`` on: each seed's runs stand alone, so a record grows a seed)."""
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
 def collect(args: argparse.Namespace) -> dict[str, dict]:
     """Every run ``args`` asks for (reused where finished), by "corpus/optimizer/setting" (the corpus labelled with
     the model where it is not the tiny GPT)."""
@@ -292,7 +298,7 @@ def collect(args: argparse.Namespace) -> dict[str, dict]:
             for setting in args.settings.split(","):
                 for factor in factors if setting not in ("flush", args.baseline) else [1.0]:
                     steps = round(args.steps * factor)
-                    runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in range(args.seeds)]
+                    runs = [run(args.out, corpus, optimizer, setting, s, args, steps) for s in seeds(args)]
                     curves = [curve(f) for f in runs]
                     finals = [c[-1][1] for c in curves]
                     trains = [statistics.mean(train_losses(f)[-TRAIN_TAIL:]) for f in runs]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import yaml
 
@@ -13,6 +15,7 @@ from benchmarks.convergence import (
     flops_ratio,
     horizon_to,
     seconds,
+    seeds,
     table,
     val_interval,
     worst_spike,
@@ -35,6 +38,11 @@ def test_training_seconds_come_from_each_interval_tokens_over_its_logged_rate(tm
     # steps 9 and 19: 10 steps of 1024 tokens each at 1024 and then 512 tokens/s; a validation row has no rate
     (logs / "metrics.csv").write_text("step,tokens_per_sec,val_loss\n9,1024,\n19,512,\n19,,3.0\n")
     assert seconds(tmp_path) == [(9, 10.0), (19, 30.0)]
+
+
+def test_a_record_grows_a_seed_without_rerunning_the_first():
+    assert list(seeds(argparse.Namespace(seeds=1, first_seed=1))) == [1]  # seed 1 alone, its own init and data order
+    assert list(seeds(argparse.Namespace(seeds=3, first_seed=0))) == [0, 1, 2]
 
 
 def test_sweep_suffixes_add_the_learning_rate_and_the_warm_up():
