@@ -1,12 +1,7 @@
-"""The planner's cost model on hand-computed cases, the search's constraints, its refusal, its speed,
-pd2bw-plan on a CPU-only machine, and the measured profile against analytic counts."""
+"""The planner's cost model on hand-computed cases, the search's constraints, its refusal and its speed (the layer
+profiles: ``test_planner_profile.py``; ``pd2bw-plan`` itself: ``test_plan_cli.py``)."""
 
 from __future__ import annotations
-
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +11,9 @@ from lightning_pd2bw.planner import Candidate, ClusterSpec, DeviceSpec, LayerPro
 from lightning_pd2bw.planner.candidate import NCCL_PAIR_BYTES
 from lightning_pd2bw.planner.cost import ModelProfile, allreduce_time, stage_memory
 from lightning_pd2bw.planner.hardware import GiB, device_spec
-from lightning_pd2bw.planner.measure import measure_layers
-from lightning_pd2bw.planner.profile import analytic_profile, block_activation_bytes
+from lightning_pd2bw.planner.profile import analytic_profile
 from lightning_pd2bw.planner.search import partition
 
-ROOT = Path(__file__).resolve().parents[2]
 PLAIN = PipelineOptions(delay_correction=None)  # the run's options where a test weighs no correction's buffers
 DEVICE = DeviceSpec("toy", peak_flops=1e12, memory_bytes=10 * GiB, memory_bandwidth=1e11)
 
@@ -260,92 +253,6 @@ def test_search_over_1024_devices_does_bounded_work(monkeypatch):
     assert len(packings) <= 2 * 41 * len(candidates)  # a fitting cut, or a refused one and its unbounded cut
 
 
-def test_analytic_profile_flops_and_activations():
-    """A device without waves or memory losses: every GEMM at peak (compute-bound at these shapes), the elementwise
-    passes and the float32 accumulation at the bandwidth, by hand."""
-    device = DeviceSpec(
-        "unit", peak_flops=1e12, memory_bytes=GiB, memory_bandwidth=1e12, efficiency=1.0, elementwise_passes=100
-    )
-    layers = analytic_profile(
-        num_blocks=2, hidden=64, heads=4, vocab=256, seq=32, micro=2, device=device, precision="32-true"
-    )
-    block = layers[1]
-    gemms = 2 * 64 * 12 * 64 * 64 / 1e12  # 2 x tokens x 12 h^2, at peak
-    attention = 4 * 2 * 32 * 32 * 64 / 1e12  # 4 b s^2 h
-    elementwise = 100 * 64 * 64 * 4 / 1e12  # 100 activation-sized passes of tokens x h float32 elements
-    accumulate = (
-        (12 * 64 * 64 + 13 * 64) * (4 + 2 * 4) / 1e12
-    )  # the new gradient read, the accumulator read and written
-    assert block.forward_s == pytest.approx(gemms + attention + elementwise / 3)
-    assert block.backward_s == pytest.approx(2 * gemms + 2 * attention + 2 * elementwise / 3 + accumulate)
-    assert block.activation_bytes == block_activation_bytes(32, 2, 64, 4, 4)
-    assert block.parameters == 12 * 64 * 64 + 13 * 64 and len(layers) == 4
-
-
-def test_measured_profile_counts_real_bytes():
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)]
-    x = torch.randn(4, 32)
-    before = layers[0].weight.detach().clone()
-    profiles = measure_layers(layers, x, torch.device("cpu"), loss_fn=lambda out: out.square().mean(), repeats=2)
-    assert profiles[0].parameters == 32 * 64 + 64 and profiles[1].parameters == 64 * 8 + 8
-    assert profiles[0].output_bytes == 4 * 64 * 4 and profiles[1].output_bytes == 0
-    assert profiles[0].activation_bytes == 4 * 32 * 4, "a Linear saves its input"
-    assert all(p.forward_s > 0 and p.backward_s >= 0 for p in profiles)
-    assert torch.equal(layers[0].weight, before) and layers[0].weight.grad is None, "profiling leaves the model alone"
-
-
-@pytest.mark.full  # a minute of two CLI runs; the fast tier plans through the CLI in test_config.py (the run that trains)
-def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pd2bw.cli.plan",
-        "recipe=gpt13b",
-        "cluster=a100_80g_8x8",
-        "global_batch_size=256",  # a quarter of the recipe's: the same layouts, fewer microbatch counts to simulate
-        f"hydra.run.dir={tmp_path}",
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "samples/s" in result.stdout and "best: width" in result.stdout and "pd2bw-train" in result.stdout
-    # both modes' best rates and the step overhead at which they tie, from the plan's own numbers
-    best = float(re.search(r"^best: .*: ([\d.]+) samples/s predicted", result.stdout, re.M)[1])
-    choice = re.search(
-        r"^2BW or Flush: 2BW's best plan ([\d.]+) samples/s, Flush's ([\d.]+) \(([\d.]+)x\)", result.stdout, re.M
-    )
-    assert choice and float(choice[1]) >= round(best, 1), result.stdout[-2000:]  # 2BW at its best plan
-    if float(choice[1]) > round(best, 1):  # the recipe's shard_gradients is not 2BW's best here: said so
-        assert f"plans 2bw at {best:.1f} samples/s, its best at {choice[1]}" in result.stdout
-    assert abs(float(choice[3]) - float(choice[1]) / float(choice[2])) <= 0.005 + 0.06 / float(choice[2])  # rounded
-    refused = subprocess.run(
-        [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
-    assert refused.returncode != 0 and "no plan fits" in refused.stderr and "more devices" in refused.stderr
-
-
-def test_profiling_microbatch_has_inputs_and_targets_on_the_device():
-    """plan="auto" on a GPU moved only the inputs; the loss then met CPU labels (a device mismatch)."""
-    from lightning_pd2bw.planner.auto import sample_microbatch
-
-    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "labels": torch.ones(4, 8, dtype=torch.long), "n": 3}
-    micro = sample_microbatch(batch, 2, torch.device("meta"))
-    assert micro["input_ids"].is_meta and micro["labels"].is_meta and micro["n"] == 3
-    assert micro["labels"].shape == (2, 8)
-
-
 def test_the_optimizer_is_counted_per_layer_and_per_implementation():
     """Muon's one momentum buffer for the blocks' matrices against AdamW's two for the ends (``layer_states``), no
     step temporaries for fused AdamW (``optimizer_temporaries=0``), and the shares of a sharded optimizer."""
@@ -436,28 +343,6 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     assert mixed.version_bytes(torch.bfloat16) == 2 and full.version_bytes(torch.float32) is None
     assert mixed.version_bytes(None) is None and full.version_bytes("bfloat16") == 2
     assert Precision.of("bf16-true").version_bytes(torch.bfloat16) is None  # the weights are the versions
-
-
-def test_the_profile_of_bfloat16_weight_versions_keeps_no_cast_of_the_weights():
-    """``plan="auto"`` under bf16-mixed with ``weight_dtype``: the layers are profiled on bfloat16 weights, as the
-    pipeline runs them, so the activations a microbatch keeps for its backward hold no bfloat16 cast of the weights
-    (autocast keeps one per float32 weight: 2 bytes per parameter of each matmul); the optimizer steps float32."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)]
-    x = torch.randn(4, 64)
-
-    def profile(weight_dtype):
-        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)  # noqa: E731
-        return measure_layers(
-            layers, x, torch.device("cpu"), repeats=1, autocast=autocast, weight_dtype=weight_dtype,
-            loss_fn=lambda out: out.float().square().mean(),
-        )  # fmt: skip
-
-    casts, versions = profile(None), profile(torch.bfloat16)
-    for layer, cast, version in zip(layers, casts, versions):
-        assert cast.activation_bytes - version.activation_bytes == layer.weight.numel() * 2
-        assert cast.parameters == version.parameters == sum(p.numel() for p in layer.parameters())
-    assert all(p.dtype == torch.float32 for layer in layers for p in layer.parameters()), "the model is untouched"
 
 
 def test_the_fullest_replica_steps_the_largest_tensor_whole():
