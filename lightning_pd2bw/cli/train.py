@@ -279,9 +279,17 @@ def refused(error: BaseException, program: str) -> None:
     refusal = refusal_in(error)
     if refusal is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return
+    if getattr(refusal, "agreed", False) and _rank() != 0:  # every rank raised it alike: rank 0 says it once
+        raise SystemExit(1) from None
     what = "bad configuration: " if isinstance(refusal, ConfigError) else ""
     message = refusal.strerror if isinstance(refusal, OSError) and refusal.strerror else str(refusal)  # no [Errno 28]
     raise SystemExit(f"{program}: {what}{message}") from None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..checkpoint import store as ckpt
-from .compat import combined_train_loader
+from ..checkpoint.background import Successor
+from .compat import combined_train_loader, defer_checkpoint_links
 
 
 class StageCheckpoints:
@@ -27,9 +28,11 @@ class StageCheckpoints:
         self.trainer: Any = None
         self.asynchronous = asynchronous
         self.group: Any = None  # async saves: a gloo group of their own (training uses the default one)
-        self.in_flight: Any = None  # the future of an asynchronous save
+        self.in_flight: Successor | None = None  # an asynchronous save and the removals waiting for it
+        self.kept: Path | None = None  # the newest checkpoint this run published (kept until a successor is)
         self.stager: Any = None  # an asynchronous save's host copy, reused by every save
         self.resume_data: dict[str, Any] | None = None  # the data position of the checkpoint being resumed
+        defer_checkpoint_links()  # last.ckpt linked to an asynchronous save once it is published
 
     def bind(self, engine: Any, trainer: Any) -> None:
         """The run's engine; when fitting, every folder a checkpoint callback will save in is checked to be one
@@ -67,7 +70,7 @@ class StageCheckpoints:
         self.wait()  # the previous asynchronous save is published before the next one starts
         if self.engine.optimizers:
             checkpoint["optimizer_param_names"] = self.engine.optimizer_parameter_names()
-        self.in_flight = ckpt.save_sharded(
+        pending = ckpt.save_sharded(
             Path(filepath),
             checkpoint,
             self.manifest_layout(),
@@ -79,6 +82,10 @@ class StageCheckpoints:
             asynchronous=self.asynchronous,
             stager=self._host_stager() if self.asynchronous else None,
         )
+        if pending is None:
+            self.kept = Path(filepath)
+        else:
+            self.in_flight = Successor(Path(filepath), pending, self.kept)
 
     def _host_stager(self) -> Any:
         """One stager per run: its host copy (pinned on GPUs) of the stage's state is reused by every save."""
@@ -89,11 +96,16 @@ class StageCheckpoints:
         return self.stager
 
     def wait(self) -> None:
-        """Block until an asynchronous save is written (and, on global rank 0, published)."""
+        """Block until an asynchronous save is written (and, on global rank 0, published); then the checkpoints it
+        supersedes are removed. A failed write raises ``BackgroundSaveFailed`` (the previous checkpoint kept)."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None:
             self.engine.progress.tick("waiting for the asynchronous checkpoint")
-            pending.result()
+            self.kept = pending.settle(self.trainer.is_global_zero)
+
+    def failed(self) -> bool:
+        """An asynchronous save in flight has failed (non-blocking; read at every step's agreement)."""
+        return self.in_flight is not None and self.in_flight.failed()
 
     def close(self) -> None:
         self.wait()
@@ -205,8 +217,19 @@ class StageCheckpoints:
             )
         module.load_state_dict(checkpoint["state_dict"], strict=False)
 
+    def defer_link(self, filepath: Any, linkpath: Any) -> bool:
+        """``last.ckpt`` is linked to a checkpoint still being written: the link is made once it is published."""
+        if self.in_flight is None or Path(filepath) != self.in_flight.path:
+            return False
+        self.in_flight.links.append((Path(linkpath), Path(filepath)))
+        return True
+
     def remove(self, filepath: Any) -> None:
-        if self.trainer.is_global_zero:
+        """Lightning removes a checkpoint its successor supersedes as soon as the successor's save returns: under an
+        asynchronous save, only once the successor is published (``checkpoint/background.py``)."""
+        if self.in_flight is not None:
+            self.in_flight.removals.append(Path(filepath))
+        elif self.trainer.is_global_zero:
             ckpt.remove(Path(filepath))  # a link (``last.ckpt``) alone, never the checkpoint behind it
 
 

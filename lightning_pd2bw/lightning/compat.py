@@ -38,6 +38,7 @@ __all__ = [  # Lightning's own helpers, used as they are (re-exported: nothing e
     "reduce_if_distributed",
     # ours, each around a Lightning or torch internal
     "before_optimizer_step_hooks",
+    "defer_checkpoint_links",
     "combined_train_loader",
     "mark_sigterm_received",
     "place_module",
@@ -138,3 +139,25 @@ def before_optimizer_step_hooks(trainer: Any, optimizer: torch.optim.Optimizer) 
     """``on_before_optimizer_step``: the callbacks', then the LightningModule's, as Lightning's loop calls them."""
     lightning_call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
     lightning_call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+
+
+def defer_checkpoint_links() -> None:
+    """``ModelCheckpoint._link_checkpoint`` (``save_last="link"``) points ``last.ckpt`` at a checkpoint as soon as its
+    save call returns; a strategy with ``defer_link(filepath, linkpath)`` returning True makes the link itself once
+    that checkpoint is published (an asynchronous save: ``checkpoint/background.py``), so ``last.ckpt`` never points
+    at a save that may not finish. Other strategies' links are made as before. Idempotent."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    original = ModelCheckpoint._link_checkpoint
+    if getattr(original, "pd2bw_deferred", False):
+        return
+
+    def link(trainer: Any, filepath: str, linkpath: str) -> None:
+        defer = getattr(trainer.strategy, "defer_link", None)
+        if defer is not None and defer(filepath, linkpath):
+            trainer.strategy.barrier()  # as Lightning's own link does
+            return
+        original(trainer, filepath, linkpath)
+
+    link.pd2bw_deferred = True  # type: ignore[attr-defined]
+    ModelCheckpoint._link_checkpoint = staticmethod(link)

@@ -13,6 +13,9 @@ are in a pipeline receive), and the job hangs with live heartbeats. Here:
   is a CPU tensor on a gloo group (the default group when it is gloo, else one made for it): under NCCL a
   device flag would cost a host sync per step (``.item()``) and put a world collective in the GPU's queue
   between the pipeline's messages; on the host it costs a read of a result that arrived a step ago;
+* the same all-reduce carries a second flag: this rank's asynchronous checkpoint failed in the background. Every
+  rank then raises that failure at the same step (``checkpoint/background.py``), before any rank leaves the
+  pipeline, so the run ends with one message rather than a peer's timeout;
 * then Lightning's ``received_sigterm`` is set on every rank alike, Lightning raises ``SIGTERMException``
   at the end of that batch, and the strategy drains, writes ``last.ckpt`` into the checkpoint
   callback's directory (when one is configured) and lets the process exit with ``EXIT_CODE`` (75); under SLURM,
@@ -51,8 +54,16 @@ def host_group() -> Any:
 class Preemption:
     """Records SIGTERM in the handler; agrees on it with every rank at training-step boundaries."""
 
-    def __init__(self, trainer: Any, device: torch.device, requeue_job: bool = True) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        device: torch.device,
+        requeue_job: bool = True,
+        save_failed: Callable[[], bool] = lambda: False,
+        raise_save_failure: Callable[[], None] = lambda: None,
+    ) -> None:
         self.trainer, self.device = trainer, device
+        self.save_failed, self.raise_save_failure = save_failed, raise_save_failure  # the background save's
         self.requeue_job = requeue_job  # under SLURM, requeue the job after the checkpoint (slurm.py)
         self.received = False  # this rank got SIGTERM
         self.agreed = False  # every rank knows that some rank got it
@@ -83,20 +94,40 @@ class Preemption:
 
     def check(self) -> None:
         """At the start of a training step: read the previous step's agreement, post this step's."""
-        stop = self.settle()
-        flag = torch.tensor([1 if self.received else 0])  # on the host: no device sync to read it
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        stop, failed = self.settle_both()
+        if failed:
+            self._end_on_save_failure()
+        flag = torch.tensor([int(self.received), int(self.save_failed())])  # on the host: no device sync to read it
+        if self.group is None:  # one process, no process group
+            stop, failed = bool(flag[0]), bool(flag[1])
+            if failed:
+                self._end_on_save_failure()
+        else:
+            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         if stop:
             self._agree()
 
+    def _end_on_save_failure(self) -> None:
+        """Some rank's background save failed: every rank raises at this step (its own failure, from its future)."""
+        import errno
+
+        from ..checkpoint.background import BackgroundSaveFailed
+
+        self.raise_save_failure()
+        raise BackgroundSaveFailed(errno.EIO, "another rank's background checkpoint write failed; see rank 0's message")
+
     def settle(self) -> bool:
         """Wait for the pending agreement; True if some rank had received SIGTERM."""
+        return self.settle_both()[0]
+
+    def settle_both(self) -> tuple[bool, bool]:
+        """Wait for the pending agreement: (some rank received SIGTERM, some rank's background save failed)."""
         if self._pending is None:
-            return False
+            return False, False
         work, flag = self._pending
         self._pending = None
         work.wait()
-        return bool(flag.item())
+        return bool(flag[0]), bool(flag[1])
 
     def _agree(self) -> None:
         self.agreed = True

@@ -43,8 +43,14 @@ class Resilience:
         )
         self.watchdog.start()
 
-    def on_train_start(self, trainer: Any, device: torch.device) -> None:
-        self.preemption = Preemption(trainer, device, self.requeue)
+    def on_train_start(
+        self,
+        trainer: Any,
+        device: torch.device,
+        save_failed: Callable[[], bool] = lambda: False,
+        raise_save_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.preemption = Preemption(trainer, device, self.requeue, save_failed, raise_save_failure)
         self.preemption.install()
         if self.watchdog is not None:
             self.watchdog.arm()
@@ -70,6 +76,9 @@ class Resilience:
             assert self.grid is not None
             rank = self.grid.describe()
             preemption.stop(exception, drain, wait_for_checkpoint, rank)
+            self.stop()
+            return
+        if getattr(exception, "agreed", False):  # raised by every rank at the same step: nobody is left waiting
             self.stop()
             return
         abandon_checkpoint()  # an asynchronous save may wait on a dead peer: leave it unpublished

@@ -262,8 +262,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
     def remove_checkpoint(self, filepath: Any) -> None:
         self.checkpoints.remove(filepath)
 
-    def wait_for_checkpoint(self) -> None:
-        """Block until an asynchronous save is written (and, on global rank 0, published)."""
+    def defer_link(self, filepath: Any, linkpath: Any) -> bool:  # save_last="link" to a save in flight (compat.py)
+        return self.checkpoints.defer_link(filepath, linkpath)
+
+    def wait_for_checkpoint(self) -> None:  # an asynchronous save written and (on global rank 0) published
         self.checkpoints.wait()
 
     @override
@@ -285,7 +287,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
-        self.resilience.on_train_start(trainer, self.root_device)
+        self.resilience.on_train_start(trainer, self.root_device, self.checkpoints.failed, self.checkpoints.wait)
         checks.expect_scheduler_before_first_update()
 
     @override

@@ -13,6 +13,10 @@ peer and a hang. Faults, injected on global rank RANK at training step STEP:
                 the failing rank hosts the store and must not take it away before they have read it
   hang_recv     block forever in a receive from a neighbour that never sends (heartbeats keep beating)
   mismatched    issue a collective no other rank issues (a broadcast of another shape on the world group)
+  async_disk_full      async_checkpoint, save_top_k=1 and last.ckpt a link, a save every 3 steps: rank RANK's
+                background write of the second checkpoint fails with ENOSPC (the disk filled)
+  async_kill_in_write  the same, but rank RANK is SIGKILLed inside the background write of the second checkpoint
+  resume        resume the folder's run with ckpt_path="last" (Lightning's own resolution) and train to the end
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_pd2bw.checkpoint.store as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
+from lightning_pd2bw.cli.train import refused  # noqa: E402
 from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
@@ -91,6 +96,36 @@ def die_in_second_save(rank: int) -> None:
     ckpt.write_state = write_state
 
 
+ASYNC_FAULTS = ("async_disk_full", "async_kill_in_write")
+
+
+def fail_second_background_write(kind: str, rank: int) -> None:
+    """Rank ``rank``'s DCP writer fails (ENOSPC) or is killed inside the second checkpoint's background write."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    calls: list[Path] = []
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            calls.append(Path(self.path))
+            if len(calls) == 2 and int(os.environ["RANK"]) == rank:
+                mark_fault()
+                if kind == "async_kill_in_write":
+                    (Path(self.path) / f"__{rank}_0.distcp").write_bytes(b"partial file")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write_data(plan, planner)
+
+    ckpt.FileSystemWriter = Writer
+
+
+class SayStart(Callback):
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        print(f"resumed at step {trainer.global_step}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     out, kind, rank, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     stages = int(sys.argv[5]) if len(sys.argv) > 5 else int(os.environ["WORLD_SIZE"])
@@ -103,7 +138,17 @@ def main() -> None:
     if kind == "kill_in_save":
         die_in_second_save(rank)
         callbacks.append(ModelCheckpoint(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2))
+    background = kind in ASYNC_FAULTS or kind == "resume"
+    if kind in ASYNC_FAULTS:
+        fail_second_background_write(kind, rank)
+    if background:
+        case = Case("fault", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=12)
+    if kind == "resume":
+        callbacks.append(SayStart())
+    if background:
+        callbacks.append(ModelCheckpoint(dirpath=out, save_top_k=1, save_last="link", every_n_train_steps=3))
     strategy = PipeDream2BWStrategy(
+        async_checkpoint=background,
         num_stages=stages,
         num_microbatches=case.num_microbatches,
         timeout=timedelta(seconds=300),  # the process group alone would wait this long
@@ -115,10 +160,16 @@ def main() -> None:
         devices=world,
         max_steps=case.steps,
         limit_val_batches=0,
-        enable_checkpointing=kind == "kill_in_save",
+        enable_checkpointing=kind == "kill_in_save" or background,
         callbacks=callbacks,
     )
-    trainer.fit(build_model(case), train_dataloaders=dataloader(case))
+    try:
+        trainer.fit(
+            build_model(case), train_dataloaders=dataloader(case), ckpt_path="last" if kind == "resume" else None
+        )
+    except BaseException as error:
+        refused(error, "run_faults")  # as pd2bw-train ends: a refusal's message alone, last
+        raise
     print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
 
 

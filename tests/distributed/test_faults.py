@@ -113,3 +113,47 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert all(torch.isfinite(v).all() for v in state.values())
     optimizer = read_entries(last, "optim/")
     assert any(name.endswith("/exp_avg") for name in optimizer), "optimizer state is in the checkpoint"
+
+
+def _resumes_from(tmp_path, step: int) -> str:
+    """``ckpt_path="last"`` (Lightning's own resolution, through the folder's ``last.ckpt``) resumes from the
+    checkpoint of ``step`` and trains to the end on both ranks."""
+    results = launch_ranks(RUNNER, [str(tmp_path), "resume", "-1", "-1"], 2, timeout=150)
+    logs = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-3000:]}" for r in results)
+    assert all(r.returncode == 0 and "finished" in r.stderr for r in results), logs
+    assert read_manifest(tmp_path / "last.ckpt")["global_step"] == 12, logs  # the resumed run saved on to the end
+    assert f"resumed at step {step}" in logs, logs
+    return logs
+
+
+def test_a_failed_background_write_keeps_the_previous_checkpoint(tmp_path):
+    """Issue 98: async_checkpoint, save_top_k=1, last.ckpt a link; rank 1's background write of the step-6
+    checkpoint fails (disk full). Every rank stops at the next steps with one message on rank 0, last, naming the
+    folder, the free space and the checkpoint kept; the step-3 checkpoint was not removed, ``last.ckpt`` points at
+    it again, and ``ckpt_path="last"`` resumes from it."""
+    results, logs = run(tmp_path, "async_disk_full", 1, -1, 2)
+    kept = tmp_path / "epoch=0-step=3.ckpt"
+    assert read_manifest(kept)["global_step"] == 3, logs
+    assert not (tmp_path / "epoch=0-step=6.ckpt").exists() and not (tmp_path / "epoch=0-step=6.ckpt.tmp").exists()
+    assert (tmp_path / "last.ckpt").resolve() == kept.resolve(), logs
+    assert all(torch.isfinite(v).all() for v in consolidate(tmp_path / "last.ckpt").values())
+    zero = next(r for r in results if r.rank == 0)
+    last_line = zero.stderr.strip().splitlines()[-1]
+    assert "the background write of checkpoint" in last_line and "no space left" in last_line, logs
+    assert "MiB free in" in last_line and f"{str(kept)!r} is kept" in last_line, logs
+    assert all(r.returncode == 1 for r in results), logs  # a failure, not "resumable" (75): the disk is still full
+    assert "Traceback" not in zero.stderr.strip().splitlines()[-1]
+    assert "resumed at step 3" in _resumes_from(tmp_path, 3)
+
+
+def test_a_writer_killed_in_the_background_write_keeps_the_previous_checkpoint(tmp_path):
+    """Issue 98: rank 1 is SIGKILLed inside the background write of the step-6 checkpoint: every rank ends (the
+    watchdog names it), the step-3 checkpoint survives complete, ``last.ckpt`` still points at it (the link to the
+    new save waits for its publication), and ``ckpt_path="last"`` resumes from it."""
+    results, logs = run(tmp_path, "async_kill_in_write", 1, -1, 2)
+    kept = tmp_path / "epoch=0-step=3.ckpt"
+    assert read_manifest(kept)["global_step"] == 3, logs
+    assert all(torch.isfinite(v).all() for v in consolidate(kept).values())
+    assert (tmp_path / "last.ckpt").resolve() == kept.resolve(), logs
+    assert "rank 1 (stage 1 of 2, replica 0)" in logs and "failed" in logs, logs
+    _resumes_from(tmp_path, 3)
