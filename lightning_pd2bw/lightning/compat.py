@@ -8,12 +8,15 @@ imports them from here, never from Lightning's private modules.
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available as all_gather_if_distributed
 from lightning.fabric.utilities.distributed import (
@@ -30,7 +33,7 @@ from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch import nn
 
 __all__ = [  # Lightning's own helpers, used as they are (re-exported: nothing else imports Lightning's privates)
-    "SubprocessScriptLauncher",
+    "PatientSubprocessLauncher",
     "all_gather_if_distributed",
     "default_backend_for_device",
     "init_process_group",
@@ -161,3 +164,44 @@ def defer_checkpoint_links() -> None:
 
     link.pd2bw_deferred = True  # type: ignore[attr-defined]
     ModelCheckpoint._link_checkpoint = staticmethod(link)
+
+
+class PatientSubprocessLauncher(SubprocessScriptLauncher):
+    """Lightning's launcher (``python train.py`` starting the other ranks), whose child-process observer waits
+    ``grace`` seconds after a rank dies before it SIGKILLs the rest. Lightning's kills every rank within its 5 s poll,
+    so the job's exit code is 137 (-9) before the project's watchdog (``observe/watchdog.py``) has named the failed
+    rank and ended every rank with the documented code (75: resume from the last checkpoint). ``grace`` is the
+    watchdog's detection bound (``failure_timeout``) plus a margin; Lightning's own kill stays the fallback."""
+
+    def __init__(self, *args: Any, grace: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grace = grace
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        import lightning.pytorch.strategies.launchers.subprocess_script as script
+
+        original = script._launch_process_observer
+        script._launch_process_observer = lambda procs: _PatientObserver(procs, self.grace).start()
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            script._launch_process_observer = original
+
+
+class _PatientObserver(_ChildProcessObserver):
+    def __init__(self, procs: list, grace: float) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=procs)
+        self.grace, self.failed_at = grace, None
+
+    def _run(self) -> bool:
+        codes = [proc.poll() for proc in self._child_processes]
+        if all(code == 0 for code in codes):
+            return True
+        if not any(codes):  # none failed (yet)
+            return False
+        if all(code is not None for code in codes):  # every rank ended by itself (the watchdog's verdict)
+            return True
+        self.failed_at = self.failed_at if self.failed_at is not None else time.monotonic()
+        if time.monotonic() - self.failed_at < self.grace:
+            return False  # the watchdog names the failed rank and ends the others with its exit code
+        return super()._run()  # Lightning's: SIGKILL every child and the main process

@@ -21,7 +21,7 @@ from ..engine.options import PipelineOptions, Run
 from ..observe import watchdog
 from . import checks
 from .compat import (
-    SubprocessScriptLauncher,
+    PatientSubprocessLauncher,
     all_gather_if_distributed,
     default_backend_for_device,
     init_process_group,
@@ -33,6 +33,9 @@ from .compat import (
 # torchtitan's recommendation) grow in place instead. Set where the user has not set the variable, before any CUDA
 # allocation (the Trainer configures the launcher before it moves the model) and inherited by the processes launched.
 ALLOCATOR_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+WATCHDOG_MARGIN_S = 30.0  # past failure_timeout: the verdict read by every rank and their exits (a loaded host)
 
 
 class PipelineProcesses(ParallelStrategy):
@@ -105,7 +108,13 @@ class PipelineProcesses(ParallelStrategy):
         os.environ.setdefault(*ALLOCATOR_CONF)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            timeout = self.strategy_options.failure_timeout  # the watchdog's bound: it ends the job, with its code
+            self._launcher = PatientSubprocessLauncher(
+                self.cluster_environment,
+                self.num_processes,
+                self.num_nodes,
+                grace=0.0 if timeout is None else timeout + WATCHDOG_MARGIN_S,
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -2,7 +2,7 @@
 
 Started once per rank with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set (as a cluster scheduler
 starts them; no agent that would kill the others), so only pd2bw's watchdog stands between a dead
-peer and a hang. Faults, injected on global rank RANK at training step STEP:
+peer and a hang; or once, with PD2BW_TEST_WORLD=N, so that Lightning's own launcher starts the other ranks. Faults, injected on global rank RANK at training step STEP:
   kill          SIGKILL the process at the start of the step
   freeze        SIGSTOP the process (every thread, the watchdog's too, stops; the process stays)
   raise         raise an exception in the step
@@ -129,7 +129,7 @@ class SayStart(Callback):
 def main() -> None:
     out, kind, rank, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     stages = int(sys.argv[5]) if len(sys.argv) > 5 else int(os.environ["WORLD_SIZE"])
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE") or os.environ["PD2BW_TEST_WORLD"])  # the latter: Lightning's launcher
     case = Case("fault", mode="2bw", num_stages=stages, num_microbatches=max(stages, 2), steps=8)
     pl.seed_everything(0)
     callbacks: list = [Fault(kind, rank, step)] + ([PoisonLoss(step)] if kind == "nonfinite" else [])

@@ -157,3 +157,27 @@ def test_a_writer_killed_in_the_background_write_keeps_the_previous_checkpoint(t
     assert (tmp_path / "last.ckpt").resolve() == kept.resolve(), logs
     assert "rank 1 (stage 1 of 2, replica 0)" in logs and "failed" in logs, logs
     _resumes_from(tmp_path, 3)
+
+
+def test_a_killed_rank_under_lightnings_launcher_ends_the_job_with_the_resumable_code(tmp_path):
+    """Issue 98: under Lightning's launcher (``python script.py``, 4 processes, 2 x 2), rank 3 SIGKILLed at step 2:
+    the job ends with the watchdog's message naming the rank and the documented code 75, not Lightning's observer's
+    SIGKILL of every rank (137) before the watchdog has spoken."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PD2BW_TEST_WORLD="4")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(key, None)
+    result = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp_path), "kill", "3", "2", "2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    logs = result.stderr[-6000:]
+    assert result.returncode == EXIT_CODE, f"rc={result.returncode}\n{logs}"
+    assert "rank 3 (stage 1 of 2, replica 1)" in result.stderr and "failed: killed" in result.stderr, logs
