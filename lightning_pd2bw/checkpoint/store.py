@@ -39,9 +39,9 @@ from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultSavePlanner,
     FileSystemReader,
-    FileSystemWriter,
 )
 
+from .checksums import ChecksumWriter, collect, verify
 from .entries import (
     STAGE_KEYS,
     by_parameter,
@@ -84,7 +84,7 @@ def write_state(
     ``asynchronous``: return once the entries are staged on the host (by ``stager``, a DCP ``AsyncStager`` kept
     across saves so that its pinned host buffers are reused; None: DCP's default); the future completes when
     every rank's files are written."""
-    writer = FileSystemWriter(folder, sync_files=True)
+    writer = ChecksumWriter(folder, sync_files=True)  # each file's CRC32C taken as it is written (checksums.py)
     planner = DefaultSavePlanner(flatten_state_dict=False)
     no_dist = not torch.distributed.is_initialized()
     if asynchronous:
@@ -178,8 +178,9 @@ def save_sharded(
 
 
 def finish(tmp: Path, path: Path, manifest: dict[str, Any]) -> None:
-    """Rank 0, once every file is in ``tmp``: the manifest (with every file's size), then the swap."""
-    files = {f.name: {"bytes": f.stat().st_size} for f in sorted(tmp.iterdir()) if f.is_file()}
+    """Rank 0, once every file is in ``tmp``: the manifest (with every file's size and CRC32C), then the swap."""
+    sums = collect(tmp)
+    files = {f.name: {"bytes": f.stat().st_size, "crc32c": sums[f.name]} for f in sorted(tmp.iterdir()) if f.is_file()}
     file = tmp / MANIFEST
     file.write_text(json.dumps({**manifest, "files": files}, indent=1))
     fsync_file(file)
@@ -301,11 +302,13 @@ def _checked(path: str | Path) -> tuple[Path, dict[str, Any]]:
     manifest = read_manifest(path)
     folder = resolve(path)
     check_files(folder, manifest)
+    verify(folder, manifest, [".metadata"])  # DCP's index, read before any entry
     return folder, manifest
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     folder, manifest = _checked(path)
+    verify(folder, manifest, [META_FILE])
     meta = load_object(folder / META_FILE, "checkpoint file")  # weights_only: nothing in it runs (safe_load.py)
     meta["pd2bw"] = manifest
     return meta
@@ -334,13 +337,14 @@ def read_entries(
 ) -> dict[str, Any]:
     """The entries whose names start with ``prefix`` (e.g. ``"model/"``, ``"masks/"``), read into new tensors;
     ``names``: only those of them (only their bytes are read)."""
-    folder, _ = _checked(path)
+    folder, manifest = _checked(path)
     metadata = read_metadata(folder).state_dict_metadata
     request = {
         name: empty_for(entry, device)
         for name, entry in metadata.items()
         if name.startswith(prefix) and (names is None or name in names)
     }
+    verify(folder, manifest, files_of(folder, request))
     _load(folder, request)
     return request
 
@@ -363,8 +367,15 @@ def load_stage(
     metadata = read_metadata(folder).state_dict_metadata
     same = same_layout(manifest, stage_layers)
     request = request_for(metadata, stage=stage, same_layout=same, model=model, names=names, device=device)
+    verify(folder, manifest, files_of(folder, request))
     _load(folder, request)
     return stage_checkpoint(request, stage=stage, same_layout=same, names=names, fresh=fresh)
+
+
+def files_of(folder: Path, request: dict[str, Any]) -> set[str]:
+    """The files holding the entries ``request`` names (their bytes are what a load reads)."""
+    storage = read_metadata(folder).storage_data or {}
+    return {info.relative_path for index, info in storage.items() if index.fqn in request}
 
 
 def same_layout(manifest: dict[str, Any], stage_layers: list[range]) -> bool:

@@ -103,11 +103,9 @@ def fail_second_background_write(kind: str, rank: int) -> None:
     """Rank ``rank``'s DCP writer fails (ENOSPC) or is killed inside the second checkpoint's background write."""
     import errno
 
-    from torch.distributed.checkpoint import FileSystemWriter
-
     calls: list[Path] = []
 
-    class Writer(FileSystemWriter):
+    class Writer(ckpt.ChecksumWriter):
         def write_data(self, plan, planner):
             calls.append(Path(self.path))
             if len(calls) == 2 and int(os.environ["RANK"]) == rank:
@@ -118,7 +116,7 @@ def fail_second_background_write(kind: str, rank: int) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return super().write_data(plan, planner)
 
-    ckpt.FileSystemWriter = Writer
+    ckpt.ChecksumWriter = Writer
 
 
 class SayStart(Callback):

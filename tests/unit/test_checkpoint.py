@@ -220,7 +220,8 @@ def test_reshard_gathers_by_name(saved):
 
 def test_a_stage_reads_only_its_own_bytes(saved):
     """Stage 1's entries (tensors, optimizer groups, callback states) are overwritten with zeros of the same length:
-    stage 0 still loads exactly (it never reads them); stage 1 reads the garbage."""
+    stage 0 still loads exactly (it never reads them, nor checks the file that holds them); stage 1 is refused by its
+    file's checksum, naming the file."""
     metadata = FileSystemReader(saved).read_metadata()
     for index, info in metadata.storage_data.items():
         if "layers.1.w" in index.fqn or index.fqn.endswith("stage-1"):  # its tensors, groups, callback states
@@ -240,8 +241,32 @@ def test_a_stage_reads_only_its_own_bytes(saved):
     assert torch.equal(own["state_dict"]["layers.0.w"], torch.full((3,), 5.0))
     assert list(own["callbacks"]["Ema"][BY_PARAMETER]["ema"]) == ["layers.0.w"]  # a callback's tensors: its own only
     assert torch.equal(own["optimizer_states"][0]["state"][0]["exp_avg"], torch.zeros(3))  # -0.0: stage 0's value
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=r"is damaged: __1_0.distcp's bytes changed"):
         load(1)
+
+
+def test_every_file_carries_the_checksum_of_the_bytes_written(saved):
+    """Issue 98: the manifest records each file's CRC32C, taken while DCP wrote it (the ranks' sidecars folded in
+    and removed): it equals a fresh read of the file."""
+    from lightning_pd2bw.checkpoint.checksums import SIDECAR, file_crc32c
+
+    files = ckpt.read_manifest(saved)["files"]
+    assert {name: entry["crc32c"] for name, entry in files.items()} == {
+        name: file_crc32c(saved / name) for name in files
+    }
+    assert not list(saved.glob(f"*{SIDECAR}"))
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "__1_0.distcp", ".metadata", "trainer.pt"])
+def test_flipped_bytes_are_refused_by_name(saved, name):
+    """Issue 98: 48 bytes flipped inside a file (its size unchanged) are refused naming the file, by
+    ``consolidate`` and by a stage's load, where they used to load without complaint."""
+    data = bytearray((saved / name).read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 48] = bytes(b ^ 0xFF for b in data[middle : middle + 48])
+    (saved / name).write_bytes(bytes(data))
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=f"is damaged: {name}'s bytes changed"):
+        ckpt.consolidate(saved) if name != "trainer.pt" else ckpt.read_meta(saved)
 
 
 def test_not_mistaken_for_a_lightning_sharded_checkpoint(saved):
@@ -295,10 +320,13 @@ class Payload:
 
 
 def _replace_file(checkpoint: Path, name: str, data: bytes) -> None:
-    """Write ``name`` and its size into the manifest, as an attacker who rewrote the checkpoint would."""
+    """Write ``name``, its size and its checksum into the manifest, as an attacker who rewrote the checkpoint
+    would."""
+    from lightning_pd2bw.checkpoint.checksums import file_crc32c
+
     (checkpoint / name).write_bytes(data)
     manifest = json.loads((checkpoint / ckpt.MANIFEST).read_text())
-    manifest["files"][name]["bytes"] = len(data)
+    manifest["files"][name].update(bytes=len(data), crc32c=file_crc32c(checkpoint / name))
     (checkpoint / ckpt.MANIFEST).write_text(json.dumps(manifest))
 
 
