@@ -82,6 +82,7 @@ class DataSchema:
     hf_split: str = _DATA["hf_split"]
     text_column: str = _DATA["text_column"]
     tokenizer: str | None = None  # a local tokenizer.json (or its directory); null: bytes
+    allow_changed: bool = False  # resume on files other than the checkpoint's (the data position restarts)
 
 
 @dataclass

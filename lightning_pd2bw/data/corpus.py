@@ -19,10 +19,16 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.glob("*.py") if p.is_file())
 
 
-def read_corpus(paths: Sequence[str | Path] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> torch.Tensor:
+def read_corpus(
+    paths: Sequence[str | Path] | None = None,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+    identity: dict[str, dict[str, int]] | None = None,
+) -> torch.Tensor:
     """Concatenated bytes of ``paths`` (files or folders of ``*.txt``/``*.py``/``*.md``) or of the stdlib.
 
     Returns a uint8 tensor. Raises with the path named when a file is missing or the corpus is empty.
+    ``identity``: filled with each file read, ``{path: {"bytes": its size, "crc32c": of the bytes used}}``, from
+    the bytes as they are read (a resumed run compares it: ``TextDataModule.load_state_dict``).
     """
     files: list[Path] = []
     if paths:
@@ -38,8 +44,13 @@ def read_corpus(paths: Sequence[str | Path] | None = None, max_bytes: int | None
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes()
+        size = len(data)
         if max_bytes is not None:
             data = data[: max_bytes - total]
+        if identity is not None:
+            import crc32c
+
+            identity[str(path)] = {"bytes": size, "used": len(data), "crc32c": crc32c.crc32c(data)}
         chunks.append(data)
         total += len(data)
         if max_bytes is not None and total >= max_bytes:

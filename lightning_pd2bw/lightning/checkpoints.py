@@ -157,6 +157,7 @@ class StageCheckpoints:
             "batches_in_epoch": batches,
             "batch_size_per_replica": batch_size,
             "samples_in_epoch": batches * batch_size * self.engine.grid.data_parallel_size,
+            "dataset_samples": _length(getattr(flat, "dataset", None)),  # a resume on other data is refused
         }
 
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
@@ -231,6 +232,13 @@ class StageCheckpoints:
             self.in_flight.removals.append(Path(filepath))
         elif self.trainer.is_global_zero:
             ckpt.remove(Path(filepath))  # a link (``last.ckpt``) alone, never the checkpoint behind it
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # an iterable dataset, or none
+        return None
 
 
 def horizon_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:

@@ -121,6 +121,16 @@ def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
 
     if not position["samples_in_epoch"]:
         return
+    recorded, now = position.get("dataset_samples"), _length(loader.dataset)
+    if recorded is not None and now is not None and recorded != now:
+        from ..data.datamodule import DataChanged
+
+        raise DataChanged(
+            f"the training set has {now:,} samples; the checkpoint's run had {recorded:,}: the data changed, and its "
+            f"position ({position['samples_in_epoch']:,} samples into epoch {position['epoch']}) would be applied "
+            "to other data. Resume with the same data, or (TextDataModule) set data.allow_changed=true to restart "
+            "the data position at the start of the resumed epoch"
+        )
     found = [s for s in samplers_of(loader) if isinstance(s, ResumableDistributedSampler)]
     sampler = found[0] if found else loader.sampler
     if not isinstance(sampler, ResumableDistributedSampler):
@@ -134,6 +144,13 @@ def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
     sampler.resume(position["epoch"], position["samples_in_epoch"])
     # Lightning warns that a plain DataLoader is not resumable; this one's position is restored above
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def prepare_train_loader(
@@ -166,6 +183,6 @@ def prepare_train_loader(
         )
         if reaches_last or (size and size % num_microbatches):
             check_last_batch(samples, size, loader.drop_last, num_microbatches)
-    if position is not None:
+    if position is not None and not getattr(trainer.datamodule, "data_changed", False):  # allow_changed: restart
         resume_at(loader, position)
     return loader

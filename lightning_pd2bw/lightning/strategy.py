@@ -173,7 +173,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._interrupted = True
-        self.resilience.on_exception(exception, self.drain, self.wait_for_checkpoint, self.checkpoints.abandon)
+        self.resilience.on_exception(exception, self.drain, self.checkpoints.wait, self.checkpoints.abandon)
 
     @contextmanager
     @override
@@ -264,9 +264,6 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     def defer_link(self, filepath: Any, linkpath: Any) -> bool:  # save_last="link" to a save in flight (compat.py)
         return self.checkpoints.defer_link(filepath, linkpath)
-
-    def wait_for_checkpoint(self) -> None:  # an asynchronous save written and (on global rank 0) published
-        self.checkpoints.wait()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
