@@ -46,6 +46,8 @@ class Checkpointable(Protocol):
 
     def restore(self, skipped_updates: list[int]) -> None: ...
 
+    def resume_sync_start(self, recorded: int | None) -> None: ...
+
 
 def state_dict(engine: Checkpointable) -> dict[str, Any]:
     engine.drain()
@@ -83,6 +85,7 @@ def save(engine: Checkpointable, path: str | Path, extra: dict[str, Any] | None 
     engine.drain()
     path = Path(path)
     checkpoint = {
+        "global_step": engine.ledger.fed,  # the steps taken: a resume counts on from here (the synchronous start)
         **(extra or {}),
         "skipped_updates": list(engine.skipped_updates),
         "state_dict": engine.written_state_dict(),  # each weight from the replica keeping its float32 master
@@ -133,6 +136,9 @@ def load(engine: Checkpointable, path: str | Path) -> dict[str, Any]:
     if "optimizer_states" in shard:
         _load_optimizers(engine, shard["optimizer_states"])
     engine.restore(meta.pop("skipped_updates", []))
+    if isinstance(manifest.get("global_step"), int):
+        engine.ledger.fed = manifest["global_step"]  # train_batch's default global step goes on from the checkpoint
+    engine.resume_sync_start(manifest.get("sync_steps"))
     engine.info(
         f"pd2bw: loaded {path}"
         + ("" if same_layout(manifest, engine.stage_layers) else f" (resharded from {manifest['stage_layers']})")

@@ -60,10 +60,38 @@ def plan_text(cfg, layout, model) -> str:
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s, profile))
+    if cfg.strategy.mode == "2bw":
+        lines.append(sync_start_text(cfg, layout, profile, stages, step_s))
     cost = checkpoint_cost(cfg, layout, profile, stages, memories, step_s)
     lines += [cost.describe(), cost.preemption_text()] if step_s is not None else [cost.describe()]
     lines.append(training_cost_text(cfg, layout, step_s))
     return "\n".join(lines)
+
+
+def sync_start_text(cfg, layout, profile, stages, step_s: float | None) -> str:
+    """``sync start:`` 2BW's first steps, each drained after its update (Flush's rule and step time, in 2BW's own
+    layout), their share of the run and, with a cluster, their time against 2BW's."""
+    import dataclasses
+
+    from ..planner import Candidate
+    from ..planner.cost import predict
+    from .train import sync_steps_of
+
+    steps, total = sync_steps_of(cfg), cfg.trainer.get("max_steps")
+    share = f" of {total:,} ({steps / total:.2%})" if total and total > 0 else ""
+    text = f"sync start: {steps:,} steps{share} at Flush's rule (strategy.sync_steps; 0: none), each drained"
+    if step_s is None or not steps:
+        return text + "; their time needs a cluster (+cluster=NAME)" if steps else text
+    run = layout.run
+    flush = Candidate.of(
+        dataclasses.replace(run.options, mode="flush"), run.width, run.num_stages, layout.micro_batch_size
+    )
+    flush_s = predict(profile, flush, cluster_of(cfg), layout.global_batch_size, stages).batch_time
+    extra = steps * (flush_s - step_s)
+    return (
+        f"{text}: {flush_s:.2f} s a step in this layout against 2BW's {step_s:.2f} s, {extra / 3600:,.2f} hours "
+        "more than 2BW from the first step (planned)"
+    )
 
 
 def training_cost_text(cfg, layout, step_s: float | None) -> str:

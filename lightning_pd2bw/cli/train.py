@@ -95,11 +95,13 @@ def run(cfg) -> dict:
     from ..lightning.callbacks import ProgressLog, RunMetrics
     from .checks import check_run, check_tokens
     from .model_profile import build_model_on_meta, sparsity_config
+    from .run_length import settle_run_length
     from .run_plan import plan_text, planned_stages
 
     pin_output_dir(cfg)
     _log_lightning_to_file()
     resolve_last_checkpoint(cfg)
+    settle_run_length(cfg)  # max_steps=-1 (epochs): the steps they take, which the schedules read
     auto = cfg.strategy.get("plan") == "auto"
     # checked once, before any process or process group exists: with plan=auto the layout is chosen at start-up;
     # else against the model's layers (built on the meta device: no memory), as the dry run checks it
@@ -175,17 +177,22 @@ def recipe_line(cfg) -> str:
     """``recipe NAME: what it trains`` and the mode and model this run has (overrides included)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from ..engine.options import mode_line
     from .usage import recipe_description
 
     name = HydraConfig.get().job.config_name if HydraConfig.initialized() else "?"
     family = str(cfg.model.get("_target_", "?")).rsplit(".", 1)[-1]
     model = f"{family} {cfg.model.config.get('name', '')}".strip() if cfg.model.get("config") else family
     described = recipe_description(RECIPES / f"{name}.yaml")
-    mode = cfg.strategy.mode
-    if mode == "2bw" and cfg.strategy.get("sync_steps", 0) > 0:
-        steps = cfg.strategy.sync_steps
-        mode += f" after a synchronous start of {steps} step{'s' * (steps != 1)}"
-    return f"recipe {name}: {described}\nthis run: mode={mode}, model={model}"
+    return f"recipe {name}: {described}\nthis run: {mode_line(cfg.strategy.mode, sync_steps_of(cfg))}, model={model}"
+
+
+def sync_steps_of(cfg) -> int:
+    """2BW's synchronous start for this run: ``strategy.sync_steps``, or (null) the one rule at its length."""
+    from ..engine.options import sync_start_steps
+
+    given = cfg.strategy.get("sync_steps")
+    return sync_start_steps(cfg.trainer.max_steps) if given is None else given
 
 
 def _log_lightning_to_file() -> None:

@@ -173,12 +173,15 @@ class StageCheckpoints:
                 f"layers; this model has {num_layers}. Build the same model (model.* settings) as the checkpoint's run"
             )
         self.resume_data = manifest.get("data")
+        engine.resume_sync_start(manifest.get("sync_steps"))  # a longer horizon does not re-enter the start
         if changed := horizon_changes(manifest.get("horizon") or {}, self._horizon()):
             rank_zero_warn(
                 f"pd2bw: resuming {checkpoint_path} with a different schedule horizon: {changed}. The learning-rate "
                 "and sparsity schedules follow the new values from here on, so the steps after the resume differ "
                 "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
-                "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys)"
+                "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys: sparsity.start_step, "
+                "sparsity.end_step, sparsity.update_interval). 2BW's synchronous start keeps the checkpoint's switch "
+                f"step ({engine.sync_steps}; strategy.sync_steps=N sets another)"
             )
         if not ckpt.same_layout(manifest, engine.stage_layers):
             rank_zero_info(

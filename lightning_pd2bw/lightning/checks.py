@@ -97,6 +97,29 @@ def check_async_checkpoint(enabled: bool) -> None:
         )
 
 
+def start_line(trainer: pl.Trainer, engine: Any, options: Any) -> str:
+    """At the first training step: 2BW's synchronous start resolved for this run's length (``sync_steps=None``:
+    ``sync_start_steps`` of ``trainer.estimated_stepping_batches``, bounded by max_steps, max_epochs or both), and
+    the line every entry point prints, ``this run: mode=2bw after a synchronous start of N steps``. A run bounded by
+    ``max_time`` alone has no length: refused naming the keys."""
+    import math
+
+    from ..engine.options import mode_line
+
+    mode = str(getattr(options.mode, "value", options.mode))
+    total = None
+    if mode == "2bw" and options.sync_steps is None:
+        total = trainer.estimated_stepping_batches  # safe here: the data are set up and any checkpoint is loaded
+        if not math.isfinite(total):
+            raise ValueError(
+                "strategy='pd2bw' (2BW) starts synchronously for 250 steps or half of a shorter run, and this run has "
+                "no length (trainer.max_time alone): set trainer.max_steps or trainer.max_epochs, or "
+                "PipeDream2BWStrategy(sync_steps=N) (pd2bw-train: strategy.sync_steps=N; 0: no synchronous start)"
+            )
+    steps = engine.start_synchronously_for(None if total is None else int(total))
+    return f"this run: {mode_line(mode, steps if mode == '2bw' else 0)}"
+
+
 def layout_report(engine: Any, options: Any, layers: list[nn.Module]) -> str:
     """What runs: the mode, depth, width, microbatches and each stage's layers and parameters (rank 0 prints it)."""
     lines = [

@@ -80,7 +80,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         hang_timeout: float | None = 600.0,
         delay_correction: str | None = DEFAULT_CORRECTION,
         delay_correction_strength: float = 1.0,
-        sync_steps: int = 0,
+        sync_steps: int | None = None,
         boundary_dtype: str | torch.dtype | None = "auto",
         weight_dtype: str | torch.dtype | None = "auto",
         async_checkpoint: bool = False,
@@ -285,6 +285,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         trainer = self.lightning_module.trainer
         skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
         self.resilience.on_train_start(trainer, self.root_device, self.checkpoints.failed, self.checkpoints.wait)
+        rank_zero_info(f"pd2bw: {checks.start_line(trainer, self.engine, self.options)}")
         checks.expect_scheduler_before_first_update()
 
     @override

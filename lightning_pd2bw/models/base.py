@@ -144,6 +144,13 @@ class PipelineLanguageModel(PipelineContract, pl.LightningModule):
                 scales |= {id(params[name]): factor for name, factor in ask(self).items() if name in params}
         return scales
 
+    def _decay_steps(self) -> Any:
+        """``max_steps``; -1 (a run bounded by epochs, Lightning's ``max_steps=-1``): the run's length as Lightning
+        estimates it (``trainer.estimated_stepping_batches``), read after the warm-up, once the data are set up."""
+        if self.hparams.max_steps is None or self.hparams.max_steps >= 0:
+            return self.hparams.max_steps
+        return lambda: self.trainer.estimated_stepping_batches
+
     def configure_optimizers(self) -> Any:
         """The optimizers and schedules ``model.optimizer`` etc. choose (``models/optim.py``): ``adamw``, ``sgd``, or
         ``muon`` (Muon for the blocks' weight matrices and AdamW for the rest: two optimizers, each with the
@@ -163,7 +170,9 @@ class PipelineLanguageModel(PipelineContract, pl.LightningModule):
             {
                 "optimizer": optimizer,
                 "lr_scheduler": {
-                    "scheduler": warmup_cosine_schedule(optimizer, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio),
+                    "scheduler": warmup_cosine_schedule(
+                        optimizer, hp.warmup_steps, self._decay_steps(), hp.min_lr_ratio
+                    ),
                     "interval": "step",
                 },
             }

@@ -7,6 +7,7 @@ and logging around the same layers (the same state-dict keys)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -159,11 +160,17 @@ def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX)
 
 
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int | None, min_lr_ratio: float) -> float:
-    """The learning-rate factor: linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+def warmup_cosine(
+    step: int, warmup_steps: int, max_steps: int | Callable[[], int] | None, min_lr_ratio: float
+) -> float:
+    """The learning-rate factor: linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps``: a count,
+    a callable giving it (read after the warm-up only: the run's length from Lightning once its data are set up), or
+    None / a count <= 0 (no decay)."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
-    if not max_steps:
+    if callable(max_steps):
+        max_steps = max_steps()
+    if not max_steps or max_steps <= 0:
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

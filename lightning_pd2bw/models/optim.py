@@ -8,6 +8,7 @@ parameters (``engine.parameters()``) the same way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -171,9 +172,21 @@ def block_matrices(blocks: list[nn.Module]) -> list[nn.Parameter]:
 
 
 def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int | None, min_lr_ratio: float
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    max_steps: int | Callable[[], int] | None,
+    min_lr_ratio: float,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps`` (stepped once per optimizer step)."""
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``max_steps`` (stepped once per optimizer step;
+    a callable is read once, after the warm-up)."""
+    if callable(max_steps):
+        read, known = max_steps, []
+
+        def max_steps() -> int:  # read once
+            if not known:
+                known.append(int(read()))
+            return known[0]
+
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, warmup_steps, max_steps, min_lr_ratio)
     )

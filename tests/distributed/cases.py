@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_pd2bw.data import LMDataset, MLMDataset, read_corpus
+from lightning_pd2bw.engine.options import sync_start_steps
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 
 SEQ_LEN = 16
@@ -55,7 +56,10 @@ class Case:
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
     # width > 1: each gradient reduced to its owner (engine/updates/grad_buckets.py); None: the strategy's default (on)
     shard_gradients: bool | None = None
-    sync_steps: int = 0  # 2BW's synchronous start: the first N steps drain after their update (fresh weights)
+    # 2BW's synchronous start: the first N steps drain after their update (fresh weights); None: the strategy's
+    # default rule (engine.options.sync_start_steps of the run's length)
+    sync_steps: int | None = 0
+    epochs: int | None = None  # the trainer bounded by max_epochs (max_steps=-1): steps = epochs x steps_per_epoch
     placement: str = "pipeline"  # "replicas": a stage's replicas on consecutive ranks (layout.Placement)
 
     @property
@@ -70,25 +74,32 @@ class Case:
         return self.num_stages * self.width
 
     @property
+    def start(self) -> int:
+        """The synchronous start's steps: ``sync_steps``, or the default rule at the run's length."""
+        return sync_start_steps(self.steps) if self.sync_steps is None else self.sync_steps
+
+    @property
     def drains(self) -> tuple[int, ...]:
         """The steps that follow a drain (their gradient is of the newest weights)."""
         every = self.checkpoint_every or self.val_every
         periodic = range(every, self.steps, every) if every else ()
-        started = range(1, min(self.sync_steps, self.steps - 1) + 1)  # after each of the first sync_steps steps
+        started = range(1, min(self.start, self.steps - 1) + 1)  # after each of the first sync_steps steps
         return tuple(sorted({*periodic, *started}))
 
 
 PREDICTIVE = "predictive_error_feedback"
 
 
-def build_model(case: Case):
+def build_model(case: Case, epochs_bounded: bool = False):
+    """``epochs_bounded``: the model as a Lightning user builds it for a run bounded by epochs (``max_steps=-1``: the
+    schedule's length from the trainer); the reference passes the count."""
     optim = dict(
         optimizer=case.optimizer,
         lr=0.05 if case.optimizer == "sgd" else 3e-3,
         momentum=case.momentum,
         weight_decay=0.01,
         warmup_steps=2 if case.schedule else 0,
-        max_steps=case.steps if case.schedule else None,
+        max_steps=(-1 if epochs_bounded else case.steps) if case.schedule else None,
     )
     if case.model == "gpt":
         return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
@@ -209,6 +220,19 @@ CASES = {
         # a synchronous start: 3 fresh steps, then 2BW; checkpoints at steps 2 (inside it) and 4 (after the switch),
         # resumed from each; the predictive correction's history starts at the switch
         Case("gpt_2bw_sync_start", mode="2bw", steps=7, sync_steps=3, checkpoint_every=2, correction=PREDICTIVE),
+        # issue 94: the strategy's default start (None: half of this 8-step run) and the LR schedule of a run bounded
+        # by max_epochs (max_steps=-1), read from Lightning's estimate; a checkpoint at the switch step (4)
+        Case(
+            "gpt_2bw_epochs_default_start",
+            mode="2bw",
+            steps=8,
+            epochs=2,
+            steps_per_epoch=4,
+            sync_steps=None,
+            schedule=True,
+            checkpoint_every=4,
+            correction=PREDICTIVE,
+        ),
         # the default recipe's combination (a synchronous start, gradual pruning, the correction, the schedule, clipping):
         # masks updated inside the start (step 1) and after the switch (step 3), with 2BW's versions in flight
         Case(

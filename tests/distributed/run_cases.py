@@ -132,10 +132,12 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
         placement=case.placement,
         timeout=timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
+    # a run bounded by epochs: max_steps=-1, as Lightning's default (steps = epochs x limit_train_batches)
+    bound = dict(max_steps=-1, max_epochs=steps // case.steps_per_epoch) if case.epochs else dict(max_steps=steps)
     return quiet_trainer(
         strategy,
         devices=world,
-        max_steps=steps,
+        **bound,
         precision=case.precision,
         gradient_clip_val=case.clip,
         gradient_clip_algorithm=case.clip_algorithm if case.clip else None,
@@ -151,7 +153,7 @@ def trainer_for(case: Case, steps: int, callbacks: list, world: int) -> pl.Train
 def run(case: Case, out: Path, world: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
-    model = build_model(case)
+    model = build_model(case, epochs_bounded=case.epochs is not None)
     callbacks: list = [FixedMask()] if case.mask else []
     if case.poison_step is not None:
         callbacks.append(PoisonLoss(case.poison_step))
@@ -198,7 +200,7 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
     if torch.distributed.get_rank() == 0:
         torch.save(consolidate(first), out / "consolidated-first.pt")
     pl.seed_everything(0)
-    model = build_model(case)
+    model = build_model(case, epochs_bounded=case.epochs is not None)
     callbacks = [ModelCheckpoint(dirpath=out / "resumed", every_n_train_steps=case.checkpoint_every, save_top_k=-1)]
     callbacks, sparsity = with_sparsity(case, callbacks)
     trainer = trainer_for(case, case.steps, callbacks, world)
@@ -207,6 +209,13 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
     where = f"{strategy.grid.stage}-replica-{strategy.grid.replica}"
     torch.save(strategy.engine.written_state_dict(), out / f"resumed-stage-{where}.pt")
     save_sparsity(out, "resumed-", trainer.global_rank, sparsity, callbacks)
+    if case.epochs:  # resumed for one more epoch: the switch step stays the checkpoint's (no second start)
+        pl.seed_everything(0)
+        longer = trainer_for(case, case.steps + case.steps // case.epochs, [], world)
+        longer.fit(build_model(case, epochs_bounded=True), train_dataloaders=dataloader(case), ckpt_path=first)
+        (out / f"longer-rank-{longer.global_rank}.json").write_text(
+            json.dumps({"sync_steps": longer.strategy.engine.sync_steps})
+        )
 
 
 def main() -> None:

@@ -198,3 +198,11 @@ def test_nonfinite_update_skipped_by_every_stage(trained, name):
     for rank in range(case.num_stages * width):
         counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
         assert counters["skipped"] == [case.poison_step]
+
+
+def test_a_resume_with_a_longer_horizon_keeps_the_checkpoints_switch_step(trained):
+    """Issue 94: the epoch-bounded run's start is half of its 8 steps; resumed from the checkpoint at the switch step
+    (4) for one more epoch (12 steps, whose own rule would give 6), 2BW continues from step 4."""
+    folder = trained["gpt_2bw_epochs_default_start"]
+    recorded = {json.loads(f.read_text())["sync_steps"] for f in folder.glob("longer-rank-*.json")}
+    assert recorded == {4}, recorded

@@ -32,6 +32,8 @@ class StageState:
     all_layers: list[nn.Module]
     stage_layers: list[range]
     device: torch.device
+    sync_steps: int
+    options: Any
 
     def parameter_names(self) -> dict[int, list[str]]:
         """``{id(parameter): [names]}`` of this stage's parameters: their names in ``root`` (a tied one has several),
@@ -73,12 +75,30 @@ class StageState:
             "mode": self.layout.mode.value,
             "num_layers": len(self.all_layers),
             "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
+            "sync_steps": self.sync_steps,  # 2BW's switch step: a resume keeps it (``resume_sync_start``)
             "weight_versions": {
                 "drained": True,
                 "versions_held": versions.num_versions if versions else 1,
                 "updates_applied": versions.latest if versions else 0,
             },
         }
+
+    def start_synchronously_for(self, total_steps: int | None) -> int:
+        """``sync_steps=None``: the synchronous start of a run of ``total_steps`` (``options.sync_start_steps``), or
+        the switch step of the checkpoint resumed (``resume_sync_start``); an explicit ``sync_steps`` stays.
+        Returns the switch step."""
+        if self.options.sync_steps is None:
+            from ..options import sync_start_steps
+
+            recorded = getattr(self, "recorded_sync_steps", None)
+            self.sync_steps = sync_start_steps(total_steps) if recorded is None else recorded
+        return self.sync_steps
+
+    def resume_sync_start(self, recorded: int | None) -> None:
+        """A resume keeps the switch step its checkpoint recorded (a longer horizon does not re-enter the start),
+        unless ``sync_steps`` was given explicitly."""
+        if recorded is not None and self.options.sync_steps is None:
+            self.sync_steps = self.recorded_sync_steps = int(recorded)
 
     def restore(self, skipped_updates: list[int]) -> None:
         """After a load: the skipped updates the checkpoint recorded; the version rule restarts."""
