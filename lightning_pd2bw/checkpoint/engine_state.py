@@ -56,6 +56,8 @@ def state_dict(engine: Checkpointable) -> dict[str, Any]:
         "layers": engine.stage_state_dict(),
         "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
         "skipped_updates": list(engine.skipped_updates),
+        "global_step": engine.ledger.fed,  # a restored engine counts on from here (its synchronous start included)
+        "sync_steps": engine.manifest_layout().get("sync_steps"),
     }
 
 
@@ -77,6 +79,8 @@ def load_state_dict(engine: Checkpointable, state: dict[str, Any]) -> None:
             tensor.copy_(state["layers"][name])
     _load_optimizers(engine, state["optimizers"])
     engine.restore(state.get("skipped_updates", []))
+    engine.ledger.fed = state.get("global_step", engine.ledger.fed)
+    engine.resume_sync_start(state.get("sync_steps"))
 
 
 def save(engine: Checkpointable, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

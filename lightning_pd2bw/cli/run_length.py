@@ -61,3 +61,11 @@ def steps_per_epoch(cfg: Any) -> int:
     stages = cfg.strategy.get("num_stages") or world
     width = 1 if cfg.strategy.get("plan") == "auto" or world % stages else world // stages
     return math.ceil(samples / width) // max(1, cfg.global_batch_size // width)
+
+
+def sync_steps_of(cfg) -> int:
+    """2BW's synchronous start for this run: ``strategy.sync_steps``, or (null) the one rule at its length."""
+    from ..engine.options import sync_start_steps
+
+    given = cfg.strategy.get("sync_steps")
+    return sync_start_steps(cfg.trainer.max_steps) if given is None else given

@@ -75,7 +75,7 @@ def sync_start_text(cfg, layout, profile, stages, step_s: float | None) -> str:
 
     from ..planner import Candidate
     from ..planner.cost import predict
-    from .train import sync_steps_of
+    from .run_length import sync_steps_of
 
     steps, total = sync_steps_of(cfg), cfg.trainer.get("max_steps")
     share = f" of {total:,} ({steps / total:.2%})" if total and total > 0 else ""

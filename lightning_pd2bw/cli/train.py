@@ -178,6 +178,7 @@ def recipe_line(cfg) -> str:
     from hydra.core.hydra_config import HydraConfig
 
     from ..engine.options import mode_line
+    from .run_length import sync_steps_of
     from .usage import recipe_description
 
     name = HydraConfig.get().job.config_name if HydraConfig.initialized() else "?"
@@ -185,14 +186,6 @@ def recipe_line(cfg) -> str:
     model = f"{family} {cfg.model.config.get('name', '')}".strip() if cfg.model.get("config") else family
     described = recipe_description(RECIPES / f"{name}.yaml")
     return f"recipe {name}: {described}\nthis run: {mode_line(cfg.strategy.mode, sync_steps_of(cfg))}, model={model}"
-
-
-def sync_steps_of(cfg) -> int:
-    """2BW's synchronous start for this run: ``strategy.sync_steps``, or (null) the one rule at its length."""
-    from ..engine.options import sync_start_steps
-
-    given = cfg.strategy.get("sync_steps")
-    return sync_start_steps(cfg.trainer.max_steps) if given is None else given
 
 
 def _log_lightning_to_file() -> None:

@@ -122,7 +122,9 @@ class PipelineEngine(StageState):
         self.transport = transport
         self.progress = progress or Progress()
         self.info = info
-        self.sync_steps = sync_start_steps(None) if options.sync_steps is None else options.sync_steps  # resolved
+        self.synchronous_steps = (
+            sync_start_steps(None) if options.sync_steps is None else options.sync_steps
+        )  # resolved
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self.executor: StageExecutor | None = None
         self.update: UpdateRule | None = None
@@ -294,7 +296,7 @@ class PipelineEngine(StageState):
         with context or nullcontext(), self._phase("train"):
             executor.run(actions)
         self.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
-        if self.mode.double_buffered and global_step < self.sync_steps:  # a synchronous start: fresh weights
+        if self.mode.double_buffered and global_step < self.synchronous_steps:  # a synchronous start: fresh weights
             return self.drain()  # this batch's update done, its loss known (the previous batch's was taken)
         end = step_end(self.mode, step)  # 2BW: the previous batch's loss (its broadcast overlapped this batch)
         if not end.wait_sends:

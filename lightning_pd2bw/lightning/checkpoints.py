@@ -181,7 +181,7 @@ class StageCheckpoints:
                 "from the run this checkpoint came from. To extend a run and keep its schedules, set the old values "
                 "explicitly (pd2bw-train: model.max_steps=... and the sparsity.* step keys: sparsity.start_step, "
                 "sparsity.end_step, sparsity.update_interval). 2BW's synchronous start keeps the checkpoint's switch "
-                f"step ({engine.sync_steps}; strategy.sync_steps=N sets another)"
+                f"step ({engine.synchronous_steps}; strategy.sync_steps=N sets another)"
             )
         if not ckpt.same_layout(manifest, engine.stage_layers):
             rank_zero_info(

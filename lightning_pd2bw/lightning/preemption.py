@@ -98,12 +98,7 @@ class Preemption:
         if failed:
             self._end_on_save_failure()
         flag = torch.tensor([int(self.received), int(self.save_failed())])  # on the host: no device sync to read it
-        if self.group is None:  # one process, no process group
-            stop, failed = bool(flag[0]), bool(flag[1])
-            if failed:
-                self._end_on_save_failure()
-        else:
-            self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         if stop:
             self._agree()
 

@@ -214,7 +214,7 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
         longer = trainer_for(case, case.steps + case.steps // case.epochs, [], world)
         longer.fit(build_model(case, epochs_bounded=True), train_dataloaders=dataloader(case), ckpt_path=first)
         (out / f"longer-rank-{longer.global_rank}.json").write_text(
-            json.dumps({"sync_steps": longer.strategy.engine.sync_steps})
+            json.dumps({"sync_steps": longer.strategy.engine.synchronous_steps})
         )
 
 

@@ -64,6 +64,7 @@ def build(
             mode=run["mode"],
             layers_per_stage=cut,
             delay_correction=None,  # the reference is the plain 2BW rule
+            sync_steps=run["sync_steps"],  # 0: the paper's 2BW from the first step (the default starts with 250)
             clipping=Clipping(run["clip"], run["clip_algorithm"]),
         ),
         model.pipeline_inputs,

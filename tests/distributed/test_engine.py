@@ -25,6 +25,9 @@ RUNS = [
     Case("engine_2bw_w2_clip_restart", mode="2bw", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
     # engine.save at step 3, a new engine with another cut, engine.load (resharding): the run goes on as before
     Case("engine_2bw_reshard_restart", mode="2bw", steps=6, schedule=True, checkpoint_every=3),
+    # issue 94: a synchronous start of 3 steps, saved at the switch step and loaded into a new engine: the step count
+    # goes on from the checkpoint (2BW from step 3), not from 0 (which would start synchronously again)
+    Case("engine_2bw_start_restart", mode="2bw", steps=6, schedule=True, checkpoint_every=3, sync_steps=3),
 ]
 RESHARD = {"engine_2bw_reshard_restart": [1, 4]}  # the new cut (the balanced one is [2, 3])
 WORLDS = sorted({case.world for case in RUNS})
@@ -35,6 +38,7 @@ def spec_of(case: Case, width: int) -> dict:
     return {
         "name": case.name,
         "mode": case.mode,
+        "sync_steps": case.sync_steps,
         "num_stages": case.num_stages,
         "num_microbatches": case.num_microbatches,
         "model": dict(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN),
@@ -44,7 +48,7 @@ def spec_of(case: Case, width: int) -> dict:
         "clip_algorithm": case.clip_algorithm,
         "warmup_steps": 2 if case.schedule else 0,
         "max_steps": case.steps if case.schedule else None,
-        "restart_at": list(case.drains),
+        "restart_at": restarts_of(case),
         "reshard_to": RESHARD.get(case.name),
         "batches": [[replica_batch(case, s, r, width) for r in range(width)] for s in range(case.steps)],
     }
@@ -60,6 +64,31 @@ def trained(tmp_path_factory) -> dict[int, Path]:
         torchrun_script(Path(__file__).with_name("run_engine.py"), [str(folder / "spec.pt"), str(folder)], world)
         out[world] = folder
     return out
+
+
+def restarts_of(case: Case) -> list[int]:
+    """The steps before which the runner drains, saves and rebuilds the engine (a synchronous start's drains are
+    the engine's own)."""
+    every = case.checkpoint_every
+    return list(range(every, case.steps, every)) if every else []
+
+
+def returns_a_loss(case: Case) -> list[bool]:
+    """What the runner's ``train_batch`` and ``drain()`` calls return, in order: a loss or None. 2BW's loss comes one
+    batch late (None first after each drain, and ``drain()`` returns the last); a synchronous start's steps and
+    flush return their own at once (flush's ``drain()``: None)."""
+    restarts = restarts_of(case)
+    out, pending = [], False
+    for step in range(case.steps):
+        if step in restarts:
+            out.append(pending)
+            pending = False
+        if case.mode != "2bw" or step < case.start:
+            out.append(True)
+        else:
+            out.append(pending)
+            pending = True
+    return [*out, pending]
 
 
 @pytest.mark.parametrize("case", RUNS, ids=lambda case: case.name)
@@ -88,19 +117,11 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
     # batch late (None first after each drain; drain() returns the last), flush: at once (drain() returns None)
     per_batch = [v for v in losses[0] if v is not None]
     assert len(per_batch) == case.steps and all(v > 0 for v in per_batch)
-    returned = losses[0]
-    assert len(returned) == case.steps + len(case.drains) + 1
-    runs = [0, *case.drains, case.steps]
-    position = 0
-    for start, end in zip(runs, runs[1:]):
-        span = returned[position : position + end - start + 1]  # the run's train_batch calls, then its drain()
-        expected_none = [0] if case.mode == "2bw" else [len(span) - 1]
-        assert [i for i, v in enumerate(span) if v is None] == expected_none, (case.name, returned)
-        position += len(span)
+    assert [v is not None for v in losses[0]] == returns_a_loss(case), (case.name, losses[0])
     assert {tuple(sorted(r["evaluation"])) for r in results} == {("loss",)}
     # the engine sent through the transport it was given: one message per SEND action of the IR since the last
     # (re)build, plus the evaluation's forwards (one per microbatch)
-    start = case.drains[-1] if case.drains else 0
+    start = restarts_of(case)[-1] if restarts_of(case) else 0
     for rank, result in enumerate(results):
         stage = rank % case.num_stages
         layout = Layout(case.num_stages, case.num_microbatches, case.mode)

@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_pd2bw import PipeDream2BWStrategy
-from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra, sync_steps_of
+from lightning_pd2bw.cli.run_length import sync_steps_of
+from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra
 from lightning_pd2bw.engine.options import PipelineOptions, sync_start_steps
 from lightning_pd2bw.planner.step_overhead import measured
 

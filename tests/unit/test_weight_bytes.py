@@ -124,7 +124,7 @@ def test_the_master_stays_float32_and_the_versions_bfloat16(one_process):
     """At rest the parameters are the float32 master (what checkpoints and callbacks see); each forward runs on a
     bfloat16 version; the optimizer's state is float32."""
     layers = _layers()
-    options = PipelineOptions(mode="2bw", num_microbatches=2, weight_dtype="bfloat16")
+    options = PipelineOptions(mode="2bw", num_microbatches=2, weight_dtype="bfloat16", sync_steps=0)  # 2BW at once
     seen: list[torch.dtype] = []
     layers[0].register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
     engine = PipelineEngine(layers, options, lambda b: b, lambda out, b: out.float().pow(2).mean())

@@ -32,7 +32,7 @@ class StageState:
     all_layers: list[nn.Module]
     stage_layers: list[range]
     device: torch.device
-    sync_steps: int
+    synchronous_steps: int
     options: Any
 
     def parameter_names(self) -> dict[int, list[str]]:
@@ -75,7 +75,7 @@ class StageState:
             "mode": self.layout.mode.value,
             "num_layers": len(self.all_layers),
             "stage_layers": [(r.start, r.stop) for r in self.stage_layers],
-            "sync_steps": self.sync_steps,  # 2BW's switch step: a resume keeps it (``resume_sync_start``)
+            "sync_steps": self.synchronous_steps,  # 2BW's switch step: a resume keeps it (``resume_sync_start``)
             "weight_versions": {
                 "drained": True,
                 "versions_held": versions.num_versions if versions else 1,
@@ -90,15 +90,15 @@ class StageState:
         if self.options.sync_steps is None:
             from ..options import sync_start_steps
 
-            recorded = getattr(self, "recorded_sync_steps", None)
-            self.sync_steps = sync_start_steps(total_steps) if recorded is None else recorded
-        return self.sync_steps
+            recorded = getattr(self, "recorded_start", None)
+            self.synchronous_steps = sync_start_steps(total_steps) if recorded is None else recorded
+        return self.synchronous_steps
 
     def resume_sync_start(self, recorded: int | None) -> None:
         """A resume keeps the switch step its checkpoint recorded (a longer horizon does not re-enter the start),
         unless ``sync_steps`` was given explicitly."""
         if recorded is not None and self.options.sync_steps is None:
-            self.sync_steps = self.recorded_sync_steps = int(recorded)
+            self.synchronous_steps = self.recorded_start = int(recorded)
 
     def restore(self, skipped_updates: list[int]) -> None:
         """After a load: the skipped updates the checkpoint recorded; the version rule restarts."""
