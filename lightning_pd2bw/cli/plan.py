@@ -7,6 +7,7 @@ parameter counts, no memory) and profiled analytically for the cluster's device.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from .model_profile import analytic_model_profile, build_model_on_meta
@@ -100,16 +101,17 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
     fixed = {
         key: cfg.strategy.get(key) for key in ("shard_gradients", "placement") if cfg.strategy.get(key) is not None
     }
-    rates = {} if fixed else {mode: rate}  # the run's best is its mode's best
-    for each in [m for m in ("2bw", "flush") if m not in rates]:
+    rates, best = {} if fixed else {mode: rate}, {}  # the run's best is its mode's best
+    for each in ("2bw", "flush"):
         try:
-            rates[each] = search_plans(cfg, model, each)[0][0].throughput
+            best[each] = search_plans(cfg, model, each)[0][0]
+            rates.setdefault(each, best[each].throughput)
         except NoPlanFits:
             if each == mode:
-                rates[each] = rate
+                rates.setdefault(each, rate)
             else:
                 return f"2BW or Flush: no {each} plan fits this cluster"
-    text = choice_text(rates["2bw"], rates["flush"])
+    text = choice_text(rates["2bw"], rates["flush"], start_rate(cfg, model, best.get("2bw")))
     if rates[mode] > rate * 1.001:
         given = " ".join(f"strategy.{key}={str(value).lower()}" for key, value in fixed.items())
         text += (
@@ -117,6 +119,18 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
             f"{' '.join(f'strategy.{key}=null' for key in fixed)} lets the planner choose"
         )
     return text
+
+
+def start_rate(cfg, model, plan) -> float | None:
+    """Flush's rule in 2BW's best layout: the rate of a synchronous start's steps (each drained), for the verdict."""
+    if plan is None:
+        return None
+    from ..planner.cost import predict
+
+    candidate = plan.candidate
+    flush = dataclasses.replace(candidate, options=candidate.options.replace(mode="flush", lookahead=0))
+    profile = analytic_model_profile(cfg, model, candidate.micro_batch_size)
+    return predict(profile, flush, cluster_of(cfg), cfg.global_batch_size, plan.stages).throughput
 
 
 def recompute_value(recompute: bool | tuple[int, ...]) -> str:

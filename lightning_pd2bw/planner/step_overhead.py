@@ -26,8 +26,9 @@ def record(model: str, entry: dict) -> None:
 
 
 def overhead_text(entry: dict) -> str:
-    """``1.06x (3 seeds: 1.04 / 1.07 / 1.08)``; a seed that never reached the loss makes it a lower bound, one that
-    reached it at the shortest horizon an upper bound (``<= 1.00``)."""
+    """``1.06x +- 0.05 (3 seeds: 1.04 / 1.07 / 1.08)`` (the 95% interval's half-width); a seed that never reached the
+    loss makes it a lower bound, one that reached it at the shortest horizon an upper bound (``<= 1.00``, counted at
+    that value)."""
     values = entry["overheads"]
     reached = [v for v in values if v is not None]
 
@@ -37,13 +38,30 @@ def overhead_text(entry: dict) -> str:
     seeds = " / ".join(one(v) for v in values)
     if len(reached) < len(values):
         return f"> {entry['longest']:.2f}x ({len(values)} seeds: {seeds})"
-    return f"{statistics.mean(reached):.2f}x ({len(values)} seed{'s' * (len(values) > 1)}: {seeds})"
+    bounds = interval(reached)
+    spread = f" +- {bounds[2] - bounds[0]:.3f}" if bounds else ""
+    return f"{statistics.mean(reached):.2f}x{spread} ({len(values)} seed{'s' * (len(values) > 1)}: {seeds})"
 
 
-def choice_text(twobw_rate: float, flush_rate: float) -> str:
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t, 95%, two-sided
+
+
+def interval(values: list[float]) -> tuple[float, float, float] | None:
+    """The mean step overhead and its 95% interval over seeds (each seed's overhead is already paired: 2BW's steps
+    over the same seed's Flush steps), Student's t with n - 1 degrees of freedom; None below 2 seeds."""
+    if len(values) < 2:
+        return None
+    mean = statistics.mean(values)
+    half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def choice_text(twobw_rate: float, flush_rate: float, start_rate: float | None = None) -> str:
     """The line ``pd2bw-plan`` prints under its best plan: both modes' planned rates, the step overhead that would make
-    them equal, and what was measured."""
+    them equal, and what was measured. ``start_rate``: Flush's rule run in 2BW's layout (the synchronous start's
+    steps are charged at it; default: Flush's best plan's rate)."""
     ratio = twobw_rate / flush_rate
+    slowdown = flush_rate / start_rate if start_rate else 1.0
     lines = [
         f"2BW or Flush: 2BW's best plan {twobw_rate:.1f} samples/s, Flush's {flush_rate:.1f} ({ratio:.2f}x): 2BW "
         f"reaches a loss sooner if it needs fewer than {ratio:.2f}x Flush's steps to it"
@@ -54,26 +72,46 @@ def choice_text(twobw_rate: float, flush_rate: float) -> str:
     for model, entry in entries.items():
         lines.append(
             f"  measured ({entry['date']}, held-out text): {model} {overhead_text(entry)}: "
-            f"{verdict(entry, ratio)} at {ratio:.2f}x"
+            f"{verdict(entry, ratio, slowdown)} at {ratio:.2f}x"
         )
     return "\n".join(lines) + "\n  (docs/time-to-quality.md)"
 
 
-def time_ratio(entry: dict, overhead: float, ratio: float) -> float:
+def time_ratio(entry: dict, overhead: float, ratio: float, slowdown: float = 1.0) -> float:
     """2BW's time over Flush's for a step overhead at rate ratio ``ratio``: steps over rate, a synchronous start's
-    first steps (``sync_steps`` of the measured run's ``steps``) at Flush's rate."""
+    first steps (``sync_steps`` of the measured run's ``steps``) at Flush's rule, ``slowdown`` times Flush's best
+    plan's step (Flush's rule run in 2BW's own layout)."""
     fresh = min(overhead, entry.get("sync_steps", 0) / entry.get("steps", 1))
-    return fresh + (overhead - fresh) / ratio
+    return fresh * slowdown + (overhead - fresh) / ratio
 
 
-def verdict(entry: dict, ratio: float) -> str:
-    """Which mode reaches the loss sooner at rate ratio ``ratio``, from one measurement."""
+def break_even(entry: dict, ratio: float, slowdown: float = 1.0) -> float:
+    """The step overhead at which 2BW and Flush reach the loss together (``time_ratio`` = 1)."""
+    fresh = entry.get("sync_steps", 0) / entry.get("steps", 1)
+    return fresh + (1 - fresh * slowdown) * ratio
+
+
+def verdict(entry: dict, ratio: float, slowdown: float = 1.0) -> str:
+    """Which mode reaches the loss sooner at rate ratio ``ratio``: "2BW sooner" or "Flush sooner" only where the
+    overhead's 95% interval lies on one side of the break-even overhead; a tie where it straddles it; one seed
+    decides nothing."""
     values = entry["overheads"]
     if None in values:  # some seed needed more than the longest horizon
         return (
-            "Flush sooner" if time_ratio(entry, entry["longest"], ratio) >= 1 else "undecided (longer horizons needed)"
+            "Flush sooner"
+            if time_ratio(entry, entry["longest"], ratio, slowdown) >= 1
+            else "undecided (longer horizons needed)"
         )
-    return "2BW sooner" if time_ratio(entry, statistics.mean(values), ratio) < 1 else "Flush sooner"
+    even = break_even(entry, ratio, slowdown)
+    bounds = interval(values)
+    if bounds is None:
+        return f"undecided (one seed: {values[0]:.3f}x against a break-even {even:.3f}x)"
+    mean, low, high = bounds
+    if high < even:
+        return "2BW sooner"
+    if low > even:
+        return "Flush sooner"
+    return f"a tie: 2BW's step overhead {mean:.3f}x +- {high - mean:.3f} against a break-even {even:.3f}x"
 
 
 README_BLOCK = (
@@ -105,7 +143,8 @@ def summary_table() -> str:
                 )
             else:
                 time = time_ratio(entry, statistics.mean(values), ratios[label])
-                times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({verdict(entry, ratios[label])})")
+                said = verdict(entry, ratios[label]).split(":")[0].split(" (")[0]  # "a tie", "undecided": the table's
+                times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({said})")
         rates = entry.get("peak_lr")
         named = f"{model[:-1]}; Flush {short(rates['flush'])}, 2BW {short(rates['2bw'])})" if rates else model
         lines.append(f"| {named} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))

@@ -21,9 +21,18 @@ def entry(*overheads, shortest=1.0, longest=1.25):
     return {"overheads": list(overheads), "shortest": shortest, "longest": longest, "optimizer": "adamw", "date": "d"}
 
 
-def test_2bw_is_sooner_exactly_when_its_step_overhead_is_below_its_rate_ratio():
-    assert step_overhead.verdict(entry(1.04, 1.06), 1.15) == "2BW sooner"
-    assert step_overhead.verdict(entry(1.18, 1.20), 1.15) == "Flush sooner"
+def test_2bw_is_sooner_exactly_when_the_overheads_interval_lies_below_its_rate_ratio():
+    """Issue 94: a verdict only where the 95% interval over seeds lies on one side of the break-even overhead; a tie
+    where it straddles it; one seed decides nothing."""
+    assert step_overhead.verdict(entry(1.04, 1.05, 1.06), 1.15) == "2BW sooner"
+    assert step_overhead.verdict(entry(1.18, 1.19, 1.20), 1.15) == "Flush sooner"
+    assert step_overhead.verdict(entry(1.10, 1.15, 1.20), 1.15) == (
+        "a tie: 2BW's step overhead 1.150x +- 0.124 against a break-even 1.150x"
+    )
+    assert step_overhead.verdict(entry(1.04), 1.15).startswith("undecided (one seed")
+    # by hand: 1, 2, 3 have mean 2, standard deviation 1; t(0.975, 2 degrees of freedom) = 4.303
+    mean, low, high = step_overhead.interval([1.0, 2.0, 3.0])
+    assert (mean, high - mean) == pytest.approx((2.0, 4.303 / 3**0.5))
     # a seed that never reached Flush's loss by 1.25x: Flush is sooner at any ratio up to 1.25, undecided above
     assert step_overhead.verdict(entry(1.04, None), 1.15) == "Flush sooner"
     assert step_overhead.verdict(entry(1.04, None), 1.4) == "undecided (longer horizons needed)"
@@ -31,13 +40,13 @@ def test_2bw_is_sooner_exactly_when_its_step_overhead_is_below_its_rate_ratio():
 
 def test_the_plan_line_reads_the_recorded_measurement(measured):
     assert "not measured" in step_overhead.choice_text(163.1, 141.7)
-    step_overhead.record("gpt_small (adamw)", entry(1.08, 1.10, 1.12))
+    step_overhead.record("gpt_small (adamw)", entry(1.09, 1.10, 1.11))
     step_overhead.record("gpt_tiny (adamw)", entry(1.0, 1.02))
     assert set(json.loads(measured.read_text())) == {"gpt_small (adamw)", "gpt_tiny (adamw)"}  # both kept
     text = step_overhead.choice_text(163.1, 141.7)
     assert "fewer than 1.15x Flush's steps" in text
-    assert "gpt_small (adamw) 1.10x (3 seeds: 1.08 / 1.10 / 1.12): 2BW sooner at 1.15x" in text
-    assert "gpt_tiny (adamw) 1.01x (2 seeds: <= 1.00 / 1.02)" in text  # reached at the shortest run: a bound
+    assert "gpt_small (adamw) 1.10x +- 0.025 (3 seeds: 1.09 / 1.10 / 1.11): 2BW sooner at 1.15x" in text
+    assert "gpt_tiny (adamw) 1.01x +- 0.127 (2 seeds: <= 1.00 / 1.02)" in text  # reached at the shortest run: a bound
     assert "Flush sooner at 1.05x" in step_overhead.choice_text(105.0, 100.0)
 
 
@@ -54,9 +63,9 @@ def test_the_readme_and_quality_pages_time_to_quality_table_is_the_recorded_one(
 
 
 def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
-    step_overhead.record("m (adamw)", entry(1.10, 1.14) | {"ratios": {"gpt13b (planned)": 1.15}})
+    step_overhead.record("m (adamw)", entry(1.11, 1.12, 1.13) | {"ratios": {"gpt13b (planned)": 1.15}})
     table = step_overhead.summary_table()
-    assert "| m (adamw) (d) | 1.12x (2 seeds: 1.10 / 1.14) | 0.97x Flush's at 1.15x (2BW sooner) |" in table
+    assert "| m (adamw) (d) | 1.12x +- 0.025 (3 seeds: 1.11 / 1.12 / 1.13) | 0.97x Flush's at 1.15x (2BW sooner) |" in table
     step_overhead.record("m (adamw)", entry(1.10, None) | {"ratios": {"gpt13b (planned)": 1.15}})
     assert "> 1.09x Flush's at 1.15x" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
 
@@ -67,7 +76,12 @@ def test_a_synchronous_starts_steps_run_at_flushs_rate():
     started = entry(1.0, 1.0) | {"sync_steps": 250, "steps": 2000}
     assert step_overhead.time_ratio(started, 1.0, 1.25) == pytest.approx(0.825)
     assert step_overhead.time_ratio(entry(1.0), 1.0, 1.25) == pytest.approx(0.8)
-    assert step_overhead.verdict(started | {"overheads": [1.1]}, 1.1) == "Flush sooner"  # 0.125 + 0.975 / 1.1 > 1
+    # break-even 0.125 + 0.875 x 1.1 = 1.0875: the interval 1.13 +- 0.025 lies above it
+    assert step_overhead.verdict(started | {"overheads": [1.12, 1.13, 1.14]}, 1.1) == "Flush sooner"
+    assert step_overhead.break_even(started, 1.1) == pytest.approx(1.0875)
+    # the start's steps charged at Flush's rule in 2BW's own layout, 3.2% slower than Flush's best plan (gpt13b)
+    assert step_overhead.time_ratio(started, 1.0, 1.25, slowdown=1.032) == pytest.approx(0.125 * 1.032 + 0.7)
+    assert step_overhead.break_even(started, 1.25, slowdown=1.032) == pytest.approx(0.125 + (1 - 0.129) * 1.25)
 
 
 def test_each_measurements_page_is_drawn_from_its_record():
