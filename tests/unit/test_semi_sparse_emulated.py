@@ -66,6 +66,7 @@ def test_the_kernels_compress_every_non_zero_of_a_transposable_weight_negative_o
     default = _EmulatedCutlass.prune_dense_static_sort(layer.weight.detach(), "").kept
     assert default.ne(layer.weight).any()  # the hazard is real for this weight: the default drops negative values
     monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS", _EmulatedCutlass)
+    monkeypatch.setattr(semi_sparse, "device_backend", lambda device: "cutlass")  # an A100 (8.0)
     x = torch.randn(3, 5, 64, requires_grad=True)
     grad = torch.randn(3, 5, 128)
     results = []
@@ -107,8 +108,10 @@ def emulated_kernels(monkeypatch):
     def on_any_device(name, module, device, dtype):
         return refusal(name, module, torch.device("cuda"), torch.bfloat16) if device.type == "cpu" else None
 
-    monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS", _EmulatedCutlass)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS", _EmulatedCutlass)  # an A100's backend
+    monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUSPARSELT", None)  # never picked at 8.0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(semi_sparse, "device_backend", lambda device: semi_sparse.backend((8, 0), cusparselt=False))
     monkeypatch.setattr(semi_sparse, "refusal", on_any_device)
 
 
@@ -127,7 +130,12 @@ def test_a_2bw_run_with_the_kernels_trains_as_the_dense_gemms_do(emulated_kernel
             start_step=1, end_step=3, update_interval=1, transposable=True, kernels=kernels
         )
         module = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=SEQ), lr=1e-2)
-        fit(module, [sparsity, seen[kernels]], 8, strategy=PipeDream2BWStrategy(mode="2bw", num_microbatches=2))
+        fit(
+            module,
+            [sparsity, seen[kernels]],
+            8,
+            strategy=PipeDream2BWStrategy(mode="2bw", num_microbatches=2, sync_steps=0),
+        )
         weights[kernels] = {k: v.detach().clone() for k, v in module.state_dict().items()}
     assert seen[True].steps_on >= 3 and seen[False].steps_on == 0
     for key, dense in weights[False].items():
@@ -135,3 +143,34 @@ def test_a_2bw_run_with_the_kernels_trains_as_the_dense_gemms_do(emulated_kernel
         # update, 2 lr = 0.02 on one of >= 4,096 weights of ~0.05 (0.4% of a matrix's norm). A forward reading a
         # 3:4 version through the kernels parts the matrices by ~36% (measured with the switch one update early).
         assert ((weights[True][key] - dense).norm() / dense.norm()).item() < 5e-2, key
+
+
+def test_each_device_gets_the_backend_that_runs_there():
+    """Issue 95: PyTorch's CUTLASS 2:4 GEMM accepts compute capability 8.x only; Hopper (9.0) and later run
+    cuSPARSELt; below 8.0, or at 9.0 without cuSPARSELt, nothing does."""
+    assert semi_sparse.backend((8, 0), cusparselt=True) == "cutlass"
+    assert semi_sparse.backend((8, 9), cusparselt=False) == "cutlass"
+    assert semi_sparse.backend((9, 0), cusparselt=True) == "cusparselt"
+    assert semi_sparse.backend((10, 0), cusparselt=True) == "cusparselt"
+    assert semi_sparse.backend((9, 0), cusparselt=False) is None
+    assert semi_sparse.backend((7, 5), cusparselt=True) is None
+
+
+@pytest.mark.parametrize(
+    "capability,cusparselt,message",
+    [
+        ((9, 0), False, r"compute capability \(9, 0\): no 2:4 backend runs there .*this PyTorch lacks it"),
+        ((7, 5), True, r"compute capability \(7, 5\): no 2:4 backend"),
+        ((9, 0), True, r"is 192 x 64: cusparselt's tile needs both dimensions multiples of 128"),
+        ((8, 0), True, None),  # CUTLASS's tile is 64: the layer runs
+    ],
+)
+def test_the_refusal_names_the_device_and_the_backend(monkeypatch, capability, cusparselt, message):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "the GPU")
+    monkeypatch.setattr(torch.backends.cusparselt, "is_available", lambda: cusparselt)
+    reason = semi_sparse.refusal("h.0.mlp.fc", nn.Linear(64, 192), torch.device("cuda"), torch.bfloat16)
+    if message is None:
+        assert reason is None
+    else:
+        assert reason is not None and __import__("re").search(message, reason), reason

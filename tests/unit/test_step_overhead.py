@@ -65,7 +65,10 @@ def test_the_readme_and_quality_pages_time_to_quality_table_is_the_recorded_one(
 def test_the_summary_states_the_time_at_each_recorded_ratio(measured):
     step_overhead.record("m (adamw)", entry(1.11, 1.12, 1.13) | {"ratios": {"gpt13b (planned)": 1.15}})
     table = step_overhead.summary_table()
-    assert "| m (adamw) (d) | 1.12x +- 0.025 (3 seeds: 1.11 / 1.12 / 1.13) | 0.97x Flush's at 1.15x (2BW sooner) |" in table
+    assert (
+        "| m (adamw) (d) | 1.12x +- 0.025 (3 seeds: 1.11 / 1.12 / 1.13) | 0.97x Flush's at 1.15x (2BW sooner) |"
+        in table
+    )
     step_overhead.record("m (adamw)", entry(1.10, None) | {"ratios": {"gpt13b (planned)": 1.15}})
     assert "> 1.09x Flush's at 1.15x" in step_overhead.summary_table()  # 1.25 / 1.15: a seed past the longest run
 
