@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
-from ..engine.comm.grid import device_barrier
+from ..engine.comm.grid import device_barrier, visible_gpu
 from ..engine.layout import Placement
 from ..engine.options import PipelineOptions, Run
 from ..observe import watchdog
@@ -92,7 +92,8 @@ class PipelineProcesses(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        device = self.parallel_devices[self.local_rank]
+        return visible_gpu(device.index or 0) if device.type == "cuda" else device  # one GPU per task: cuda:0
 
     @property
     @override

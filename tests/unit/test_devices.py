@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.checkpoint.store import SHARED_PROBE, check_shared
 from lightning_pd2bw.lightning.preemption import Preemption
 from lightning_pd2bw.observe import watchdog
@@ -185,3 +186,18 @@ def test_the_strategy_sets_expandable_segments_where_the_user_did_not(monkeypatc
         monkeypatch.setenv(ALLOCATOR_CONF[0], given)
     pl.Trainer(strategy=lightning_pd2bw.PipeDream2BWStrategy(), accelerator="cpu", devices=1, logger=False, max_steps=1)
     assert os.environ[ALLOCATOR_CONF[0]] == (given or "expandable_segments:True")
+
+
+@pytest.mark.parametrize("visible,expected", [(1, 0), (8, 5)], ids=["one GPU per task (SLURM)", "the node's GPUs"])
+def test_each_rank_finds_its_gpu_whether_it_sees_one_or_all(monkeypatch, visible, expected):
+    """Issue 95: local rank 5 on a node of 8 GPUs. With SLURM's --gpus-per-task=1 each task sees only its own GPU, as
+    device 0 (cuda:LOCAL_RANK would not exist); with all of the node's GPUs visible it takes the fifth."""
+    from lightning_pd2bw.engine.comm.grid import default_device
+
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert default_device() == torch.device("cuda", expected)
+    strategy = PipeDream2BWStrategy(parallel_devices=[torch.device("cuda", i) for i in range(8)])
+    monkeypatch.setattr(type(strategy), "local_rank", property(lambda self: 5))
+    assert strategy.root_device == torch.device("cuda", expected)

@@ -216,10 +216,17 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
 
 
 def default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` where CUDA is available, else the CPU."""
+    """This rank's GPU where CUDA is available (``visible_gpu`` of ``LOCAL_RANK``), else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return visible_gpu(int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def visible_gpu(local_rank: int) -> torch.device:
+    """``cuda:local_rank`` where the process sees its node's GPUs, ``cuda:0`` where it sees one: SLURM's
+    ``--gpus-per-task=1`` (or ``CUDA_VISIBLE_DEVICES`` set per rank) binds each task to its own GPU, which it sees
+    as device 0, whatever its local rank."""
+    return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else local_rank)
 
 
 def device_barrier(device: torch.device) -> None:
