@@ -23,6 +23,8 @@ from .safe_load import failures_of
 class OutOfSpace(Refusal, OSError):
     """A checkpoint that does not fit where it goes (``errno.ENOSPC``): the message names the folder and the space."""
 
+    agreed = True  # raised by every rank alike (the checks are collective; DCP gathers every rank's write result)
+
 
 SPACE_MARGIN = 1.05  # DCP's per-file headers and trainer.pt, over the tensors' bytes
 
