@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ..checkpoint import store as ckpt
 from ..checkpoint.background import Successor
 from .compat import combined_train_loader, defer_checkpoint_links
+from .data_position import dataset_length
 
 
 class StageCheckpoints:
@@ -157,7 +158,7 @@ class StageCheckpoints:
             "batches_in_epoch": batches,
             "batch_size_per_replica": batch_size,
             "samples_in_epoch": batches * batch_size * self.engine.grid.data_parallel_size,
-            "dataset_samples": _length(getattr(flat, "dataset", None)),  # a resume on other data is refused
+            "dataset_samples": dataset_length(getattr(flat, "dataset", None)),  # a resume on other data is refused
         }
 
     def load(self, checkpoint_path: Any) -> dict[str, Any]:
@@ -235,13 +236,6 @@ class StageCheckpoints:
             self.in_flight.removals.append(Path(filepath))
         elif self.trainer.is_global_zero:
             ckpt.remove(Path(filepath))  # a link (``last.ckpt``) alone, never the checkpoint behind it
-
-
-def _length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:  # an iterable dataset, or none
-        return None
 
 
 def horizon_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:

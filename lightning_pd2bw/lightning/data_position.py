@@ -121,7 +121,7 @@ def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
 
     if not position["samples_in_epoch"]:
         return
-    recorded, now = position.get("dataset_samples"), _length(loader.dataset)
+    recorded, now = position.get("dataset_samples"), dataset_length(loader.dataset)
     if recorded is not None and now is not None and recorded != now:
         from ..data.datamodule import DataChanged
 
@@ -146,7 +146,8 @@ def resume_at(loader: DataLoader, position: dict[str, Any]) -> None:
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
 
 
-def _length(dataset: Any) -> int | None:
+def dataset_length(dataset: Any) -> int | None:
+    """``len(dataset)``, or None for one without a length (an iterable dataset)."""
     try:
         return len(dataset)
     except TypeError:
