@@ -56,6 +56,9 @@ def refusal(name: str, module: nn.Module, device: torch.device, dtype: torch.dty
     """Why the 2:4 kernels cannot run layer ``name`` (None: they can)."""
     if type(module) is not nn.Linear:
         return f"{name} belongs to a {type(module).__name__}, not an nn.Linear"
+    rows, cols = module.weight.shape
+    if rows % MULTIPLES["cutlass"] or cols % MULTIPLES["cutlass"]:  # every backend's tile is a multiple of this
+        return f"{name} is {rows} x {cols}: both dimensions must be multiples of {MULTIPLES['cutlass']}"
     if dtype not in KERNEL_DTYPES:
         return f"the compute dtype is {dtype}: the kernels take float16 or bfloat16 (trainer.precision=bf16-mixed)"
     if device.type != "cuda":
@@ -68,7 +71,6 @@ def refusal(name: str, module: nn.Module, device: torch.device, dtype: torch.dty
             "(CUTLASS: 8.x; cuSPARSELt: 9.0 and later, and this PyTorch "
             f"{'has' if torch.backends.cusparselt.is_available() else 'lacks'} it)"
         )
-    rows, cols = module.weight.shape
     multiple = MULTIPLES[chosen]
     if rows % multiple or cols % multiple:
         return f"{name} is {rows} x {cols}: {chosen}'s tile needs both dimensions multiples of {multiple}"

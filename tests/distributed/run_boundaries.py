@@ -54,7 +54,9 @@ def loss_fn(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
 def train(out: Path, mode: str) -> None:
     engine = PipelineEngine(
         layers(),
-        PipelineOptions(num_stages=3, num_microbatches=NUM_MICROBATCHES, mode=mode, delay_correction=None),
+        PipelineOptions(
+            num_stages=3, num_microbatches=NUM_MICROBATCHES, mode=mode, delay_correction=None, sync_steps=0
+        ),
         lambda b: b["x"],
         loss_fn,
         device="cpu",

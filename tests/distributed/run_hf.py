@@ -51,7 +51,8 @@ def fit(out: Path, family: str, mode: str) -> None:
             num_stages=STAGES,
             num_microbatches=MICROBATCHES,
             mode=mode,
-            delay_correction=None,  # the reference is the plain 2BW rule
+            delay_correction=None,  # the reference is the plain 2BW rule, from the first step
+            sync_steps=0,
             timeout=timedelta(seconds=60),
         ),
         devices=world,

@@ -67,7 +67,9 @@ def measure(out: Path, run: str) -> None:
     reset_peak_rss()
     engine = PipelineEngine(
         [Widen(), Scale()],
-        PipelineOptions(num_stages=2, num_microbatches=num_microbatches, mode=mode, delay_correction=correction),
+        PipelineOptions(
+            num_stages=2, num_microbatches=num_microbatches, mode=mode, delay_correction=correction, sync_steps=0
+        ),
         lambda batch: batch["seed"],
         lambda output, batch: output.mean(),
         device="cpu",
