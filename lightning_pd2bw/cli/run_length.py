@@ -1,7 +1,7 @@
 """A run bounded by epochs, in steps: ``trainer.max_steps=-1`` (Lightning's default) with ``trainer.max_epochs=N``
 becomes the step count those epochs take, before anything reads ``trainer.max_steps``. The recipes derive from it
 the learning-rate schedule's end (``model.max_steps``), the sparsity schedule's steps and 2BW's synchronous start
-(``engine/options.sync_start_steps``): with -1 they were a learning rate at its floor one step after the warm-up, a
+(``engine/sync_start.py``): with -1 they were a learning rate at its floor one step after the warm-up, a
 sparsity schedule ending at step 0 and no start at all."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def steps_per_epoch(cfg: Any) -> int:
 
 def sync_steps_of(cfg) -> int:
     """2BW's synchronous start for this run: ``strategy.sync_steps``, or (null) the one rule at its length."""
-    from ..engine.options import sync_start_steps
+    from ..engine.sync_start import sync_start_steps
 
     given = cfg.strategy.get("sync_steps")
     return sync_start_steps(cfg.trainer.max_steps) if given is None else given

@@ -177,7 +177,7 @@ def recipe_line(cfg) -> str:
     """``recipe NAME: what it trains`` and the mode and model this run has (overrides included)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ..engine.options import mode_line
+    from ..engine.sync_start import mode_line
     from .run_length import sync_steps_of
     from .usage import recipe_description
 

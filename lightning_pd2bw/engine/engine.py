@@ -36,7 +36,7 @@ from .compiled import CompileMeter, compile_layers
 from .executor import StageExecutor
 from .layout import Mode
 from .observer import ActionRecorder, Progress, SavedTensorMeter
-from .options import PipelineOptions, Run, sync_start_steps
+from .options import PipelineOptions, Run
 from .schedules import schedule
 from .schedules.lowering import step_end
 from .state.counters import stage_counters
@@ -44,6 +44,7 @@ from .state.ledger import BatchLedger, LossBroadcast
 from .state.stage_state import StageState
 from .state.versions import WeightVersions
 from .stepper import hyperparameters, local_optimizers
+from .sync_start import sync_start_steps
 from .updates.delay_correction import ErrorFeedback
 from .updates.sharding import OptimizerShards
 from .updates.update import UpdateRule

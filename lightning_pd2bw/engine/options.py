@@ -33,23 +33,6 @@ from .updates.delay_correction import METHODS as DELAY_CORRECTIONS
 CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
 CLIP_ALGORITHMS = ("norm", "value")  # Lightning's gradient_clip_algorithm
 NONFINITE_POLICIES = ("stop", "skip")
-SYNC_START_STEPS = 250  # 2BW's synchronous start: what let it train at Flush's tuned rate (docs/time-to-quality.md)
-
-
-def sync_start_steps(total_steps: int | None) -> int:
-    """2BW's default synchronous start for a run of ``total_steps`` optimizer steps: ``SYNC_START_STEPS``, or half
-    of a shorter run (75 of the 150-step main job held where 37 broke); ``None`` (the length unknown): the full
-    ``SYNC_START_STEPS``. The one rule behind ``sync_steps=None`` in the engine, the strategy and ``pd2bw-train``."""
-    return SYNC_START_STEPS if total_steps is None else min(SYNC_START_STEPS, int(total_steps) // 2)
-
-
-def mode_line(mode: str, sync_steps: int | None) -> str:
-    """``mode=2bw after a synchronous start of 250 steps``: the run's mode, as every entry point prints it."""
-    if mode != "2bw" or not sync_steps:
-        return f"mode={mode}"
-    return f"mode=2bw after a synchronous start of {sync_steps} step{'s' * (sync_steps != 1)}"
-
-
 DEFAULT_CORRECTION = (
     "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
 )
@@ -159,11 +142,9 @@ class PipelineOptions:
             ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
             plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
-        sync_steps: 2BW's first ``sync_steps`` steps (by global step) drain after their update: fresh weights, Flush's
-            rule and speed; 0: the paper's 2BW from the first step. ``None`` (default): ``sync_start_steps`` of the
-            run's length, 250 or half of a shorter run (the strategy reads the length from Lightning's
-            ``estimated_stepping_batches``; the engine alone takes 250). A checkpoint records the switch step, and a
-            resume keeps it whatever the new horizon. No effect under flush.
+        sync_steps: 2BW's first ``sync_steps`` steps drain after their update (Flush's rule and speed); 0: the paper's
+            2BW; ``None`` (default): ``engine/sync_start.py``'s rule at the run's length (the engine alone: 250). A
+            checkpoint records the switch step and a resume keeps it. No effect under flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/updates/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
             optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
@@ -238,8 +219,7 @@ class PipelineOptions:
             )
         if self.sync_steps is not None and not (isinstance(self.sync_steps, int) and self.sync_steps >= 0):
             raise ValueError(
-                f"{keys.named('sync_steps', self.sync_steps)} must be an integer >= 0 (0: no synchronous start) or "
-                "None (250 steps or half of a shorter run)"
+                f"{keys.named('sync_steps', self.sync_steps)} must be an integer >= 0 (0: none) or None (the rule)"
             )
         if not self.delay_correction_strength > 0:
             raise ValueError(

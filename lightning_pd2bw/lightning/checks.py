@@ -104,7 +104,7 @@ def start_line(trainer: pl.Trainer, engine: Any, options: Any) -> str:
     ``max_time`` alone has no length: refused naming the keys."""
     import math
 
-    from ..engine.options import mode_line
+    from ..engine.sync_start import mode_line
 
     mode = str(getattr(options.mode, "value", options.mode))
     total = None

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_pd2bw.data import LMDataset, MLMDataset, read_corpus
-from lightning_pd2bw.engine.options import sync_start_steps
+from lightning_pd2bw.engine.sync_start import sync_start_steps
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 
 SEQ_LEN = 16
@@ -56,9 +56,7 @@ class Case:
     compile: bool = False  # compile={"backend": "aot_eager"}: dynamo + AOTAutograd per layer (inductor: test_compile)
     # width > 1: each gradient reduced to its owner (engine/updates/grad_buckets.py); None: the strategy's default (on)
     shard_gradients: bool | None = None
-    # 2BW's synchronous start: the first N steps drain after their update (fresh weights); None: the strategy's
-    # default rule (engine.options.sync_start_steps of the run's length)
-    sync_steps: int | None = 0
+    sync_steps: int | None = 0  # 2BW's synchronous start: N first steps drained; None: engine/sync_start.py's rule
     epochs: int | None = None  # the trainer bounded by max_epochs (max_steps=-1): steps = epochs x steps_per_epoch
     placement: str = "pipeline"  # "replicas": a stage's replicas on consecutive ranks (layout.Placement)
 
@@ -220,8 +218,7 @@ CASES = {
         # a synchronous start: 3 fresh steps, then 2BW; checkpoints at steps 2 (inside it) and 4 (after the switch),
         # resumed from each; the predictive correction's history starts at the switch
         Case("gpt_2bw_sync_start", mode="2bw", steps=7, sync_steps=3, checkpoint_every=2, correction=PREDICTIVE),
-        # issue 94: the strategy's default start (None: half of this 8-step run) and the LR schedule of a run bounded
-        # by max_epochs (max_steps=-1), read from Lightning's estimate; a checkpoint at the switch step (4)
+        # issue 94: the default start (half of 8 steps) and the LR schedule of a run bounded by epochs; saved at step 4
         Case(
             "gpt_2bw_epochs_default_start",
             mode="2bw",
@@ -232,7 +229,7 @@ CASES = {
             schedule=True,
             checkpoint_every=4,
             correction=PREDICTIVE,
-        ),
+        ),  # fmt: skip
         # the default recipe's combination (a synchronous start, gradual pruning, the correction, the schedule, clipping):
         # masks updated inside the start (step 1) and after the switch (step 3), with 2BW's versions in flight
         Case(

@@ -1,5 +1,5 @@
 """2BW starts synchronously (250 steps, or half of a shorter run) at Flush's tuned rate: the configuration whose time to
-quality was measured (issue 76), not a guess, from one rule (``engine.options.sync_start_steps``) wherever a user
+quality was measured (issue 76), not a guess, from one rule (``engine.sync_start.sync_start_steps``) wherever a user
 starts: the recipes, ``PipeDream2BWStrategy()``, ``PipelineOptions()`` (issue 94)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.cli.run_length import sync_steps_of
 from lightning_pd2bw.cli.train import CONF, RECIPES, setup_hydra
-from lightning_pd2bw.engine.options import PipelineOptions, sync_start_steps
+from lightning_pd2bw.engine.options import PipelineOptions
+from lightning_pd2bw.engine.sync_start import sync_start_steps
 from lightning_pd2bw.planner.step_overhead import measured
 
 setup_hydra()

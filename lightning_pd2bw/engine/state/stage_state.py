@@ -84,11 +84,11 @@ class StageState:
         }
 
     def start_synchronously_for(self, total_steps: int | None) -> int:
-        """``sync_steps=None``: the synchronous start of a run of ``total_steps`` (``options.sync_start_steps``), or
+        """``sync_steps=None``: the synchronous start of a run of ``total_steps`` (``sync_start.sync_start_steps``), or
         the switch step of the checkpoint resumed (``resume_sync_start``); an explicit ``sync_steps`` stays.
         Returns the switch step."""
         if self.options.sync_steps is None:
-            from ..options import sync_start_steps
+            from ..sync_start import sync_start_steps
 
             recorded = getattr(self, "recorded_start", None)
             self.synchronous_steps = sync_start_steps(total_steps) if recorded is None else recorded
