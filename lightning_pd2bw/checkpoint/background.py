@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import Refusal
 from .safe_load import failures_of
-from .store import MANIFEST, remove
+from .store import remove
 
 
 class BackgroundSaveFailed(Refusal, OSError):
@@ -46,7 +46,6 @@ class Successor:
             self.future.result()
         except BaseException as error:  # DCP's CheckpointException is a BaseException
             if is_global_zero:
-                relink(self.path, self.kept)
                 remove(self.path.with_name(self.path.name + ".tmp"))  # its partial files: the space they took back
             raise BackgroundSaveFailed(errno.EIO, failure_message(self.path, self.kept, error)) from error
         if is_global_zero:
@@ -58,16 +57,6 @@ class Successor:
                 if path != self.path and all(path != link for link, _ in self.links):
                     remove(path)
         return self.path
-
-
-def relink(failed: Path, kept: Path | None) -> None:
-    """Links in ``failed``'s folder that point at it (``last.ckpt`` under ``save_last: link``) point at ``kept``, or
-    are removed when nothing was kept: never a link to a checkpoint that does not exist."""
-    for link in failed.parent.iterdir() if failed.parent.is_dir() else []:
-        if link.is_symlink() and (failed.parent / os.readlink(link)).resolve() == failed.resolve():
-            link.unlink()
-            if kept is not None and (kept / MANIFEST).is_file():
-                link.symlink_to(os.path.relpath(kept, link.parent))
 
 
 def failure_message(path: Path, kept: Path | None, error: BaseException) -> str:
