@@ -28,6 +28,7 @@ from .schedules import schedule as S
 from .schedules.lowering import Op, Parts, lower
 from .state.ledger import BatchLedger
 from .state.versions import WeightVersions
+from .weight_grads import WeightGradients
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -127,6 +128,8 @@ class StageExecutor:
         self.parts = parts  # the update's parts and their collectives, as the lowering reads them
         self._takes: set[tuple[int, int]] = set()  # (layer, argument count) checked by _check_takes
         self._fused: S.Action | None = None
+        # a split backward (ZB-H1): B computes the input gradients, W the deferred weight gradients
+        self.weight_grads = WeightGradients() if layout.mode.splits_backward else None
         self.handlers: dict[S.Kind, Callable[[S.Action], None]] = {  # {Kind: handler}: the interpreter's table
             S.RECV_FORWARD: self._recv_forward,
             S.FORWARD: self._forward,
@@ -134,6 +137,7 @@ class StageExecutor:
             S.RECV_BACKWARD: self._recv_backward,
             S.BACKWARD: self._backward,
             S.SEND_BACKWARD: self._send_backward,
+            S.WEIGHT: self._weight,
             S.WAIT_SENDS: lambda action: self.link.wait_sends(),
             **(handlers or {}),  # the update's parts and the loss
         }
@@ -165,7 +169,8 @@ class StageExecutor:
 
     @property
     def in_flight(self) -> bool:
-        return bool(self._stash or self._received or self._to_send or self._grads_in or self._keys)
+        deferred = self.weight_grads is not None and self.weight_grads.in_flight
+        return bool(self._stash or self._received or self._to_send or self._grads_in or self._keys or deferred)
 
     # ----------------------------------------------------------------- compute
     def run_layers(self, inputs: tuple[torch.Tensor, ...], start: int = 0, stop: int | None = None) -> Any:
@@ -234,12 +239,15 @@ class StageExecutor:
             inputs = as_tuple(self.input_fn(self._microbatches[k]))
         else:
             inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(k))
+        deferring = self.weight_grads.intercept(k) if self.weight_grads is not None else nullcontext()
         with self._saved_tensor_hooks():
             if self.recomputed:  # the first layers keep only their input; the rest their activations
                 value = checkpoint(self.run_layers, inputs, 0, self.recomputed, use_reentrant=False)
-                outputs = self.run_layers(value if isinstance(value, tuple) else (value,), self.recomputed)
+                with deferring:  # a recomputed layer's linear maps run undivided (its recomputation must match)
+                    outputs = self.run_layers(value if isinstance(value, tuple) else (value,), self.recomputed)
             else:
-                outputs = self.run_layers(inputs)
+                with deferring:
+                    outputs = self.run_layers(inputs)
             if self.is_last:
                 loss = self.loss_fn(outputs, self._microbatches.pop(k))
                 # a running sum, not a list: m small tensors that live until the step ends, each allocated after
@@ -272,6 +280,9 @@ class StageExecutor:
         self.stash_bytes -= _stash_nbytes((inputs, outputs))
         if action.last and self.gradient_buckets is not None:  # the batch's last here: reduce buckets as they fill
             self.gradient_buckets.arm()
+        split = self.weight_grads is not None
+        if split and self.gradient_buckets is not None and (k + 1) % self.num_microbatches == 0:
+            self.gradient_buckets.arm(hold=True)  # the gradients are complete at the batch's last W: start there
         if self.is_last:
             outputs.backward()
         else:
@@ -283,6 +294,16 @@ class StageExecutor:
             self._to_send[k] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if carries_gradient(t)
             ]
+        if split:
+            self.weight_grads.after_backward(k)
+
+    def _weight(self, action: Op) -> None:
+        """W: the microbatch's deferred weight gradients (``weight_grads.py``); the batch's last starts the buckets'
+        reduces held since its last B."""
+        self.versions.use(action.weight_version)
+        self.weight_grads.compute(action.microbatch)
+        if action.last and self.gradient_buckets is not None:
+            self.gradient_buckets.release()
 
     # ----------------------------------------------------------------- driver
     def run(self, actions: Sequence[S.Action]) -> None:

@@ -47,6 +47,8 @@ class Mode(Word):
     PD2BW = "2bw"  # PipeDream-2BW: no flush; two weight versions; batch b's update first read by batch b+2
     FLUSH = "flush"  # 1F1B with a flush per batch (PipeDream-Flush): one version, exact
     GPIPE = "gpipe"  # all forwards, then all backwards, a flush per batch: one version, exact
+    ZB_H1 = "zb_h1"  # zero-bubble H1 (Qi et al. 2024): 1F1B with each backward split into B (the input gradient)
+    # and W (the deferred weight gradient), stage s holding s of its W back to fill the cooldown: exact, 1F1B's memory
 
     @property
     def double_buffered(self) -> bool:
@@ -63,6 +65,12 @@ class Mode(Word):
     def forwards_first(self) -> bool:
         """Every forward of a batch before its first backward (no 1F1B, no lookahead)."""
         return self is Mode.GPIPE
+
+    @property
+    def splits_backward(self) -> bool:
+        """Each backward runs as B (the input gradient, on the critical path) and W (the weight gradients of the
+        layers' linear maps, deferred: ``engine/weight_grads.py``)."""
+        return self is Mode.ZB_H1
 
 
 class Placement(Word):
@@ -162,6 +170,11 @@ def check_lookahead(mode: str, lookahead: int, keys: Keys = Keys()) -> None:
             f"{keys.where}{keys.lookahead}={lookahead} has no meaning under {keys.mode}='gpipe' (all forwards run "
             f"first already); use {keys.mode}='2bw' or 'flush', or {keys.lookahead}=0"
         )
+    if lookahead and mode == Mode.ZB_H1:
+        raise ValueError(
+            f"{keys.where}{keys.lookahead}={lookahead} is not supported under {keys.mode}='zb_h1' (its deferred weight "
+            f"gradients fill the cooldown, not extra forwards); use {keys.lookahead}=0"
+        )
 
 
 def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys(), lookahead: int = 0) -> None:
@@ -202,7 +215,7 @@ class Layout:
     Args:
         num_stages: the depth d.
         num_microbatches: microbatches m per batch and replica (``None``: d; m >= d). Read back, always an ``int``.
-        mode: ``"2bw"``, ``"flush"`` or ``"gpipe"`` (a ``Mode`` or its value).
+        mode: ``"2bw"``, ``"flush"``, ``"zb_h1"`` or ``"gpipe"`` (a ``Mode`` or its value).
         layers_per_stage: the cut, layers per stage (default: balanced by parameter count).
         lookahead: more forwards in flight before the last stage (``schedule.warmup_forwards``; default 0).
     """

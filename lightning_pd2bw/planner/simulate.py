@@ -60,6 +60,7 @@ class StageCosts:
     shape: UpdateShape = UpdateShape(double_buffered=True)
     dispatch: float = 0.0  # the host's work per action (the executor's dispatch, a kernel launch's share)
     per_step: float = 0.0  # the host's work between two steps (the training loop's, outside the actions)
+    weight_grad: float = 0.0  # of ``backward``, the weight gradients a split backward defers to W (``zb_h1``)
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,16 @@ class _Lowering:
                 # the previous batch's reduces still reading the buckets this backward fills: bucket by bucket, in the
                 # order the backward fills them (the order they were issued), each before its share of the backward
                 reclaimed = [h for _, _, c in op.reclaims for h in self.inflight.pop((op.batch - 1, c), [])]
+                backward = self.mine.backward - (self.mine.weight_grad if self.layout.mode.splits_backward else 0.0)
                 for handle in reclaimed:
                     self.wait(handle, update=True)
-                    self.ops.append((COMPUTE, self.mine.backward / len(reclaimed)))
+                    self.ops.append((COMPUTE, backward / len(reclaimed)))
                 if not reclaimed:
-                    self.ops.append((COMPUTE, self.mine.backward))
+                    self.ops.append((COMPUTE, backward))
+                if op.last:
+                    self.update(op)
+            elif kind == S.WEIGHT:  # a split backward's deferred weight gradients
+                self.ops.append((COMPUTE, self.mine.weight_grad))
                 if op.last:
                     self.update(op)
             elif kind in (S.SEND_FORWARD, S.SEND_BACKWARD):

@@ -59,6 +59,7 @@ class Case:
     sync_steps: int | None = 0  # 2BW's synchronous start: N first steps drained; None: engine/sync_start.py's rule
     epochs: int | None = None  # the trainer bounded by max_epochs (max_steps=-1): steps = epochs x steps_per_epoch
     placement: str = "pipeline"  # "replicas": a stage's replicas on consecutive ranks (layout.Placement)
+    resume_mode: str | None = None  # the resume (``checkpoint_every``) runs this schedule instead of ``mode``
 
     @property
     def bf16_update(self) -> bool:
@@ -344,6 +345,33 @@ CASES = {
         Case("gpt_2bw_d4_lookahead", mode="2bw", num_stages=4, num_microbatches=6, steps=5, lookahead=1, clip=0.5),
         Case("gpt_2bw_d2w2_lookahead", width=2, mode="2bw", num_microbatches=4, steps=5, lookahead=1, val_every=3),
         Case("gpt_flush_lookahead", num_microbatches=4, lookahead=1, schedule=True),
+        # ZB-H1: the split backward (B, then the deferred W) trains as Flush does; resumed at another schedule
+        Case("gpt_zb_h1_adamw_clip_sched", mode="zb_h1", num_microbatches=4, clip=0.5, schedule=True, steps=5),
+        Case(
+            "gpt_zb_h1_d4_sgd_momentum", mode="zb_h1", num_stages=4, num_microbatches=6, optimizer="sgd", momentum=0.9
+        ),
+        Case(
+            "gpt_zb_h1_d2w2_shard_grads_sparse",
+            width=2,
+            mode="zb_h1",
+            num_microbatches=4,
+            steps=5,
+            clip=0.5,
+            shard_gradients=True,
+            sparsity="gmp_global",
+        ),
+        Case("gpt_zb_h1_d2w2_muon_mask", width=2, mode="zb_h1", optimizer="muon", mask=True, steps=4),
+        Case(
+            "gpt_zb_h1_resume_as_flush",
+            mode="zb_h1",
+            steps=6,
+            checkpoint_every=3,
+            resume_mode="flush",
+            sparsity="rigl_erk",
+            schedule=True,
+        ),
+        Case("gpt_flush_resume_as_zb_h1", steps=6, checkpoint_every=3, resume_mode="zb_h1", recompute=(1, 0), clip=0.5),
+        Case("gpt_zb_h1_bf16_validate", mode="zb_h1", steps=5, precision="bf16-mixed", val_every=2),
         # the optimizer sharded over 4 replicas (engine/updates/sharding.py; on by default): Muon's whole matrices and AdamW
         # assigned to owners, global clipping; 2BW with the predictive correction's buffers sharded and masks
         Case("gpt_flush_d1w4_muon", num_stages=1, width=4, optimizer="muon", clip=0.5, schedule=True),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -182,6 +183,8 @@ def run(case: Case, out: Path, world: int) -> None:
         "headers_received": executor.link.headers_received,
         "peak_pending_sends": executor.link.peak_pending_sends,
         "recomputed_layers": executor.recomputed,  # what counters()["recomputed_layers"] reports
+        # what counters()["peak_deferred_weight_grad_bytes"] reports (the engine is closed after fit)
+        "peak_deferred_weight_grad_bytes": executor.weight_grads.peak_bytes if executor.weight_grads else 0,
     }
     if sparsity is not None:
         counters["masked_state_nonzero"] = masked_state_nonzero(trainer.optimizers, sparsity)
@@ -203,7 +206,7 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
     model = build_model(case, epochs_bounded=case.epochs is not None)
     callbacks = [ModelCheckpoint(dirpath=out / "resumed", every_n_train_steps=case.checkpoint_every, save_top_k=-1)]
     callbacks, sparsity = with_sparsity(case, callbacks)
-    trainer = trainer_for(case, case.steps, callbacks, world)
+    trainer = trainer_for(replace(case, mode=case.resume_mode or case.mode), case.steps, callbacks, world)
     trainer.fit(model, train_dataloaders=dataloader(case), ckpt_path=first)
     strategy = trainer.strategy
     where = f"{strategy.grid.stage}-replica-{strategy.grid.replica}"

@@ -145,6 +145,7 @@ def test_memory_bounds(trained, name):
     many more, at most m - d, on every stage); the transport holds O(d) batches of sends, never O(m)."""
     case, width = as_run(trained, name)
     world = case.num_stages * width
+    deferred = []  # per rank: the split's peak of kept linear inputs and output gradients
     for rank in range(world):
         counters = json.loads((trained[name] / f"rank-{rank}.json").read_text())
         stage = counters["stage"]
@@ -154,12 +155,15 @@ def test_memory_bounds(trained, name):
         assert counters["max_stashed"] == case.num_stages - stage + extra
         assert counters["peak_pending_sends"] <= case.num_stages - stage + extra + 1
         assert counters["global_step"] == case.steps
+        deferred.append(counters["peak_deferred_weight_grad_bytes"])
         recompute = case.recompute
         expected = recompute[stage] if isinstance(recompute, tuple) else (None if recompute else 0)
         if expected is not None:  # True: all of the stage's layers (their number depends on the cut)
             assert counters["recomputed_layers"] == expected
         else:
             assert counters["recomputed_layers"] > 0
+    # the split deferred weight gradients (a stage holding only the embedding has none to defer); nothing without one
+    assert (max(deferred) > 0) == (case.mode == "zb_h1"), deferred
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].checkpoint_every])
@@ -168,6 +172,10 @@ def test_resume_equals_uninterrupted(trained, name):
     folder = trained[name]
     uninterrupted, resumed = merged(folder), merged(folder, "resumed-stage-")
     assert set(uninterrupted) == set(resumed)
+    case, width = as_run(trained, name)
+    if case.resume_mode not in (None, case.mode):  # another exact schedule: the same rule, summed in another order
+        Float32Bound(case, width).check(resumed, f"{name}, resumed under mode={case.resume_mode!r}")
+        return
     for key in uninterrupted:
         torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=0, atol=0)
 

@@ -108,7 +108,7 @@ UPDATES = {
 }
 
 
-SCHEDULES = (("flush", 0), ("gpipe", 0), ("2bw", 0), ("2bw", 1), ("flush", 1))  # (mode, lookahead)
+SCHEDULES = (("flush", 0), ("gpipe", 0), ("2bw", 0), ("2bw", 1), ("flush", 1), ("zb_h1", 0))  # (mode, lookahead)
 
 
 def sweep(microbatches, depths=range(2, 9)):
@@ -146,7 +146,7 @@ FULL_TIER_DEPTHS = (2, 3, 4, 5, 8)  # 6 and 7 (the costliest to lower after 8) i
 
 @pytest.mark.full  # ~40 s: the full tier (the lowering's cases at depth 2 and 4 above stay in make test)
 def test_every_schedule_is_deadlock_free_under_nccl():
-    """flush, gpipe and 2bw (2bw and flush also with lookahead 1); depth 2..5 and 8; m = d, d+1 and 16; width 1 and
+    """flush, gpipe, zb_h1 and 2bw (2bw and flush also with lookahead 1); depth 2..5 and 8; m = d, d+1 and 16; width 1 and
     2; no clipping, global or per-stage clipping, the non-finite agreement; tied parameters on and off; drains and
     evaluation; each lowering run twice: communicators progressing independently, and kernels one at a time."""
     count = 0

@@ -126,3 +126,16 @@ def test_sharded_gradients_under_2bw_are_reclaimed_by_the_next_batchs_first_back
     long = simulate(Layout(d, m, "2bw"), sharded, bucket_all_reduce(2.5))
     assert long.step_time == pytest.approx(m * 3 + 3.0)
     assert simulate(Layout(d, m, "2bw"), whole, bucket_all_reduce(5.0)).step_time == pytest.approx(m * 3)
+
+
+@pytest.mark.parametrize(("d", "m"), [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_zb_h1_leaves_the_papers_bubble(d, m):
+    """Equal F, B and W (a backward of 2, half of it deferred), free messages: 1F1B idles (d - 1)(F + B + W) per
+    step; ZB-H1, whose held W fill the cooldown, (d - 1)(F + B - W) (Qi et al. 2024, section 3.1): at d = 2, m = 4,
+    15 against 13."""
+    split = [StageCosts(1.0, 2.0, shape=UpdateShape(False), weight_grad=1.0)] * d
+    one_f_one_b = simulate(Layout(d, m, "flush"), split, free)
+    zb = simulate(Layout(d, m, "zb_h1"), split, free)
+    assert one_f_one_b.step_time == pytest.approx((m + d - 1) * 3.0)
+    assert zb.step_time == pytest.approx(m * 3.0 + (d - 1) * 1.0)
+    assert zb.busy == pytest.approx([m * 3.0] * d)

@@ -15,7 +15,8 @@ class Kind(str, Enum):
     """What an action does; its text form (``str``, traces, logs) is the value."""
 
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # the backward; under a split (``Mode.splits_backward``) its input-gradient part alone
+    WEIGHT = "W"  # the split's other part: the microbatch's deferred weight gradients (``engine/weight_grads.py``)
     SEND_FORWARD = "SEND_F"
     RECV_FORWARD = "RECV_F"
     SEND_BACKWARD = "SEND_B"
@@ -39,7 +40,7 @@ class Kind(str, Enum):
         return format(self.value, spec)
 
 
-FORWARD, BACKWARD, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.STEP, Kind.PUBLISH
+FORWARD, BACKWARD, WEIGHT, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.STEP, Kind.PUBLISH
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP

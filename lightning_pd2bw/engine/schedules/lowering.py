@@ -31,7 +31,7 @@ class Op:
     """One action as its stage executes it.
 
     ``fused``: for a send, the receive posted in one batch with it (``schedule.fuse_receives``); ``last``: for a
-    backward, whether it is its batch's last on this stage; ``steps``: for an update action, its parts' steps in
+    backward (for a W where the backward is split), whether it is its batch's last on this stage; ``steps``: for an update action, its parts' steps in
     order (each part waits for what it launched before, runs its handler where it acts at this kind, issues what it
     declares: ``update_build.at_action``); for a batch's last backward, the collectives issued during it (the
     buckets' replica reduces); ``reclaims``: for a batch's first backward, the previous batch's collectives still
@@ -88,14 +88,17 @@ def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> l
     at_last_backward = _update_steps(parts, S.BACKWARD)
     reclaims = tuple((WAIT, part, c) for part, declared in parts for c in declared if c.reclaimed)
     update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
+    # under a split backward (ZB-H1) a batch's gradients are complete at its last W, not its last B
+    split = any(action.kind == S.WEIGHT for action in actions)
     ops: list[Op] = []
     for index, action in enumerate(actions):
         if action.kind in S.UPDATE_KINDS:
             ops.append(Op(action, index, steps=update[action.kind]))
-        elif action.kind == S.BACKWARD:
-            # a stage runs its backwards in microbatch order, under every schedule: the batch's highest is its last
-            last = (action.microbatch + 1) % num_microbatches == 0
-            first = action.microbatch % num_microbatches == 0
+        elif action.kind in (S.BACKWARD, S.WEIGHT):
+            # a stage runs its backwards (and its W) in microbatch order, under every schedule: the batch's highest
+            # is its last
+            last = (action.microbatch + 1) % num_microbatches == 0 and (action.kind == S.WEIGHT) == split
+            first = action.microbatch % num_microbatches == 0 and action.kind == S.BACKWARD
             ops.append(
                 Op(action, index, last=last, steps=at_last_backward if last else (), reclaims=reclaims if first else ())
             )

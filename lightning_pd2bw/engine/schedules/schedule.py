@@ -8,6 +8,11 @@ rule of each mode is visible in the data and unit-testable without processes.
 Modes (docs/2bw-vs-flush.md):
 - ``flush``  (PipeDream-Flush): 1F1B, drain at the end of every batch, batch t uses version t.
 - ``gpipe``: all forwards, then all backwards, drain every batch, batch t uses version t.
+- ``zb_h1`` (zero-bubble H1, Qi et al. 2024, arXiv 2401.10241): Flush's 1F1B with each backward split into B (the
+  input gradient, sent upstream at once) and W (the microbatch's deferred weight gradients); stage s holds its first s
+  W back, then runs the oldest pending W after each B, and the held W fill the cooldown's bubble. Drained per batch,
+  batch t uses version t (exact); the order is that of torch's ``ScheduleInterleavedZeroBubble`` with one stage per
+  rank (``tests/unit/test_schedule_zb.py``).
 - ``2bw``    (PipeDream-2BW): one continuous 1F1B stream over the batches, never drained between
   batches; batch t uses version ``max(t - 1, 0)``. The update of batch t is first read by batch t + 2's first
   forward, so it runs beside batch t + 1 (``update.py``): REDUCE(t) right after t's last backward on the stage
@@ -62,6 +67,7 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     UPDATE_KINDS,
     UPDATE_PARTS,
     WAIT_SENDS,
+    WEIGHT,
     Action,
     Kind,
     fuse_receives,
@@ -105,6 +111,8 @@ def _flush_order(
     stage: int, num_stages: int, num_microbatches: int, mode: Mode, batch: int, lookahead: int = 0
 ) -> list[tuple[str, int]]:
     """(kind, microbatch) order of one drained batch."""
+    if mode.splits_backward:
+        return _split_order(stage, num_stages, num_microbatches, batch)
     first = batch * num_microbatches
     ids = range(first, first + num_microbatches)
     if mode.forwards_first:
@@ -117,10 +125,38 @@ def _flush_order(
     return order
 
 
+def _split_order(stage: int, num_stages: int, num_microbatches: int, batch: int) -> list[tuple[str, int]]:
+    """(kind, microbatch) order of one ZB-H1 batch: 1F1B's forwards and backwards (B), each backward followed by the
+    oldest pending W once ``stage`` of them are held back; the held W after the last backward."""
+    first = batch * num_microbatches
+    ids = range(first, first + num_microbatches)
+    warmup = warmup_forwards(stage, num_stages, num_microbatches)
+    order: list[tuple[str, int]] = [(FORWARD, k) for k in ids[:warmup]]
+    pending: list[int] = []
+
+    def backward(k: int) -> None:
+        order.append((BACKWARD, k))
+        pending.append(k)
+        if len(pending) > stage:
+            order.append((WEIGHT, pending.pop(0)))
+
+    for i, k in enumerate(ids[warmup:]):
+        order.append((FORWARD, k))
+        backward(ids[i])
+    for k in ids[num_microbatches - warmup :]:
+        backward(k)
+    return order + [(WEIGHT, k) for k in pending]
+
+
+def _weight(stage: int, num_stages: int, microbatch: int, num_microbatches: int, mode: Mode) -> list[Action]:
+    batch = microbatch // num_microbatches
+    return [Action(WEIGHT, batch, microbatch, weight_version(mode, batch))]
+
+
 def _expand(
     order: list[tuple[str, int]], stage: int, num_stages: int, num_microbatches: int, mode: Mode
 ) -> list[Action]:
-    expand = {FORWARD: _forward, BACKWARD: _backward}
+    expand = {FORWARD: _forward, BACKWARD: _backward, WEIGHT: _weight}
     actions: list[Action] = []
     for kind, k in order:
         actions += expand[kind](stage, num_stages, k, num_microbatches, mode)

@@ -28,7 +28,7 @@ def stage_counters(
     optimizers: Sequence[torch.optim.Optimizer],
     compile_meter: CompileMeter | None = None,
 ) -> dict[str, int]:
-    link, versions = executor.link, executor.versions
+    link, versions, deferred = executor.link, executor.versions, executor.weight_grads
     state = [v for o in optimizers for s in o.state.values() for v in s.values()]
     return {
         "weight_bytes": nbytes(p.data for p in params),
@@ -49,6 +49,9 @@ def stage_counters(
         "max_stashed_microbatches": executor.max_stashed,
         "stash_bytes": executor.stash_bytes,
         "peak_stash_bytes": executor.peak_stash_bytes,
+        # a split backward (zb_h1): the linear maps' inputs and output gradients kept from each B to its W
+        "deferred_weight_grad_bytes": deferred.pending_bytes if deferred is not None else 0,
+        "peak_deferred_weight_grad_bytes": deferred.peak_bytes if deferred is not None else 0,
         "transport_bytes": link.held_bytes,
         "peak_transport_bytes": link.peak_held_bytes,
         "pending_sends": link.pending_sends,

@@ -181,6 +181,7 @@ class GradientBuckets:
                 self._handles.append((param, _HOOKS[param]))
         self.arrived: set[int] = set()  # id(parameter) with a gradient in this batch, on this replica
         self.armed = False
+        self.held = False
         self._next = 0  # the next bucket to start
         self.attach()
 
@@ -223,11 +224,19 @@ class GradientBuckets:
             view.zero_().add_(grad) if grad.layout != torch.strided else view.copy_(grad)
         param.grad = view
 
-    def arm(self) -> None:
-        """The batch's last backward on this stage begins: start each bucket once its gradients are in."""
+    def arm(self, hold: bool = False) -> None:
+        """The batch's last backward on this stage begins: start each bucket once its gradients are in. ``hold``: a
+        split backward (ZB-H1), whose deferred weight gradients arrive in its W passes: count, start at ``release``."""
         self.armed = True
+        self.held = hold
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
+
+    def release(self) -> None:
+        """The batch's last W is done, every gradient final: start the complete buckets, in bucket order."""
+        self.held = False
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting <= 0:
+            self._start(self.buckets[self._next])
 
     def _accumulated(self, param: nn.Parameter) -> None:
         index, position = self._slot[id(param)]
@@ -239,6 +248,8 @@ class GradientBuckets:
         if not self.armed or bucket.work is not None:
             return
         bucket.waiting -= 1
+        if self.held:
+            return
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
 
@@ -322,7 +333,7 @@ class GradientBuckets:
             for param in bucket.params:
                 param.grad = None  # the launched views stay with the update: attach() must not copy them over
         self.arrived = set()
-        self.armed = False
+        self.armed = self.held = False
         self._next = 0
         if double_buffered and not compact:
             self.attach()

@@ -234,6 +234,7 @@ class RankProgram:
             S.RECV_BACKWARD: lambda action: self.recv_backward(str(action)),
             S.BACKWARD: self._backward,
             S.SEND_BACKWARD: lambda action: self.send_backward(str(action), self._fused),
+            S.WEIGHT: self._weight,
             S.WAIT_SENDS: lambda action: self.wait_sends(),
         }
         # the before-step hooks at HOOKS: the sparsity callback's collectives are its own steps'
@@ -265,6 +266,11 @@ class RankProgram:
         for _, _, collective in op.reclaims:  # the previous batch's, still reading the buffers this one fills
             for handle in self.inflight.pop((op.batch - 1, collective), []):
                 self.wait(handle, f"{op} reclaims {collective.what}")
+        if op.last:
+            self.update(op)
+
+    def _weight(self, op: LoweredOp) -> None:
+        """A split backward's W: compute only; the batch's last starts the buckets' reduces (held since its last B)."""
         if op.last:
             self.update(op)
 
