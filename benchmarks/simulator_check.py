@@ -89,16 +89,18 @@ def costs_from(trace: dict, mode: str, m: int, clip: bool):
         dispatch = statistics.median(gaps)
         between = [gap for gap, (a, _) in zip(gaps, pairs) if a["cat"] == "LOSS"]  # a step's end to the next one's
         per_step = max(0.0, statistics.median(between) - dispatch) if between else 0.0
+        weight = median("W")  # zb_h1's deferred weight gradients (0 where the backward is not split)
         costs.append(
             StageCosts(
                 median("F"),
-                median("B"),
+                median("B") + weight,
                 send=message,
                 step=median("STEP"),
                 read_gradients=median("NORM") if clip else median("CHECK"),
                 shape=UpdateShape(mode == "2bw", clip="global" if clip else None),
                 dispatch=dispatch,
                 per_step=per_step,
+                weight_grad=weight,
             )
         )
     return costs

@@ -92,26 +92,36 @@ def update_line(cfg, model, best) -> str:
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:
-    """Both modes' best planned rates (2BW's and Flush's, each at its best plan whatever the run's mode, its
-    ``shard_gradients`` and its ``placement``) and the step overhead at which they reach a loss at the same time; a
-    line more where the run's own choices plan its mode slower than its best (``rate``: the run's best)."""
+    """2BW's best planned rate and each synchronous schedule's (Flush, ZB-H1: each at its best plan whatever the run's
+    mode, its ``shard_gradients`` and its ``placement``), and the step overhead at which 2BW and the fastest
+    synchronous one reach a loss at the same time; a line more where the run's own choices plan its mode slower than
+    its best (``rate``: the run's best)."""
     from ..planner.search import NoPlanFits
-    from ..planner.step_overhead import choice_text
+    from ..planner.step_overhead import SYNCHRONOUS, choice_text
 
     fixed = {
         key: cfg.strategy.get(key) for key in ("shard_gradients", "placement") if cfg.strategy.get(key) is not None
     }
     rates, best = {} if fixed else {mode: rate}, {}  # the run's best is its mode's best
-    for each in ("2bw", "flush"):
+    for each in ("2bw", *SYNCHRONOUS):
         try:
             best[each] = search_plans(cfg, model, each)[0][0]
             rates.setdefault(each, best[each].throughput)
         except NoPlanFits:
             if each == mode:
                 rates.setdefault(each, rate)
-            else:
-                return f"2BW or Flush: no {each} plan fits this cluster"
-    text = choice_text(rates["2bw"], rates["flush"], start_rate(cfg, model, best.get("2bw")))
+    if "2bw" not in rates or not set(rates) & set(SYNCHRONOUS):
+        return (
+            f"2BW or a synchronous schedule: no {'2bw' if '2bw' not in rates else 'synchronous'} plan fits this cluster"
+        )
+    synchronous = {each: rates[each] for each in SYNCHRONOUS if each in rates}
+    fastest = max(synchronous, key=synchronous.get)
+    text = "synchronous plans: " + ", ".join(
+        f"{SYNCHRONOUS[each]} {value:.1f} samples/s" for each, value in synchronous.items()
+    )
+    text += "\n" + choice_text(
+        rates["2bw"], rates[fastest], start_rate(cfg, model, best.get("2bw")), SYNCHRONOUS[fastest]
+    )
     if rates[mode] > rate * 1.001:
         given = " ".join(f"strategy.{key}={str(value).lower()}" for key, value in fixed.items())
         text += (

@@ -43,7 +43,11 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         x, cast_weight = ctx.saved_tensors
         g = g.to(cast_weight.dtype)
-        ctx.kept.append((ctx.weight, ctx.bias, x, g))
+        # detached, and the node let go of the list: a kept input's grad_fn leads back through the graph to the nodes
+        # that hold the list, a cycle through autograd's C++ nodes that Python's collector cannot free (a leak of
+        # every microbatch's kept tensors, found by benchmarks/schedules.py)
+        ctx.kept.append((ctx.weight, ctx.bias, x.detach(), g.detach()))
+        ctx.kept = ctx.weight = ctx.bias = None
         grad_x = g.matmul(cast_weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 
@@ -65,7 +69,9 @@ class _WeightGradients(torch.autograd.Function):
                 _add(sums, weight, rows.t().matmul(x.reshape(-1, x.shape[-1])))
             if bias is not None and bias.requires_grad:
                 _add(sums, bias, rows.sum(0))
-        return (None, *(sums.get(id(p)) for p in ctx.params))
+        grads = tuple(sums.get(id(p)) for p in ctx.params)
+        ctx.kept = ctx.params = None
+        return (None, *grads)
 
 
 def _add(sums: dict[int, torch.Tensor], param: torch.Tensor, value: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ def _colour(kind: str, batch: int) -> tuple[str, float]:
     if kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
         return "#444444", 1.0
     base = _BATCH_COLOURS[batch % len(_BATCH_COLOURS)]
-    return base, (0.55 if kind == S.FORWARD else 1.0)
+    return base, {S.FORWARD: 0.55, S.WEIGHT: 0.8}.get(kind, 1.0)
 
 
 def draw_gantt(timelines: Sequence[StageTimeline], path: str | Path, title: str = "") -> Path:
@@ -49,7 +49,7 @@ def draw_gantt(timelines: Sequence[StageTimeline], path: str | Path, title: str 
         for event in timeline.events:
             colour, alpha = _colour(event.kind, event.batch)
             left, width = (event.start - start) * 1e3, event.seconds * 1e3
-            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.STEP, *_REDUCTIONS) else 0.3
+            height = 0.8 if event.kind in (S.FORWARD, S.BACKWARD, S.WEIGHT, S.STEP, *_REDUCTIONS) else 0.3
             ax.barh(y, width, left=left, height=height, color=colour, alpha=alpha, edgecolor="white", linewidth=0.3)
             if event.kind in (S.FORWARD, S.BACKWARD) and width > (end - start) * 1e3 / 120:
                 label = f"{event.microbatch}" if event.kind == S.FORWARD else f"{event.microbatch}'"

@@ -26,7 +26,7 @@ import torch
 
 from ..engine.schedules import schedule as S
 
-COMPUTE = (S.FORWARD, S.BACKWARD, S.STEP)  # the rest (transport, reductions, clipping) is bubble
+COMPUTE = (S.FORWARD, S.BACKWARD, S.WEIGHT, S.STEP)  # the rest (transport, reductions, clipping) is bubble
 
 
 @dataclass(frozen=True)

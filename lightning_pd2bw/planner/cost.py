@@ -196,6 +196,10 @@ def memory_of(
         stashed = stash * per_micro + recomputed
     else:
         stashed = stash * activations
+    if candidate.mode.splits_backward:  # zb_h1: stage s holds up to s microbatches' linear inputs and output
+        # gradients from their B to their W (bounded here by their activations: the linear maps' inputs and outputs
+        # are about 16/17 of a transformer block's); its peak stays stage 0's, 1F1B's (Qi et al. 2024)
+        stashed += min(stage, num_microbatches - 1) * (activations - recomputed)
     warmed = stash_count("flush", stage, candidate.depth, num_microbatches, candidate.lookahead)  # 1F1B's stash
     if candidate.mode.flushes and num_microbatches <= warmed:
         stashed = max(stashed - weights, stashed - per_micro)  # gradients arrive as the first microbatch leaves

@@ -26,6 +26,9 @@ class LayerProfile:
     # the output as the stage keeps it for its backward, in its own dtype (None: ``output_bytes`` x the profile's
     # ``output_factor``); e.g. float32 under bf16-mixed while bfloat16 crosses (``boundary_dtype``)
     kept_output_bytes: float | None = None
+    # of ``backward_s``, the linear maps' weight gradients and their accumulation: what a split backward (``zb_h1``)
+    # defers to W (``engine/weight_grads.py``); 0 where nothing is deferred (a layer on the 2:4 kernels, a lookup)
+    weight_grad_s: float = 0.0
 
 
 def block_activation_bytes(seq: int, micro: int, hidden: int, heads: int, activation_bytes: int) -> float:
@@ -130,6 +133,10 @@ def analytic_profile(
     linears = [linear_seconds(tokens, i, o, act_bytes, device, factor(tokens, i, o)) for i, o in block_linears(hidden)]
     attention = 4 * micro * seq * seq * hidden / (device.peak_flops * device.efficiency)
     elementwise = memory_seconds(device.elementwise_passes * boundary, device)
+    # the weights' gradient GEMMs (fan_in x fan_out over the tokens), deferred by a split unless on the 2:4 kernels
+    deferred = (
+        0.0 if sparse_speedup else sum(gemm_seconds(i, o, tokens, act_bytes, device) for i, o in block_linears(hidden))
+    )
     block = LayerProfile(
         sum(f for f, _ in linears) + attention + elementwise / 3,
         sum(b for _, b in linears) + 2 * attention + 2 * elementwise / 3 + accumulation(block_params),
@@ -137,6 +144,7 @@ def analytic_profile(
         boundary,
         block_params,
         optimizer_time(block_params),
+        weight_grad_s=deferred + (0.0 if sparse_speedup else accumulation(block_params)),
     )
     head_params = head_parameters if head_parameters is not None else vocab * hidden + 2 * hidden
     logits_forward, logits_backward = linear_seconds(tokens, hidden, vocab, act_bytes, device)
@@ -148,6 +156,7 @@ def analytic_profile(
         0.0,
         head_params,
         optimizer_time(head_params),
+        weight_grad_s=gemm_seconds(hidden, vocab, tokens, act_bytes, device) + accumulation(head_params),
     )
     return [embedding, *[block] * num_blocks, head]
 

@@ -1,4 +1,4 @@
-"""2BW or Flush: which reaches a loss sooner at a planned rate. 2BW's rate over Flush's is the planner's; the steps
+"""2BW or a synchronous schedule (Flush, ZB-H1): which reaches a loss sooner at a planned rate. 2BW's rate over Flush's is the planner's; the steps
 2BW needs over Flush's to reach Flush's loss are measured (``benchmarks/delayed_rule.py --horizons --record``,
 written to ``step_overhead.json`` beside this module). 2BW is there sooner exactly when its step overhead is below
 its rate ratio: time = steps / rate."""
@@ -56,15 +56,20 @@ def interval(values: list[float]) -> tuple[float, float, float] | None:
     return mean, mean - half, mean + half
 
 
-def choice_text(twobw_rate: float, flush_rate: float, start_rate: float | None = None) -> str:
-    """The line ``pd2bw-plan`` prints under its best plan: both modes' planned rates, the step overhead that would make
-    them equal, and what was measured. ``start_rate``: Flush's rule run in 2BW's layout (the synchronous start's
-    steps are charged at it; default: Flush's best plan's rate)."""
-    ratio = twobw_rate / flush_rate
-    slowdown = flush_rate / start_rate if start_rate else 1.0
+SYNCHRONOUS = {"flush": "Flush", "zb_h1": "ZB-H1"}  # the exact schedules, as the verdicts name them
+
+
+def choice_text(twobw_rate: float, sync_rate: float, start_rate: float | None = None, sync: str = "Flush") -> str:
+    """The line ``pd2bw-plan`` prints under its best plan: 2BW's and the best synchronous schedule's (``sync``: its
+    name) planned rates, the step overhead that would make them equal, and what was measured. Every synchronous
+    schedule trains by the same rule, so 2BW's step overhead over Flush's steps is its overhead over any of them.
+    ``start_rate``: Flush's rule run in 2BW's layout (the synchronous start's steps are charged at it; default: the
+    synchronous plan's rate)."""
+    ratio = twobw_rate / sync_rate
+    slowdown = sync_rate / start_rate if start_rate else 1.0
     lines = [
-        f"2BW or Flush: 2BW's best plan {twobw_rate:.1f} samples/s, Flush's {flush_rate:.1f} ({ratio:.2f}x): 2BW "
-        f"reaches a loss sooner if it needs fewer than {ratio:.2f}x Flush's steps to it"
+        f"2BW or {sync}: 2BW's best plan {twobw_rate:.1f} samples/s, {sync}'s {sync_rate:.1f} ({ratio:.2f}x): 2BW "
+        f"reaches a loss sooner if it needs fewer than {ratio:.2f}x {sync}'s steps to it"
     ]
     entries = measured()
     if not entries:
@@ -72,7 +77,7 @@ def choice_text(twobw_rate: float, flush_rate: float, start_rate: float | None =
     for model, entry in entries.items():
         lines.append(
             f"  measured ({entry['date']}, held-out text): {model} {overhead_text(entry)}: "
-            f"{verdict(entry, ratio, slowdown)} at {ratio:.2f}x"
+            f"{verdict(entry, ratio, slowdown, sync)} at {ratio:.2f}x"
         )
     return "\n".join(lines) + "\n  (docs/time-to-quality.md)"
 
@@ -91,14 +96,14 @@ def break_even(entry: dict, ratio: float, slowdown: float = 1.0) -> float:
     return fresh + (1 - fresh * slowdown) * ratio
 
 
-def verdict(entry: dict, ratio: float, slowdown: float = 1.0) -> str:
-    """Which mode reaches the loss sooner at rate ratio ``ratio``: "2BW sooner" or "Flush sooner" only where the
-    overhead's 95% interval lies on one side of the break-even overhead; a tie where it straddles it; one seed
-    decides nothing."""
+def verdict(entry: dict, ratio: float, slowdown: float = 1.0, sync: str = "Flush") -> str:
+    """Which mode reaches the loss sooner at rate ratio ``ratio``: "2BW sooner" or "Flush sooner" (``sync``: the
+    synchronous schedule's name) only where the overhead's 95% interval lies on one side of the break-even overhead;
+    a tie where it straddles it; one seed decides nothing."""
     values = entry["overheads"]
     if None in values:  # some seed needed more than the longest horizon
         return (
-            "Flush sooner"
+            f"{sync} sooner"
             if time_ratio(entry, entry["longest"], ratio, slowdown) >= 1
             else "undecided (longer horizons needed)"
         )
@@ -110,7 +115,7 @@ def verdict(entry: dict, ratio: float, slowdown: float = 1.0) -> str:
     if high < even:
         return "2BW sooner"
     if low > even:
-        return "Flush sooner"
+        return f"{sync} sooner"
     return f"a tie: 2BW's step overhead {mean:.3f}x +- {high - mean:.3f} against a break-even {even:.3f}x"
 
 

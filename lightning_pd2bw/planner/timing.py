@@ -88,6 +88,15 @@ def compute_time(profile: ModelProfile, candidate: Candidate, stage: int, span: 
     return forward, sum(profile.layers[i].backward_s for i in span) + RECOMPUTE_FACTOR * again
 
 
+def weight_grad_time(profile: ModelProfile, candidate: Candidate, stage: int, span: range) -> float:
+    """Of the backward, what a split (``zb_h1``) defers to W on ``stage``: its layers' weight gradients, except the
+    recomputed layers' (they run undivided: ``engine/weight_grads.py``); 0 under the other modes."""
+    if not candidate.mode.splits_backward:
+        return 0.0
+    recomputed = set(candidate.recomputed(stage, span))
+    return sum(profile.layers[i].weight_grad_s for i in span if i not in recomputed)
+
+
 def message_time(
     profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], s: int
 ) -> float:
@@ -173,6 +182,7 @@ def timing(
                 step=sum(profile.layers[i].optimizer_s for i in span) * candidate.replica_share(profile, span),
                 read_gradients=params * profile.weight_bytes / bandwidth if bandwidth else 0.0,
                 shape=update_shape(profile, candidate, span),
+                weight_grad=weight_grad_time(profile, candidate, s, span),
             )
         )
     layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)

@@ -28,6 +28,8 @@ RUNS = [
     # issue 94: a synchronous start of 3 steps, saved at the switch step and loaded into a new engine: the step count
     # goes on from the checkpoint (2BW from step 3), not from 0 (which would start synchronously again)
     Case("engine_2bw_start_restart", mode="2bw", steps=6, schedule=True, checkpoint_every=3, sync_steps=3),
+    # ZB-H1's split backward at width 2 with global clipping, saved at step 3 and loaded into a new engine
+    Case("engine_zb_h1_w2_clip_restart", mode="zb_h1", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
 ]
 RESHARD = {"engine_2bw_reshard_restart": [1, 4]}  # the new cut (the balanced one is [2, 3])
 WORLDS = sorted({case.world for case in RUNS})
