@@ -8,7 +8,8 @@
   ratio is of neighbouring runs); each run's rate is its steps after the first log over their training seconds
   (from the run's own ``tokens_per_sec`` logs: start-up and the first steps left out), the ratio the median.
 - **planned**: ``pd2bw-plan`` for the gpt13b recipe on 8 x 8 H100 and for the paper's GPT-2.2B on 64 V100
-  (`docs/planner-accuracy.md`), each mode's best plan: simulated, never run.
+  (`docs/planner-accuracy.md`), each mode's best plan (2BW against the fastest synchronous schedule, Flush or
+  ZB-H1): simulated, never run.
 
 Used by ``benchmarks/delayed_rule.py --horizons`` (time to quality); results cached in ``OUT/mode_rates.json``.
 """
@@ -60,11 +61,19 @@ def planned_rate(arguments: list[str], mode: str) -> float:
 
 
 def planned() -> dict[str, dict]:
-    """Per planned setting: each mode's predicted samples/s and 2BW's over Flush's."""
+    """Per planned setting: each mode's predicted samples/s, and 2BW's over the fastest synchronous schedule's
+    (``against``: Flush or ZB-H1; every synchronous schedule trains by Flush's rule)."""
+    from lightning_pd2bw.planner.step_overhead import SYNCHRONOUS
+
     rates = {}
     for label, arguments in PLANNED.items():
-        flush, twobw = planned_rate(arguments, "flush"), planned_rate(arguments, "2bw")
-        rates[label] = {"flush": flush, "2bw": twobw, "ratio": twobw / flush, "arguments": arguments}
+        found = {mode: planned_rate(arguments, mode) for mode in ("2bw", *SYNCHRONOUS)}
+        fastest = max(SYNCHRONOUS, key=found.get)
+        rates[label] = found | {
+            "ratio": found["2bw"] / found[fastest],
+            "against": SYNCHRONOUS[fastest],
+            "arguments": arguments,
+        }
     return rates
 
 
@@ -126,7 +135,10 @@ def main() -> None:
         f"measured here, {args.model}: 2BW/Flush {here['ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in here['ratios'])})"
     )
     for label, plan in found["planned"].items():
-        print(f"{label}: 2BW {plan['2bw']:.1f}, Flush {plan['flush']:.1f} samples/s, 2BW/Flush {plan['ratio']:.3f}")
+        print(
+            f"{label}: 2BW {plan['2bw']:.1f}, Flush {plan['flush']:.1f}, ZB-H1 {plan['zb_h1']:.1f} samples/s, "
+            f"2BW/{plan['against']} {plan['ratio']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -195,14 +195,16 @@ def replan() -> None:
 
     cache = ROOT / "outputs" / "delayed_rule" / "planned_rates.json"
     cache.unlink(missing_ok=True)
-    ratios = {label: round(plan["ratio"], 4) for label, plan in rates_planned().items()}
+    planned = rates_planned()
+    ratios = {label: round(plan["ratio"], 4) for label, plan in planned.items()}
+    against = {label: plan.get("against", "Flush") for label, plan in planned.items()}  # the synchronous comparator
     for model, entry in measured().items():
-        record(model, entry | {"ratios": ratios})
+        record(model, entry | {"ratios": ratios, "against": against})
         write_page(entry | {"ratios": ratios})  # the table's time columns and the plot at today's ratios
     readme = ROOT / "README.md"
     readme.write_text(with_summary(readme.read_text()))
     (ROOT / "docs" / "_generated" / "time-to-quality-summary.md").write_text(summary_table() + "\n")
-    print("planned 2BW/Flush:", ", ".join(f"{label} {ratio:.3f}x" for label, ratio in ratios.items()))
+    print("planned:", ", ".join(f"{label} 2BW/{against[label]} {ratio:.3f}x" for label, ratio in ratios.items()))
 
 
 def rates_planned() -> dict:

@@ -140,16 +140,17 @@ def summary_table() -> str:
         values = entry["overheads"]
         times = []
         for label in labels:
+            sync = entry.get("against", {}).get(label, "Flush")  # the fastest synchronous plan where it was planned
             if label not in ratios:
                 times.append("-")
             elif None in values:
                 times.append(
-                    f"> {time_ratio(entry, entry['longest'], ratios[label]):.2f}x Flush's at {ratios[label]:.2f}x"
+                    f"> {time_ratio(entry, entry['longest'], ratios[label]):.2f}x {sync}'s at {ratios[label]:.2f}x"
                 )
             else:
                 time = time_ratio(entry, statistics.mean(values), ratios[label])
-                said = verdict(entry, ratios[label]).split(":")[0].split(" (")[0]  # "a tie", "undecided": the table's
-                times.append(f"{time:.2f}x Flush's at {ratios[label]:.2f}x ({said})")
+                said = verdict(entry, ratios[label], sync=sync).split(":")[0].split(" (")[0]  # "a tie", "undecided"
+                times.append(f"{time:.2f}x {sync}'s at {ratios[label]:.2f}x ({said})")
         rates = entry.get("peak_lr")
         named = f"{model[:-1]}; Flush {short(rates['flush'])}, 2BW {short(rates['2bw'])})" if rates else model
         lines.append(f"| {named} ({entry['date']}) | {overhead_text(entry)} |" + "".join(f" {t} |" for t in times))

@@ -266,6 +266,8 @@ def test_the_schedule_pictures_are_what_the_generator_draws():
     page = (ROOT / "docs" / "2bw-vs-flush.md").read_text()
     shown = page.split("```\nflush (d=4", 1)[1].split("```", 1)[0]
     assert "flush (d=4" + shown == render("flush", 4, 4, 2) + "\n\n" + render("2bw", 4, 4, 3) + "\n"
+    split = page.split("```\nflush (d=4, m=8", 1)[1].split("```", 1)[0]
+    assert "flush (d=4, m=8" + split == render("flush", 4, 8, 1, 2) + "\n\n" + render("zb_h1", 4, 8, 1) + "\n"
 
 
 def test_the_lint_holds_the_whole_manual_under_its_budget_the_results_log_included(tmp_path, monkeypatch):

@@ -186,8 +186,15 @@ def test_the_mode_is_a_value_with_its_facts():
 
     assert Layout(2, 2, "flush").mode is Mode.FLUSH and Layout(2, 2).mode == "2bw"
     assert f"{Mode.PD2BW}" == str(Mode.PD2BW) == "2bw" and repr(Mode.GPIPE) == "'gpipe'"
-    facts = {mode.value: (mode.double_buffered, mode.flushes, mode.forwards_first) for mode in Mode}
-    assert facts == {"2bw": (True, False, False), "flush": (False, True, False), "gpipe": (False, True, True)}
+    facts = {
+        mode.value: (mode.double_buffered, mode.flushes, mode.forwards_first, mode.splits_backward) for mode in Mode
+    }
+    assert facts == {
+        "2bw": (True, False, False, False),
+        "flush": (False, True, False, False),
+        "gpipe": (False, True, True, False),
+        "zb_h1": (False, True, False, True),
+    }
     with pytest.raises(ValueError, match="is not a mode"):
         Layout(2, 2, "1f1b")
 

@@ -34,15 +34,22 @@ def test_pd2bw_plan_prints_a_table_on_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "samples/s" in result.stdout and "best: width" in result.stdout and "pd2bw-train" in result.stdout
-    # both modes' best rates and the step overhead at which they tie, from the plan's own numbers
+    # 2BW's and the fastest synchronous schedule's best rates and the step overhead at which they tie
+    synchronous = re.search(
+        r"^synchronous plans: Flush ([\d.]+) samples/s, ZB-H1 ([\d.]+) samples/s", result.stdout, re.M
+    )
+    assert synchronous, result.stdout[-2000:]
     best = float(re.search(r"^best: .*: ([\d.]+) samples/s predicted", result.stdout, re.M)[1])
     choice = re.search(
-        r"^2BW or Flush: 2BW's best plan ([\d.]+) samples/s, Flush's ([\d.]+) \(([\d.]+)x\)", result.stdout, re.M
+        r"^2BW or (?:Flush|ZB-H1): 2BW's best plan ([\d.]+) samples/s, (?:Flush|ZB-H1)'s ([\d.]+) \(([\d.]+)x\)",
+        result.stdout,
+        re.M,
     )
     assert choice and float(choice[1]) >= round(best, 1), result.stdout[-2000:]  # 2BW at its best plan
     if float(choice[1]) > round(best, 1):  # the recipe's shard_gradients is not 2BW's best here: said so
         assert f"plans 2bw at {best:.1f} samples/s, its best at {choice[1]}" in result.stdout
     assert abs(float(choice[3]) - float(choice[1]) / float(choice[2])) <= 0.005 + 0.06 / float(choice[2])  # rounded
+    assert float(choice[2]) == max(float(synchronous[1]), float(synchronous[2]))  # against the fastest of them
     refused = subprocess.run(
         [*command[:3], "recipe=gpt13b", "cluster=v100_16g_8x1", f"hydra.run.dir={tmp_path}"],
         capture_output=True,
