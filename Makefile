@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-bench gpu-planner gpu-sparse gpu-quality gpu-quality-corpus
+.PHONY: venv train test test-full test-slow lint docs soak schedules gpu-check gpu-first gpu-bench gpu-planner gpu-sparse gpu-quality gpu-quality-corpus
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,10 @@ gpu-check:  ## on a lent GPU machine, with a Python that already has CUDA torch 
 	@$(GPU_PY) -c "import torch, sys; ok = torch.cuda.is_available(); print('[gpu-check] torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if ok else 'NO CUDA DEVICE'); sys.exit(0 if ok else 'gpu-check needs a CUDA device and a torch built with CUDA (GPU_PY=' + sys.executable + ')')"
 	@$(GPU_PY) -c "import pytest, lightning, hydra" || (echo "gpu-check: $(GPU_PY) lacks pytest, lightning or hydra-core; use a Python that has them (GPU_PY=...)" && exit 1)
 	PYTHONPATH=$(CURDIR) PD2BW_REQUIRE_GPU=1 $(GPU_PY) -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider
+
+GPU_FIRST_PY ?= python3
+gpu-first:  ## on a lent GPU, <= 9 min, unattended (the machine's own python3 with CUDA torch; OUT=folder, GPU_DRY=1: the CPU mode): environment, GEMMs and 2:4 against the planner, a 13B slice under Flush, ZB-H1 and 2BW, the GPU tests
+	PYTHONPATH=$(CURDIR) $(GPU_FIRST_PY) benchmarks/gpu_first.py $(if $(GPU_DRY),--cpu)
 
 BENCH_PY ?= $(BIN)/python
 gpu-bench: export PYTHONPATH := $(CURDIR)

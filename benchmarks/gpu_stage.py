@@ -80,13 +80,13 @@ class StepClock(pl.Callback):
         self.counters: dict[str, int] = {}  # the engine's own terms at the last step's end (pipeline runs)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.peaks.append(torch.cuda.max_memory_allocated())
+        self.peaks.append(accel().max_memory_allocated())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % self.accumulate == 0:
-            torch.cuda.synchronize()
+            accel().synchronize()
             self.marks.append(time.perf_counter())
-            self.peaks.append(torch.cuda.max_memory_allocated())
+            self.peaks.append(accel().max_memory_allocated())
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
                 self.counters = engine.counters()
@@ -102,7 +102,7 @@ def predicted_stage_bytes(
     with parameters_on_meta():
         model.configure_model()
     layers = list(model.pipeline_layers())
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     weight_dtype = resolved_dtypes(options, "bf16-mixed")["weight_dtype"]
     versions = Precision.of("bf16-mixed").version_bytes(weight_dtype)
     sample = sample_microbatch(batch, micro, device)
@@ -111,7 +111,7 @@ def predicted_stage_bytes(
         model.pipeline_inputs(sample),
         device,
         loss_fn=lambda out: model.pipeline_loss(out, sample),
-        autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
+        autocast=lambda: torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=False),  # Lightning's setting
         weight_dtype=torch.bfloat16 if versions else None,
     )
     if counted:  # the dry run's and pd2bw-plan's activations: counted on fake tensors, nothing allocated
@@ -144,9 +144,39 @@ def dense_bf16_peak() -> float | None:
     """The device's dense bfloat16 peak: Lightning's table (``get_available_flops``), except for the H200, which it
     does not know by the name ``NVIDIA H200`` and lists with sparsity (2.0e15) under its SXM name: the H200 has the
     H100 SXM's tensor cores and clocks, 989.4 TFLOP/s dense."""
+    if DEVICE != "cuda":
+        return None
     if "h200" in torch.cuda.get_device_name().lower():
         return 989.4e12
     return get_available_flops(torch.device("cuda"), torch.bfloat16)
+
+
+class _OnCpu:
+    """What the script asks of ``torch.cuda``, answered on the CPU (``--device cpu``: gpu_first.py's CPU mode runs
+    every code path at toy sizes; no memory is measured there)."""
+
+    @staticmethod
+    def max_memory_allocated() -> int:
+        return 0
+
+    memory_allocated = max_memory_allocated
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+    reset_peak_memory_stats = empty_cache = synchronize
+
+    @staticmethod
+    def get_device_name() -> str:
+        return "cpu"
+
+
+DEVICE = "cuda"  # main() sets it from --device
+
+
+def accel():  # noqa: ANN201 (torch.cuda or its CPU stand-in)
+    return torch.cuda if DEVICE == "cuda" else _OnCpu
 
 
 class CompileLayers(pl.Callback):
@@ -165,7 +195,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     options = PipelineOptions(
         mode="2bw" if base == "lightning" else base,
         weight_dtype=None if casts else "auto",
-        lookahead=args.lookahead if base != "lightning" else 0,
+        lookahead=args.lookahead if base not in ("lightning", "zb_h1") else 0,  # zb_h1: its W fill the cooldown
     )
     callbacks: list[pl.Callback] = []
     if base == "lightning":
@@ -186,7 +216,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     clock = StepClock(accumulate)
     trainer = pl.Trainer(
         strategy=strategy,
-        accelerator="gpu",
+        accelerator="gpu" if DEVICE == "cuda" else "cpu",
         devices=1,
         precision="bf16-mixed",
         max_steps=args.warmup + args.steps,
@@ -198,10 +228,10 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
         enable_model_summary=False,
         callbacks=[clock, *callbacks],
     )
-    before = torch.cuda.memory_allocated()  # what earlier runs left (the process group's buffers, caches)
-    torch.cuda.reset_peak_memory_stats()
+    before = accel().memory_allocated()  # what earlier runs left (the process group's buffers, caches)
+    accel().reset_peak_memory_stats()
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=False, drop_last=True))
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = accel().max_memory_allocated() - before
     marks = clock.marks[args.warmup - 1 :]
     step_s = sorted(b - a for a, b in zip(marks, marks[1:]))[len(marks) // 2 - 1]  # median steady-state step
     samples = m * micro
@@ -232,7 +262,7 @@ def run(kind: str, config: GPTConfig, args: argparse.Namespace, data: Dataset) -
     print(f"[gpu_stage] {record}", file=sys.stderr, flush=True)
     del trainer, model
     gc.collect()
-    torch.cuda.empty_cache()
+    accel().empty_cache()
     return record
 
 
@@ -242,7 +272,7 @@ def roofline_step(config: GPTConfig, args: argparse.Namespace) -> tuple[str, flo
     from lightning_pd2bw.planner.hardware import DEVICES
     from lightning_pd2bw.planner.profile import analytic_profile, one_stage_step
 
-    name = torch.cuda.get_device_name()
+    name = accel().get_device_name()
     preset = next((k for k in DEVICES if k.split("_")[0].upper() in name), None)
     if preset is None:
         return None
@@ -265,9 +295,12 @@ def main() -> None:
         "--lookahead", type=int, default=0, help="more forwards in flight: m - 1 holds stage 0's stash of a depth-m run"
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the code paths at toy sizes")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_stage.py needs a CUDA device")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_stage.py needs a CUDA device (--device cpu runs the code paths on the CPU)")
     config = GPTConfig.from_name(args.model, n_layer=args.layers, block_size=args.seq)
     data = RandomTokens((args.warmup + args.steps + 1) * args.m * args.micro, args.seq, config.vocab_size)
     records = []
@@ -276,7 +309,7 @@ def main() -> None:
         if args.json:  # after every run: what finished is kept if a later run fails
             args.json.write_text(json.dumps(records, indent=1))
     print(
-        f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; GPT {args.layers} x {config.n_embd} (heads "
+        f"\n{accel().get_device_name()}, torch {torch.__version__}; GPT {args.layers} x {config.n_embd} (heads "
         f"{config.n_head}, vocab {config.vocab_size}), seq {args.seq}, microbatch {args.micro}, m = {args.m}, bf16-mixed"
     )
     bases = {r["kind"]: r for r in records if r["kind"].startswith("lightning")}
@@ -296,7 +329,7 @@ def main() -> None:
     if planned:
         print(f"  the planner's roofline on {planned[0]}: {planned[1]:.4f} s per step (flush's step, update and all)")
     for r in records:
-        if "predicted_bytes" in r:
+        if "predicted_bytes" in r and r["max_memory_allocated"]:  # none measured on the CPU
             print(
                 f"  {r['kind']}: planner / measured peak {r['predicted_bytes'] / r['max_memory_allocated']:.3f} "
                 f"(layers profiled on the device), {r['predicted_counted_bytes'] / r['max_memory_allocated']:.3f} "

@@ -96,6 +96,7 @@ def shared_fixtures(item: pytest.Item) -> list[str]:
 
 if importlib.util.find_spec("xdist") is not None:
 
+    @pytest.hookimpl(optionalhook=True)  # xdist installed but not loaded (PYTEST_DISABLE_PLUGIN_AUTOLOAD: gpu_first.py)
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         """Workers (``make test`` and ``make test-full`` run two): each takes whole ``scope_of`` units. (xdist's own
         ``--dist loadgroup`` does not group under pytest 9, which no longer reads ``item._nodeid``.)"""
