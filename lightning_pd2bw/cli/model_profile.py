@@ -131,15 +131,21 @@ def counted_activations(cfg, model, micro_batch_size: int):
         tokens = torch.zeros(shape, dtype=torch.long)  # inside the counter's fake mode: nothing allocated
         return model.pipeline_loss(output, {"input_ids": tokens, "labels": tokens})
 
-    first = model.pipeline_inputs({"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")})
-    return count_layers(
-        pipeline_layers_of(model),
-        first,
-        weight_dtype=weight_dtype,
-        autocast_dtype=autocast,
-        loss_fn=loss,
-        boundary_dtype=dtypes["boundary_dtype"],
-    )
+    # counted once per model and shape: pd2bw-plan searches each mode over the same micro sizes (a count at 13B takes
+    # about a second)
+    key = (shape, weight_dtype, autocast, dtypes["boundary_dtype"])
+    cache = model.__dict__.setdefault("_pd2bw_counted", {})
+    if key not in cache:
+        first = model.pipeline_inputs({"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")})
+        cache[key] = count_layers(
+            pipeline_layers_of(model),
+            first,
+            weight_dtype=weight_dtype,
+            autocast_dtype=autocast,
+            loss_fn=loss,
+            boundary_dtype=dtypes["boundary_dtype"],
+        )
+    return cache[key]
 
 
 def run_dtypes(cfg) -> dict:

@@ -31,10 +31,11 @@ class _DeferredLinear(torch.autograd.Function):
         if torch.is_autocast_enabled(x.device.type):  # what autocast would run F.linear in: cast here, keep the casts
             dtype = torch.get_autocast_dtype(x.device.type)
             cast = (x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+            with torch.autocast(x.device.type, enabled=False):
+                out = F.linear(*cast)
         else:
             cast = (x, weight, bias)
-        with torch.autocast(x.device.type, enabled=False):
-            out = F.linear(*cast)
+            out = F.linear(x, weight, bias)
         ctx.save_for_backward(cast[0], cast[1])
         ctx.weight, ctx.bias, ctx.kept, ctx.x_dtype = weight, bias, kept, x.dtype
         return out
@@ -42,13 +43,17 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         x, cast_weight = ctx.saved_tensors
-        g = g.to(cast_weight.dtype)
+        if g.dtype != cast_weight.dtype:
+            g = g.to(cast_weight.dtype)
         # detached, and the node let go of the list: a kept input's grad_fn leads back through the graph to the nodes
         # that hold the list, a cycle through autograd's C++ nodes that Python's collector cannot free (a leak of
         # every microbatch's kept tensors, found by benchmarks/schedules.py)
         ctx.kept.append((ctx.weight, ctx.bias, x.detach(), g.detach()))
         ctx.kept = ctx.weight = ctx.bias = None
-        grad_x = g.matmul(cast_weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # one 2-D GEMM over the rows, as autograd's own linear backward runs it
+            grad_x = g.reshape(-1, g.shape[-1]).mm(cast_weight).view(*g.shape[:-1], cast_weight.shape[1])
+            grad_x = grad_x if grad_x.dtype == ctx.x_dtype else grad_x.to(ctx.x_dtype)
         return grad_x, None, None, None
 
 

@@ -4,6 +4,7 @@ one configuration of a run (``Candidate``: width, depth, microbatch size and rec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,14 @@ MB = 10**6
 # Not yet measured by this project: ``torch.cuda.mem_get_info`` before and after the first step (docs/planner.md).
 NCCL_GROUP_BYTES = 688 * MB
 NCCL_PAIR_BYTES = 544 * MB
+
+
+@functools.lru_cache(maxsize=4096)
+def _fullest_share(sizes: tuple[int, ...], width: int) -> float:
+    """The fullest replica's part of tensors of ``sizes`` elements owned as the engine assigns them (a search asks
+    for the same stages again and again)."""
+    _, load = owners_of(sizes, width)
+    return max(load) / sum(sizes)
 
 
 @dataclass(frozen=True)
@@ -117,9 +126,8 @@ class Candidate:
         share = self.optimizer_share
         if share == 1.0 or not profile.layer_tensors:
             return share
-        sizes = [n for i in span for n in profile.layer_tensors[i]]
-        _, load = owners_of(sizes, self.width)
-        return max(load) / sum(sizes) if sizes else share
+        sizes = tuple(n for i in span for n in profile.layer_tensors[i])
+        return _fullest_share(sizes, self.width) if sizes else share
 
     def reduce_bytes(self, profile: ModelProfile) -> int:
         """Bytes per parameter of the cast copy a gradient reduce sends (``grad_reduce_dtype`` other than the
