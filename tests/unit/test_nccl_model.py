@@ -370,3 +370,28 @@ def test_placing_replicas_together_relabels_ranks_and_stays_deadlock_free(mode, 
             ]
             assert by_replicas[rename[rank]] == moved, f"{mode} d={depth}: rank {rank}"
         check(replicas, serialized=(False, True))
+
+
+@pytest.mark.parametrize("mode", ["2bw", "flush", "zb_h1"])
+def test_the_gpt13b_recipes_lowering_is_deadlock_free(mode):
+    """Issue 95: the gpt13b recipe's layout as its plan places it (depth 4 x width 16, m = 32, a stage's replicas on
+    consecutive ranks), the sharded optimizer with gradients reduced to their owners, global clipping, the tied
+    embedding; a synchronous start of 2 steps (a drain after each), a checkpoint drain at step 4 and a validation batch
+    after each drain: free of deadlock under NCCL's semantics, communicators independent and kernels serialized."""
+    from lightning_pd2bw.engine.layout import Placement
+
+    layout = CommLayout(
+        mode,
+        4,
+        32,
+        16,
+        steps=5,
+        clip="global",
+        tied=True,
+        drain_after=(1, 2, 4),
+        eval_batches=1,
+        gradient_buckets=4,
+        shard_gradients=True,
+        placement=Placement.REPLICAS,
+    )
+    check(layout, serialized=(False, True))

@@ -58,3 +58,22 @@ def test_a_skinny_gemm_is_bound_by_its_bytes():
     )
     compute = 2 * 5120 * 5120 / (h100.peak_flops * h100.efficiency * wave_efficiency(1, 5120, h100))
     assert compute < gemm_seconds(1, 5120, 5120, 2, h100) / 10
+
+
+def test_no_gemm_is_credited_more_than_a_full_wave_reaches():
+    """Issue 95: the wave model only takes away (its last wave's idle share); no shape of the 13B block (forward, input
+    and weight gradients at micro 1 to 4), nor 8192^3, is planned above the device's full-wave rate, which on the
+    H100 and H200 stays below the ~790-800 TFLOP/s a large bf16 GEMM measures there (the anchors' figure)."""
+    from lightning_pd2bw.planner.profile import block_linears
+
+    for name in ("h100_80g", "h200_141g"):
+        device = DEVICES[name]
+        ceiling = device.peak_flops * device.efficiency
+        assert ceiling <= 800e12
+        shapes = [(8192, 8192, 8192)]
+        for tokens in (2048, 4096, 8192):
+            for fan_in, fan_out in block_linears(5120):
+                shapes += [(tokens, fan_out, fan_in), (tokens, fan_in, fan_out), (fan_in, fan_out, tokens)]
+        for rows, cols, reduction in shapes:
+            rate = 2 * rows * cols * reduction / gemm_seconds(rows, cols, reduction, 2, device)
+            assert rate <= ceiling * (1 + 1e-12), (name, rows, cols, reduction, rate / 1e12)
