@@ -44,7 +44,9 @@ def save(folder: Path, entries: dict, checksums: bool) -> float:
 
 
 def load(folder: Path, entries: dict, verify: bool) -> float:
-    request = {name: torch.empty_like(t) for name, t in entries.items()}
+    """Into the state's own tensors (a second copy of a 13.8 GiB state would not fit this machine's memory); what is
+    read is what was written, so the tensors end as they were."""
+    request = dict(entries)
     start = time.perf_counter()
     if verify:
         for file in folder.glob("*.distcp"):

@@ -2,6 +2,7 @@
 and 2BW, at d = 2 over 2 CPU processes, m = 2, 4 and 8, the recipes' global clipping (1.0).
 
     python benchmarks/schedules.py [--rounds 3]
+    python benchmarks/schedules.py --pictures docs    # one more traced run of each at m = 4: its timeline's picture
 
 The model and the run are ``simulator_check.py``'s (a GPT of 6 x 256, seq 128, global batch 16, one thread per
 process, traced by ``PipelineTrace``); the configurations are alternated over ``--rounds`` rounds and each one's
@@ -42,7 +43,7 @@ def measured_idle(trace: dict) -> float:
     return statistics.mean(shares)
 
 
-def run_one(out: Path, mode: str, m: int) -> tuple[float, float, float, float]:
+def run_one(out: Path, mode: str, m: int, picture: bool = False) -> tuple[float, float, float, float]:
     """(measured median step s, measured idle share, simulated step s, simulated idle share)."""
     from lightning_pd2bw.engine.layout import Layout
     from lightning_pd2bw.planner.simulate import simulate
@@ -50,7 +51,11 @@ def run_one(out: Path, mode: str, m: int) -> tuple[float, float, float, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
     result = subprocess.run(
-        [*command, "--worker", str(out), mode, str(m), "1"], env=env, capture_output=True, text=True, timeout=900
+        [*command, "--worker", str(out), mode, str(m), "1", str(int(picture))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if result.returncode:
         raise SystemExit(result.stderr[-4000:])
@@ -64,7 +69,18 @@ def run_one(out: Path, mode: str, m: int) -> tuple[float, float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pictures", type=Path, help="write each schedule's recorded timeline at m = 4 here, no table")
     args = parser.parse_args()
+    if args.pictures:
+        import shutil
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in MODES:
+                run_one(Path(tmp) / mode, mode, 4, picture=True)
+                target = args.pictures / f"schedules_{mode}_d2_m4.png"
+                shutil.copy(Path(tmp) / mode / "timeline.png", target)
+                print(f"wrote {target}")
+        return
     results: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -99,6 +115,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
+        worker(Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])), sys.argv[6:7] == ["1"])
     else:
         main()

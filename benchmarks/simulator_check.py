@@ -28,7 +28,7 @@ SEQ, GLOBAL_BATCH, FIRST, TRACED = 128, 16, 2, 6
 CONFIGS = [(mode, m, clip) for mode in ("2bw", "flush") for m in (2, 4, 8) for clip in (False, True)]
 
 
-def worker(out: Path, mode: str, m: int, clip: bool) -> None:
+def worker(out: Path, mode: str, m: int, clip: bool, picture: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def worker(out: Path, mode: str, m: int, clip: bool) -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         gradient_clip_val=1.0 if clip else None,
-        callbacks=[timer, PipelineTrace(dirpath=str(out), first_step=FIRST, num_steps=TRACED, picture=False)],
+        callbacks=[timer, PipelineTrace(dirpath=str(out), first_step=FIRST, num_steps=TRACED, picture=picture)],
     )
     trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=True))
     steps = [b - a for a, b in zip(timer.marks[FIRST:], timer.marks[FIRST + 1 :])]

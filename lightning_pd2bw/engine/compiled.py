@@ -34,6 +34,12 @@ def compile_options(value: bool | Mapping[str, Any] | None, mode: str, where: st
     (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``), checked here by name."""
     if value is None or value is False:
         return None
+    if mode == "zb_h1":
+        raise ValueError(
+            f"{where}: mode='zb_h1' splits each backward into the input gradient (B) and the deferred weight gradients "
+            "(W) by intercepting the layers' linear maps, which a compiled layer hides (torch's zero-bubble schedules "
+            "refuse torch.compile for the same reason). Train zb_h1 without compile, or compile under mode='flush'"
+        )
     if value is True:
         return {}
     if not isinstance(value, Mapping):
@@ -46,12 +52,6 @@ def compile_options(value: bool | Mapping[str, Any] | None, mode: str, where: st
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {unknown}; torch.compile takes {', '.join(allowed)}")
-    if mode == "zb_h1":
-        raise ValueError(
-            f"{where}: mode='zb_h1' splits each backward into the input gradient (B) and the deferred weight gradients "
-            "(W) by intercepting the layers' linear maps, which a compiled layer hides (torch's zero-bubble schedules "
-            "refuse torch.compile for the same reason). Train zb_h1 without compile, or compile under mode='flush'"
-        )
     if mode == "2bw" and options.get("mode") in CUDA_GRAPH_MODES:
         raise ValueError(
             f"{where}: mode={options['mode']!r} records CUDA graphs, which assume each parameter keeps its address; "

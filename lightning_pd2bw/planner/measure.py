@@ -20,6 +20,7 @@ from torch import nn
 
 from ..engine.executor import as_tuple, wire_bytes
 from ..engine.materialize import materialize
+from ..engine.weight_grads import WeightGradients
 from ..observe.activations import ActivationMeter
 from .profile import LayerProfile
 
@@ -45,6 +46,27 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def _weight_grad_seconds(forward: Callable[[], tuple[Any, Any]], device: torch.device, repeats: int) -> float:
+    """Median seconds of a split backward's W for one microbatch (``engine/weight_grads.py``: the layer's linear
+    maps' weight gradients, deferred from its B): what ``zb_h1`` moves into the bubble (0 where nothing is deferred)."""
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        store = WeightGradients()
+        with store.intercept(0):
+            out, loss = forward()
+        if loss is not None:
+            loss.backward()
+        else:
+            tensors = [t for t in as_tuple(out) if t.requires_grad]
+            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        synchronize(device)
+        start = time.perf_counter()
+        store.compute(0)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _signature(layer: nn.Module, inputs: tuple) -> tuple:
@@ -137,6 +159,7 @@ def measure_layers(
                     torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
 
             both_s, _ = _timed(backward, device, repeats)
+            weight_grad_s = _weight_grad_seconds(forward, device, repeats)
             step_s = 0.0
             if params:
                 for p in params:
@@ -154,6 +177,7 @@ def measure_layers(
                 kept_output_bytes=0.0 if is_last else float(_nbytes(output)),
                 parameters=sum(p.numel() for p in params),
                 optimizer_s=step_s,
+                weight_grad_s=weight_grad_s,
             )
             cache[key] = profile
             del out, loss

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ..engine.layout import PLACEMENTS, Mode, Placement, sharded_at
 from ..engine.options import PipelineOptions
@@ -198,7 +199,7 @@ def search(
             cuts[key] = partition(profile_at(candidate.micro_batch_size), candidate, m, limit)
         return cuts[key]
 
-    for candidate in found:
+    for candidate in _shown(found, (options or PipelineOptions()).mode):
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
         stages = cut(candidate, m, capacity)
@@ -216,6 +217,18 @@ def search(
     if not fits:
         raise NoPlanFits(refusal(too_big, cluster, capacity, global_batch))
     return fits, too_big
+
+
+def _shown(found: list[Candidate], mode: str) -> Any:
+    """The candidates, with a progress bar on a terminal (a search at 13B takes seconds per mode); as they are
+    elsewhere (logs, tests)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return found
+    from tqdm import tqdm
+
+    return tqdm(found, desc=f"pd2bw-plan: {mode}", unit=" plans", leave=False, file=sys.stderr)
 
 
 def refusal(too_big: list[Prediction], cluster: ClusterSpec, capacity: float, global_batch: int) -> str:

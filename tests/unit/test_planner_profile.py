@@ -44,6 +44,9 @@ def test_measured_profile_counts_real_bytes():
     assert profiles[0].output_bytes == 4 * 64 * 4 and profiles[1].output_bytes == 0
     assert profiles[0].activation_bytes == 4 * 32 * 4, "a Linear saves its input"
     assert all(p.forward_s > 0 and p.backward_s >= 0 for p in profiles)
+    assert all(p.weight_grad_s > 0 for p in profiles), "zb_h1's W timed: each layer is a linear map"
+    embedding = measure_layers([torch.nn.Embedding(16, 8)], torch.zeros(4, dtype=torch.long), torch.device("cpu"))
+    assert embedding[0].weight_grad_s < 1e-4, "a lookup defers nothing (its gradient is computed in B)"
     assert torch.equal(layers[0].weight, before) and layers[0].weight.grad is None, "profiling leaves the model alone"
 
 

@@ -88,3 +88,15 @@ def test_the_buckets_start_at_the_last_w_not_the_last_b():
 def test_the_text_form_parses_back():
     action = S.Action(S.WEIGHT, 1, 5, 1)
     assert str(action) == "W(m5,v1)" and S.Action.parse("W(m5,v1)", 4) == action
+
+
+def test_compile_and_lookahead_are_refused_with_zb_h1_by_name():
+    from lightning_pd2bw import PipeDream2BWStrategy
+    from lightning_pd2bw.engine.options import PipelineOptions
+
+    for value in (True, {"backend": "aot_eager"}):
+        with pytest.raises(ValueError, match="zb_h1.*linear maps"):
+            PipelineOptions(mode="zb_h1", compile=value)
+    assert PipelineOptions(mode="zb_h1", compile=False).mode == "zb_h1"
+    with pytest.raises(ValueError, match=r"lookahead=1.*zb_h1"):
+        PipeDream2BWStrategy(mode="zb_h1", lookahead=1)
