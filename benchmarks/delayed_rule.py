@@ -76,6 +76,7 @@ class DelayedRule:
             ErrorFeedback.for_method(correction, self.params, strength) if correction and delayed else None
         )
         self.previous: list[torch.Tensor] | None = None  # W(t-1); None after a drain (the next gradient is fresh)
+        self.norms: list[float] = []  # each update's gradient norm before clipping (how often clipping acts)
 
     def drain(self) -> None:
         """The pipeline empties (validation, the end): the next update's gradient is of the newest weights."""
@@ -94,7 +95,7 @@ class DelayedRule:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], now)  # the step is on W(t)
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+            self.norms.append(torch.nn.utils.clip_grad_norm_(self.params, self.clip).item())
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -227,7 +228,7 @@ def train(
         if step % args.val_every == 0 or step == steps:
             curve.append((step, validate(whole=step == steps)))
             print(f"  {rule} seed {seed} step {step}: val {curve[-1][1]:.4f}", flush=True)
-    return {"curve": curve, "train": train_losses, "seconds": time.perf_counter() - start}
+    return {"curve": curve, "train": train_losses, "seconds": time.perf_counter() - start, "norms": loop.norms}
 
 
 def run_label(args: argparse.Namespace, rule: str, steps: int | None = None) -> str:

@@ -100,3 +100,19 @@ def test_compile_and_lookahead_are_refused_with_zb_h1_by_name():
     assert PipelineOptions(mode="zb_h1", compile=False).mode == "zb_h1"
     with pytest.raises(ValueError, match=r"lookahead=1.*zb_h1"):
         PipeDream2BWStrategy(mode="zb_h1", lookahead=1)
+
+
+@pytest.mark.parametrize("mode", ["flush", "gpipe", "2bw", "zb_h1"])
+def test_a_program_dumped_as_text_reads_back_as_the_same_actions(mode):
+    from lightning_pd2bw.engine.schedules import program
+
+    layout = Layout(3, 5, mode)
+    written = program.programs(layout, 3)
+    text = program.dump(written)
+    assert text.splitlines()[0] == "stage,index,action" and "W(m0,v0)" in text or mode != "zb_h1"
+    assert program.load(text, 5) == written
+    broken = text.replace("\n1,2,", "\n1,3,", 1)
+    with pytest.raises(ValueError, match="line .*: stage 1's action #3 follows #1"):
+        program.load(broken, 5)
+    with pytest.raises(ValueError, match="is not an action"):
+        program.load("stage,index,action\n0,0,Q(m1)\n", 5)
