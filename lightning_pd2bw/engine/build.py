@@ -16,17 +16,7 @@ from .layout import Layout
 from .materialize import check_initialized, initialize_layers, materialize, release, unwritten
 from .partition import shared_parameters
 from .updates import gradients
-
-
-@dataclass
-class TiedParameter:
-    """A parameter several stages hold (a tied weight): its group, the rank that broadcasts it at the start, and
-    whether this stage counts it in the clip norm (only the first stage holding it does)."""
-
-    param: nn.Parameter
-    group: Any
-    source: int
-    counts_for_norm: bool
+from .updates.update import TiedParameter
 
 
 @dataclass

@@ -33,20 +33,20 @@ from .comm.grid import ProcessGrid, default_device, device_barrier, rank_zero_pr
 from .comm.microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
 from .comm.transport import StageLink
 from .compiled import CompileMeter, compile_layers
+from .counters import stage_counters
 from .executor import StageExecutor
 from .layout import Mode
 from .observer import ActionRecorder, Progress, SavedTensorMeter
 from .options import PipelineOptions, Run
 from .schedules import schedule
 from .schedules.lowering import step_end
-from .state.counters import stage_counters
 from .state.ledger import BatchLedger, LossBroadcast
 from .state.stage_state import StageState
 from .state.versions import WeightVersions
-from .stepper import hyperparameters, local_optimizers
 from .sync_start import sync_start_steps
 from .updates.delay_correction import ErrorFeedback
 from .updates.sharding import OptimizerShards
+from .updates.stepper import hyperparameters, local_optimizers
 from .updates.update import UpdateRule
 from .updates.update_build import StageContext, build_update
 

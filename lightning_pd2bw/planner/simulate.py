@@ -35,10 +35,10 @@ from ..engine.schedules.lowering import RUN as RUN_PART
 from ..engine.schedules.lowering import WAIT as WAIT_PART
 from ..engine.schedules.lowering import Op, step_end
 from ..engine.schedules.lowering import lower as lower_actions
-from ..engine.stepper import Stepper
 from ..engine.updates import update_build as U
 from ..engine.updates import update_parts as P
 from ..engine.updates.collectives import Collective
+from ..engine.updates.stepper import Stepper
 from ..engine.updates.update import UpdatePart, UpdateShape
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)

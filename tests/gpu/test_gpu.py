@@ -147,7 +147,7 @@ def test_steady_state_steps_make_no_host_sync(inject_sync, monkeypatch):
     ``stop`` policy reads its non-finite flags from pinned host memory a step later). The positive control makes
     the update read one gradient norm with ``.item()``: the counter must see it and attribute it to pd2bw."""
     if inject_sync:
-        from lightning_pd2bw.engine.stepper import Stepper
+        from lightning_pd2bw.engine.updates.stepper import Stepper
 
         original = Stepper.step
 

@@ -51,7 +51,7 @@ def test_a_rooted_collective_without_its_root_is_refused():
 
 def test_the_parts_declare_the_objects_they_issue():
     """Each part's ``collectives`` returns the very declarations its handlers issue (only repeat and names vary)."""
-    from lightning_pd2bw.engine.stepper import Stepper
+    from lightning_pd2bw.engine.updates.stepper import Stepper
     from lightning_pd2bw.engine.updates.update import UpdateShape
     from lightning_pd2bw.engine.updates.update_parts import BucketReducer
 

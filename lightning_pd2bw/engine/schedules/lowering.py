@@ -11,19 +11,51 @@ on the stage (``Op.last``: the buckets' reduces start in it), what the update do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from ..layout import Mode
-from ..updates.collectives import Collective
-from ..updates.update import UpdatePart
-from ..updates.update_build import ISSUE, RUN, WAIT, at_action
 from . import schedule as S
 
-__all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "StepEnd", "lower", "step_end"]
+if TYPE_CHECKING:  # the parts' types: the runtime's (engine/updates), read here only by their attributes
+    from ..updates.collectives import Collective
+    from ..updates.update import UpdatePart
 
-Parts = Sequence[tuple[type[UpdatePart], Sequence[Collective]]]  # ``update_build.collectives(shape)``
-PartStep = tuple[str, type[UpdatePart], Collective | None]  # (WAIT | RUN | ISSUE, the part, its collective)
+__all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "Step", "StepEnd", "at_action", "lower", "step_end"]
+
+Parts = Sequence[tuple[type["UpdatePart"], Sequence["Collective"]]]  # ``update_build.collectives(shape)``
+
+
+class Step(str, Enum):
+    """What the update does for one part at an action (``at_action``): its text form is the value."""
+
+    WAIT = "wait"  # wait for the collectives the part launched before
+    RUN = "run"  # run the part's handler
+    ISSUE = "issue"  # issue a collective the part declares
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WAIT, RUN, ISSUE = Step.WAIT, Step.RUN, Step.ISSUE
+PartStep = tuple[Step, type["UpdatePart"], "Collective | None"]  # (WAIT | RUN | ISSUE, the part, its collective)
+
+
+def at_action(parts: Parts, kind: S.Kind) -> Iterator[PartStep]:
+    """What the update does at ``kind``, in the engine's order (the lowering the NCCL model and the planner's
+    simulator both read): part by part, each part first waits for the collectives it launched before (``WAIT``),
+    then runs its handler's own work (``RUN``), then issues its collectives (``ISSUE``; waited as issued where
+    ``waited`` is None)."""
+    for part, declared in parts:
+        for collective in declared:
+            if collective.waited == kind and collective.issued != kind:
+                yield WAIT, part, collective
+        yield RUN, part, None
+        for collective in declared:
+            if collective.issued == kind:
+                yield ISSUE, part, collective
 
 
 @dataclass(frozen=True)
@@ -33,7 +65,7 @@ class Op:
     ``fused``: for a send, the receive posted in one batch with it (``schedule.fuse_receives``); ``last``: for a
     backward (for a W where the backward is split), whether it is its batch's last on this stage; ``steps``: for an update action, its parts' steps in
     order (each part waits for what it launched before, runs its handler where it acts at this kind, issues what it
-    declares: ``update_build.at_action``); for a batch's last backward, the collectives issued during it (the
+    declares: ``at_action``); for a batch's last backward, the collectives issued during it (the
     buckets' replica reduces); ``reclaims``: for a batch's first backward, the previous batch's collectives still
     reading the buffers it accumulates into (``Collective.reclaimed``), waited for before it unless their own wait
     came first. ``index``: the action's position in the list (a failure's listing marks it)."""

@@ -33,15 +33,6 @@ concatenation for a whole run, used by tests and the schedule picture.
 from __future__ import annotations
 
 from ..layout import MODES, Layout, Mode
-from ..updates.update_placement import (  # noqa: F401  (where the update goes, re-exported)
-    _insert_steps,
-    finish,
-    finish_after,
-    prepare,
-    prepare_after,
-    update,
-    warmup_forwards,
-)
 from .actions import (  # noqa: F401  (the instruction set, re-exported: ``schedule.Action``, ``schedule.FORWARD``)
     BACKWARD,
     BATCH_KINDS,
@@ -73,6 +64,15 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     fuse_receives,
     fused_receive,
     listing,
+)
+from .placement import (  # noqa: F401  (where the update goes, re-exported)
+    _insert_steps,
+    finish,
+    finish_after,
+    prepare,
+    prepare_after,
+    update,
+    warmup_forwards,
 )
 
 __all__ = ["MODES", "Action", "Kind", "drain", "evaluation", "listing", "segment", "stream", "update"]

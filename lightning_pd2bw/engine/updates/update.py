@@ -231,3 +231,14 @@ class UpdateRule:
     def at_drain(self) -> None:
         for part in self.parts:
             part.at_drain()
+
+
+@dataclass
+class TiedParameter:
+    """A parameter several stages hold (a tied weight): its group, the rank that broadcasts it at the start, and
+    whether this stage counts it in the clip norm (only the first stage holding it does)."""
+
+    param: nn.Parameter
+    group: Any
+    source: int
+    counts_for_norm: bool

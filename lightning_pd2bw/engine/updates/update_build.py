@@ -4,26 +4,23 @@ one line in ``choose_parts`` and one in ``build_update``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..build import TiedParameter
 from ..layout import Mode
-from ..options import PipelineOptions
-from ..schedules import schedule as S
 from ..state.ledger import BatchLedger
 from ..state.versions import WeightVersions
-from ..stepper import Stepper
 from .collectives import Collective
 from .delay_correction import ErrorFeedback
 from .grad_buckets import GradientBuckets, release
 from .gradient_store import GradientStore
 from .sharding import OptimizerShards
-from .update import ClipKind, NonFinite, UpdatePart, UpdateRule, UpdateShape
+from .stepper import Stepper
+from .update import ClipKind, NonFinite, TiedParameter, UpdatePart, UpdateRule, UpdateShape
 from .update_parts import (
     BeforeStepHooks,
     BucketReducer,
@@ -35,6 +32,9 @@ from .update_parts import (
     StopOnNonFinite,
     TiedSums,
 )
+
+if TYPE_CHECKING:  # the run's options read here; options.py reads the delay correction's methods from updates
+    from ..options import PipelineOptions
 
 
 def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
@@ -57,26 +57,6 @@ def choose_parts(shape: UpdateShape) -> list[type[UpdatePart]]:
 def collectives(shape: UpdateShape) -> list[tuple[type[UpdatePart], list[Collective]]]:
     """Each part of ``shape``'s update with the collectives it declares (what ``verify/comm_plan.py`` lowers)."""
     return [(part, part.collectives(shape)) for part in choose_parts(shape)]
-
-
-WAIT, RUN, ISSUE = "wait", "run", "issue"
-
-
-def at_action(
-    parts: Sequence[tuple[type[UpdatePart], list[Collective]]], kind: S.Kind
-) -> Iterator[tuple[str, type[UpdatePart], Collective | None]]:
-    """What the update does at ``kind``, in the engine's order (the lowering the NCCL model and the planner's
-    simulator both read): part by part, each part first waits for the collectives it launched before (``WAIT``),
-    then runs its handler's own work (``RUN``), then issues its collectives (``ISSUE``; waited as issued where
-    ``waited`` is None)."""
-    for part, declared in parts:
-        for collective in declared:
-            if collective.waited == kind and collective.issued != kind:
-                yield WAIT, part, collective
-        yield RUN, part, None
-        for collective in declared:
-            if collective.issued == kind:
-                yield ISSUE, part, collective
 
 
 @dataclass(frozen=True)

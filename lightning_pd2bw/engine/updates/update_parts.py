@@ -10,14 +10,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..build import TiedParameter
 from ..layout import Keys
 from ..schedules import schedule as S
 from ..state.ledger import BatchLedger
 from . import gradients
 from .collectives import Collective, CollectiveOp, GroupName
 from .grad_buckets import GradientBuckets, Launched
-from .update import SetAside, UpdatePart, UpdateShape
+from .update import SetAside, TiedParameter, UpdatePart, UpdateShape
 
 
 class BucketReducer(UpdatePart):

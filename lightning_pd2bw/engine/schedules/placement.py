@@ -4,7 +4,7 @@ GPipe, 2BW's drain) or, under 2BW, spread beside the next batch (``prepare_after
 
 from __future__ import annotations
 
-from ..schedules.actions import (
+from .actions import (
     BACKWARD,
     FINISH_PARTS,
     FORWARD,

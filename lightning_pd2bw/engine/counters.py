@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compiled import CompileMeter
-from ..executor import StageExecutor
-from ..updates.delay_correction import ErrorFeedback
-from ..updates.update import UpdateRule
+from .compiled import CompileMeter
+from .executor import StageExecutor
+from .updates.delay_correction import ErrorFeedback
+from .updates.update import UpdateRule
 
 
 def nbytes(tensors: Iterable[Any]) -> int:

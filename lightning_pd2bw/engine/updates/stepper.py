@@ -10,14 +10,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .schedules import schedule as S
-from .state.ledger import BatchLedger
-from .state.versions import WeightVersions
-from .torch_compat import optimizer_hooks_suspended, run_post_hooks
-from .updates.collectives import Collective
-from .updates.delay_correction import ErrorFeedback
-from .updates.sharding import OptimizerShards
-from .updates.update import SetAside, UpdatePart, UpdateShape
+from ..schedules import schedule as S
+from ..state.ledger import BatchLedger
+from ..state.versions import WeightVersions
+from ..torch_compat import optimizer_hooks_suspended, run_post_hooks
+from .collectives import Collective
+from .delay_correction import ErrorFeedback
+from .sharding import OptimizerShards
+from .update import SetAside, UpdatePart, UpdateShape
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
