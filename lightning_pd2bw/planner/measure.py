@@ -48,6 +48,15 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
     return statistics.median(times), result
 
 
+def _backward_of(out: Any, loss: torch.Tensor | None) -> None:
+    """The backward a layer's timing runs: its loss's on the last layer, else ones into every output."""
+    if loss is not None:
+        loss.backward()
+    else:
+        tensors = [t for t in as_tuple(out) if t.requires_grad]
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
 def _weight_grad_seconds(forward: Callable[[], tuple[Any, Any]], device: torch.device, repeats: int) -> float:
     """Median seconds of a split backward's W for one microbatch (``engine/weight_grads.py``: the layer's linear
     maps' weight gradients, deferred from its B): what ``zb_h1`` moves into the bubble (0 where nothing is deferred)."""
@@ -56,11 +65,7 @@ def _weight_grad_seconds(forward: Callable[[], tuple[Any, Any]], device: torch.d
         store = WeightGradients()
         with store.intercept(0):
             out, loss = forward()
-        if loss is not None:
-            loss.backward()
-        else:
-            tensors = [t for t in as_tuple(out) if t.requires_grad]
-            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+        _backward_of(out, loss)  # B, as the executor runs it: outside the interception
         synchronize(device)
         start = time.perf_counter()
         store.compute(0)
@@ -150,15 +155,7 @@ def measure_layers(
                 out, loss = forward()
             saved = meter.current
 
-            def backward(forward=forward) -> None:
-                out, loss = forward()
-                if loss is not None:
-                    loss.backward()
-                else:
-                    tensors = [t for t in as_tuple(out) if t.requires_grad]
-                    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
-
-            both_s, _ = _timed(backward, device, repeats)
+            both_s, _ = _timed(lambda forward=forward: _backward_of(*forward()), device, repeats)
             weight_grad_s = _weight_grad_seconds(forward, device, repeats)
             step_s = 0.0
             if params:
