@@ -98,7 +98,7 @@ class PipelineOptions:
     Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
-        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained) or ``"gpipe"``.
+        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained), ``"zb_h1"`` or ``"gpipe"``.
         lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d used):
             each one more stashed microbatch per stage, slack between neighbours (0: plain 1F1B).
         layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by time);

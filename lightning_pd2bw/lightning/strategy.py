@@ -46,7 +46,7 @@ from .resilience import Resilience
 
 
 class PipeDream2BWStrategy(PipelineProcesses):
-    """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``) or PipeDream-Flush (``mode="flush"``).
+    """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``), PipeDream-Flush (``"flush"``) or ZB-H1 (``"zb_h1"``).
 
     Its keywords are the pipeline's options, each documented and checked once, in ``engine.options.PipelineOptions``
     (``strategy.options``; ``clip_mode`` is its ``Clipping``'s mode, the value and algorithm the Trainer's
