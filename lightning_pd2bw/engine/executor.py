@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .comm.transport import StageLink, carries_gradient, input_signature
+from .comm.transport import StageLink, as_tuple, carries_gradient, input_signature
 from .layout import Layout
 from .observer import ActionRecorder, SavedTensorMeter
 from .options import PipelineOptions, recomputed_layers
@@ -46,10 +46,6 @@ _MIXED_WEIGHTS_HINT = (
     "microbatch); a layer that mixes them with float32 tensors (e.g. a float32 input to a norm on the CPU) fails "
     "so. Cast that input, or keep float32 weights cast by autocast: {option}"
 )
-
-
-def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
-    return value if isinstance(value, tuple) else (value,)
 
 
 def _pack_alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -402,14 +398,3 @@ class StageExecutor:
             table[action.kind](action)
         self.versions.rest()
         return results
-
-
-def wire_bytes(value: Any, boundary_dtype: torch.dtype | None) -> int:
-    """Bytes of a stage's output as it crosses the boundary (``StageExecutor._wire``): floating-point tensors in
-    ``boundary_dtype`` (None: their own), the others as they are. What the planner counts per message."""
-    tensors = [t for t in as_tuple(value) if isinstance(t, torch.Tensor)]
-    return sum(
-        t.numel()
-        * (boundary_dtype.itemsize if boundary_dtype is not None and t.is_floating_point() else t.element_size())
-        for t in tensors
-    )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.executor import as_tuple, wire_bytes
+from ..engine.comm.transport import as_tuple, wire_bytes
 from ..engine.materialize import materialize
 from ..engine.weight_grads import WeightGradients
 from ..observe.activations import ActivationMeter

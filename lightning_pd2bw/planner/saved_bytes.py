@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from ..engine.executor import as_tuple, wire_bytes
+from ..engine.comm.transport import as_tuple, wire_bytes
 
 
 @dataclass(frozen=True)

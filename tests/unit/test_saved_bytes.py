@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pd2bw.engine.executor import as_tuple
+from lightning_pd2bw.engine.comm.transport import as_tuple
 from lightning_pd2bw.models import BERT, GPT, BERTConfig, GPTConfig
 from lightning_pd2bw.observe.activations import ActivationMeter
 from lightning_pd2bw.planner.saved_bytes import CudaAutocastPolicy, count_layers

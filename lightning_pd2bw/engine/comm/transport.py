@@ -301,3 +301,18 @@ class StageLink:
     def wait_sends(self) -> None:
         for peer in list(self._unsettled):
             self.settle(peer)
+
+
+def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def wire_bytes(value: Any, boundary_dtype: torch.dtype | None) -> int:
+    """Bytes of a stage's output as it crosses the boundary (``StageExecutor._wire``): floating-point tensors in
+    ``boundary_dtype`` (None: their own), the others as they are. What the planner counts per message."""
+    tensors = [t for t in as_tuple(value) if isinstance(t, torch.Tensor)]
+    return sum(
+        t.numel()
+        * (boundary_dtype.itemsize if boundary_dtype is not None and t.is_floating_point() else t.element_size())
+        for t in tensors
+    )
