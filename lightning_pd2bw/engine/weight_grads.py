@@ -118,10 +118,6 @@ class WeightGradients:
     def in_flight(self) -> bool:
         return bool(self._kept)
 
-    def clear(self) -> None:
-        self._kept.clear()
-        self.pending_bytes = 0
-
 
 class _Intercept(TorchFunctionMode):
     def __init__(self, kept: list) -> None:
