@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from .run_folder import (  # noqa: F401  (RUN_LOCK, claim_output_dir, run_name: the run folder's, re-exported)
@@ -264,10 +265,27 @@ def _main(cfg) -> None:
     try:
         run(cfg)
     except BaseException as error:
+        logged(error, "pd2bw-train")
         refused(error, "pd2bw-train")
         raise
     finally:
         end_default_group()
+
+
+def logged(error: BaseException, program: str) -> None:
+    """A failure of a rank past 0 that its watchdog published: rank 0 says it, last, on the terminal; this rank's
+    message or traceback goes to its own log file (``resilience.Resilience.on_exception``), and it exits 1."""
+    path = getattr(error, "pd2bw_log_file", None)
+    if path is None:
+        return
+    from ..errors import refusal_in
+
+    with open(path, "a") as log:
+        refusal = refusal_in(error)
+        print(f"{program}: {refusal}" if refusal is not None else "", file=log)
+        if refusal is None:
+            traceback.print_exception(error, file=log)
+    raise SystemExit(1) from None
 
 
 def refused(error: BaseException, program: str) -> None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 from ..engine.comm.grid import device_barrier, visible_gpu
 from ..engine.layout import Placement
 from ..engine.options import PipelineOptions, Run
-from ..observe import watchdog
+from ..observe import flight_recorder, watchdog
 from . import checks
 from .compat import (
     PatientSubprocessLauncher,
@@ -137,7 +137,7 @@ class PipelineProcesses(ParallelStrategy):
         if self.root_device.type == "cuda":  # NCCL binds its communicators to this device at once
             extra["device_id"] = self.root_device
         if backend == "nccl":
-            watchdog.enable_flight_recorder(os.environ.get("PD2BW_TRACE_DIR", tempfile.gettempdir()))
+            flight_recorder.enable_flight_recorder(os.environ.get("PD2BW_TRACE_DIR", tempfile.gettempdir()))
         init_process_group(self.cluster_environment, backend, timeout=self._timeout, **extra)
 
     @override

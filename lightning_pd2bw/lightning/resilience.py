@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..engine.comm.grid import ProcessGrid
 from ..engine.observer import Progress
+from ..errors import refusal_in
 from ..observe import watchdog
 from .preemption import Preemption
 
@@ -40,6 +41,7 @@ class Resilience:
             self.failure_timeout,
             hang_timeout=self.hang_timeout,
             progress=self.progress,
+            log_file=watchdog.log_file(),
         )
         self.watchdog.start()
 
@@ -88,7 +90,15 @@ class Resilience:
         if watchdog.is_peer_failure(exception):
             dog.end_on_verdict(dog.timeout + 4 * dog.interval)
         dog.stop(done=False)
-        dog.report(f"{type(exception).__name__}: {exception}".strip()[:500])
+        refusal = refusal_in(exception)
+        logged = dog.log_file is not None and dog.rank != 0  # rank 0 says it last; this rank's trace in its log
+        if refusal is not None:  # its message is the whole story
+            dog.report(str(refusal)[:2000], refused=True)
+        else:
+            where = f" (its traceback: {dog.log_file})" if logged else ""
+            dog.report(f"{type(exception).__name__}: {str(exception).strip()[:500]}{where}")
+        if logged:
+            exception.pd2bw_log_file = dog.log_file  # type: ignore[attr-defined]  (read by ``cli.train.logged``)
         dog.linger()  # this process may host the store: the others must read the verdict before it goes
 
     def stop(self) -> None:

@@ -11,10 +11,13 @@ Every rank runs a watchdog thread with its own connection to the rendezvous stor
   progress for ``hang_timeout`` seconds, the pipeline is stuck (a receive that never comes, a
   mismatched collective, a transport deadlock) while every heartbeat still beats;
 * verdict: the first rank to learn of a failure (its own exception, a dead peer, a hang) writes one
-  line to ``verdict``; every watchdog polls that key and, once it is set, acknowledges it, prints it
+  line to ``verdict``; every watchdog polls that key and, once it is set, acknowledges it, writes it
   with its own current action and Python stack (``faulthandler``) and ends its process with exit code
-  ``EXIT_CODE``: the main thread may be blocked inside a collective that would otherwise wait for the
-  process-group timeout.
+  ``EXIT_CODE`` (``REFUSED_CODE`` where the failure is a rank's ``Refusal``: a resume would meet it again): the
+  main thread may be blocked inside a collective that would otherwise wait for the process-group timeout.
+  Where the run has a log file (``pd2bw-train``: Hydra's, one per rank), the stacks go there and only one rank
+  speaks on the terminal: global rank 0, or every survivor where rank 0 or its store is gone; the verdict is its
+  last line. Without one, every rank writes everything to its stderr.
 
 Before a rank exits with a verdict it waits (bounded) until every other rank has acknowledged it (after
 printing its own stack), left, or is known dead: global rank 0 usually hosts the store (Lightning's launcher,
@@ -39,10 +42,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..engine.observer import Progress
+from .flight_recorder import abort_nccl
 
 # Progress (engine.observer) is the main thread's side of the watchdog; re-exported here for its users
 
 EXIT_CODE = 75  # EX_TEMPFAIL: the job ended early and may be resumed from its last checkpoint
+REFUSED_CODE = 1  # a rank refused (``errors.Refusal``): resuming would meet the same refusal
 PREFIX = "pd2bw/watchdog/"
 
 
@@ -65,6 +70,7 @@ class Watchdog:
             declared stuck (None: not checked); only while ``arm``-ed.
         progress: the main thread's ``Progress``.
         exit: how the process ends once a failure is known (tests may replace it).
+        log_file: where this rank's stacks go on a verdict (None: stderr; ``log_file()`` finds the run's).
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class Watchdog:
         hang_timeout: float | None = None,
         progress: Progress | None = None,
         exit: Callable[[int], None] = os._exit,
+        log_file: str | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"failure_timeout={timeout} must be > 0 seconds (or None to turn detection off)")
@@ -91,7 +98,8 @@ class Watchdog:
         self.interval = min(max(timeout / 6, 0.05), 5.0)
         if hang_timeout is not None:
             self.interval = min(self.interval, max(hang_timeout / 6, 0.05))
-        self._exit = exit
+        self._exit, self.log_file = exit, log_file
+        self._store_lost = False
         self._stop = threading.Event()
         self._ending = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -136,10 +144,23 @@ class Watchdog:
                 pass
 
     # ------------------------------------------------------------------ reporting
-    def report(self, reason: str) -> None:
-        """Publish this rank's own failure (an exception it raised); the first report wins."""
-        self._publish(f"{self.describe(self.rank)} failed: {reason}")
+    def report(self, reason: str, refused: bool = False) -> None:
+        """Publish this rank's own failure (an exception it raised; ``refused``: a ``Refusal``, whose message is
+        the whole story); the first report wins."""
+        verb = "refused" if refused else "failed"
+        self._publish(f"{self.describe(self.rank)} {verb}: {reason}", refused)
         self._acknowledge()
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank writes the verdict on the terminal: every rank without a log file; with one, global
+        rank 0, or every survivor once rank 0 or the store it hosts is gone (rank 0's own error is its to say)."""
+        if self.log_file is None or self.rank == 0 or self._store_lost:
+            return True
+        try:
+            return self.store.check([self._key("dead/0")])
+        except Exception:  # the store is gone with rank 0
+            return True
 
     def end_on_verdict(self, seconds: float) -> None:
         """Wait up to ``seconds`` for some rank's failure to be known, then end this process with it (a
@@ -170,9 +191,11 @@ class Watchdog:
         done = self._key(f"done/{rank}")
         return self.store.check([done]) and self.store.get(done) == b"1"
 
-    def _publish(self, message: str) -> None:
+    def _publish(self, message: str, refused: bool = False) -> None:
         try:
             if self.store.add(self._key("failed"), 1) == 1:  # the first verdict wins
+                if refused:
+                    self.store.set(self._key("refused"), "1")
                 self.store.set(self._key("verdict"), message)
         except Exception:
             pass
@@ -198,6 +221,7 @@ class Watchdog:
                 self._beat()
                 message = self._check()
             except Exception as error:  # the store is unreachable: its host died
+                self._store_lost = True
                 message = (
                     f"the rendezvous store ({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')},"
                     f" hosted by {self.describe(0)} or the launcher) stopped answering ({type(error).__name__}: "
@@ -262,65 +286,51 @@ class Watchdog:
         if not self._ending.acquire(blocking=False):  # the other thread is ending the process already
             time.sleep(60)
             return
-        print(
-            f"\npd2bw: {message}. {self.describe(self.rank)} exits with code {EXIT_CODE}; resume from the last "
-            f"checkpoint (ckpt_path=...). This rank was at: {self.progress.where} (action #{self.progress.count}); "
-            "its Python stacks:",
-            file=sys.stderr,
-            flush=True,
+        code = REFUSED_CODE if self._refused() else EXIT_CODE
+        then = (
+            "the refusal names the fix" if code == REFUSED_CODE else "resume from the last checkpoint (ckpt_path=...)"
         )
+        text = f"pd2bw: {message}. {self.describe(self.rank)} exits with code {code}; {then}."
+        where = f"This rank was at: {self.progress.where} (action #{self.progress.count}); its Python stacks:"
+        log = _open_for_append(self.log_file)
+        stacks = log or sys.stderr
+        print(f"\n{text} {where}", file=stacks, flush=True)
         try:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            faulthandler.dump_traceback(file=stacks, all_threads=True)
         except (AttributeError, ValueError, OSError):  # stderr is not a file (captured)
             pass
-        sys.stderr.flush()
+        stacks.flush()
+        if log is not None:
+            log.close()
+            if self.speaks:  # the one message, last on the terminal; every rank's stacks in its log
+                print(f"\n{text} Its stacks: {self.log_file}", file=sys.stderr, flush=True)
         self._acknowledge()
         self.linger()
         dump = abort_nccl(self.rank)
         if dump is not None:
             print(f"pd2bw: NCCL's flight recorder for this rank: {dump}", file=sys.stderr, flush=True)
-        self._exit(EXIT_CODE)
+        self._exit(code)
+
+    def _refused(self) -> bool:
+        try:
+            return self.store.check([self._key("refused")])
+        except Exception:  # the store is gone: not a refusal anyone could publish
+            return False
 
 
-FLIGHT_RECORDER_ENTRIES = 2000  # the last collectives and point-to-point operations kept per rank
-
-
-def enable_flight_recorder(folder: str) -> None:
-    """Turn on NCCL's flight recorder (call before the NCCL process group exists; settings the user made win): each
-    rank keeps its last operations, dumped to ``folder/nccl_trace_rank_<rank>`` on an NCCL timeout and on a
-    watchdog verdict, to be read with ``torchfrtrace`` (which rank waited in which operation)."""
-    prefix = os.path.join(folder, "nccl_trace_rank_")
-    for key, value in (
-        ("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES)),
-        ("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES)),
-        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-        ("TORCH_FR_DUMP_TEMP_FILE", prefix),
-        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix),
-    ):
-        os.environ.setdefault(key, value)
-
-
-def abort_nccl(rank: int) -> str | None:
-    """On a verdict under NCCL: write this rank's flight-recorder dump, then abort every communicator (a kernel stuck
-    in a collective or a receive would otherwise hold the GPU, and the process, until NCCL's own timeout). Returns
-    the dump's path (None under gloo, or when nothing could be dumped)."""
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
+def _open_for_append(path: str | None):  # noqa: ANN202 - a text file or None
+    try:
+        return open(path, "a") if path is not None else None  # noqa: SIM115 - faulthandler writes to its descriptor
+    except OSError:
         return None
-    path = None
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace
 
-        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", ""))
-        path = f"{prefix or '/tmp/nccl_trace_rank_'}{rank}"
-        with open(path, "wb") as handle:
-            handle.write(_dump_fr_trace(True, True, False))
-    except Exception:  # noqa: BLE001 - a dump is best effort; the abort below is not
-        path = None
-    try:
-        dist.distributed_c10d._abort_process_group()  # the default group: every communicator of this process
-    except Exception:  # noqa: BLE001 - the process exits next either way
-        pass
-    return path
+
+def log_file() -> str | None:
+    """The run's log file where it has one (``pd2bw-train``: Hydra's file handler on the root logger), else None."""
+    import logging
+
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    return files[0].baseFilename if files else None
 
 
 def connect(timeout: float) -> dist.Store:

@@ -6,6 +6,7 @@ peer and a hang; or once, with PD2BW_TEST_WORLD=N, so that Lightning's own launc
   kill          SIGKILL the process at the start of the step
   freeze        SIGSTOP the process (every thread, the watchdog's too, stops; the process stays)
   raise         raise an exception in the step
+  raise_logged  the same, each rank with a log file (OUT/rank<R>.log, as pd2bw-train's Hydra keeps one per rank)
   kill_in_save  SIGKILL while writing its shard of the second checkpoint (last.ckpt is overwritten)
   nonfinite     the step's loss becomes NaN on the last stage (on_nonfinite="stop": the stages that see it raise);
                 RANK only marks the time
@@ -37,7 +38,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_pd2bw.checkpoint.store as ckpt  # noqa: E402
 from lightning_pd2bw import PipeDream2BWStrategy  # noqa: E402
-from lightning_pd2bw.cli.train import refused  # noqa: E402
+from lightning_pd2bw.cli.train import logged, refused  # noqa: E402
 from lightning_pd2bw.observe import watchdog  # noqa: E402
 from tests.distributed.cases import Case, build_model, dataloader  # noqa: E402
 from tests.distributed.harness import quiet_trainer  # noqa: E402
@@ -61,7 +62,7 @@ class Fault(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
-        if self.kind in ("raise", "raise_slow_reader"):
+        if self.kind in ("raise", "raise_slow_reader", "raise_logged"):
             raise RuntimeError("injected fault in training step")
         if self.kind == "hang_recv":
             peer = (self.rank + 1) % trainer.world_size
@@ -133,6 +134,10 @@ def main() -> None:
     callbacks: list = [Fault(kind, rank, step)] + ([PoisonLoss(step)] if kind == "nonfinite" else [])
     if kind == "raise_slow_reader" and int(os.environ["RANK"]) != rank:
         read_verdicts_late()
+    if kind == "raise_logged":
+        import logging
+
+        logging.getLogger().addHandler(logging.FileHandler(out / f"rank{os.environ['RANK']}.log"))
     if kind == "kill_in_save":
         die_in_second_save(rank)
         callbacks.append(ModelCheckpoint(dirpath=out, save_top_k=0, save_last=True, every_n_train_steps=2))
@@ -166,7 +171,8 @@ def main() -> None:
             build_model(case), train_dataloaders=dataloader(case), ckpt_path="last" if kind == "resume" else None
         )
     except BaseException as error:
-        refused(error, "run_faults")  # as pd2bw-train ends: a refusal's message alone, last
+        logged(error, "run_faults")  # as pd2bw-train ends: past rank 0, into the rank's log file where it has one
+        refused(error, "run_faults")  # a refusal's message alone, last
         raise
     print(f"rank {trainer.global_rank} finished", file=sys.stderr, flush=True)
 

@@ -76,6 +76,23 @@ def test_raising_stage_is_named_by_the_others_even_when_it_hosts_the_store(tmp_p
     assert "rendezvous store" not in results[1].stderr, logs
 
 
+def test_a_rank_with_a_log_file_leaves_the_terminal_to_rank_0(tmp_path):
+    """Issue 98 item 5: where each rank has a log file (pd2bw-train), rank 1's exception goes to its log alone, and
+    rank 0's terminal ends with the one message naming rank 1, its error and where its traceback is; rank 0's own
+    stacks are in its log, not on the terminal."""
+    results, logs = run(tmp_path, "raise_logged", 1, 3, 2)
+    zero, one = results
+    assert zero.returncode == EXIT_CODE and one.returncode == 1, logs
+    last = zero.stderr.strip().splitlines()[-1]
+    assert "rank 1 (stage 1 of 2, replica 0) failed: RuntimeError: injected fault in training step" in last, logs
+    assert f"its traceback: {tmp_path / 'rank1.log'}" in last and f"Its stacks: {tmp_path / 'rank0.log'}" in last
+    assert 'File "' not in zero.stderr and "Traceback" not in one.stderr, logs
+    assert (
+        "injected fault" in (tmp_path / "rank1.log").read_text() and "Traceback" in (tmp_path / "rank1.log").read_text()
+    )
+    assert 'File "' in (tmp_path / "rank0.log").read_text(), "rank 0's stacks are kept"
+
+
 def test_rank_stuck_in_a_receive_is_found_by_the_progress_watchdog(tmp_path):
     """Every heartbeat keeps beating; only the lack of progress shows the hang (hang_timeout=4 s). Four ranks: the
     stuck rank's own peer, its replica's and the other replica's ranks all find it."""

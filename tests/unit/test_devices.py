@@ -14,7 +14,7 @@ from torch import nn
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.checkpoint.store import SHARED_PROBE, check_shared
 from lightning_pd2bw.lightning.preemption import Preemption
-from lightning_pd2bw.observe import watchdog
+from lightning_pd2bw.observe import flight_recorder
 from lightning_pd2bw.sparsity.masks import MaskUpdate, Sparsifier
 
 
@@ -127,7 +127,7 @@ def test_the_flight_recorder_is_on_and_the_users_settings_win(monkeypatch, tmp_p
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/mine/trace_")
     monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
-    watchdog.enable_flight_recorder(str(tmp_path))
+    flight_recorder.enable_flight_recorder(str(tmp_path))
     import os
 
     assert int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0 and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -136,7 +136,7 @@ def test_the_flight_recorder_is_on_and_the_users_settings_win(monkeypatch, tmp_p
 
 
 def test_no_nccl_no_abort(one_process_group):
-    assert watchdog.abort_nccl(0) is None
+    assert flight_recorder.abort_nccl(0) is None
     dist.all_reduce(torch.ones(1))  # the group is untouched
 
 

@@ -121,3 +121,24 @@ def test_a_full_disk_ends_the_run_with_its_message(tmp_path, small_disk, full_er
     assert str(small_disk) in lines[-1] and "MiB are free" in lines[-1]
     assert HYDRA_HINT not in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.full
+def test_a_refusal_of_one_rank_ends_the_job_with_its_message_on_rank_0(tmp_path):
+    """Issue 98 item 5: a resume whose checkpoint has rank 1's shard damaged is refused by rank 1 alone. The terminal
+    ends with rank 0's one message naming rank 1 and the damaged file, code 1 (a resume would meet it again; not the
+    resumable 75), no traceback or stack on it; rank 1's message and rank 0's stacks are kept in their log files."""
+    args = ["trainer.max_steps=4", "trainer.limit_val_batches=0", f"paths.output_dir={tmp_path / 'run'}", "logger=csv"]
+    assert _train(args, tmp_path).returncode == 0
+    shard = tmp_path / "run" / "checkpoints" / "last.ckpt" / "__1_0.distcp"
+    data = bytearray(shard.resolve().read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 48] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 48])
+    shard.resolve().write_bytes(bytes(data))
+    result = _train([*args, "trainer.max_steps=6", "ckpt_path=last"], tmp_path)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last.startswith("pd2bw: rank 1 (stage 1 of 2, replica 0) refused: checkpoint"), result.stderr[-3000:]
+    assert "__1_0.distcp's bytes changed" in last and "Use another checkpoint" in last
+    assert "Traceback" not in result.stderr and 'File "' not in result.stderr, result.stderr[-3000:]
+    assert "__1_0.distcp's bytes changed" in (tmp_path / "run" / "train_ddp_process_1.log").read_text()
+    assert 'File "' in (tmp_path / "run" / "train.log").read_text(), "rank 0's stacks are kept in its log"
