@@ -31,11 +31,12 @@ def _select_cluster(argv: list[str]) -> list[str]:
     return out
 
 
-def search_plans(cfg, model, mode: str | None = None):
+def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: that mode at its best plan
     (Flush without a lookahead; the gradients and the placement as the planner weighs them, ``search.gradient_choices``
-    and ``placement_choices``, whatever the run set: a recipe's are chosen for its own mode)."""
+    and ``placement_choices``, whatever the run set: a recipe's are chosen for its own mode); ``fastest_only``: the
+    fastest plan is all that is read (``search``). One search per options and model."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
@@ -45,8 +46,22 @@ def search_plans(cfg, model, mode: str | None = None):
     if mode is not None:
         lookahead = options.lookahead if mode == options.mode or mode == "2bw" else 0
         options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None, placement=None)
-    profile_for = lambda micro: analytic_model_profile(cfg, model, micro)  # noqa: E731
-    return search(profile_for, cluster_of(cfg), cfg.global_batch_size, options)
+    searched = model.__dict__.setdefault("_pd2bw_searches", {})  # this model's and cfg's, by options
+    whole, fastest = (repr(options), False), (repr(options), True)
+    key = whole if whole in searched or not fastest_only else fastest
+    if key not in searched:
+        profiles = searched.setdefault("profiles", {})  # one profile per micro size
+
+        def profile_for(micro: int):  # noqa: ANN202
+            if micro not in profiles:
+                profiles[micro] = analytic_model_profile(cfg, model, micro)
+            return profiles[micro]
+
+        predicted = searched.setdefault("predicted", {})  # one simulation per candidate and cut
+        searched[key] = search(
+            profile_for, cluster_of(cfg), cfg.global_batch_size, options, fastest_only=key[1], predicted=predicted
+        )
+    return searched[key]
 
 
 def plan(cfg, limit: int = 10) -> str:
@@ -105,7 +120,7 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
     rates, best = {} if fixed else {mode: rate}, {}  # the run's best is its mode's best
     for each in ("2bw", *SYNCHRONOUS):
         try:
-            best[each] = search_plans(cfg, model, each)[0][0]
+            best[each] = search_plans(cfg, model, each, fastest_only=True)[0][0]
             rates.setdefault(each, best[each].throughput)
         except NoPlanFits:
             if each == mode:

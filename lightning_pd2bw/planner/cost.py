@@ -231,8 +231,10 @@ def predict(
     cluster: ClusterSpec,
     global_batch: int,
     stages: Sequence[range],
+    timed: bool = True,
 ) -> Prediction:
-    """Time (``timing.py``: the engine's actions simulated) and memory of ``candidate`` with the given partition."""
+    """Time (``timing.py``: the engine's actions simulated) and memory of ``candidate`` with the given partition;
+    ``timed=False``: the memory alone (its times NaN; what a layout that does not fit needs)."""
     m = candidate.num_microbatches(global_batch)
     times, memory = [], []
     for s, span in enumerate(stages):
@@ -240,6 +242,9 @@ def predict(
         inward = message_time(profile, candidate, cluster, stages, s - 1) if s > 0 else 0.0
         times.append(forward + backward + inward + message_time(profile, candidate, cluster, stages, s))
         memory.append(stage_memory(profile, span, s, candidate, m))
+    if not timed:
+        nan = float("nan")
+        return Prediction(candidate, m, tuple(stages), tuple(times), nan, nan, tuple(memory), global_batch)
     clock = timing(profile, candidate, cluster, stages, m)
     update = max(e + b for e, b in zip(clock.exposed, clock.update_compute))
     return Prediction(

@@ -17,6 +17,7 @@ from ..engine.options import PipelineOptions
 from ..errors import Refusal
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict, stage_memory
 from .hardware import ClusterSpec, GiB
+from .timing import compute_time
 
 MEMORY_HEADROOM = 0.9  # allocator fragmentation, CUDA context, communication buffers
 
@@ -36,10 +37,13 @@ def pack(
     limit_s: float,
     capacity: float,
     shares: dict[tuple[int, int], float] | None = None,
+    held: dict[tuple[int, int, int], float] | None = None,
 ) -> list[range] | None:
     """Greedy contiguous cut: each stage takes as many layers as fit ``limit_s`` and ``capacity`` (its memory as
-    ``cost.stage_memory`` counts it: the fullest replica's optimizer share; ``shares`` caches it per span)."""
+    ``cost.stage_memory`` counts it: the fullest replica's optimizer share; ``shares`` caches it per span, ``held``
+    the memory of stage s holding layers start..end, which no limit changes)."""
     shares = {} if shares is None else shares
+    held = {} if held is None else held
     n, d = len(profile.layers), candidate.depth
     stages, start = [], 0
     for s in range(d):
@@ -54,19 +58,23 @@ def pack(
             shared = sum(k for a, b, k in profile.shared if b == end and start <= a < end)
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
             widest = max(largest, layer.activation_bytes)
-            states = profile.states_of(range(start, end + 1))
-            rebuilt = sum(profile.layers[i].activation_bytes for i in candidate.recomputed(s, range(start, end + 1)))
-            if (start, end) not in shares:  # owners take whole tensors: the fullest replica's share, as stage_memory
-                shares[start, end] = candidate.replica_share(profile, range(start, end + 1))
-            share = shares[start, end]
-            memory = memory_of(
-                profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states, rebuilt, share
-            )
-            given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
-            memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
-            if profile.layer_masks:  # sparsity masks, one byte per targeted weight
-                memory["masks"] = sum(profile.layer_masks[start : end + 1])
-            if sum(memory.values()) > capacity:
+            if (s, start, end) not in held:
+                states = profile.states_of(range(start, end + 1))
+                rebuilt = sum(
+                    profile.layers[i].activation_bytes for i in candidate.recomputed(s, range(start, end + 1))
+                )
+                if (start, end) not in shares:  # owners take whole tensors: the fullest replica's share
+                    shares[start, end] = candidate.replica_share(profile, range(start, end + 1))
+                share = shares[start, end]
+                memory = memory_of(
+                    profile, grown[0], grown[1], start, s, candidate, num_microbatches, widest, states, rebuilt, share
+                )
+                given = profile.layers[start - 1].output_bytes if s > 0 else 0.0
+                memory |= boundary_memory(profile, s, candidate, num_microbatches, layer, given, range(start, end + 1))
+                if profile.layer_masks:  # sparsity masks, one byte per targeted weight
+                    memory["masks"] = sum(profile.layer_masks[start : end + 1])
+                held[s, start, end] = sum(memory.values())
+            if held[s, start, end] > capacity:
                 break
             time, (params, activations), largest = time + step, grown, widest
             end += 1
@@ -85,12 +93,13 @@ def partition(
     steps = [p.forward_s * factor + p.backward_s for p in profile.layers]
     low, high = max(steps) * (1 - 1e-9), sum(steps) * (1 + 1e-9)
     shares: dict[tuple[int, int], float] = {}
-    best = pack(profile, candidate, num_microbatches, high, capacity, shares)
+    held: dict[tuple[int, int, int], float] = {}
+    best = pack(profile, candidate, num_microbatches, high, capacity, shares, held)
     if best is None:
         return None
     for _ in range(40):
         middle = (low + high) / 2
-        stages = pack(profile, candidate, num_microbatches, middle, capacity, shares)
+        stages = pack(profile, candidate, num_microbatches, middle, capacity, shares, held)
         if stages is None:
             low = middle
         else:
@@ -164,6 +173,9 @@ def gradient_choices(options: PipelineOptions, width: int) -> list[PipelineOptio
     return [options.replace(shard_gradients=True), options.replace(shard_gradients=False)]
 
 
+TIMED_TOO_BIG = 3  # the layouts that do not fit whose time is simulated too (``pd2bw-plan`` shows them)
+
+
 def search(
     profile_for: Callable[[int], ModelProfile],
     cluster: ClusterSpec,
@@ -172,13 +184,27 @@ def search(
     *,
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
+    fastest_only: bool = False,
+    predicted: dict[tuple, Prediction] | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """All candidates on ``cluster``'s devices that run ``options`` (default: ``PipelineOptions()``, the strategy's
-    defaults): (those that fit, fastest first; those that do not).
+    defaults): (those that fit, fastest first; those that do not, smallest first: the first ``TIMED_TOO_BIG`` timed,
+    the rest their memory alone, their times NaN).
 
-    ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size).
-    Raises ``NoPlanFits`` when nothing fits, saying what would.
+    ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size). ``fastest_only``:
+    the fastest plan alone is needed (a synchronous schedule's candidates are then simulated from the lowest bound up,
+    ``_fastest``). ``predicted``: the timed predictions of earlier searches of the same model, cluster and global
+    batch, by candidate and cut (filled here). Raises ``NoPlanFits`` when nothing fits, saying what would.
     """
+    predicted = {} if predicted is None else predicted
+
+    def timed(candidate: Candidate, stages: Sequence[range]) -> Prediction:
+        key = (repr(candidate), tuple((r.start, r.stop) for r in stages))
+        if key not in predicted:
+            profile = profile_at(candidate.micro_batch_size)
+            predicted[key] = predict(profile, candidate, cluster, global_batch, stages)
+        return predicted[key]
+
     capacity = cluster.device.memory_bytes * headroom
     profiles: dict[int, ModelProfile] = {}
 
@@ -199,24 +225,56 @@ def search(
             cuts[key] = partition(profile_at(candidate.micro_batch_size), candidate, m, limit)
         return cuts[key]
 
+    fitting: list[tuple[Candidate, list[range]]] = []  # timed below
     for candidate in _shown(found, (options or PipelineOptions()).mode):
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
         stages = cut(candidate, m, capacity)
         if stages is not None:
-            fits.append(predict(profile, candidate, cluster, global_batch, stages))
+            fitting.append((candidate, stages))
             continue
         stages = cut(candidate, m, float("inf"))  # the time-balanced cut
         fewest = fewest_recomputed(profile, candidate, m, capacity, stages) if candidate.recompute is False else None
         if fewest is not None:  # recomputing some blocks of some stages is enough (Megatron's recompute_num_layers)
-            fits.append(predict(profile, fewest, cluster, global_batch, stages))
+            fitting.append((fewest, stages))
         # for the table and the refusal: the time-balanced cut and how much it needs
-        too_big.append(predict(profile, candidate, cluster, global_batch, stages))
+        too_big.append(predict(profile, candidate, cluster, global_batch, stages, timed=False))
+    if fastest_only and fitting and not fitting[0][0].mode.double_buffered:
+        fits = _fastest(fitting, profile_at, global_batch, timed)
+    else:
+        fits = [timed(candidate, stages) for candidate, stages in fitting]
     fits.sort(key=lambda p: -p.throughput)
     too_big.sort(key=lambda p: p.peak_memory)
+    for i, p in enumerate(too_big[:TIMED_TOO_BIG]):  # the closest, shown beside the plans: timed too
+        too_big[i] = timed(p.candidate, p.stages)
     if not fits:
         raise NoPlanFits(refusal(too_big, cluster, capacity, global_batch))
     return fits, too_big
+
+
+def _fastest(
+    fitting: list[tuple[Candidate, list[range]]],
+    profile_at: Callable[[int], ModelProfile],
+    global_batch: int,
+    timed: Callable[[Candidate, Sequence[range]], Prediction],
+) -> list[Prediction]:
+    """The fastest of ``fitting`` under a synchronous schedule, simulated from the lowest bound up: a drained step
+    lasts at least its busiest stage's compute, ``m`` forwards and backwards (the simulator's clock starts every stage
+    at 0), so a candidate whose bound is no faster than the fastest simulated one cannot beat it."""
+
+    def bound(item: tuple[Candidate, list[range]]) -> float:
+        candidate, stages = item
+        profile, m = profile_at(candidate.micro_batch_size), candidate.num_microbatches(global_batch)
+        return max(m * sum(compute_time(profile, candidate, s, span)) for s, span in enumerate(stages))
+
+    best: Prediction | None = None
+    for seconds, (candidate, stages) in sorted(((bound(item), item) for item in fitting), key=lambda pair: pair[0]):
+        if best is not None and seconds >= best.batch_time:
+            break
+        found = timed(candidate, stages)
+        if best is None or found.throughput > best.throughput:
+            best = found
+    return [best] if best is not None else []
 
 
 def _shown(found: list[Candidate], mode: str) -> Any:

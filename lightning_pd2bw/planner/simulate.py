@@ -97,6 +97,8 @@ class _Lowering:
         self.issued: dict[str, int] = {}  # channel -> collectives issued on it so far
         self.inflight: dict[tuple[int, Collective], list[tuple[str, int]]] = {}
         self.loss: dict[int, tuple[str, int]] = {}
+        self.groups: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.seconds_of: dict[Collective, float] = {}
 
     def issue(self, channel: str, members: tuple[int, ...], seconds: float) -> tuple[str, int]:
         number = self.issued.get(channel, 0)
@@ -110,9 +112,17 @@ class _Lowering:
     def group(self, name: str) -> tuple[str, tuple[int, ...]]:
         """The communicator ``name`` of this stage in replica 0 (``grid.communicator``), its members as stages:
         replicas run alike, so a replica group's collective starts as soon as its stage issues it."""
-        d = self.layout.num_stages
-        channel, ranks = communicator(name, self.stage, 0, d, 1, tied=(0, d - 1))
-        return channel, tuple(sorted({rank % d for rank in ranks}))
+        if name not in self.groups:
+            d = self.layout.num_stages
+            channel, ranks = communicator(name, self.stage, 0, d, 1, tied=(0, d - 1))
+            self.groups[name] = channel, tuple(sorted({rank % d for rank in ranks}))
+        return self.groups[name]
+
+    def seconds(self, collective: Collective) -> float:
+        """One issue of ``collective`` on this stage (``cost_of``, once per collective)."""
+        if collective not in self.seconds_of:
+            self.seconds_of[collective] = self.cost_of(self.stage, collective)
+        return self.seconds_of[collective]
 
     def update(self, op: Op) -> None:
         """The update's steps at ``op`` (``lowering.Op.steps``, what ``verify/comm_plan.py`` issues), timed: each part
@@ -126,7 +136,7 @@ class _Lowering:
                 self.ops.append((COMPUTE, PART_COMPUTE[part][1](self.mine)))
             elif step == ISSUE_PART and collective is not None:
                 channel, members = self.group(collective.group)
-                seconds = self.cost_of(self.stage, collective)
+                seconds = self.seconds(collective)
                 handles = [self.issue(channel, members, seconds) for _ in range(collective.repeat)]
                 if collective.waited is None:
                     for handle in handles:
@@ -135,45 +145,39 @@ class _Lowering:
                     self.inflight[(batch, collective)] = handles
 
     def segment(self, step: int) -> None:
-        s = self.stage
-        for op in _segment_ops(self.layout, s, step, self.mine.shape):
-            kind, micro = op.kind, op.microbatch
-            if self.mine.dispatch:
-                self.ops.append((COMPUTE, self.mine.dispatch))
-            if kind == S.FORWARD:
-                self.ops.append((COMPUTE, self.mine.forward))
-            elif kind == S.BACKWARD:
+        mine, ops, dispatch = self.mine, self.ops, self.mine.dispatch
+        backward = mine.backward - (mine.weight_grad if self.layout.mode.splits_backward else 0.0)
+        for code, op, first, second in _segment_plan(self.layout, self.stage, step, mine.shape):
+            if dispatch:
+                ops.append((COMPUTE, dispatch))
+            if code == _FORWARD:
+                ops.append((COMPUTE, mine.forward))
+            elif code == _BACKWARD:
                 # the previous batch's reduces still reading the buckets this backward fills: bucket by bucket, in the
                 # order the backward fills them (the order they were issued), each before its share of the backward
                 reclaimed = [h for _, _, c in op.reclaims for h in self.inflight.pop((op.batch - 1, c), [])]
-                backward = self.mine.backward - (self.mine.weight_grad if self.layout.mode.splits_backward else 0.0)
                 for handle in reclaimed:
                     self.wait(handle, update=True)
-                    self.ops.append((COMPUTE, backward / len(reclaimed)))
+                    ops.append((COMPUTE, backward / len(reclaimed)))
                 if not reclaimed:
-                    self.ops.append((COMPUTE, backward))
+                    ops.append((COMPUTE, backward))
                 if op.last:
                     self.update(op)
-            elif kind == S.WEIGHT:  # a split backward's deferred weight gradients
-                self.ops.append((COMPUTE, self.mine.weight_grad))
+            elif code == _WEIGHT:  # a split backward's deferred weight gradients
+                ops.append((COMPUTE, mine.weight_grad))
                 if op.last:
                     self.update(op)
-            elif kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
-                forward = kind == S.SEND_FORWARD
-                peer = s + 1 if forward else s - 1
-                seconds = self.mine.send if forward else self.costs[peer].send
-                self.ops.append((SEND, (s, peer), (s, kind, micro), seconds))
-                if op.fused is not None:  # the receive batched with this send is posted now
-                    received = op.fused
-                    sender = S.SEND_FORWARD if received.kind == S.RECV_FORWARD else S.SEND_BACKWARD
-                    self.ops.append((POST, (peer, sender, received.microbatch)))
-            elif kind == S.RECV_FORWARD:
-                self.ops.append((RECV, (s - 1, S.SEND_FORWARD, micro)))
-            elif kind == S.RECV_BACKWARD:
-                self.ops.append((RECV, (s + 1, S.SEND_BACKWARD, micro)))
-            elif kind == S.WAIT_SENDS:
-                self.ops.append((WAIT_SENDS,))
-            elif kind == S.LOSS:
+            elif code == _SEND:  # first: (link, message), second: the receive posted with it (or None)
+                link, message = first
+                seconds = mine.send if link[1] > link[0] else self.costs[link[1]].send  # the gradient back: as large
+                ops.append((SEND, link, message, seconds))
+                if second is not None:
+                    ops.append(second)
+            elif code == _RECV:
+                ops.append(first)
+            elif code == _WAIT_SENDS:
+                ops.append((WAIT_SENDS,))
+            elif code == _LOSS:
                 self.loss[op.batch] = self.issue(*self.group("loss"), 0.0)  # a scalar: its latency
             else:
                 self.update(op)
@@ -186,11 +190,34 @@ class _Lowering:
 CollectiveCost = Callable[[int, Collective], float]  # (stage, declared collective) -> seconds of one issue
 
 
+_FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE = range(8)
+
+
 @functools.lru_cache(maxsize=4096)
-def _segment_ops(layout: Layout, stage: int, step: int, shape: UpdateShape) -> tuple:
-    """The lowered ops of ``stage``'s segment of ``step`` (``lowering.lower``): the schedule's, not the costs', so
-    the candidates that differ only in costs (placement, gradients, recomputation, the cluster) share them."""
-    return tuple(lower_actions(S.segment(layout, stage, step), U.collectives(shape), layout.num_microbatches))
+def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape) -> tuple:
+    """The lowered ops of ``stage``'s segment of ``step`` (``lowering.lower``), each as ``(code, op, first,
+    second)`` with what needs no cost worked out once (a message's link and name, its posted receive): the
+    schedule's, not the costs', so the candidates that differ only in costs (placement, gradients, recomputation,
+    the cluster) share them."""
+    plan = []
+    for op in lower_actions(S.segment(layout, stage, step), U.collectives(shape), layout.num_microbatches):
+        kind, micro = op.kind, op.microbatch
+        first = second = None
+        if kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
+            code, peer = _SEND, stage + 1 if kind == S.SEND_FORWARD else stage - 1
+            first = ((stage, peer), (stage, kind, micro))
+            if op.fused is not None:  # the receive batched with this send is posted now
+                sender = S.SEND_FORWARD if op.fused.kind == S.RECV_FORWARD else S.SEND_BACKWARD
+                second = (POST, (peer, sender, op.fused.microbatch))
+        elif kind == S.RECV_FORWARD:
+            code, first = _RECV, (RECV, (stage - 1, S.SEND_FORWARD, micro))
+        elif kind == S.RECV_BACKWARD:
+            code, first = _RECV, (RECV, (stage + 1, S.SEND_BACKWARD, micro))
+        else:
+            codes = {S.FORWARD: _FORWARD, S.BACKWARD: _BACKWARD, S.WEIGHT: _WEIGHT, S.WAIT_SENDS: _WAIT_SENDS}
+            code = _LOSS if kind == S.LOSS else codes.get(kind, _UPDATE)
+        plan.append((code, op, first, second))
+    return tuple(plan)
 
 
 def lower(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int) -> list[list[tuple]]:
@@ -310,10 +337,19 @@ def run(programs: list[list[tuple]]) -> tuple[list[list[float]], list[list[float
     while any(at[s] < len(programs[s]) for s in range(d)):
         progressed = False
         for stage in range(d):
-            program = programs[stage]
-            while at[stage] < len(program) and step(stage, program[at[stage]]):
-                at[stage] += 1
-                progressed = True
+            program, i, length, spent = programs[stage], at[stage], len(programs[stage]), busy[stage]
+            while i < length:
+                op = program[i]
+                if op[0] == COMPUTE:  # the most frequent, inline
+                    clock[stage] += op[1]
+                    spent[-1] += op[1]
+                elif not step(stage, op):
+                    break
+                elif op[0] == MARK:
+                    spent = busy[stage]
+                i += 1
+            progressed = progressed or i != at[stage]
+            at[stage] = i
         if not progressed:
             waiting = {s: programs[s][at[s]] for s in range(d) if at[s] < len(programs[s])}
             raise Stuck(f"no stage can go on; each waits at {waiting}")

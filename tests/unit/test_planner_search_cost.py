@@ -1,0 +1,68 @@
+"""What a search simulates (issue 97, item 6: ``pd2bw-plan`` at 13B in seconds): a synchronous schedule's fastest plan
+found from the lowest bound up equals the full search's; the layouts that do not fit are timed only where shown;
+a second search of the same model re-simulates nothing. The figures are the full search's (``--check`` of the
+generated plan pages holds them to the digit)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+
+from lightning_pd2bw.engine.options import PipelineOptions
+from lightning_pd2bw.planner import ClusterSpec, search
+from lightning_pd2bw.planner.cost import ModelProfile
+from lightning_pd2bw.planner.hardware import device_spec
+from lightning_pd2bw.planner.profile import analytic_profile
+from lightning_pd2bw.planner.search import TIMED_TOO_BIG
+
+DEVICE = device_spec("a100_80g")
+CLUSTER = ClusterSpec(DEVICE, 4, 8, 300e9, 100e9)  # 32 devices: a 13B-sized model fits only some layouts
+
+
+def profile(micro: int) -> ModelProfile:
+    layers = analytic_profile(num_blocks=40, hidden=5120, heads=40, vocab=50304, seq=2048, micro=micro, device=DEVICE)
+    return ModelProfile(layers, shared=((0, 41, 50304 * 5120),))
+
+
+def counted(monkeypatch) -> list[int]:
+    """Each simulation the search runs (``cost.timing``)."""
+    cost = importlib.import_module("lightning_pd2bw.planner.cost")
+    calls: list[int] = []
+    original = cost.timing
+    monkeypatch.setattr(cost, "timing", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["flush", "zb_h1"])
+def test_the_fastest_synchronous_plan_is_the_full_searchs(monkeypatch, mode):
+    calls = counted(monkeypatch)
+    options = PipelineOptions(mode=mode)
+    fits, _ = search(profile, CLUSTER, 512, options)
+    everything = len(calls)
+    fastest, _ = search(profile, CLUSTER, 512, options, fastest_only=True)
+    assert len(fastest) == 1 and fastest[0].throughput == fits[0].throughput
+    assert fastest[0].candidate.depth == fits[0].candidate.depth
+    assert len(calls) - everything < everything / 2, "the bound leaves most candidates unsimulated"
+
+
+def test_only_the_closest_layouts_that_do_not_fit_are_timed(monkeypatch):
+    calls = counted(monkeypatch)
+    fits, too_big = search(profile, CLUSTER, 512, PipelineOptions(mode="2bw"))
+    assert len(too_big) > TIMED_TOO_BIG and len(calls) == len(fits) + TIMED_TOO_BIG
+    assert [p.peak_memory for p in too_big] == sorted(p.peak_memory for p in too_big)
+    assert all(p.throughput > 0 for p in too_big[:TIMED_TOO_BIG])
+    assert all(math.isnan(p.batch_time) for p in too_big[TIMED_TOO_BIG:])
+
+
+def test_a_second_search_of_the_same_model_simulates_nothing_again(monkeypatch):
+    calls = counted(monkeypatch)
+    predicted: dict = {}
+    first, _ = search(profile, CLUSTER, 512, PipelineOptions(mode="2bw", placement="replicas"), predicted=predicted)
+    before = len(calls)
+    again, _ = search(profile, CLUSTER, 512, PipelineOptions(mode="2bw", placement="replicas"), predicted=predicted)
+    assert len(calls) == before and [p.throughput for p in again] == [p.throughput for p in first]
+    free, _ = search(profile, CLUSTER, 512, PipelineOptions(mode="2bw"), predicted=predicted)
+    shared = {repr(p.candidate) for p in first} & {repr(p.candidate) for p in free}
+    assert shared and len(calls) - before <= len(free) + TIMED_TOO_BIG - len(shared)
