@@ -127,36 +127,43 @@ def costs_table(runs: dict[str, dict[str, str]]) -> str:
 
 
 def modes_table(twobw: dict[str, str], whole: dict[str, str], flush: dict[str, str]) -> str:
-    """The recipe (2BW, each gradient reduced to its owner: the default), 2BW with whole gradients all-reduced, and
-    Flush, at one layout."""
-    columns = (twobw, whole, flush)
+    """The recipe (2BW, each gradient reduced to its owner: the default) and Flush at one layout, and 2BW with whole
+    gradients all-reduced as a column only where it fits the memory the planner lets a stage use (else a line)."""
+    from lightning_pd2bw.planner.hardware import DEVICES, GiB
+    from lightning_pd2bw.planner.search import MEMORY_HEADROOM
+
+    usable = DEVICES["h100_80g"].memory_bytes * MEMORY_HEADROOM / GiB
+    whole_fits = float(whole["fullest"].split()[0]) <= usable
+    columns = (twobw, whole, flush) if whole_fits else (twobw, flush)
+    same = ["the same"] * (len(columns) - 1)
     rows = [
         ("layout", f"{twobw['stages']} stages x {twobw['replicas']} replicas, micro {twobw['micro']}, "
-                   f"m = {twobw['microbatches']}, {twobw['recompute']}", "the same", "the same"),
+                   f"m = {twobw['microbatches']}, {twobw['recompute']}", *same),
         ("planned step, rate", *(f"{f['step']} s, {f['rate']} samples/s ({f['mfu']}% MFU, {f['of_ideal']} of the ideal)" for f in columns)),
         ("fullest stage (H100, 80 GB)", *(f["fullest"] for f in columns)),
         (f"{twobw['tokens']} tokens ({twobw['steps']} steps)",
          f"{twobw['days']} days on {twobw['devices']} GPUs, {twobw['device_hours']} GPU-hours",
-         *(f"{f['days']} days, {f['device_hours']} GPU-hours" for f in (whole, flush))),
-        ("a checkpoint", f"{twobw['save']} per save, {twobw['save_rank']} on the fullest rank", whole["save"],
-         flush["save"]),
+         *(f"{f['days']} days, {f['device_hours']} GPU-hours" for f in columns[1:])),
+        ("a checkpoint", f"{twobw['save']} per save, {twobw['save_rank']} on the fullest rank",
+         *(f["save"] for f in columns[1:])),
         ("the tokenized corpus", *(f["corpus"] for f in columns)),
     ]  # fmt: skip
-    lines = [
-        "| | 2BW (the recipe; gradients to their owners, the default) | 2BW, whole gradients "
-        "(`strategy.shard_gradients=false`) | Flush, same layout (`strategy.mode=flush`) |",
-        "|---|---|---|---|",
-    ]
+    heads = ["2BW (the recipe; gradients to their owners, the default)"]
+    heads += ["2BW, whole gradients (`strategy.shard_gradients=false`)"] * whole_fits
+    heads += ["Flush, same layout (`strategy.mode=flush`)"]
+    lines = ["| | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    stage0 = [float(f["stage0"].split()[0]) for f in columns]
+    stage0 = {name: float(f["stage0"].split()[0]) for name, f in (("2bw", twobw), ("whole", whole), ("flush", flush))}
     lines += [
         "",
         "2BW's extra memory over Flush is its second weight version, the delay correction's buffers and its share of "
-        f"a batch's gradients set aside ({stage0[0] - stage0[2]:.1f} GiB on stage 0). With whole gradients it keeps "
-        f"a second gradient buffer instead ({stage0[1] - stage0[2]:.1f} GiB over Flush), so their all-reduce hides "
-        "behind half a batch; reduced to their owners, the reduce must finish within about one microbatch (the next "
-        "batch's first backward waits for each bucket as it first adds into it).",
-    ]
+        f"a batch's gradients set aside ({stage0['2bw'] - stage0['flush']:.1f} GiB on stage 0). With whole gradients "
+        f"it keeps a second gradient buffer instead ({stage0['whole'] - stage0['flush']:.1f} GiB over Flush), so "
+        "their all-reduce hides behind half a batch; reduced to their owners, the reduce must finish within about one "
+        "microbatch (the next batch's first backward waits for each bucket as it first adds into it)."
+        + ("" if whole_fits else f" At this layout whole gradients need {whole['fullest']} on the fullest stage, over "
+           f"the {usable:.0f} GiB a stage may use: the dry run warns, and the planner does not offer it."),
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -217,7 +224,7 @@ def outputs() -> dict[Path, str]:
         GENERATED / "recipe-checkpoint-gpt13b.md": checkpoint_line(texts["gpt13b"]),
         GENERATED / "plan-gpt13b.md": plan_sample(),
         GENERATED / "planner-devices.md": device_forecast({1: micro1, 2: runs["gpt13b"]}),
-        ROOT / "README.md": readme[:start] + "\n" + modes + readme[end:],
+        ROOT / "README.md": readme[:start] + "\n" + modes.split("\n\n")[0] + "\n" + readme[end:],  # the table
     }
 
 

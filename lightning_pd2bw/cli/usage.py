@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engine.layout import MODES
+
 GROUPS = ("model", "data", "strategy", "trainer", "sparsity", "logger", "callbacks")
 KEYS = (
     ("global_batch_size=N micro_batch_size=N", "the batch: m = global / (replicas x micro) microbatches"),
     ("trainer.devices=N trainer.num_nodes=N", "processes (GPUs, or CPU processes)"),
-    ("strategy.num_stages=D strategy.mode=2bw|flush", "pipeline depth and schedule"),
+    (f"strategy.num_stages=D strategy.mode={'|'.join(MODES)}", "pipeline depth and schedule"),
     ("trainer.max_steps=N model.lr=X", "length and learning rate"),
     ("data.paths=[a.txt,b.txt] | data=tokens data.path=DIR", "your text, or a prepared token corpus"),
     ("ckpt_path=last|PATH", "resume"),

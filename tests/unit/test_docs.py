@@ -19,6 +19,33 @@ def test_readme_is_short():
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/ (<= 250)"
 
 
+README_MAX_WORDS = 1500  # issue 97, item 7
+PARAGRAPH_MAX_WORDS = 80  # issue 97, item 3
+
+
+def test_the_readme_says_what_it_is_for_whom_and_its_two_commands_on_its_first_screen():
+    """Issue 97, item 3: within the first 30 lines, what it is, whether it is for you (the verdict's condition, the
+    planner command that gives it, the limitations page) and the two commands; no paragraph or list item over 80
+    words in the whole README, and at most 1,500 words."""
+    text = (ROOT / "README.md").read_text()
+    first = "\n".join(text.splitlines()[:30])
+    for needed in ('Trainer(strategy="pd2bw")', "Is it for you?", "pd2bw-plan", "docs/limitations.md"):
+        assert needed in first, f"{needed!r} is not on the README's first screen"
+    assert re.search(r"^make train ", first, re.M) and re.search(r"^make test ", first, re.M), first
+    assert len(text.split()) <= README_MAX_WORDS, f"README.md has {len(text.split())} words (<= {README_MAX_WORDS})"
+    blocks, fenced = [], False
+    for block in re.split(r"\n\s*\n", text):
+        if block.lstrip().startswith("```"):
+            fenced = block.count("```") % 2 == 1
+            continue
+        if fenced or block.lstrip().startswith(("|", "<!--", "![", "#")):
+            fenced = fenced and block.count("```") % 2 == 0
+            continue
+        blocks += re.split(r"\n(?=- )", block)  # a list's items, each its own
+    long = [b[:60] for b in blocks if len(b.split()) > PARAGRAPH_MAX_WORDS]
+    assert not long, f"README paragraphs over {PARAGRAPH_MAX_WORDS} words: {long}"
+
+
 def test_every_relative_link_of_the_readme_exists():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
