@@ -133,7 +133,9 @@ class PipelineEngine(StageState):
         self.correction: ErrorFeedback | None = None  # 2BW's delay correction, from start()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.all_layers = list(layers)
-        built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root)
+        built = build_stage(
+            self.all_layers, layout, self.grid, self.device, init_layer, root, group_creation=options.group_creation
+        )
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
         self.root = root if root is not None else nn.ModuleList(self.all_layers)  # what names every tensor

@@ -10,10 +10,9 @@ at start-up, failure timeouts, checkpoints) is ``lightning/options.py``'s ``Stra
 
 ``PipelineOptions.resolve(world_size, precision) -> Run`` is the value every reader of a run takes: the options say
 what a user asked for (``None``: the default, ``"auto"``: from the precision); a ``Run`` is what runs on
-``world_size`` processes under one Lightning precision: the layout (depth d, microbatches m, the mode, the cut, the
-lookahead) with its width w = world / d, and the weight and boundary dtypes with no ``"auto"`` left. The defaults
-(d = the world, m = d) and the dtype rule are written here (and ``Layout``'s m = d) only; the strategy, the engine,
-``pd2bw-train``'s checks and the planner's candidates read them from a ``Run``.
+``world_size`` processes under one Lightning precision: the layout with its width w = world / d, and the dtypes with
+no ``"auto"`` left. The defaults (d = the world, m = d) and the dtype rule are written here only; every reader takes
+them from a ``Run``.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ from .updates.delay_correction import METHODS as DELAY_CORRECTIONS
 CLIP_MODES = ("global", "stage")  # the clip norm over the whole pipeline, or each stage's own
 CLIP_ALGORITHMS = ("norm", "value")  # Lightning's gradient_clip_algorithm
 NONFINITE_POLICIES = ("stop", "skip")
-DEFAULT_CORRECTION = (
-    "predictive_error_feedback"  # the best measured (docs/quality.md): the strategy's, pd2bw-train's, the engine's
-)
+GROUP_CREATION = ("split", "new_group")  # grid.build_groups
+DEFAULT_CORRECTION = "predictive_error_feedback"  # the best measured (docs/quality.md): every entry point's default
 DEFAULT_KEYS = rules.Keys(where="PipelineOptions: ", call="PipelineOptions")  # plain PyTorch users build it
 
 
@@ -147,11 +145,9 @@ class PipelineOptions:
             checkpoint records the switch step and a resume keeps it. No effect under flush.
         shard_optimizer: with w > 1 replicas, shard the optimizer over them (ZeRO-1, ``engine/updates/sharding.py``): each
             parameter of a stage is owned by one replica (whole tensors, balanced by size), which alone holds its
-            optimizer state and the delay correction's buffers and steps it; the new weights are then broadcast
-            to the other replicas. Optimizer and correction memory drop to about 1/w, and each replica runs 1/w
-            of the optimizer's work (Muon's Newton-Schulz included). Exact for any optimizer whose step treats
-            each parameter on its own (AdamW, SGD, Muon, Adafactor); turn it off for one that couples parameters
-            across tensors. No effect at width 1.
+            optimizer state and the correction's buffers, steps it and broadcasts it: about 1/w of the memory and
+            the work. Exact for any optimizer whose step treats each tensor on its own (AdamW, SGD, Muon); turn it
+            off for one that couples tensors. No effect at width 1.
         shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
             instead of all-reducing it (``engine/updates/grad_buckets.py``): ZeRO-1's exchange, about 2/3 of all-reduce plus
             broadcast, and under 2BW one gradient buffer plus its share of the batch set aside, not two. The clip
@@ -164,9 +160,11 @@ class PipelineOptions:
             ``"bfloat16"``: half the reduce's bytes, the sum rounded to bf16. The gradients accumulate in their own
             dtype and the average lands there: each bucket is cast as it starts and back where it is received
             (``grad_buckets.py``; the planner counts the copy). No effect at width 1.
+        group_creation: how the pipeline's process groups are made under NCCL: ``"split"`` (the default: one
+            ``dist.split_group`` of the world per kind of group, where the default group is NCCL bound to a device;
+            a ``new_group`` per group elsewhere) or ``"new_group"`` (always; the fallback for a first NCCL run).
 
-        keys: how messages name the options (not an option: the strategy's say ``PipeDream2BWStrategy(...)``,
-            ``pd2bw-train``'s ``strategy.*``).
+        keys: how messages name the options (``PipeDream2BWStrategy(...)``, ``strategy.*``); not an option.
     """
 
     num_stages: int | None = None
@@ -187,6 +185,7 @@ class PipelineOptions:
     shard_optimizer: bool = True
     shard_gradients: bool | None = None
     grad_reduce_dtype: str | torch.dtype | None = None
+    group_creation: str = "split"
     keys: rules.Keys = field(default=DEFAULT_KEYS, compare=False, repr=False)
 
     @property
@@ -210,6 +209,7 @@ class PipelineOptions:
                 "lightning_pd2bw.engine.options"
             )
         self._check_choice("on_nonfinite", NONFINITE_POLICIES)
+        self._check_choice("group_creation", GROUP_CREATION)
         if self.placement is not None:
             self._check_choice("placement", rules.PLACEMENTS)
         if self.delay_correction not in (None, *DELAY_CORRECTIONS):

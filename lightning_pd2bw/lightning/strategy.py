@@ -1,8 +1,6 @@
-"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (docs/architecture.md).
-
-One Lightning training step is one segment of the pipeline schedule; the engine owns ``zero_grad``, ``backward`` and
-``optimizer.step``, Lightning counts steps, steps schedulers, logs and checkpoints. The options are one
-``PipelineOptions``; the components beside this file do the rest (``compat``: Lightning's private APIs)."""
+"""The Lightning strategy: a thin adapter from Lightning's hooks to ``PipelineEngine`` (docs/architecture.md). One
+Lightning training step is one segment of the schedule; the engine owns ``zero_grad``, ``backward`` and
+``optimizer.step``; Lightning counts steps, steps schedulers, logs and checkpoints (``compat``: its private APIs)."""
 
 from __future__ import annotations
 
@@ -91,6 +89,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         shard_optimizer: bool = True,
         shard_gradients: bool | None = None,
         grad_reduce_dtype: str | torch.dtype | None = None,
+        group_creation: str = "split",
     ) -> None:
         lightning_args = (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         super().__init__(*lightning_args, process_group_backend=process_group_backend, timeout=timeout)
@@ -113,6 +112,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             shard_optimizer=shard_optimizer,
             shard_gradients=shard_gradients,
             grad_reduce_dtype=grad_reduce_dtype,
+            group_creation=group_creation,
             keys=STRATEGY_KEYS,
         )
         self.strategy_options = own = StrategyOptions(  # the strategy's own

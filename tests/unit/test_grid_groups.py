@@ -105,3 +105,27 @@ def test_at_64_ranks_a_rank_holds_only_the_groups_it_uses():
                 assert len(members) == len(set(members))
         finally:
             dist.destroy_process_group()
+
+
+def test_group_creation_chooses_the_groups_path(tmp_path, monkeypatch):
+    """``strategy.group_creation`` (issue 95): ``split`` leaves the choice to ``eager_nccl()`` (None), ``new_group``
+    forces a group at a time; anything else is refused by name."""
+    import pytest
+    from torch import nn
+
+    from lightning_pd2bw.engine import build as build_module
+    from lightning_pd2bw.engine.options import PipelineOptions
+
+    with pytest.raises(ValueError, match=r"group_creation='splt'\) is invalid; valid: split, new_group"):
+        PipelineOptions(group_creation="splt")
+    seen = []
+    monkeypatch.setattr(build_module, "build_groups", lambda grid, shared, split=None: seen.append(split) or None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for choice in ("split", "new_group"):
+            layout = PipelineOptions(num_stages=1, group_creation=choice).resolve(1).layout
+            build_module.build_stage([nn.Linear(2, 2)], layout, ProcessGrid(0, 1, 1), torch.device("cpu"), None,
+                                     None, group_creation=choice)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert seen == [None, False]
