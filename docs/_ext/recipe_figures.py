@@ -74,7 +74,8 @@ def figures(text: str) -> dict[str, str]:
     layout = _find(r"^layout: (\d+) processes = (\d+) stages x (\d+) replicas; mode=(\w+) recompute=(\w+)", text)
     batch = _find(r"^batch: global (\d+) = \d+ replicas x (\d+) microbatches x (\d+) sequences", text)
     plan = _find(r"^plan: ([\d.]+) samples/s \(([\d.]+) s per step, ([\d.]+)% MFU, ([\d.]+) of the ideal", text)
-    stages = [float(m) for m in re.findall(r"^  stage \d+: .*est\. memory ([\d.]+) GiB", text, re.MULTILINE)]
+    stage_line = r"^  stage \d+: .*est\. memory(?: of its fullest replica)? ([\d.]+) GiB"
+    stages = [float(m) for m in re.findall(stage_line, text, re.MULTILINE)]
     cut = re.findall(r"^  stage \d+: layers (\d+)\.\.(\d+),", text, re.MULTILINE)
     checkpoint = _find(r"^checkpoint: ([\d.]+ GiB) per save \(([\d.]+ GiB) on the fullest rank\)", text)
     cost = _find(r"^cost: ([\d,]+) steps .* = ([\d.]+) days on (\d+) devices, ([\d,]+) device-hours.*?; ([\d.]+B) tokens"

@@ -51,9 +51,10 @@ def plan_text(cfg, layout, model) -> str:
         terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
         again = recomputed_layers(recompute, stage, len(span))
         rebuilt = f", the first {again} recomputed" if again and not isinstance(recompute, bool) else ""
+        fullest = " of its fullest replica" if layout.run.width > 1 else ""  # owners step whole tensors (candidate.py)
         lines.append(
-            f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory "
-            f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
+            f"  stage {stage}: layers {span.start}..{span.stop - 1}{rebuilt}, {params:,} parameters, est. memory"
+            f"{fullest} {sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
     fewest = fewest_recomputed_for(cfg, layout, profile, stages, memories)
     lines += memory_warnings(cfg, layout.run, memories, fewest, stages)
@@ -178,14 +179,20 @@ def checkpoint_cost(cfg, layout, profile, stages, memories, step_s: float | None
         sum(profile.layers[i].parameters for i in span) * weight_bytes + m["optimizer"]
         for span, m in zip(stages, memories)
     ]
-    # the optimizer's bytes over a stage's replicas: each holds its owners' share (the fullest holds ``replica_share``
-    # of the stage, whole tensors; ``optimizer_share`` is 1/w when sharded), or, unsharded, each a whole copy
-    candidate = candidate_of(cfg, layout)
+    # the optimizer's bytes over a stage's replicas: sharded, one copy of the stage's states split among them
+    # (``optimizer_share`` is 1/w); unsharded, each replica a whole copy
+    candidate, width = candidate_of(cfg, layout), layout.data_parallel_size
+
+    def states(span: range) -> float:  # the stage's optimizer states, once (a tensor the stage holds twice: once)
+        params = sum(profile.layers[i].parameters for i in span)
+        params -= sum(n for a, b, n in profile.shared if a in span and b in span)
+        per_parameter = profile.states_of(span)
+        return (profile.optimizer_states if per_parameter is None else per_parameter) * params * weight_bytes
+
     total = sum(
-        r - m["optimizer"] + m["optimizer"] / candidate.replica_share(profile, span) * candidate.optimizer_share
-        * layout.data_parallel_size
+        r - m["optimizer"] + states(span) * candidate.optimizer_share * width
         for r, m, span in zip(ranks, memories, stages)
-    )  # fmt: skip
+    )
     node = (cfg.get("callbacks") or {}).get("model_checkpoint")
     interval = node.get("every_n_train_steps") if node and cfg.trainer.get("enable_checkpointing", True) else None
     accelerator = cfg.trainer.get("accelerator", "auto")

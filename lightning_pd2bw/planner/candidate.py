@@ -35,6 +35,18 @@ def _fullest_share(sizes: tuple[int, ...], width: int) -> float:
     return max(load) / sum(sizes)
 
 
+@functools.lru_cache(maxsize=4096)
+def _fullest_states(tensors: tuple[tuple[int, float], ...], width: int) -> float:
+    """Optimizer states per parameter of the stage that its fullest replica holds: tensors of (elements, states per
+    element) owned as the engine assigns them, by elements (an AdamW embedding beside Muon matrices: its owner holds
+    two states where the others hold one)."""
+    owners, _ = owners_of([n for n, _ in tensors], width)
+    held = [0.0] * width
+    for (n, states), owner in zip(tensors, owners):
+        held[owner] += n * states
+    return max(held) / sum(n for n, _ in tensors)
+
+
 @dataclass(frozen=True)
 class ModelProfile:
     """The layers' profiles at one microbatch size, and what the layers share."""
@@ -128,6 +140,15 @@ class Candidate:
             return share
         sizes = tuple(n for i in span for n in profile.layer_tensors[i])
         return _fullest_share(sizes, self.width) if sizes else share
+
+    def held_states(self, profile: ModelProfile, span: range) -> float | None:
+        """Optimizer states per parameter of the fullest replica's part (``replica_share``) of the stage holding
+        ``span``, its tensors owned as the engine assigns them (None: ``optimizer_states``)."""
+        states = profile.states_of(span)
+        if states is None or self.optimizer_share == 1.0 or not profile.layer_tensors:
+            return states
+        tensors = tuple((n, profile.layer_states[i]) for i in span for n in profile.layer_tensors[i])
+        return _fullest_states(tensors, self.width) / self.replica_share(profile, span) if tensors else states
 
     def reduce_bytes(self, profile: ModelProfile) -> int:
         """Bytes per parameter of the cast copy a gradient reduce sends (``grad_reduce_dtype`` other than the

@@ -99,7 +99,7 @@ def stage_memory(
         candidate,
         num_microbatches,
         largest,
-        profile.states_of(span),
+        candidate.held_states(profile, span),
         recomputed,
         candidate.replica_share(profile, span),
     )

@@ -59,7 +59,7 @@ def pack(
             grown = params + layer.parameters - shared, activations + layer.activation_bytes
             widest = max(largest, layer.activation_bytes)
             if (s, start, end) not in held:
-                states = profile.states_of(range(start, end + 1))
+                states = candidate.held_states(profile, range(start, end + 1))
                 rebuilt = sum(
                     profile.layers[i].activation_bytes for i in candidate.recomputed(s, range(start, end + 1))
                 )

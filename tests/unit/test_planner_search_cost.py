@@ -66,3 +66,19 @@ def test_a_second_search_of_the_same_model_simulates_nothing_again(monkeypatch):
     free, _ = search(profile, CLUSTER, 512, PipelineOptions(mode="2bw"), predicted=predicted)
     shared = {repr(p.candidate) for p in first} & {repr(p.candidate) for p in free}
     assert shared and len(calls) - before <= len(free) + TIMED_TOO_BIG - len(shared)
+
+
+def test_the_embedding_owner_holds_adamws_two_states_beside_muons_one():
+    """Issue 95: Muon steps the blocks' matrices (one state), AdamW the embedding (two). By hand, tensors of 100 (the
+    embedding, AdamW) and 4 x 30 (Muon) on 2 replicas, owned by elements as the engine assigns them (100 to one,
+    the four 30s to the other): the embedding's owner holds 200 states, the other 120; the stage's optimizer term is
+    the fullest's 200 states x 4 bytes, where averaging the states over the stage (1.45 each) and taking the fullest
+    share of elements (120/220) would count 174.5."""
+    from lightning_pd2bw.planner import Candidate, LayerProfile
+    from lightning_pd2bw.planner.cost import stage_memory
+
+    layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100), LayerProfile(1.0, 2.0, 0.0, 0.0, 120)]
+    profile = ModelProfile(layers, weight_bytes=4, layer_states=(2.0, 1.0), layer_tensors=((100,), (30, 30, 30, 30)))
+    candidate = Candidate(2, 1, 1, False, PipelineOptions(mode="flush"))
+    assert candidate.replica_share(profile, range(0, 2)) == pytest.approx(120 / 220)
+    assert stage_memory(profile, range(0, 2), 0, candidate, 2)["optimizer"] == pytest.approx(200 * 4)
