@@ -28,6 +28,7 @@ from lightning_pd2bw.engine.verify.nccl_model import record_calls  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
     MICRO_BATCH,
+    SLOW_CASES,
     Case,
     build_model,
     dataloader,
@@ -224,10 +225,11 @@ def resume(case: Case, out: Path, ckpt_dir: Path, world: int) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     world = int(__import__("os").environ["WORLD_SIZE"])
+    every = {**CASES, **SLOW_CASES}
     for name in sys.argv[2:]:
-        if CASES[name].world != world:
-            raise SystemExit(f"case {name} runs on {CASES[name].world} processes (num_stages x width), not {world}")
-        run(CASES[name], out / name, world)
+        if every[name].world != world:
+            raise SystemExit(f"case {name} runs on {every[name].world} processes (num_stages x width), not {world}")
+        run(every[name], out / name, world)
 
 
 if __name__ == "__main__":

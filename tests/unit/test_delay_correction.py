@@ -150,3 +150,14 @@ def test_a_restarted_entry_forgets_its_history_and_counts_from_its_new_value(ord
         weight.data, torch.stack([torch.as_tensor(expected0), torch.as_tensor(expected1, dtype=torch.float64)])
     )
     assert correction.previous[id(weight)][1] == step[1], "D(t) there counts from the restarted value"
+
+
+def test_a_replica_that_owns_nothing_applies_nothing():
+    """The sharded optimizer at a width above a stage's tensor count (the tiny GPT's embedding stage at 4 x 4, found by
+    the 16-process run of issue 95): a replica owns no tensor, and its correction's update is a no-op, not a
+    ``_foreach`` call on an empty list."""
+    for method in ("error_feedback", "predictive_error_feedback"):
+        correction = ErrorFeedback.for_method(method, [])
+        correction.apply([], stale=True)
+        correction.apply([], stale=True, scratch=True)
+        assert correction.held_bytes == 0

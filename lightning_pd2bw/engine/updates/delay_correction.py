@@ -97,6 +97,8 @@ class ErrorFeedback:
         when the update's gradient was ``stale``; remember D(t) either way (a fresh update restarts the history).
         ``scratch``: ``before`` is a copy of the caller's that becomes D(t) in place (no second buffer)."""
         parameters = self.parameters if parameters is None else list(parameters)
+        if not parameters:  # a replica that owns none of its stage's tensors (the sharded optimizer at a wide width)
+            return
         weights = [p.data for p in parameters]
         if scratch:
             delta = list(before)
