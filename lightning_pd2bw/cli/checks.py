@@ -14,6 +14,7 @@ from typing import Any
 
 from ..engine import layout as rules
 from ..engine.options import PipelineOptions, Run
+from ..engine.precision import SUPPORTED, Precision
 from ..errors import Refusal
 from ..lightning.options import StrategyOptions
 
@@ -126,7 +127,6 @@ def _resolved(options: PipelineOptions, world: int, precision: str, **changes: A
         raise ConfigError(str(error)) from None
 
 
-PRECISIONS = ("32-true", "32", "bf16-mixed", "64-true", "64")  # what the strategy runs (lightning/checks.py)
 
 
 def check_values(cfg: Any) -> None:
@@ -158,10 +158,10 @@ def check_values(cfg: Any) -> None:
     if steps is not None and steps != -1 and steps < 1:
         raise ConfigError(f"trainer.max_steps={steps} must be >= 1 (or -1: as many as trainer.max_epochs give)")
     precision = str(cfg.trainer.get("precision", "32-true"))
-    if precision not in PRECISIONS:
+    if not Precision.of(precision).supported:
         raise ConfigError(
             f"trainer.precision={precision!r} is not supported with strategy=pd2bw; supported: "
-            f"{', '.join(PRECISIONS)} (bf16-mixed: bfloat16 compute, float32 weights; 16-mixed needs one loss scale "
+            f"{', '.join(SUPPORTED)} (bf16-mixed: bfloat16 compute, float32 weights; 16-mixed needs one loss scale "
             "over all stages, 16-true/bf16-true would hold both weight versions in half precision)"
         )
 

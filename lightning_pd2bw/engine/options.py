@@ -345,7 +345,7 @@ class Run:
     options: PipelineOptions
     layout: rules.Layout
     world_size: int
-    precision: str | None = None
+    precision: Precision = Precision()
 
     @classmethod
     def of(cls, options: PipelineOptions, world_size: int, precision: str | None = None) -> Run:
@@ -365,7 +365,7 @@ class Run:
             placement=options.placement or rules.Placement.PIPELINE.value,
             **resolved_dtypes(options, precision),
         )
-        return cls(resolved, layout, world_size, precision)
+        return cls(resolved, layout, world_size, Precision.of(precision))
 
     @property
     def weight_dtype(self) -> torch.dtype | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 LEGACY = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}  # Lightning's short forms
+SUPPORTED = ("32-true", "bf16-mixed", "64-true")  # what strategy="pd2bw" runs (lightning/checks.py refuses the rest)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class Precision:
             return precision
         name = "32-true" if precision is None else str(precision)
         return cls(LEGACY.get(name, name))
+
+    @property
+    def supported(self) -> bool:
+        """Whether the strategy runs this precision (``SUPPORTED``)."""
+        return self.name in SUPPORTED
 
     @property
     def true_16bit(self) -> bool:

@@ -16,14 +16,15 @@ from torch import nn
 
 from ..engine.options import PipelineOptions, Run
 from ..engine.partition import layer_parameter_counts
+from ..engine.precision import SUPPORTED
 
 
 def check_precision(plugin: Precision | None) -> None:
     name = getattr(plugin, "precision", type(plugin).__name__)
     if plugin is not None and type(plugin) not in (Precision, MixedPrecision, DoublePrecision):
         raise ValueError(
-            f"precision={name!r} is not supported by strategy='pd2bw' (supported: '32-true', 'bf16-mixed', "
-            "'64-true'): in '16-true'/'bf16-true' the weights, both 2BW weight versions and the optimizer state "
+            f"precision={name!r} is not supported by strategy='pd2bw' (supported: {', '.join(map(repr, SUPPORTED))}): "
+            "in '16-true'/'bf16-true' the weights, both 2BW weight versions and the optimizer state "
             "would be half precision, where updates smaller than the weights' resolution are lost; other plugins "
             "(transformer-engine, bitsandbytes) are untested with the pipeline. Use precision='bf16-mixed' "
             "(bfloat16 compute and stage boundaries, float32 weights)"

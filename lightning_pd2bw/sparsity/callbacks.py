@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.precision import Precision
 from . import schedules
 from .callback_base import (  # noqa: F401  (flops_ratio: re-exported)
     INITS,
@@ -229,7 +230,7 @@ class SemiStructuredSparsity(SparsityCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_start(trainer, pl_module)
         if self.kernels:
-            self.attach_kernels(pl_module, trainer.strategy.root_device, _compute_dtype(str(trainer.precision)))
+            self.attach_kernels(pl_module, trainer.strategy.root_device, Precision.of(trainer.precision).compute_dtype)
 
     def attach_kernels(self, module: Any, device: Any, dtype: Any) -> None:
         """The layers of the built sparsifier's targets (of ``module``) take the 2:4 kernels when the schedule allows
@@ -262,16 +263,3 @@ class SemiStructuredSparsity(SparsityCallback):
             return None
         kept = schedules.n_of_m_at(step, self.start_step, self.end_step, self.n, self.m)
         return MaskUpdate("n_of_m", density=kept / self.m, n=kept, m=self.m, transposable=self.transposable)
-
-
-def _compute_dtype(precision: str) -> Any:
-    """The GEMMs' dtype under a Lightning precision setting (``"bf16-mixed"``: bfloat16)."""
-    import torch
-
-    return (
-        torch.bfloat16
-        if precision.startswith("bf16")
-        else torch.float16
-        if precision.startswith("16")
-        else torch.float32
-    )

@@ -138,6 +138,8 @@ def test_a_typo_in_a_recipe_file_fails_against_the_schema(tmp_path):
         (("trainer.max_steps=0",), "trainer.max_steps=0 must be >= 1 (or -1"),
         (("trainer.precision=64",), None),  # supported: float64 runs (its loss broadcast typed: test_loss_dtype.py)
         (("trainer.precision=16-mixed",), "trainer.precision='16-mixed' is not supported with strategy=pd2bw"),
+        (("trainer.precision=bf16",), None),  # Lightning's short form of bf16-mixed: one rule (engine/precision.py)
+        (("trainer.precision=bf16-true",), "supported: 32-true, bf16-mixed, 64-true"),
         (("+data.paths=[/nonexistent.txt]",), "data.paths: '/nonexistent.txt' is not a file"),
     ],
 )

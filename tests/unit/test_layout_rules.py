@@ -89,7 +89,7 @@ MAY_IMPORT = {
     "planner": {ENGINE, "observe"},
     "models": {ENGINE, "checkpoint"},
     "data": {"models"},
-    "sparsity": {"checkpoint"},
+    "sparsity": {ENGINE, "checkpoint"},  # the engine's Precision: one rule for a precision's dtypes (issue 96)
     "lightning": {ENGINE, "observe", "checkpoint", "planner", "models", "data", "sparsity"},
     "cli": {ENGINE, "observe", "checkpoint", "planner", "models", "data", "sparsity", "lightning"},
 }
@@ -274,6 +274,7 @@ DECLARATIONS = {
     "failure_timeout": 3,
     "global_batch_size": 4,
     "grad_reduce_dtype": 2,  # 0.14.0: PipelineOptions and the strategy's keyword, as every engine option
+    "group_creation": 2,  # 0.23.0: the same
     "hang_timeout": 4,
     "layers_per_stage": 4,
     "lookahead": 5,
