@@ -127,8 +127,6 @@ def _resolved(options: PipelineOptions, world: int, precision: str, **changes: A
         raise ConfigError(str(error)) from None
 
 
-
-
 def check_values(cfg: Any) -> None:
     """Single values no schema type can refuse: sizes, the learning rate, the steps, the precision; and the keys a
     recipe ``requires`` (``recipe=prune``: ``init_from``)."""
