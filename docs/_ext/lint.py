@@ -18,6 +18,8 @@
 - An option key in inline code (``strategy.sync_steps``, ``sparsity.kernels=true``) that no group option's composed
   configuration has (every option of every group in ``conf/`` composed, the models' config fields added): a renamed
   or removed key left named. Names of that shape that are not keys are listed in ``NOT_OPTIONS`` with what they are.
+- Words about what a default or a figure used to be ("since 0.x", "until 0.x", "previously", "used to", "(was ...")
+  on a page that states the current state (not the changelog, not a page of the Results log): history lives there.
 - A file path in inline code (``lightning_pd2bw/engine/schedule.py``, ``conf/model/gpt13b.yaml``) that is not in the
   tree: a moved or removed file left named (a run's outputs, ``outputs/...``, and the changelog's history excepted).
 
@@ -219,6 +221,22 @@ def manual_size(mkdocs: Path) -> list[str]:
     ]
 
 
+HISTORY = re.compile(r"\b(?:[Ss]ince|[Uu]ntil) 0\.\d+|\b[Pp]reviously\b|\bused to\b|\(was ")
+
+
+def history_words(path: Path) -> list[str]:
+    """Lines outside code blocks that narrate what used to be (``HISTORY``)."""
+    found, fenced = [], False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (match := HISTORY.search(line)):
+            found.append(
+                f"{path}:{number}: {match.group(0)!r}: say what holds now; history is the changelog's and the logs'"
+            )
+    return found
+
+
 def main(paths: list[str]) -> int:
     root = Path(__file__).resolve().parents[2]
     pages = [Path(p) for p in paths] or [*sorted((root / "docs").glob("*.md")), root / "CHANGELOG.md"]
@@ -227,6 +245,8 @@ def main(paths: list[str]) -> int:
     current = [page for page in [root / "README.md", *pages] if page.name != "CHANGELOG.md"]  # not the history
     found += [f for page in current for f in missing_paths(page, root)]
     found += [] if paths else unknown_options(current, option_keys(root))
+    logs = set(manual_pages(root / "mkdocs.yml")[1])
+    found += [f for page in current if page not in logs for f in history_words(page)]
     print("\n".join(found))
     return 1 if found else 0
 

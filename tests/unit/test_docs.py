@@ -172,6 +172,15 @@ def test_the_lint_flags_a_list_exactly_where_markdown_runs_it_on(tmp_path, page)
     assert bool(_lint().faults(path)) == run_on, (rendered, _lint().faults(path))
 
 
+def test_the_lint_refuses_history_on_a_page_of_the_current_state(tmp_path):
+    """Issue 97, item 1: "since 0.x", "until 0.x", "previously", "used to", "(was ..." outside code blocks are faults
+    on the pages that state the current state (``main`` leaves out the changelog and the Results log's pages)."""
+    path = tmp_path / "page.md"
+    path.write_text("# T\n\nSince 0.15.0 it plans.\n\n```\nsince 0.1 in code\n```\nThe rate (was 6e-4) moved.\n")
+    found = _lint().history_words(path)
+    assert [f.split(": ")[0].rsplit(":", 1)[1] for f in found] == ["3", "8"], found
+
+
 def test_the_lint_counts_each_table_rows_cells(tmp_path):
     """A row with more or fewer cells than its header (the site drops or pads them); escaped pipes and pipes in
     inline code are not cell borders."""
