@@ -6,6 +6,8 @@ cluster's device), the batch layout and the data. ``pd2bw-train`` prints it at s
 
 from __future__ import annotations
 
+import torch
+
 from .model_profile import analytic_model_profile, sparsity_config
 
 
@@ -341,8 +343,28 @@ def _semi_structured_time(cfg, sparsity) -> str:
         return f"{pattern}: fewer FLOPs on paper; GPU time is saved only with sparsity.kernels=true (the 2:4 kernels)"
     device = cfg.cluster.device if cfg.get("cluster") else None
     factors = measured(device) if device else {}
-    timed = f"{len(factors)} GEMM shapes measured on {device}" if factors else "no GEMM shape measured on this device"
-    return (
-        f"{pattern}: the final mask's forward and input-gradient GEMMs on the 2:4 kernels, planned at their measured "
-        f"speed-up ({timed}: 1.0 where not; make gpu-sparse measures them)"
+    timed = (
+        f"planned at their speed-up measured on {device} for {len(factors)} GEMM shapes (1.0 for the others)"
+        if factors
+        else "planned at 1.0x: no speed-up measured (make gpu-sparse measures it)"
     )
+    refused = _kernels_refused(cfg)
+    return f"{pattern}: the final mask's forward and input-gradient GEMMs on the 2:4 kernels, {timed}" + (
+        f"\nWARNING: the run refuses the 2:4 kernels here: {refused}; sparsity.kernels=false runs the masks alone"
+        if refused
+        else ""
+    )
+
+
+def _kernels_refused(cfg) -> str | None:
+    """Why the run would refuse ``sparsity.kernels=true`` before its first step, where the configuration alone says
+    (``sparsity/semi_sparse.py``'s refusal: a CUDA device and a 16-bit compute dtype)."""
+    from ..engine.precision import Precision
+
+    dtype = Precision.of(cfg.trainer.get("precision", "32-true")).compute_dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"trainer.precision={cfg.trainer.get('precision')} computes in {dtype}; the kernels take bfloat16"
+    on_gpu = cfg.get("cluster") is not None or (
+        cfg.trainer.get("accelerator", "auto") in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    )
+    return None if on_gpu else "no CUDA device (a CPU run); the kernels need compute capability 8.0 or later"

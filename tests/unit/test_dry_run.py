@@ -134,3 +134,22 @@ def test_the_dry_run_proposes_the_fewest_layers_to_recompute_per_stage(tmp_path)
     fits = run_cli(*base, f"strategy.layers_per_stage={proposed[1]}", f"strategy.recompute={proposed[2]}", cwd=tmp_path)
     assert fits.returncode == 0 and "WARNING: stage" not in fits.stdout, fits.stdout[-3000:]
     assert "the first" in fits.stdout and "recomputed" in fits.stdout  # each stage line says how many
+
+
+@pytest.mark.parametrize(
+    "overrides,refusal",
+    [
+        ((), "trainer.precision=32-true computes in torch.float32; the kernels take bfloat16"),
+        (("trainer.precision=bf16-mixed", "trainer.accelerator=cpu"), "no CUDA device (a CPU run)"),
+        (("trainer.precision=bf16-mixed", "+cluster=h100_80g_8x8"), None),
+    ],
+    ids=["float32", "a CPU", "a cluster of H100"],
+)
+def test_the_dry_run_warns_where_the_run_refuses_the_2of4_kernels(tmp_path, overrides, refusal):
+    """Issue 97, item 5: the dry run says what the run would do with ``sparsity.kernels=true``: refused on a CPU or
+    at float32 (``sparsity/semi_sparse.py``'s refusal), and planned at 1.0x where no speed-up was measured."""
+    result = run_cli("sparsity=semi_structured", "sparsity.kernels=true", "dry_run=true", *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "planned at 1.0x: no speed-up measured" in result.stdout
+    warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING: the run refuses the 2:4")]
+    assert (refusal is None and not warned) or (warned and refusal in warned[0]), result.stdout[-3000:]
