@@ -77,3 +77,19 @@ def test_the_readmes_python_snippet_runs_the_main_jobs_settings():
     cfg = composed("tiny")
     assert snippet.group(1) == cfg.model.config.name
     assert float(snippet.group(2)) == cfg.model.lr and int(snippet.group(3)) == cfg.model.warmup_steps
+
+
+def test_the_key_table_is_what_the_configuration_composes():
+    """Issue 97, item 2: ``docs/configuration.md``'s key table (``docs/_generated/configuration-keys.md``) is generated
+    from the composed default recipe: every key, its value, one line; a key added, removed or defaulted otherwise
+    makes it stale here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_keys", ROOT / "docs" / "_ext" / "config_keys.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generated = module.table()
+    assert module.OUT.read_text() == generated, "stale: run python docs/_ext/config_keys.py"
+    keys = [line.split("=", 1)[0] for line in generated.splitlines()]
+    assert {"strategy.sync_steps", "strategy.group_creation", "model.lr", "trainer.max_steps"} <= set(keys)
+    assert len(keys) == len(set(keys)) >= 90
