@@ -44,7 +44,13 @@ def test_the_dry_run_says_whether_the_kernels_run_and_how_many_shapes_are_measur
     from lightning_pd2bw.cli.run_plan import _semi_structured_time
 
     def line(**sparsity) -> str:
-        cfg = OmegaConf.create({"cluster": {"device": "v100_16g"}, "sparsity": {"n": 2, "m": 4, **sparsity}})
+        cfg = OmegaConf.create(
+            {
+                "cluster": {"device": "v100_16g"},
+                "trainer": {"precision": "bf16-mixed"},
+                "sparsity": {"n": 2, "m": 4, **sparsity},
+            }
+        )
         return _semi_structured_time(cfg, cfg.sparsity)
 
     assert "saved only with sparsity.kernels=true" in line()
@@ -52,4 +58,4 @@ def test_the_dry_run_says_whether_the_kernels_run_and_how_many_shapes_are_measur
         transposable=True, kernels=True
     )
     # a V100 (compute capability 7.0) has no sparse tensor cores: never measured
-    assert "no GEMM shape measured on this device: 1.0" in line(transposable=True, kernels=True)
+    assert "planned at 1.0x: no speed-up measured" in line(transposable=True, kernels=True)
