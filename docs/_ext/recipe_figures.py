@@ -205,7 +205,11 @@ def device_forecast(recipe_at_micro: dict[int, dict[str, str]]) -> str:
     one, two = (float(recipe_at_micro[b]["rate"]) for b in (1, 2))
     lines.append(f"| gpt13b, 4 x 16 on 8 x 8 h100_80g, samples/s | {one:.1f} | {two:.1f} | {two / one - 1:.0%} |")
     stage0 = " / ".join(recipe_at_micro[b]["stage0"] for b in (1, 2))
-    return "\n".join(lines) + f"\n\nStage 0 of gpt13b at micro 1 / 2: {stage0}.\n"
+    return "\n".join(lines) + (
+        f"\n\nStage 0 of gpt13b at micro 1 / 2: {stage0}. The forecast for gpt13b on 8 x 8 H100 as a range: {one:.1f} "
+        f"to {two:.1f} samples/s, the low end micro 1's plan (micro 2 credited nothing for its fuller GEMM waves), the "
+        "high end the wave model's; its sources: one H200 step (the calibration) and each GEMM's roofline.\n"
+    )
 
 
 def outputs() -> dict[Path, str]:
