@@ -35,7 +35,7 @@ def build_stage(
     device: torch.device,
     init_layer: Callable[[int], None] | None,
     root: nn.Module | None,
-    group_creation: str = "split",
+    split_groups: bool | None = None,
 ) -> Stage:
     layers = list(layers)
     stage_layers = layout.cut(layers)
@@ -50,7 +50,7 @@ def build_stage(
         initialize_layers(layers, mine, root if root is not None else nn.ModuleList(layers), init_layer)
     for layer in local:
         layer._apply(lambda t: t if t.is_meta else t.to(device))
-    groups = build_groups(grid, [s.stages for s in shared], split=None if group_creation == "split" else False)
+    groups = build_groups(grid, [s.stages for s in shared], split=split_groups)  # None: as the backend allows
     with torch.no_grad():
         if grid.data_parallel_size > 1:  # every replica starts from replica 0's weights and buffers (as DDP)
             tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))

@@ -133,9 +133,8 @@ class PipelineEngine(StageState):
         self.correction: ErrorFeedback | None = None  # 2BW's delay correction, from start()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.all_layers = list(layers)
-        built = build_stage(
-            self.all_layers, layout, self.grid, self.device, init_layer, root, group_creation=options.group_creation
-        )
+        split = None if options.group_creation == "split" else False  # None: split where the backend can
+        built = build_stage(self.all_layers, layout, self.grid, self.device, init_layer, root, split)
         self.stage_layers, self.layers, self.params = built.stage_layers, built.layers, built.params
         self.groups, self.shared = built.groups, built.shared
         self.root = root if root is not None else nn.ModuleList(self.all_layers)  # what names every tensor

@@ -28,7 +28,6 @@ from lightning_pd2bw.engine.verify.nccl_model import record_calls  # noqa: E402
 from tests.distributed.cases import (  # noqa: E402
     CASES,
     MICRO_BATCH,
-    SLOW_CASES,
     Case,
     build_model,
     dataloader,
@@ -36,6 +35,7 @@ from tests.distributed.cases import (  # noqa: E402
     sparsity_callback,
 )
 from tests.distributed.harness import quiet_trainer  # noqa: E402
+from tests.distributed.slow_cases import SLOW_CASES  # noqa: E402
 
 
 class FixedMask(Callback):

@@ -1,5 +1,5 @@
 """Issue 95: the multi-GPU risks retired on CPU first. Sixteen gloo processes (4 stages x 4 replicas) train the tiny
-GPT with every option the gpt13b recipe sets (``cases.SLOW_CASES``), exactly as the single-process reference
+GPT with every option the gpt13b recipe sets (``slow_cases.SLOW_CASES``), exactly as the single-process reference
 computes the rule, resume from the asynchronous checkpoint bit for bit, and the calls they recorded replay under
 NCCL's semantics without a deadlock, kernels one at a time included. Slow tier (16 processes on the 2-core machine)::
 
@@ -13,8 +13,8 @@ import torch
 
 from lightning_pd2bw.engine.verify.nccl_model import simulate
 
-from .cases import SLOW_CASES
 from .launch import torchrun
+from .slow_cases import SLOW_CASES
 from .test_equivalence import Float32Bound, merged
 from .test_nccl_traces import recorded
 

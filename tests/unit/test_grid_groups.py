@@ -118,14 +118,16 @@ def test_group_creation_chooses_the_groups_path(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match=r"group_creation='splt'\) is invalid; valid: split, new_group"):
         PipelineOptions(group_creation="splt")
+    from lightning_pd2bw.engine import engine as engine_module
+
     seen = []
-    monkeypatch.setattr(build_module, "build_groups", lambda grid, shared, split=None: seen.append(split) or None)
+    built = build_module.build_stage
+    monkeypatch.setattr(engine_module, "build_stage", lambda *a: seen.append(a[-1]) or built(*a))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         for choice in ("split", "new_group"):
-            layout = PipelineOptions(num_stages=1, group_creation=choice).resolve(1).layout
-            build_module.build_stage([nn.Linear(2, 2)], layout, ProcessGrid(0, 1, 1), torch.device("cpu"), None,
-                                     None, group_creation=choice)  # fmt: skip
+            options = PipelineOptions(num_stages=1, group_creation=choice)
+            engine_module.PipelineEngine([nn.Linear(2, 2)], options, lambda b: b, lambda o, b: o.sum(), device="cpu")
     finally:
         dist.destroy_process_group()
-    assert seen == [None, False]
+    assert seen == [None, False]  # None: split where the backend can (eager NCCL), else new_group
