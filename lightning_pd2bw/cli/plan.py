@@ -111,6 +111,7 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
     mode, its ``shard_gradients`` and its ``placement``), and the step overhead at which 2BW and the fastest
     synchronous one reach a loss at the same time; a line more where the run's own choices plan its mode slower than
     its best (``rate``: the run's best)."""
+    from ..planner.interleaved import VIRTUAL_CHOICES
     from ..planner.search import NoPlanFits
     from ..planner.step_overhead import SYNCHRONOUS, choice_text
 
@@ -130,12 +131,25 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
             f"2BW or a synchronous schedule: no {'2bw' if '2bw' not in rates else 'synchronous'} plan fits this cluster"
         )
     synchronous = {each: rates[each] for each in SYNCHRONOUS if each in rates}
+    names = dict(SYNCHRONOUS)
+    interleaved = interleaved_at(cfg, model, [best[each] for each in ("flush", "zb_h1", "2bw") if each in best])
+    if interleaved is not None and interleaved[1]:
+        synchronous["interleaved"], names["interleaved"] = interleaved[0].throughput, INTERLEAVED_NAME
     fastest = max(synchronous, key=synchronous.get)
     text = "synchronous plans: " + ", ".join(
-        f"{SYNCHRONOUS[each]} {value:.1f} samples/s" for each, value in synchronous.items()
+        f"{names[each]} {value:.1f} samples/s" for each, value in synchronous.items()
     )
+    if interleaved is not None:
+        plan, fits = interleaved
+        text += (
+            f"\n  {INTERLEAVED_NAME}: {len(plan.stages) // plan.candidate.depth} chunks a rank at width {plan.candidate.width} x depth "
+            f"{plan.candidate.depth}, micro {plan.candidate.micro_batch_size} (the fastest of the other plans' layouts "
+            f"at {', '.join(map(str, VIRTUAL_CHOICES))} chunks), "
+            f"{plan.throughput:.1f} samples/s, {plan.peak_memory / 2**30:.1f} GiB on the fullest rank"
+            f"{'' if fits else ' (does not fit: left out)'}; planned only, the engine does not run it (Megatron-LM does)"
+        )
     text += "\n" + choice_text(
-        rates["2bw"], rates[fastest], start_rate(cfg, model, best.get("2bw")), SYNCHRONOUS[fastest]
+        rates["2bw"], synchronous[fastest], start_rate(cfg, model, best.get("2bw")), names[fastest]
     )
     if rates[mode] > rate * 1.001:
         given = " ".join(f"strategy.{key}={str(value).lower()}" for key, value in fixed.items())
@@ -144,6 +158,31 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
             f"{' '.join(f'strategy.{key}=null' for key in fixed)} lets the planner choose"
         )
     return text
+
+
+INTERLEAVED_NAME = "interleaved 1F1B"
+
+
+def interleaved_at(cfg, model, plans) -> tuple | None:
+    """(interleaved 1F1B at the fastest of ``plans``' layouts where it fits, True), else (at the first, False), or
+    None (no layout it can run). Each layout is run under Flush's rule (``predict_interleaved``)."""
+    from ..planner.interleaved import VIRTUAL_CHOICES, predict_interleaved
+    from ..planner.search import MEMORY_HEADROOM
+
+    cluster, found, seen = cluster_of(cfg), [], set()
+    for plan in plans:
+        candidate = plan.candidate
+        flush = dataclasses.replace(candidate, options=candidate.options.replace(mode="flush", lookahead=0))
+        profile = analytic_model_profile(cfg, model, candidate.micro_batch_size)
+        for virtual in VIRTUAL_CHOICES:
+            if (repr(flush), virtual) in seen:
+                continue
+            seen.add((repr(flush), virtual))
+            predicted = predict_interleaved(profile, flush, cluster, cfg.global_batch_size, virtual)
+            if predicted is not None:
+                found.append((predicted, predicted.peak_memory <= cluster.device.memory_bytes * MEMORY_HEADROOM))
+    fitting = [item for item in found if item[1]]
+    return max(fitting, key=lambda item: item[0].throughput) if fitting else (found[0] if found else None)
 
 
 def start_rate(cfg, model, plan) -> float | None:

@@ -49,6 +49,18 @@ class Mode(Word):
     GPIPE = "gpipe"  # all forwards, then all backwards, a flush per batch: one version, exact
     ZB_H1 = "zb_h1"  # zero-bubble H1 (Qi et al. 2024): 1F1B with each backward split into B (the input gradient)
     # and W (the deferred weight gradient), stage s holding s of its W back to fill the cooldown: exact, 1F1B's memory
+    INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B: each rank holds V non-adjacent chunks of the layers
+    # (``Layout.virtual_stages``), drained per batch: exact. Planned and simulated (``pd2bw-plan``); not yet run
+
+    @property
+    def runs(self) -> bool:
+        """Whether the engine runs this mode (``interleaved`` is the planner's comparator only: ``PLANNED_ONLY``)."""
+        return self is not Mode.INTERLEAVED
+
+    @property
+    def interleaved(self) -> bool:
+        """Each rank holds ``Layout.virtual_stages`` chunks: virtual stage ``v`` on rank ``v % d``."""
+        return self is Mode.INTERLEAVED
 
     @property
     def double_buffered(self) -> bool:
@@ -90,7 +102,11 @@ class Placement(Word):
 
 
 PLACEMENTS: tuple[str, ...] = tuple(placement.value for placement in Placement)
-MODES: tuple[str, ...] = tuple(mode.value for mode in Mode)
+MODES: tuple[str, ...] = tuple(mode.value for mode in Mode if mode.runs)  # what a run may name
+PLANNED_ONLY = (
+    "Megatron-LM's interleaved 1F1B: pd2bw-plan plans and simulates it beside the modes the engine runs (the "
+    "synchronous plans' line), the engine does not run it yet (docs/limitations.md)"
+)
 DEFAULT_MODE = Mode.PD2BW.value  # the strategy's, the engine's and the Hydra schema's default
 
 
@@ -118,9 +134,29 @@ class Keys:
         return f"{self.call}({key}=...)" if self.call else f"{self.where}{self.prefix}{key}"
 
 
-def check_mode(mode: str, keys: Keys = Keys()) -> None:
-    if mode not in MODES:
+def check_mode(mode: str, keys: Keys = Keys(), planned: bool = False) -> None:
+    """``mode`` one the engine runs (``planned``: or one the planner only simulates, ``Mode.runs``)."""
+    if not planned and mode == Mode.INTERLEAVED:
+        raise ValueError(f"{keys.where}{keys.mode}={mode!r} is {PLANNED_ONLY}; valid: {', '.join(MODES)}")
+    if mode not in MODES and mode not in Mode._value2member_map_:
         raise ValueError(f"{keys.where}{keys.mode}={mode!r} is not a mode; valid: {', '.join(MODES)}")
+
+
+def check_virtual_stages(mode: str, num_stages: int, num_microbatches: int, virtual_stages: int) -> None:
+    """Interleaved 1F1B's chunks per rank (>= 2) and its microbatches in rounds of equal size (torch's
+    ``ScheduleInterleaved1F1B``: ``max(1, m // d)`` rounds dividing m); one chunk per rank under every other mode."""
+    if mode != Mode.INTERLEAVED:
+        if virtual_stages != 1:
+            raise ValueError(f"virtual_stages={virtual_stages} needs mode='interleaved' (every other mode: 1)")
+        return
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
+        raise ValueError(f"virtual_stages={virtual_stages!r} is invalid under mode='interleaved': an int >= 2")
+    rounds = max(1, num_microbatches // num_stages)
+    if num_microbatches % rounds:
+        raise ValueError(
+            f"mode='interleaved' runs its {num_microbatches} microbatches in {rounds} rounds of equal size "
+            f"(max(1, m // d) with d={num_stages}): use a num_microbatches that {rounds} divides"
+        )
 
 
 def check_depth(num_stages: int, keys: Keys = Keys()) -> None:
@@ -170,15 +206,17 @@ def check_lookahead(mode: str, lookahead: int, keys: Keys = Keys()) -> None:
             f"{keys.where}{keys.lookahead}={lookahead} has no meaning under {keys.mode}='gpipe' (all forwards run "
             f"first already); use {keys.mode}='2bw' or 'flush', or {keys.lookahead}=0"
         )
-    if lookahead and mode == Mode.ZB_H1:
+    if lookahead and mode in (Mode.ZB_H1, Mode.INTERLEAVED):
         raise ValueError(
-            f"{keys.where}{keys.lookahead}={lookahead} is not supported under {keys.mode}='zb_h1' (its deferred weight "
-            f"gradients fill the cooldown, not extra forwards); use {keys.lookahead}=0"
+            f"{keys.where}{keys.lookahead}={lookahead} is not supported under {keys.mode}={mode!r} (its deferred "
+            f"weight gradients, or its chunks, fill the bubble, not extra forwards); use {keys.lookahead}=0"
         )
 
 
-def check_schedule(mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys(), lookahead: int = 0) -> None:
-    check_mode(mode, keys)
+def check_schedule(
+    mode: str, num_stages: int, num_microbatches: int, keys: Keys = Keys(), lookahead: int = 0, planned: bool = False
+) -> None:
+    check_mode(mode, keys, planned)
     check_depth(num_stages, keys)
     check_microbatches(num_stages, num_microbatches, keys)
     check_lookahead(mode, lookahead, keys)
@@ -218,6 +256,8 @@ class Layout:
         mode: ``"2bw"``, ``"flush"``, ``"zb_h1"`` or ``"gpipe"`` (a ``Mode`` or its value).
         layers_per_stage: the cut, layers per stage (default: balanced by parameter count).
         lookahead: more forwards in flight before the last stage (``schedule.warmup_forwards``; default 0).
+        virtual_stages: chunks per rank (``"interleaved"``: default 2, the model cut into d x V chunks, chunk ``v`` on
+            rank ``v % d``; every other mode: 1). ``"interleaved"`` is planned, not run (``Mode.runs``).
     """
 
     num_stages: int
@@ -225,6 +265,7 @@ class Layout:
     mode: Mode
     layers_per_stage: tuple[int, ...] | None
     lookahead: int
+    virtual_stages: int
 
     def __init__(
         self,
@@ -233,9 +274,13 @@ class Layout:
         mode: Mode | str = Mode.PD2BW,
         layers_per_stage: Sequence[int] | None = None,
         lookahead: int = 0,
+        virtual_stages: int | None = None,
     ) -> None:
         microbatches = num_stages if num_microbatches is None else num_microbatches
-        check_schedule(mode, num_stages, microbatches, lookahead=lookahead)
+        check_schedule(mode, num_stages, microbatches, lookahead=lookahead, planned=True)
+        if virtual_stages is None:
+            virtual_stages = 2 if mode == Mode.INTERLEAVED else 1
+        check_virtual_stages(mode, num_stages, microbatches, virtual_stages)
         cut = None if layers_per_stage is None else tuple(layers_per_stage)
         if cut is not None and len(cut) != num_stages:
             raise ValueError(f"layers_per_stage={list(cut)} needs one entry per stage (num_stages={num_stages})")
@@ -245,6 +290,7 @@ class Layout:
             ("mode", Mode(mode)),
             ("layers_per_stage", cut),
             ("lookahead", lookahead),
+            ("virtual_stages", virtual_stages),
         ):
             object.__setattr__(self, name, value)
 

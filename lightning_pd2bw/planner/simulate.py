@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ..engine.comm.grid import communicator
 from ..engine.layout import Layout
@@ -40,35 +39,9 @@ from ..engine.updates import update_parts as P
 from ..engine.updates.collectives import Collective
 from ..engine.updates.stepper import Stepper
 from ..engine.updates.update import UpdatePart, UpdateShape
+from .stage_costs import StageCosts, Timing, rank_costs  # noqa: F401  (what the simulator is given and returns)
 
 COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Seconds of one stage's work: per microbatch its forward, its backward (with any recomputation) and one
-    boundary message to the next stage (latency + bytes / link; the gradient back is as large); per update the
-    optimizer's step and one read of the gradients (the norm, the non-finite flags); ``shape``: its update; the
-    host's work per action and per step (0 for the planner, which plans devices; measured where a run is replayed:
-    ``benchmarks/simulator_check.py``)."""
-
-    forward: float
-    backward: float
-    send: float = 0.0
-    step: float = 0.0
-    read_gradients: float = 0.0
-    shape: UpdateShape = UpdateShape(double_buffered=True)
-    dispatch: float = 0.0  # the host's work per action (the executor's dispatch, a kernel launch's share)
-    per_step: float = 0.0  # the host's work between two steps (the training loop's, outside the actions)
-    weight_grad: float = 0.0  # of ``backward``, the weight gradients a split backward defers to W (``zb_h1``)
-
-
-@dataclass(frozen=True)
-class Timing:
-    step_time: float  # seconds per training step, steady state, the slowest stage's
-    exposed: tuple[float, ...]  # per stage: seconds per step blocked on the update's collectives
-    busy: tuple[float, ...]  # per stage: seconds per step of compute
-    update_compute: tuple[float, ...] = ()  # per stage: seconds per step of the update's compute (step, reads)
 
 
 def _reads(costs: StageCosts) -> float:
@@ -91,7 +64,7 @@ class _Lowering:
 
     def __init__(self, layout: Layout, stage: int, costs: Sequence[StageCosts], cost_of: CollectiveCost) -> None:
         self.layout, self.stage, self.costs, self.cost_of = layout, stage, costs, cost_of
-        self.mine = costs[stage]
+        self.mine = rank_costs(costs, layout, stage)  # the rank's update (interleaved: over its chunks)
         self.parts = U.collectives(self.mine.shape)
         self.ops: list[tuple] = []
         self.issued: dict[str, int] = {}  # channel -> collectives issued on it so far
@@ -145,14 +118,17 @@ class _Lowering:
                     self.inflight[(batch, collective)] = handles
 
     def segment(self, step: int) -> None:
-        mine, ops, dispatch = self.mine, self.ops, self.mine.dispatch
-        backward = mine.backward - (mine.weight_grad if self.layout.mode.splits_backward else 0.0)
+        mine, ops, dispatch, costs = self.mine, self.ops, self.mine.dispatch, self.costs
+        split = self.layout.mode.splits_backward
+        d = self.layout.num_stages
         for code, op, first, second in _segment_plan(self.layout, self.stage, step, mine.shape):
             if dispatch:
                 ops.append((COMPUTE, dispatch))
+            chunk = costs[op.action.chunk * d + self.stage]  # the costs of the op's (virtual) stage
             if code == _FORWARD:
-                ops.append((COMPUTE, mine.forward))
+                ops.append((COMPUTE, chunk.forward))
             elif code == _BACKWARD:
+                backward = chunk.backward - (chunk.weight_grad if split else 0.0)
                 # the previous batch's reduces still reading the buckets this backward fills: bucket by bucket, in the
                 # order the backward fills them (the order they were issued), each before its share of the backward
                 reclaimed = [h for _, _, c in op.reclaims for h in self.inflight.pop((op.batch - 1, c), [])]
@@ -167,10 +143,9 @@ class _Lowering:
                 ops.append((COMPUTE, mine.weight_grad))
                 if op.last:
                     self.update(op)
-            elif code == _SEND:  # first: (link, message), second: the receive posted with it (or None)
-                link, message = first
-                seconds = mine.send if link[1] > link[0] else self.costs[link[1]].send  # the gradient back: as large
-                ops.append((SEND, link, message, seconds))
+            elif code == _SEND:  # first: (link, message, boundary), second: the receive posted with it (or None)
+                link, message, boundary = first
+                ops.append((SEND, link, message, costs[boundary].send))  # the gradient back: as large
                 if second is not None:
                     ops.append(second)
             elif code == _RECV:
@@ -200,19 +175,23 @@ def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape) -> 
     schedule's, not the costs', so the candidates that differ only in costs (placement, gradients, recomputation,
     the cluster) share them."""
     plan = []
+    d = layout.num_stages
+    virtual = d * layout.virtual_stages  # a message is named by its sender's virtual stage (one chunk a rank: the rank)
     for op in lower_actions(S.segment(layout, stage, step), U.collectives(shape), layout.num_microbatches):
-        kind, micro = op.kind, op.microbatch
+        kind, micro, here = op.kind, op.microbatch, op.action.chunk * d + stage
         first = second = None
         if kind in (S.SEND_FORWARD, S.SEND_BACKWARD):
-            code, peer = _SEND, stage + 1 if kind == S.SEND_FORWARD else stage - 1
-            first = ((stage, peer), (stage, kind, micro))
+            code, to = _SEND, here + 1 if kind == S.SEND_FORWARD else here - 1
+            peer = to % d if virtual > d else to
+            first = ((stage, peer), (here, kind, micro), min(here, to))  # the boundary's costs: the lower stage's
             if op.fused is not None:  # the receive batched with this send is posted now
                 sender = S.SEND_FORWARD if op.fused.kind == S.RECV_FORWARD else S.SEND_BACKWARD
-                second = (POST, (peer, sender, op.fused.microbatch))
+                at = op.fused.chunk * d + stage
+                second = (POST, (at - 1 if sender == S.SEND_FORWARD else at + 1, sender, op.fused.microbatch))
         elif kind == S.RECV_FORWARD:
-            code, first = _RECV, (RECV, (stage - 1, S.SEND_FORWARD, micro))
+            code, first = _RECV, (RECV, (here - 1, S.SEND_FORWARD, micro))
         elif kind == S.RECV_BACKWARD:
-            code, first = _RECV, (RECV, (stage + 1, S.SEND_BACKWARD, micro))
+            code, first = _RECV, (RECV, (here + 1, S.SEND_BACKWARD, micro))
         else:
             codes = {S.FORWARD: _FORWARD, S.BACKWARD: _BACKWARD, S.WEIGHT: _WEIGHT, S.WAIT_SENDS: _WAIT_SENDS}
             code = _LOSS if kind == S.LOSS else codes.get(kind, _UPDATE)
@@ -302,12 +281,12 @@ def run(programs: list[list[tuple]]) -> tuple[list[list[float]], list[list[float
             deliver(link)
         elif code == POST:
             posted.setdefault(op[1], t)
-            deliver((op[1][0], stage))
+            deliver((op[1][0] % d, stage))  # a message names its sender's (virtual) stage
         elif code == RECV:
             message = op[1]
             posted.setdefault(message, t)
             if message in sent:
-                deliver((message[0], stage))
+                deliver((message[0] % d, stage))
             if message not in arrived:
                 return False
             clock[stage] = max(t, arrived[message])
@@ -360,8 +339,8 @@ SIMULATED_MICROBATCHES = 32  # per stage and more: beyond, the steady state's pe
 
 
 def simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int | None = None) -> Timing:
-    """The steady-state step of ``layout`` with ``costs`` per stage (``cost_of``: seconds of one declared
-    collective of a stage). 2BW's first two steps fill the pipeline and are left out; flush's steps are all alike.
+    """The steady-state step of ``layout`` with ``costs`` per stage (interleaved: per virtual stage, ``d x V``;
+    ``cost_of``: seconds of one declared collective of a stage, by rank). 2BW's first two steps fill the pipeline and are left out; flush's steps are all alike.
 
     Beyond ``max(2 d, SIMULATED_MICROBATCHES)`` microbatches the batch is simulated at that many and each further
     microbatch adds the steady state's period, the slowest stage's forward and backward (or its link's message,
@@ -369,12 +348,15 @@ def simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCos
     microbatches, so what was exposed at the simulated count is an upper bound."""
     m, d = layout.num_microbatches, layout.num_stages
     simulated = max(2 * d, SIMULATED_MICROBATCHES)
-    if m <= simulated:
+    if layout.virtual_stages > 1:  # interleaved: whole rounds of d (its order depends on m // d otherwise)
+        simulated = -(-simulated // d) * d
+    if m <= simulated or (layout.virtual_stages > 1 and m % d):
         return _simulate(layout, costs, cost_of, steps)
     timing = _simulate(dataclasses.replace(layout, num_microbatches=simulated), costs, cost_of, steps)
-    period = max(max(c.forward + c.backward, c.send) for c in costs)
+    ranks = [rank_costs(costs, layout, r) for r in range(d)]
+    period = max(max(c.forward + c.backward, c.send) for c in ranks)
     extra = (m - simulated) * period
-    busy = tuple(b + (m - simulated) * (c.forward + c.backward) for b, c in zip(timing.busy, costs))
+    busy = tuple(b + (m - simulated) * (c.forward + c.backward) for b, c in zip(timing.busy, ranks))
     return dataclasses.replace(timing, step_time=timing.step_time + extra, busy=busy)
 
 
@@ -387,8 +369,9 @@ def _simulate(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCo
     start = ends[first - 1] if first else 0.0
     counted = steps - first
     per_step = (ends[-1] - start) / counted
+    ranks = [rank_costs(costs, layout, r) for r in range(layout.num_stages)]
     update_compute = [
-        sum(PART_COMPUTE[part][1](c) for part in U.choose_parts(c.shape) if part in PART_COMPUTE) for c in costs
+        sum(PART_COMPUTE[part][1](c) for part in U.choose_parts(c.shape) if part in PART_COMPUTE) for c in ranks
     ]
     return Timing(
         per_step,

@@ -53,18 +53,21 @@ BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS)  # actions of a whole batch: no 
 TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
 EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
 _TEXT = re.compile(
-    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?\))$"
+    r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)"
+    r"|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?(?:,c(?P<chunk>\d+))?\))$"
 )
 
 
 @dataclass(frozen=True)
 class Action:
-    """One instruction for one stage. ``microbatch`` is -1 for a batch's actions (the update's parts, WAIT_SENDS)."""
+    """One instruction for one stage. ``microbatch`` is -1 for a batch's actions (the update's parts, WAIT_SENDS);
+    ``chunk``: which of the rank's chunks it runs (interleaved 1F1B: virtual stage ``chunk x d + rank``; else 0)."""
 
     kind: Kind
     batch: int
     microbatch: int = -1
     weight_version: int = -1
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -75,7 +78,8 @@ class Action:
             return f"{self.kind.value}(b{self.batch})"
         if self.weight_version < 0:  # evaluation: the newest weights
             return f"{self.kind.value}(m{self.microbatch})"
-        return f"{self.kind.value}(m{self.microbatch},v{self.weight_version})"
+        chunk = f",c{self.chunk}" if self.chunk else ""
+        return f"{self.kind.value}(m{self.microbatch},v{self.weight_version}{chunk})"
 
     @classmethod
     def parse(cls, text: str, num_microbatches: int) -> Action:
@@ -85,9 +89,13 @@ class Action:
             raise ValueError(f"{text!r} is not an action; e.g. 'F(m3,v1)', 'SEND_B(m0,v0)', 'STEP(b2)'")
         if found["batch"] is not None:
             return cls(Kind(found["batch_kind"]), int(found["batch"]))
-        microbatch, version = int(found["microbatch"]), found["version"]
+        microbatch, version, chunk = int(found["microbatch"]), found["version"], int(found["chunk"] or 0)
         return cls(
-            Kind(found["kind"]), microbatch // num_microbatches, microbatch, -1 if version is None else int(version)
+            Kind(found["kind"]),
+            microbatch // num_microbatches,
+            microbatch,
+            -1 if version is None else int(version),
+            chunk,
         )
 
 

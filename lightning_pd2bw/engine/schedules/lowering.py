@@ -122,15 +122,17 @@ def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> l
     update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
     # under a split backward (ZB-H1) a batch's gradients are complete at its last W, not its last B
     split = any(action.kind == S.WEIGHT for action in actions)
+    top = max((action.chunk for action in actions), default=0)  # interleaved: backwards run the last chunk first
     ops: list[Op] = []
     for index, action in enumerate(actions):
         if action.kind in S.UPDATE_KINDS:
             ops.append(Op(action, index, steps=update[action.kind]))
         elif action.kind in (S.BACKWARD, S.WEIGHT):
             # a stage runs its backwards (and its W) in microbatch order, under every schedule: the batch's highest
-            # is its last
+            # is its last (interleaved: on its first chunk, the last a batch's backwards reach)
             last = (action.microbatch + 1) % num_microbatches == 0 and (action.kind == S.WEIGHT) == split
-            first = action.microbatch % num_microbatches == 0 and action.kind == S.BACKWARD
+            last = last and action.chunk == 0
+            first = action.microbatch % num_microbatches == 0 and action.kind == S.BACKWARD and action.chunk == top
             ops.append(
                 Op(action, index, last=last, steps=at_last_backward if last else (), reclaims=reclaims if first else ())
             )

@@ -13,6 +13,11 @@ Modes (docs/2bw-vs-flush.md):
   W back, then runs the oldest pending W after each B, and the held W fill the cooldown's bubble. Drained per batch,
   batch t uses version t (exact); the order is that of torch's ``ScheduleInterleavedZeroBubble`` with one stage per
   rank (``tests/unit/test_schedule_zb.py``).
+- ``interleaved`` (Megatron-LM's interleaved 1F1B, Narayanan et al. 2021, arXiv 2104.04473): the model cut into
+  d x V chunks, chunk ``v`` on rank ``v % d``; each rank runs its chunks' forwards in rounds of P microbatches (chunk 0's
+  round, chunk 1's, ...) and its backwards the other way round, 1F1B after a warm-up of ``(V - 1) P + 2 (d - 1 - r)``
+  forwards; drained per batch, exact. The order of torch's ``ScheduleInterleaved1F1B`` (``tests/unit/test_schedule_
+  interleaved.py``). The planner simulates it; the engine does not run it yet (``Mode.runs``).
 - ``2bw``    (PipeDream-2BW): one continuous 1F1B stream over the batches, never drained between
   batches; batch t uses version ``max(t - 1, 0)``. The update of batch t is first read by batch t + 2's first
   forward, so it runs beside batch t + 1 (``update.py``): REDUCE(t) right after t's last backward on the stage
@@ -163,6 +168,39 @@ def _expand(
     return actions
 
 
+def interleaved_order(rank: int, layout: Layout, batch: int) -> list[tuple[str, int, int]]:
+    """(kind, microbatch, chunk) order of one interleaved 1F1B batch on ``rank``: the rank's i-th forward runs chunk
+    ``(i // P) % V`` on microbatch ``(i // (P V)) P + i % P`` (P microbatches a round, ``max(1, m // d)`` rounds),
+    its i-th backward the same microbatch on chunk ``V - 1 - (i // P) % V``."""
+    d, m, chunks = layout.num_stages, layout.num_microbatches, layout.virtual_stages
+    per_round = m // max(1, m // d)
+    first, ops = batch * m, chunks * m
+
+    def nth(i: int, backward: bool) -> tuple[str, int, int]:
+        chunk = (i // per_round) % chunks
+        microbatch = first + (i // (per_round * chunks)) * per_round + i % per_round
+        return (BACKWARD, microbatch, chunks - 1 - chunk) if backward else (FORWARD, microbatch, chunk)
+
+    warmup = min((chunks - 1) * per_round + 2 * (d - 1 - rank), ops)
+    order = [nth(i, False) for i in range(warmup)]
+    for i in range(ops - warmup):
+        order += [nth(warmup + i, False), nth(i, True)]
+    return order + [nth(i, True) for i in range(ops - warmup, ops)]
+
+
+def _interleaved(layout: Layout, rank: int, batch: int) -> list[Action]:
+    """Interleaved 1F1B's actions of batch ``batch`` on ``rank``: each chunk's compute with the messages of its
+    virtual stage (``chunk x d + rank`` of ``d x V``: the first receives nothing, the last sends nothing on)."""
+    d, m = layout.num_stages, layout.num_microbatches
+    virtual = d * layout.virtual_stages
+    actions: list[Action] = []
+    for kind, k, chunk in interleaved_order(rank, layout, batch):
+        expand = _forward if kind == FORWARD else _backward
+        for action in expand(chunk * d + rank, virtual, k, m, layout.mode):
+            actions.append(Action(action.kind, action.batch, action.microbatch, action.weight_version, chunk))
+    return actions
+
+
 def _twobw_order(
     stage: int, num_stages: int, num_microbatches: int, batch: int, lookahead: int = 0
 ) -> list[tuple[str, int]]:
@@ -237,6 +275,8 @@ def segment(layout: Layout, stage: int, batch: int) -> list[Action]:
     the same two messages. Every segment ends with ``LOSS(batch)``: the last stage's broadcast of the batch's mean
     loss to its pipeline, on a group of its own."""
     mode, num_stages, num_microbatches, lookahead = _of(layout)
+    if mode.interleaved:
+        return [*_interleaved(layout, stage, batch), *update(batch), Action(WAIT_SENDS, batch), Action(LOSS, batch)]
     raw = _segment(mode, stage, num_stages, num_microbatches, batch, lookahead)
     if mode.flushes:
         return [*raw, Action(LOSS, batch)]
