@@ -8,8 +8,8 @@
   ratio is of neighbouring runs); each run's rate is its steps after the first log over their training seconds
   (from the run's own ``tokens_per_sec`` logs: start-up and the first steps left out), the ratio the median.
 - **planned**: ``pd2bw-plan`` for the gpt13b recipe on 8 x 8 H100 and for the paper's GPT-2.2B on 64 V100
-  (`docs/planner-accuracy.md`), each mode's best plan (2BW against the fastest synchronous schedule, Flush or
-  ZB-H1): simulated, never run.
+  (`docs/planner-accuracy.md`), each mode's best plan (2BW against the fastest synchronous schedule, Flush, ZB-H1 or
+  interleaved 1F1B, which is planned but not run by the engine): simulated, never run.
 
 Used by ``benchmarks/delayed_rule.py --horizons`` (time to quality); results cached in ``OUT/mode_rates.json``.
 """
@@ -48,30 +48,37 @@ PLANNED = {  # label -> pd2bw-plan's arguments (both modes get the same ones)
     ],
 }
 BEST = re.compile(r"^best: .*: ([0-9.]+) samples/s predicted", re.M)
+INTERLEAVED = re.compile(r"^synchronous plans: .*interleaved 1F1B ([0-9.]+) samples/s", re.M)  # where it fits
 
 
-def planned_rate(arguments: list[str], mode: str) -> float:
-    """The best plan's samples/s as ``pd2bw-plan`` prints it for ``mode``."""
+def planned_rate(arguments: list[str], mode: str) -> tuple[float, float | None]:
+    """The best plan's samples/s as ``pd2bw-plan`` prints it for ``mode``, and interleaved 1F1B's (planned at the
+    other plans' layouts, where it fits; else None)."""
     command = [sys.executable, "-m", "lightning_pd2bw.cli.plan", *arguments, f"strategy.mode={mode}"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
-    found = BEST.search(done.stdout)
+    found, interleaved = BEST.search(done.stdout), INTERLEAVED.search(done.stdout)
     if not found:
         raise RuntimeError(f"{' '.join(command)} printed no 'best:' line:\n{done.stdout[-2000:]}")
-    return float(found[1])
+    return float(found[1]), float(interleaved[1]) if interleaved else None
 
 
 def planned() -> dict[str, dict]:
     """Per planned setting: each mode's predicted samples/s, and 2BW's over the fastest synchronous schedule's
     (``against``: Flush or ZB-H1; every synchronous schedule trains by Flush's rule)."""
+    from lightning_pd2bw.cli.plan import INTERLEAVED_NAME
     from lightning_pd2bw.planner.step_overhead import SYNCHRONOUS
 
     rates = {}
+    names = SYNCHRONOUS | {"interleaved": INTERLEAVED_NAME}  # interleaved: planned, not run by the engine
     for label, arguments in PLANNED.items():
-        found = {mode: planned_rate(arguments, mode) for mode in ("2bw", *SYNCHRONOUS)}
-        fastest = max(SYNCHRONOUS, key=found.get)
+        both = {mode: planned_rate(arguments, mode) for mode in ("2bw", *SYNCHRONOUS)}
+        found = {mode: rate for mode, (rate, _) in both.items()}
+        if both["2bw"][1] is not None:
+            found["interleaved"] = both["2bw"][1]
+        fastest = max((mode for mode in names if mode in found), key=found.get)
         rates[label] = found | {
             "ratio": found["2bw"] / found[fastest],
-            "against": SYNCHRONOUS[fastest],
+            "against": names[fastest],
             "arguments": arguments,
         }
     return rates
