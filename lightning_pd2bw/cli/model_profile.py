@@ -95,8 +95,8 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         layer_states = tuple(
             _muon_states(layer) if 0 < index < len(layers) - 1 else 2.0 for index, layer in enumerate(layers)
         )
-    # models/optim.py: fused AdamW on CUDA (no temporaries), foreach on the CPU (one weight-sized set)
-    temporaries = 1.0 if optimizer == "adamw" and on_cpu else 0.0
+    # models/optim.py: fused AdamW on CUDA (no temporaries), foreach on the CPU (one weight-sized set); NAdamW foreach
+    temporaries = 1.0 if (optimizer == "adamw" and on_cpu) or optimizer == "nadamw" else 0.0
     return ModelProfile(
         profiles,
         weight_bytes,

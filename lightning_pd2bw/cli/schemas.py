@@ -56,7 +56,8 @@ class PresetSchema:
 class ModelSchema:
     _target_: str = MISSING
     config: PresetSchema = field(default_factory=PresetSchema)
-    optimizer: str = _MODEL["optimizer"]  # adamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
+    # adamw | nadamw | sgd | muon (Muon for the blocks' matrices + AdamW for the rest)
+    optimizer: str = _MODEL["optimizer"]
     lr: float = _MODEL["lr"]
     weight_decay: float = _MODEL["weight_decay"]
     betas: list[float] = field(default_factory=lambda: list(_MODEL["betas"]))

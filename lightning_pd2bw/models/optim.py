@@ -16,7 +16,7 @@ from torch import nn
 
 from .core import warmup_cosine
 
-OPTIMIZERS = ("adamw", "sgd", "muon")
+OPTIMIZERS = ("adamw", "nadamw", "sgd", "muon")
 
 
 def implementation(params: list[nn.Parameter]) -> dict[str, bool]:
@@ -38,6 +38,16 @@ def adamw(params: list[nn.Parameter], lr: float, weight_decay: float, betas: tup
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **implementation(params))
 
 
+def nadamw(params: list[nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.NAdam:
+    """NAdamW (Nesterov momentum, Dozat 2016; decoupled weight decay), grouped as ``adamw`` groups its parameters;
+    foreach on every device (torch has no fused NAdam)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    foreach = {"foreach": True} if implementation(params) else {}
+    return torch.optim.NAdam(groups, lr=lr, betas=tuple(betas), decoupled_weight_decay=True, **foreach)
+
+
 def build_optimizers(
     params: list[nn.Parameter],
     matrices: list[nn.Parameter],
@@ -47,7 +57,7 @@ def build_optimizers(
     betas: tuple[float, float] = (0.9, 0.95),
     momentum: float = 0.0,
 ) -> list[torch.optim.Optimizer]:
-    """``adamw`` | ``sgd`` | ``muon``: Muon for ``matrices`` (the blocks' weight matrices) and AdamW for the rest
+    """``adamw`` | ``nadamw`` | ``sgd`` | ``muon``: Muon for ``matrices`` (the blocks' weight matrices) and AdamW for the rest
     of ``params`` (embeddings, the head, norms, biases), as Muon's recipe pairs them.
 
     Under ``strategy="pd2bw"`` the parameters of other stages are placeholders on the meta device: each optimizer
@@ -57,7 +67,7 @@ def build_optimizers(
     Args:
         params: every parameter to optimize.
         matrices: those of ``params`` Muon takes (the blocks' weight matrices); unused by ``adamw`` and ``sgd``.
-        optimizer: ``"adamw"``, ``"sgd"`` or ``"muon"``.
+        optimizer: ``"adamw"``, ``"nadamw"`` (AdamW with Nesterov momentum), ``"sgd"`` or ``"muon"``.
         lr: the learning rate (Muon's scaled to match AdamW's update size).
         weight_decay: decoupled weight decay (AdamW, Muon) or L2 (SGD).
         betas: AdamW's.
@@ -68,6 +78,8 @@ def build_optimizers(
         return [torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **implementation(params))]
     if optimizer == "adamw":
         return [adamw(params, lr, weight_decay, betas)]
+    if optimizer == "nadamw":
+        return [nadamw(params, lr, weight_decay, betas)]
     if optimizer == "muon":
         matrices = _real_or_all(matrices)
         chosen = {id(p) for p in matrices}
