@@ -9,7 +9,7 @@ from lightning_pd2bw.models import GPT, GPTConfig, GPTCore
 from lightning_pd2bw.models.optim import block_matrices, build_optimizers, warmup_cosine_schedule
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+@pytest.mark.parametrize("name", ["adamw", "nadamw", "sgd", "muon"])
 def test_every_parameter_is_in_one_optimizer_as_the_module_configures_it(name):
     core = GPTCore(GPTConfig.from_name("tiny", n_layer=2))
     params = list(core.parameters())
@@ -39,7 +39,7 @@ def test_schedule_warms_up_then_decays_to_its_floor():
 
 
 def test_unknown_optimizer_names_the_valid_ones():
-    with pytest.raises(ValueError, match="optimizer='lion' is not supported; valid: adamw, sgd, muon"):
+    with pytest.raises(ValueError, match="optimizer='lion' is not supported; valid: adamw, nadamw, sgd, muon"):
         build_optimizers([torch.nn.Parameter(torch.zeros(2, 2))], [], "lion")
 
 
@@ -153,3 +153,29 @@ def test_supars_scaled_rate_keeps_adamws_weight_decay_of_the_dense_layer():
         optimizer.step()
         for param, step in zip((dense, sparse), moved):
             torch.testing.assert_close(param.detach(), torch.full((3,), 1 - lr * wd - step), rtol=0, atol=1e-6)
+
+
+def test_nadamw_takes_dozats_nesterov_step_with_decoupled_decay():
+    """Two steps of ``nadamw`` on a matrix against NAdam's update written out by hand (Dozat 2016 with torch's
+    momentum schedule ``mu_t = beta1 (1 - 0.5 * 0.96 ** (0.004 t))``; weight decay decoupled: ``w *= 1 - lr wd``)."""
+    lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.95), 1e-8
+    weight = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64))
+    (optimizer,) = build_optimizers([weight], [], "nadamw", lr=lr, weight_decay=wd, betas=(b1, b2))
+    expected = weight.detach().clone()
+    m = v = torch.zeros_like(expected)
+    product = 1.0
+    grads = [torch.tensor([[0.3, -0.1], [0.2, 0.4]], dtype=torch.float64), torch.tensor([[-0.5, 0.2], [0.1, 0.0]])]
+    for t, grad in enumerate(grads, start=1):
+        weight.grad = grad.to(torch.float64)
+        optimizer.step()
+        grad = grad.to(torch.float64)
+        mu, mu_next = (b1 * (1 - 0.5 * 0.96 ** (0.004 * k)) for k in (t, t + 1))
+        product *= mu
+        expected = expected * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * grad
+        v = b2 * v + (1 - b2) * grad * grad
+        denominator = (v / (1 - b2**t)).sqrt() + eps
+        expected = expected - lr * (1 - mu) / (1 - product) * grad / denominator
+        expected = expected - lr * mu_next / (1 - product * mu_next) * m / denominator
+        # torch keeps mu_product in float32: its relative error 6e-8 on an update of at most 2 lr (= 0.02) per step
+        assert torch.allclose(weight.detach(), expected, rtol=0.0, atol=2 * 6e-8 * 2 * lr * t), t
