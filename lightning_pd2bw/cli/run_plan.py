@@ -22,18 +22,12 @@ def plan_text(cfg, layout, model) -> str:
     from ..planner.hardware import GiB
 
     layers = pipeline_layers_of(model)
+    if cfg.strategy.mode == "interleaved":  # each stage's chunks: cli/run_plan_interleaved.py
+        from .run_plan_interleaved import interleaved_lines
+
+        return "\n".join([*header_lines(cfg, layout, model, layers), *interleaved_lines(cfg, layout, model)])
     profile, stages, memories = stage_plan(cfg, layout, model)
-    total = sum(p.numel() for p in model.parameters())
-    lines = [
-        f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
-        f"{len(layers)} pipeline layers",
-        f"layout: {layout.world_size} processes = {layout.num_stages} stages x {layout.data_parallel_size} replicas; "
-        f"mode={cfg.strategy.mode}{_lookahead(cfg)} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
-        f"batch: global {layout.global_batch_size} = {layout.data_parallel_size} replicas x "
-        f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
-        f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
-    ]
-    lines.append(data_text(cfg))
+    lines = header_lines(cfg, layout, model, layers)
     if (sparsity := sparsity_config(cfg)) is not None:
         masks = [memory.get("masks", 0.0) for memory in memories]
         grouped = "n" in sparsity and "m" in sparsity  # N:M semi-structured
@@ -69,6 +63,21 @@ def plan_text(cfg, layout, model) -> str:
     lines += [cost.describe(), cost.preemption_text()] if step_s is not None else [cost.describe()]
     lines.append(training_cost_text(cfg, layout, step_s))
     return "\n".join(lines)
+
+
+def header_lines(cfg, layout, model, layers) -> list[str]:
+    """The dry run's model, layout, batch and data lines."""
+    total = sum(p.numel() for p in model.parameters())
+    return [
+        f"model: {type(model).__name__} {cfg.model.config.name}: {total:,} parameters ({total / 1e9:.2f}B), "
+        f"{len(layers)} pipeline layers",
+        f"layout: {layout.world_size} processes = {layout.num_stages} stages x {layout.data_parallel_size} replicas; "
+        f"mode={cfg.strategy.mode}{_lookahead(cfg)} recompute={cfg.strategy.recompute} precision={cfg.trainer.precision}",
+        f"batch: global {layout.global_batch_size} = {layout.data_parallel_size} replicas x "
+        f"{layout.num_microbatches} microbatches x {layout.micro_batch_size} sequences; "
+        f"tokens per step = {layout.global_batch_size} x {layout.seq_len} = {layout.tokens_per_step:,}",
+        data_text(cfg),
+    ]
 
 
 def sync_start_text(cfg, layout, profile, stages, step_s: float | None) -> str:
@@ -324,6 +333,10 @@ def planned_stages(cfg, layout, model, profile=None) -> list[range]:
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
     profile = profile or analytic_model_profile(cfg, model, layout.micro_batch_size)
+    if cfg.strategy.mode == "interleaved":  # num_stages x 2 chunks
+        from .run_plan_interleaved import chunk_cut
+
+        return chunk_cut(cfg, layout, model, profile)
     stages = partition(profile, candidate_of(cfg, layout), layout.num_microbatches, float("inf"))
     if stages is None:  # check_run refuses this first; kept so that no caller iterates None
         raise ValueError(

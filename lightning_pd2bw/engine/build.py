@@ -21,7 +21,7 @@ from .updates.update import TiedParameter
 
 @dataclass
 class Stage:
-    stage_layers: list[range]  # every stage's layer indices
+    stage_layers: list[range]  # every (virtual) stage's layer indices (``Layout.cut``)
     layers: list[nn.Module]  # this stage's
     params: list[nn.Parameter]  # this stage's own (a tied one once)
     groups: Groups
@@ -39,18 +39,22 @@ def build_stage(
 ) -> Stage:
     layers = list(layers)
     stage_layers = layout.cut(layers)
-    mine = stage_layers[grid.stage]
-    shared = shared_parameters(layers, stage_layers)
+    # each stage's layers: its chunks' (one a stage, or interleaved 1F1B's virtual stages s, s + d, ...)
+    held = [[i for v in layout.chunks(s) for i in stage_layers[v]] for s in range(layout.num_stages)]
+    mine = held[grid.stage]
+    shared = shared_parameters(layers, held)
     local = [layers[i] for i in mine]
+    kept = set(mine)
     for index, layer in enumerate(layers):
-        if index not in mine:
+        if index not in kept:
             release(layer)
     materialized = materialize(local, device)
     if materialized:
         initialize_layers(layers, mine, root if root is not None else nn.ModuleList(layers), init_layer)
     for layer in local:
         layer._apply(lambda t: t if t.is_meta else t.to(device))
-    groups = build_groups(grid, [s.stages for s in shared], split=split_groups)  # None: as the backend allows
+    ring = layout.virtual_stages > 1  # the last stage sends on to the first
+    groups = build_groups(grid, [s.stages for s in shared], split=split_groups, ring=ring)  # split None: as allowed
     with torch.no_grad():
         if grid.data_parallel_size > 1:  # every replica starts from replica 0's weights and buffers (as DDP)
             tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))

@@ -35,6 +35,7 @@ from .comm.transport import StageLink
 from .compiled import CompileMeter, compile_layers
 from .counters import stage_counters
 from .executor import StageExecutor
+from .interleaving import check_interleaved, chunk_sizes, neighbours
 from .layout import Mode
 from .observer import ActionRecorder, Progress, SavedTensorMeter
 from .options import PipelineOptions, Run
@@ -116,6 +117,7 @@ class PipelineEngine(StageState):
         if self.grid.placement != options.placement:
             raise ValueError(f"the grid places ranks by {self.grid.placement!r}; the options say {options.placement!r}")
         self.device = torch.device(device) if device is not None else default_device()
+        check_interleaved(options, layout, self.device)
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn
@@ -123,9 +125,8 @@ class PipelineEngine(StageState):
         self.transport = transport
         self.progress = progress or Progress()
         self.info = info
-        self.synchronous_steps = (
-            sync_start_steps(None) if options.sync_steps is None else options.sync_steps
-        )  # resolved
+        start = options.sync_steps
+        self.synchronous_steps = sync_start_steps(None) if start is None else start  # resolved
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self.executor: StageExecutor | None = None
         self.update: UpdateRule | None = None
@@ -215,7 +216,8 @@ class PipelineEngine(StageState):
         method = self.options.applied_delay_correction
         if method is not None and self.optimizers:
             self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
-        link = self.transport(self.grid.prev_rank, self.grid.next_rank, self.device, self.groups.link)
+        link = self.transport(*neighbours(self.layout, self.grid), self.device, self.groups.link)
+        link.settle_on_receive = self.layout.virtual_stages == 1  # interleaved: a ring's peers post receives later
         owned = None if shards is None else shards.masters_kept(self.params)  # the float32 masters kept here
         self.versions = versions = WeightVersions(
             self.params, self.mode.double_buffered, self.options.weight_dtype, owned=owned
@@ -249,6 +251,7 @@ class PipelineEngine(StageState):
             gradient_buckets=self.update.store.buckets,
             progress=self.progress,
             parts=self.update.declared,
+            chunk_sizes=chunk_sizes(self.layout, self.stage_layers, self.grid.stage),
         )
 
     def _started(self) -> StageExecutor:

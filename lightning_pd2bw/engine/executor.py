@@ -12,6 +12,7 @@ of a step.
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .comm.transport import StageLink, as_tuple, carries_gradient, input_signature
 from .layout import Layout
-from .observer import ActionRecorder, SavedTensorMeter
+from .observer import ActionRecorder, SavedTensorMeter, pack_alias, stash_nbytes, unpack_alias
 from .options import PipelineOptions, recomputed_layers
 from .schedules import schedule as S
 from .schedules.lowering import Op, Parts, lower
@@ -48,28 +49,6 @@ _MIXED_WEIGHTS_HINT = (
 )
 
 
-def _pack_alias(tensor: torch.Tensor) -> torch.Tensor:
-    # Keep a fresh alias of what was saved: the values of this weight version stay valid (its storage
-    # is not recycled while the microbatch is in flight), and a later optimizer step on the
-    # parameter (a different version's storage) does not trip autograd's in-place check.
-    return tensor.data
-
-
-def _unpack_alias(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _stash_nbytes(entry: tuple[Any, Any]) -> int:
-    """Bytes of the boundary tensors a stashed microbatch keeps (its stage inputs and outputs; the last stage's
-    scaled loss), counted once per storage."""
-    inputs, outputs = entry
-    storages = {}
-    for tensor in (*inputs, *as_tuple(outputs)):
-        if isinstance(tensor, torch.Tensor):
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 class StageExecutor:
     """One pipeline stage: its layers, its link to the neighbours, its weight versions."""
 
@@ -89,8 +68,13 @@ class StageExecutor:
         gradient_buckets: Any = None,
         progress: Any = None,
         parts: Parts = (),
+        chunk_sizes: Sequence[int] | None = None,
     ) -> None:
         self.layers = list(layers)
+        # each chunk's layers (``chunk_sizes``: interleaved 1F1B's, in order; default one chunk, all of them)
+        bounds = [0, *itertools.accumulate(chunk_sizes or [len(self.layers)])]
+        self.chunk_ranges = list(zip(bounds, bounds[1:]))
+        self.num_virtual = layout.num_stages * len(self.chunk_ranges)
         self.ledger = ledger if ledger is not None else BatchLedger()  # per-batch state (the engine's)
         options = options or PipelineOptions(boundary_dtype=None)
         dtype = options.boundary_dtype
@@ -110,10 +94,11 @@ class StageExecutor:
         self.is_last = stage == layout.num_stages - 1
         self._microbatches: dict[int, Any] = {}
         self._keys: dict[int, tuple] = {}  # microbatch -> ("train", input signature): the link's shape cache key
-        self._received: dict[int, list[torch.Tensor]] = {}
-        self._stash: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = {}
-        self._to_send: dict[int, Any] = {}
-        self._grads_in: dict[int, list[torch.Tensor]] = {}
+        # by (chunk, microbatch):
+        self._received: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._stash: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], Any]] = {}
+        self._to_send: dict[tuple[int, int], Any] = {}
+        self._grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.max_stashed = 0
         self.stash_bytes = 0  # boundary tensors kept for the backward: each stashed microbatch's inputs and outputs
         self.peak_stash_bytes = 0
@@ -228,13 +213,20 @@ class StageExecutor:
             return tensors
         return tuple(t.detach().to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
 
+    def virtual_stage(self, chunk: int) -> int:
+        """The (virtual) stage ``chunk`` of this stage is: ``chunk x d + stage`` (one chunk: the stage)."""
+        return chunk * self.num_stages + self.stage
+
     def _forward(self, action: S.Action) -> None:
-        k = action.microbatch
+        k, chunk = action.microbatch, action.chunk
+        key, virtual = (chunk, k), self.virtual_stage(chunk)
+        first, last = virtual == 0, virtual == self.num_virtual - 1
+        start, stop = self.chunk_ranges[chunk]
         self.versions.use(action.weight_version)
-        if self.is_first:
+        if first:
             inputs = as_tuple(self.input_fn(self._microbatches[k]))
         else:
-            inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(k))
+            inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(key))
         deferring = self.weight_grads.intercept(k) if self.weight_grads is not None else nullcontext()
         with self._saved_tensor_hooks():
             if self.recomputed:  # the first layers keep only their input; the rest their activations
@@ -243,55 +235,67 @@ class StageExecutor:
                     outputs = self.run_layers(value if isinstance(value, tuple) else (value,), self.recomputed)
             else:
                 with deferring:
-                    outputs = self.run_layers(inputs)
-            if self.is_last:
+                    outputs = self.run_layers(inputs, start, stop)
+            if last:
                 loss = self.loss_fn(outputs, self._microbatches.pop(k))
                 # a running sum, not a list: m small tensors that live until the step ends, each allocated after
                 # that microbatch's activations, kept the host heap from shrinking (+120 MiB at m=48, 4 MiB messages)
                 self.ledger.add_loss(action.batch, loss)
-                self._stash[k] = (inputs, loss / self.num_microbatches)
+                self._stash[key] = (inputs, loss / self.num_microbatches)
             else:
-                self._stash[k] = (inputs, outputs)
-                self._to_send[k] = self._wire(self._boundary(outputs))
-        if self.is_first:
+                self._stash[key] = (inputs, outputs)
+                self._to_send[key] = self._wire(self._boundary(outputs))
+        if first:
             self._microbatches.pop(k, None)
         self.max_stashed = max(self.max_stashed, len(self._stash))
-        self.stash_bytes += _stash_nbytes(self._stash[k])
+        self.stash_bytes += stash_nbytes(self._stash[key])
         self.peak_stash_bytes = max(self.peak_stash_bytes, self.stash_bytes)
 
     def _saved_tensor_hooks(self) -> Any:
         meter = self.meter
         if meter is None:
             double = self.versions.double_buffer
-            return torch.autograd.graph.saved_tensors_hooks(_pack_alias, _unpack_alias) if double else nullcontext()
+            return torch.autograd.graph.saved_tensors_hooks(pack_alias, unpack_alias) if double else nullcontext()
         meter.exclude(self.versions.parameters)  # the weights, whichever version they point at now
         if self.versions.double_buffer:
-            return torch.autograd.graph.saved_tensors_hooks(lambda t: meter.pack(_pack_alias(t)), meter.unpack)
+            return torch.autograd.graph.saved_tensors_hooks(lambda t: meter.pack(pack_alias(t)), meter.unpack)
         return meter.hooks()
 
     def _backward(self, action: Op) -> None:
-        k = action.microbatch
+        k, chunk = action.microbatch, action.chunk
+        key, virtual, chunked = (chunk, k), self.virtual_stage(chunk), len(self.chunk_ranges) > 1
         self.versions.use(action.weight_version)
-        inputs, outputs = self._stash.pop(k)
-        self.stash_bytes -= _stash_nbytes((inputs, outputs))
-        if action.last and self.gradient_buckets is not None:  # the batch's last here: reduce buckets as they fill
+        inputs, outputs = self._stash.pop(key)
+        self.stash_bytes -= stash_nbytes((inputs, outputs))
+        if action.last and self.gradient_buckets is not None and not chunked:  # reduce buckets as they fill
             self.gradient_buckets.arm()
+        if (
+            chunked
+            and self.gradient_buckets is not None
+            and k % self.num_microbatches == 0
+            and chunk == len(self.chunk_ranges) - 1
+        ):
+            # interleaved: a chunk's gradients are complete at its own last backward, another's later: count from
+            # the batch's first backward (its last chunk's), start every bucket after its last (``release`` below)
+            self.gradient_buckets.arm(hold=True)
         split = self.weight_grads is not None
         if split and self.gradient_buckets is not None and (k + 1) % self.num_microbatches == 0:
             self.gradient_buckets.arm(hold=True)  # the gradients are complete at the batch's last W: start there
-        if self.is_last:
+        if virtual == self.num_virtual - 1:
             outputs.backward()
         else:
             # gradients come back for the floating-point outputs only, in their order (an integer mask may sit anywhere)
             carried = [o for o in as_tuple(outputs) if carries_gradient(o)]
-            pairs = [(o, g) for o, g in zip(carried, self._grads_in.pop(k), strict=True) if o.requires_grad]
+            pairs = [(o, g) for o, g in zip(carried, self._grads_in.pop(key), strict=True) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-        if not self.is_first:
-            self._to_send[k] = [
+        if virtual > 0:
+            self._to_send[key] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if carries_gradient(t)
             ]
         if split:
             self.weight_grads.after_backward(k)
+        if chunked and action.last and self.gradient_buckets is not None:
+            self.gradient_buckets.release()
 
     def _weight(self, action: Op) -> None:
         """W: the microbatch's deferred weight gradients (``weight_grads.py``); the batch's last starts the buckets'
@@ -332,69 +336,53 @@ class StageExecutor:
             if recorder is not None:
                 recorder.action(action, start)
 
-    def _gradient_like(self, k: int) -> list[torch.Tensor]:
-        """The sent outputs of microbatch ``k`` that get a gradient back (the shapes of its RECV_B)."""
-        return [o for o in as_tuple(self._stash[k][1]) if carries_gradient(o)]
+    def _gradient_like(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        """The sent outputs of (chunk, microbatch) ``key`` that get a gradient back (the shapes of its RECV_B)."""
+        return [o for o in as_tuple(self._stash[key][1]) if carries_gradient(o)]
+
+    def _link_key(self, k: int, boundary: int, final: bool) -> tuple:
+        """The link's shape key of microbatch ``k`` at the boundary after virtual stage ``boundary`` (one chunk:
+        the microbatch's own, dropped at its ``final`` use; chunks: one per boundary, dropped at the drain)."""
+        if len(self.chunk_ranges) == 1:
+            return self._keys.pop(k) if final else self._keys[k]
+        return (*self._keys[k], boundary)
 
     # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fuse_receives``)
     def _recv_forward(self, action: S.Action) -> None:
-        k = action.microbatch
-        key = self._keys.pop(k) if self.is_last else self._keys[k]
-        self._received[k] = self.link.recv_forward(key)
+        k, chunk = action.microbatch, action.chunk
+        key = self._link_key(k, self.virtual_stage(chunk) - 1, self.is_last)
+        self._received[(chunk, k)] = self.link.recv_forward(key)
 
     def _send_forward(self, action: S.Action) -> None:
-        k, fused = action.microbatch, self._fused
-        like = self._gradient_like(fused.microbatch) if fused is not None else None
-        self.link.send_forward(self._to_send.pop(k), self._keys.pop(k), like, self.boundary_dtype)
+        k, chunk, fused = action.microbatch, action.chunk, self._fused
+        like = self._gradient_like((fused.chunk, fused.microbatch)) if fused is not None else None
+        key = self._link_key(k, self.virtual_stage(chunk), True)
+        self.link.send_forward(self._to_send.pop((chunk, k)), key, like, self.boundary_dtype)
 
     def _recv_backward(self, action: S.Action) -> None:
-        k = action.microbatch
-        self._grads_in[k] = self.link.recv_backward(self._gradient_like(k), self.boundary_dtype)
+        key = (action.chunk, action.microbatch)
+        self._grads_in[key] = self.link.recv_backward(self._gradient_like(key), self.boundary_dtype)
 
     def _send_backward(self, action: S.Action) -> None:
         fused = self._fused
-        self.link.send_backward(self._to_send.pop(action.microbatch), self._keys[fused.microbatch] if fused else None)
+        then = self._keys[fused.microbatch] if fused else None
+        self.link.send_backward(self._to_send.pop((action.chunk, action.microbatch)), then)
 
     def finish_drain(self) -> None:
         """After a drain's actions (they end in WAIT_SENDS): nothing may be in flight; the version rule restarts."""
         self.link.wait_sends()  # nothing left after WAIT_SENDS; a drain with no actions (nothing ran) has none
+        if len(self.chunk_ranges) > 1:
+            self._keys.clear()  # chunks: a microbatch's shape keys serve every boundary until the batch drains
         if self.in_flight or self.link.posted_receives:
             raise RuntimeError(f"stage {self.stage}: microbatches still in flight after a drain")
         self._microbatches.clear()
         self.versions.reset_after_drain()
 
     # ----------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(
         self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
     ) -> list[dict]:
-        """Forward-only pass of ``microbatches`` on the newest weights (``schedule.evaluation``'s actions); metrics
-        on the last stage."""
-        self.versions.use_latest()
-        results: list[dict] = []
-        values: dict[int, tuple] = {}  # microbatch -> what was received, then what was computed
+        """Forward-only pass of ``microbatches`` on the newest weights (``evaluation.evaluate``)."""
+        from .evaluation import evaluate
 
-        def key(action: S.Action) -> tuple:
-            return ("eval", input_signature(microbatches[action.microbatch]))
-
-        def receive(action: S.Action) -> None:
-            values[action.microbatch] = tuple(self.link.recv_forward(key(action)))
-
-        def run(action: S.Action) -> None:
-            microbatch = microbatches[action.microbatch]
-            inputs = as_tuple(self.input_fn(microbatch)) if self.is_first else values.pop(action.microbatch)
-            outputs = self.run_layers(inputs)
-            if self.is_last:
-                results.append(metrics_fn(outputs, microbatch))
-            else:
-                values[action.microbatch] = as_tuple(outputs)
-
-        def send(action: S.Action) -> None:
-            self.link.send_forward(self._wire(values.pop(action.microbatch)), key(action))
-            self.link.settle(self.link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
-
-        table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.WAIT_SENDS: self.handlers[S.WAIT_SENDS]}
-        for action in S.evaluation(self.stage, self.layout.num_stages, len(microbatches)):
-            table[action.kind](action)
-        self.versions.rest()
-        return results
+        return evaluate(self, microbatches, metrics_fn)

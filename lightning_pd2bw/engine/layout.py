@@ -50,12 +50,12 @@ class Mode(Word):
     ZB_H1 = "zb_h1"  # zero-bubble H1 (Qi et al. 2024): 1F1B with each backward split into B (the input gradient)
     # and W (the deferred weight gradient), stage s holding s of its W back to fill the cooldown: exact, 1F1B's memory
     INTERLEAVED = "interleaved"  # Megatron's interleaved 1F1B: each rank holds V non-adjacent chunks of the layers
-    # (``Layout.virtual_stages``), drained per batch: exact. Planned and simulated (``pd2bw-plan``); not yet run
+    # (``Layout.virtual_stages``), drained per batch: exact
 
     @property
     def runs(self) -> bool:
-        """Whether the engine runs this mode (``interleaved`` is the planner's comparator only: ``PLANNED_ONLY``)."""
-        return self is not Mode.INTERLEAVED
+        """Whether the engine runs this mode (every mode does)."""
+        return True
 
     @property
     def interleaved(self) -> bool:
@@ -103,10 +103,6 @@ class Placement(Word):
 
 PLACEMENTS: tuple[str, ...] = tuple(placement.value for placement in Placement)
 MODES: tuple[str, ...] = tuple(mode.value for mode in Mode if mode.runs)  # what a run may name
-PLANNED_ONLY = (
-    "Megatron-LM's interleaved 1F1B: pd2bw-plan plans and simulates it beside the modes the engine runs (the "
-    "synchronous plans' line), the engine does not run it yet (docs/limitations.md)"
-)
 DEFAULT_MODE = Mode.PD2BW.value  # the strategy's, the engine's and the Hydra schema's default
 
 
@@ -136,9 +132,7 @@ class Keys:
 
 def check_mode(mode: str, keys: Keys = Keys(), planned: bool = False) -> None:
     """``mode`` one the engine runs (``planned``: or one the planner only simulates, ``Mode.runs``)."""
-    if not planned and mode == Mode.INTERLEAVED:
-        raise ValueError(f"{keys.where}{keys.mode}={mode!r} is {PLANNED_ONLY}; valid: {', '.join(MODES)}")
-    if mode not in MODES and mode not in Mode._value2member_map_:
+    if mode not in MODES and not (planned and mode in Mode._value2member_map_):
         raise ValueError(f"{keys.where}{keys.mode}={mode!r} is not a mode; valid: {', '.join(MODES)}")
 
 
@@ -151,6 +145,8 @@ def check_virtual_stages(mode: str, num_stages: int, num_microbatches: int, virt
         return
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 2:
         raise ValueError(f"virtual_stages={virtual_stages!r} is invalid under mode='interleaved': an int >= 2")
+    if num_stages < 2:
+        raise ValueError("mode='interleaved' needs num_stages >= 2 (its chunks cycle over the stages)")
     rounds = max(1, num_microbatches // num_stages)
     if num_microbatches % rounds:
         raise ValueError(
@@ -282,8 +278,11 @@ class Layout:
             virtual_stages = 2 if mode == Mode.INTERLEAVED else 1
         check_virtual_stages(mode, num_stages, microbatches, virtual_stages)
         cut = None if layers_per_stage is None else tuple(layers_per_stage)
-        if cut is not None and len(cut) != num_stages:
-            raise ValueError(f"layers_per_stage={list(cut)} needs one entry per stage (num_stages={num_stages})")
+        if cut is not None and len(cut) != num_stages * virtual_stages:
+            chunks = f" x virtual_stages={virtual_stages}: one per chunk" if virtual_stages > 1 else ""
+            raise ValueError(
+                f"layers_per_stage={list(cut)} needs one entry per stage (num_stages={num_stages}{chunks})"
+            )
         for name, value in (
             ("num_stages", num_stages),
             ("num_microbatches", microbatches),
@@ -295,8 +294,14 @@ class Layout:
             object.__setattr__(self, name, value)
 
     def cut(self, layers: Sequence[nn.Module]) -> list[range]:
-        """Each stage's range of layer indices."""
-        check_layers(len(layers), self.num_stages)
+        """Each (virtual) stage's range of layer indices: ``num_stages x virtual_stages`` of them, virtual stage
+        ``v`` on stage ``v % num_stages``."""
+        chunks = self.num_stages * self.virtual_stages
+        check_layers(len(layers), chunks)
         if self.layers_per_stage is not None:
             return ranges_of(self.layers_per_stage, len(layers))
-        return balanced_partition(layer_parameter_counts(layers), self.num_stages)
+        return balanced_partition(layer_parameter_counts(layers), chunks)
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages ``stage`` holds, in order (its chunks)."""
+        return list(range(stage, self.num_stages * self.virtual_stages, self.num_stages))

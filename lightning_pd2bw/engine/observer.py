@@ -49,3 +49,24 @@ class SavedTensorMeter(Protocol):
     def unpack(self, packed: Any) -> torch.Tensor: ...
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks: ...
+
+
+def pack_alias(tensor: torch.Tensor) -> torch.Tensor:
+    # A fresh alias of what was saved: this weight version's values stay valid (its storage is not recycled while the
+    # microbatch is in flight), and a later step on the parameter (another version's storage) trips no in-place check
+    return tensor.data
+
+
+def unpack_alias(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def stash_nbytes(entry: tuple[Any, Any]) -> int:
+    """Bytes of the boundary tensors a stashed microbatch keeps (its stage inputs and outputs; the last stage's
+    scaled loss), counted once per storage."""
+    inputs, outputs = entry
+    storages = {}
+    for tensor in (*inputs, *(outputs if isinstance(outputs, tuple) else (outputs,))):
+        if isinstance(tensor, torch.Tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())

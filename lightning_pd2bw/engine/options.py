@@ -270,10 +270,10 @@ class PipelineOptions:
     def _check_cut(self) -> None:
         if self.layers_per_stage is not None:
             self._set("layers_per_stage", tuple(self.layers_per_stage))
-            if len(self.layers_per_stage) != (self.num_stages or 0):
+            if len(self.layers_per_stage) != (self.num_stages or 0) * (2 if self.mode == "interleaved" else 1):
                 raise ValueError(
-                    f"{self.keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage: "
-                    "give num_stages=len(layers_per_stage)"
+                    f"{self.keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage "
+                    "(under mode='interleaved' one per chunk, 2 a stage): give num_stages to match"
                 )
 
     @property

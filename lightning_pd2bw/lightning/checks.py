@@ -127,9 +127,11 @@ def layout_report(engine: Any, options: Any, layers: list[nn.Module]) -> str:
         f"pd2bw: mode={options.mode} stages={engine.num_stages} data_parallel={engine.grid.data_parallel_size} "
         f"microbatches={engine.num_microbatches} lookahead={options.lookahead} recompute={options.recompute}"
     ]
-    for stage, layer_range in enumerate(engine.stage_layers):
+    d, chunked = engine.num_stages, len(engine.stage_layers) > engine.num_stages  # interleaved: chunks
+    for virtual, layer_range in enumerate(engine.stage_layers):
         params = sum(layer_parameter_counts([layers[i] for i in layer_range]))
-        lines.append(f"  stage {stage}: layers {layer_range.start}..{layer_range.stop - 1} ({params:,} parameters)")
+        where = f"stage {virtual % d}, chunk {virtual // d}" if chunked else f"stage {virtual}"
+        lines.append(f"  {where}: layers {layer_range.start}..{layer_range.stop - 1} ({params:,} parameters)")
     return "\n".join(lines)
 
 

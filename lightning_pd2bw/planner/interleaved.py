@@ -55,7 +55,7 @@ def _message_time(profile, candidate, cluster: ClusterSpec, chunks: Sequence[ran
     return cluster.latency + profile.layers[chunks[v].stop - 1].output_bytes / bandwidth
 
 
-def _rank_memory(profile, candidate, chunks: Sequence[range], rank: int, m: int, virtual: int) -> dict[str, float]:
+def rank_memory(profile, candidate, chunks: Sequence[range], rank: int, m: int, virtual: int) -> dict[str, float]:
     """Peak bytes of ``rank`` holding its ``virtual`` chunks (see the module's docstring)."""
     d = candidate.depth
     mine = [(v, chunks[v]) for v in range(rank, d * virtual, d)]
@@ -111,7 +111,7 @@ def predict_interleaved(
         )
     layout = Layout(d, m, Mode.INTERLEAVED, virtual_stages=virtual_stages)
     clock = simulate(layout, costs, collective_cost(profile, candidate, cluster, ranks))
-    memory = tuple(_rank_memory(profile, candidate, chunks, r, m, virtual_stages) for r in range(d))
+    memory = tuple(rank_memory(profile, candidate, chunks, r, m, virtual_stages) for r in range(d))
     times = tuple(c.forward + c.backward + c.send for c in costs)
     update = max(e + u for e, u in zip(clock.exposed, clock.update_compute))
     return Prediction(candidate, m, tuple(chunks), times, update, clock.step_time, memory, global_batch)

@@ -136,6 +136,12 @@ def candidates(
     lookahead and delay correction (m >= d). Not 2BW at depth 1 where a pipeline is possible: plain data
     parallelism that would pay the weight delay, the second weight version and the correction's buffers for
     nothing (Flush at depth 1 is the same run without them)."""
+    if Mode(options.mode).interleaved:
+        raise ValueError(
+            "the planner searches layouts for mode=flush, zb_h1 and 2bw; interleaved 1F1B is planned at their best "
+            "layouts in the synchronous plans' line (pd2bw-plan strategy.mode=flush shows it): give an interleaved "
+            "run its layout (strategy.num_stages, num_microbatches) rather than plan=auto"
+        )
     out = []
     for depth in divisors(num_devices):
         width = num_devices // depth

@@ -100,9 +100,10 @@ def build_model(case: Case, epochs_bounded: bool = False):
         warmup_steps=2 if case.schedule else 0,
         max_steps=(-1 if epochs_bounded else case.steps) if case.schedule else None,
     )
+    n_layer = 6 if case.mode == "interleaved" and case.num_stages > 2 else 3  # interleaved: 2 chunks a stage
     if case.model == "gpt":
-        return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
-    return BERT(BERTConfig(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
+        return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
+    return BERT(BERTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
 
 
 def dataset(case: Case):
@@ -372,6 +373,28 @@ CASES = {
         ),
         Case("gpt_flush_resume_as_zb_h1", steps=6, checkpoint_every=3, resume_mode="zb_h1", recompute=(1, 0), clip=0.5),
         Case("gpt_zb_h1_bf16_validate", mode="zb_h1", steps=5, precision="bf16-mixed", val_every=2),
+        # interleaved 1F1B: two chunks a stage on a ring (the tied embedding on stages 0 and d - 1), trains as Flush
+        Case("gpt_interleaved_adamw_clip_sched", mode="interleaved", num_microbatches=4, clip=0.5, schedule=True),
+        Case(
+            "gpt_interleaved_d4_sgd_momentum",
+            mode="interleaved",
+            num_stages=4,
+            num_microbatches=4,
+            optimizer="sgd",
+            momentum=0.9,
+        ),
+        Case(
+            "gpt_interleaved_d2w2_shard_grads_sparse",
+            width=2,
+            mode="interleaved",
+            num_microbatches=4,
+            clip=0.5,
+            shard_gradients=True,
+            sparsity="gmp_global",
+            val_every=2,
+        ),
+        Case("gpt_interleaved_resume_as_flush", mode="interleaved", steps=6, checkpoint_every=3, resume_mode="flush"),
+        Case("gpt_zb_h1_resume_as_interleaved", mode="zb_h1", steps=6, checkpoint_every=3, resume_mode="interleaved"),
         # the optimizer sharded over 4 replicas (engine/updates/sharding.py; on by default): Muon's whole matrices and AdamW
         # assigned to owners, global clipping; 2BW with the predictive correction's buffers sharded and masks
         Case("gpt_flush_d1w4_muon", num_stages=1, width=4, optimizer="muon", clip=0.5, schedule=True),

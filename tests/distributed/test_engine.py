@@ -30,6 +30,17 @@ RUNS = [
     Case("engine_2bw_start_restart", mode="2bw", steps=6, schedule=True, checkpoint_every=3, sync_steps=3),
     # ZB-H1's split backward at width 2 with global clipping, saved at step 3 and loaded into a new engine
     Case("engine_zb_h1_w2_clip_restart", mode="zb_h1", width=2, steps=6, clip=0.5, schedule=True, checkpoint_every=3),
+    # interleaved 1F1B (2 chunks a stage on a ring) at width 2 with global clipping and the tied embedding, saved at
+    # step 3 and loaded into a new engine
+    Case(
+        "engine_interleaved_w2_clip_restart",
+        mode="interleaved",
+        width=2,
+        steps=6,
+        clip=0.5,
+        schedule=True,
+        checkpoint_every=3,
+    ),
 ]
 RESHARD = {"engine_2bw_reshard_restart": [1, 4]}  # the new cut (the balanced one is [2, 3])
 WORLDS = sorted({case.world for case in RUNS})
@@ -130,9 +141,8 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
         actions = S.stream(layout, stage, case.steps - start)
         if case.mode != "2bw":  # flush restarts its batch numbers every step: the same actions per step
             actions = S.segment(layout, stage, 0) * (case.steps - start)
-        sends = sum(a.kind == S.SEND_FORWARD for a in actions) + (
-            case.num_microbatches if stage < case.num_stages - 1 else 0
-        )
+        evaluation = S.evaluation(stage, case.num_stages, case.num_microbatches, layout.virtual_stages)
+        sends = sum(a.kind == S.SEND_FORWARD for a in [*actions, *evaluation])
         assert result["sent"] == {"forward": sends, "backward": sum(a.kind == S.SEND_BACKWARD for a in actions)}
 
 

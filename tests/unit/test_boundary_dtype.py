@@ -33,13 +33,13 @@ def test_activations_leave_in_bf16_and_gradients_return_into_float32():
     layer, executor = first_stage(torch.bfloat16)
     x = executor._microbatches[0]["x"]
     executor.run([S.Action(S.FORWARD, 0, 0, 0)])  # a float32 output (e.g. the residual)
-    (sent,) = executor._to_send[0]
+    (sent,) = executor._to_send[(0, 0)]
     assert sent.dtype == torch.bfloat16 and not sent.requires_grad
     torch.testing.assert_close(sent, layer(x).detach().to(torch.bfloat16), rtol=0, atol=0)
-    assert executor._stash[0][1].dtype == torch.float32, "the stage's own graph stays in float32"
+    assert executor._stash[(0, 0)][1].dtype == torch.float32, "the stage's own graph stays in float32"
     grad = torch.randn(4, 8).to(torch.bfloat16)  # what the next stage sends back
     executor._to_send.clear()
-    executor._grads_in[0] = [grad]
+    executor._grads_in[(0, 0)] = [grad]
     executor.run([S.Action(S.BACKWARD, 0, 0, 0)])
     assert layer.weight.grad.dtype == torch.float32
     torch.testing.assert_close(layer.weight.grad, grad.float().t() @ x)
@@ -48,7 +48,7 @@ def test_activations_leave_in_bf16_and_gradients_return_into_float32():
 def test_no_boundary_dtype_sends_the_tensor_as_computed():
     _, executor = first_stage(None)
     executor.run([S.Action(S.FORWARD, 0, 0, 0)])
-    assert executor._to_send[0][0].dtype == torch.float32
+    assert executor._to_send[(0, 0)][0].dtype == torch.float32
 
 
 @pytest.mark.parametrize(

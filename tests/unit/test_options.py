@@ -194,9 +194,9 @@ def test_the_mode_is_a_value_with_its_facts():
         "flush": (False, True, False, False),
         "gpipe": (False, True, True, False),
         "zb_h1": (False, True, False, True),
-        "interleaved": (False, True, False, False),  # planned only: ``Mode.runs`` False
+        "interleaved": (False, True, False, False),
     }
-    assert [mode for mode in Mode if not mode.runs] == [Mode.INTERLEAVED]
+    assert all(mode.runs for mode in Mode) and [mode for mode in Mode if mode.interleaved] == [Mode.INTERLEAVED]
     with pytest.raises(ValueError, match="is not a mode"):
         Layout(2, 2, "1f1b")
 

@@ -93,13 +93,46 @@ def test_the_simulated_step_is_megatrons_bubble(d, m, chunks):
     assert interleaved == pytest.approx((m + (d - 1) / chunks) * (forward + backward), rel=1e-9)
 
 
-def test_a_run_in_interleaved_is_refused_by_name_and_the_layout_checked():
-    with pytest.raises(ValueError, match="mode='interleaved' is Megatron-LM's interleaved 1F1B: pd2bw-plan plans"):
-        PipelineOptions(mode="interleaved")
+def test_the_layout_is_checked_and_what_it_does_not_run_is_refused_by_name():
+    import torch
+
+    from lightning_pd2bw.engine.interleaving import check_interleaved
+
     with pytest.raises(ValueError, match="an int >= 2"):
         Layout(2, 4, "interleaved", virtual_stages=1)
     with pytest.raises(ValueError, match="needs mode='interleaved'"):
         Layout(2, 4, "flush", virtual_stages=2)
     with pytest.raises(ValueError, match="rounds of equal size"):
         Layout(4, 9, "interleaved")  # two rounds cannot split 9 microbatches
+    with pytest.raises(ValueError, match="needs num_stages >= 2"):
+        Layout(1, 1, "interleaved")
     assert Layout(2, 4, "interleaved").virtual_stages == 2 and Layout(2, 4).virtual_stages == 1
+    layout, cpu = Layout(2, 4, "interleaved"), torch.device("cpu")
+    check_interleaved(PipelineOptions(mode="interleaved"), layout, cpu)  # runs over gloo
+    for options, device, said in (
+        (PipelineOptions(mode="interleaved", recompute=True), cpu, r"recompute=...\) is not supported"),
+        (PipelineOptions(mode="interleaved", compile=True), cpu, r"\(compile=...\) is not supported"),
+        (PipelineOptions(mode="interleaved"), torch.device("cuda", 0), "runs over gloo"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            check_interleaved(options, layout, device)
+
+
+@pytest.mark.parametrize("d,m,chunks", SHAPES)
+def test_each_update_follows_its_batchs_last_backward_and_the_text_round_trips(d, m, chunks):
+    layout = Layout(d, m, "interleaved", virtual_stages=chunks)
+    for rank in range(d):
+        actions = S.stream(layout, rank, 2)
+        assert [S.Action.parse(str(a), m) for a in actions] == actions
+        for batch in range(2):
+            mine = [a for a in actions if a.batch == batch]
+            backwards = [i for i, a in enumerate(mine) if a.kind == S.BACKWARD]
+            update = [a.kind for a in mine if a.kind in S.UPDATE_KINDS]
+            assert update == [*S.UPDATE_PARTS, S.STEP, S.PUBLISH]
+            assert max(backwards) < next(i for i, a in enumerate(mine) if a.kind == S.REDUCE)
+            # every chunk runs each microbatch forward, then backward
+            for chunk in range(chunks):
+                for k in range(batch * m, (batch + 1) * m):
+                    f = next(i for i, a in enumerate(mine) if (a.kind, a.microbatch, a.chunk) == (S.FORWARD, k, chunk))
+                    b = next(i for i, a in enumerate(mine) if (a.kind, a.microbatch, a.chunk) == (S.BACKWARD, k, chunk))
+                    assert f < b

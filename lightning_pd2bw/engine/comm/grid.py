@@ -142,8 +142,9 @@ def communicator(
         return f"pd2bw/{name}/stage{stage}", tuple(at(stage, r, num_stages, width) for r in range(width))
     if name == "tied":
         return f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, tied))}", tuple(in_replica[s] for s in tied)
-    if name == "p2p":
-        return f"pd2bw/p2p/replica{replica}/stage{stage}-{stage + 1}", in_replica[stage : stage + 2]
+    if name == "p2p":  # from the last stage: the ring's link back to the first (interleaved 1F1B, depth > 2)
+        following = (stage + 1) % num_stages
+        return f"pd2bw/p2p/replica{replica}/stage{stage}-{following}", (in_replica[stage], in_replica[following])
     raise ValueError(f"no communicator {name!r}; one of {COMMUNICATORS}")
 
 
@@ -156,11 +157,12 @@ def end_default_group() -> None:
 
 
 def group_kinds(
-    grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
+    grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]], ring: bool = False
 ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Every group of the run as (name, ranks), by kind: the pipeline and loss groups of every replica, each link
-    between stages s and s + 1, the replica and shard groups of every stage, each tied stage set's groups. The groups
-    of one kind never share a rank (what one ``split_group`` call needs); every rank lists them in the same order."""
+    between stages s and s + 1 (``ring``: and from the last stage back to the first, where that is another pair),
+    the replica and shard groups of every stage, each tied stage set's groups. The groups of one kind never share a
+    rank (what one ``split_group`` call needs); every rank lists them in the same order."""
     d, width = grid.num_stages, grid.data_parallel_size
 
     def kind(name: str, stages: Sequence[int] = (0,), replicas: Sequence[int] = (0,), tied=()) -> list:
@@ -168,7 +170,7 @@ def group_kinds(
 
     everyone = range(width)
     kinds = [kind("pipeline", replicas=everyone), kind("loss", replicas=everyone)]
-    kinds += [kind("p2p", stages=[stage], replicas=everyone) for stage in range(d - 1)]
+    kinds += [kind("p2p", stages=[stage], replicas=everyone) for stage in range(d - 1 + (ring and d > 2))]
     kinds += [kind("replica", stages=range(d))] + ([kind("shard", stages=range(d))] if width > 1 else [])
     kinds += [kind("tied", replicas=everyone, tied=stages) for stages in dict.fromkeys(shared_stage_sets)]
     return kinds
@@ -180,15 +182,18 @@ def eager_nccl() -> bool:
     return dist.get_backend() == "nccl" and dist.distributed_c10d._get_default_group().bound_device_id is not None
 
 
-def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]], split: bool | None = None) -> Groups:
+def build_groups(
+    grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]], split: bool | None = None, ring: bool = False
+) -> Groups:
     """This rank's groups. Under an eagerly started NCCL (the default group bound to a device: how the strategy starts
     it on GPUs), one ``split_group`` per kind, one ``ncclCommSplit`` of the world each, as ``DeviceMesh`` creates
     its dimensions (at 64 ranks 8 splits where a ``new_group`` per group would be about 100, each of which every
     rank, member or not, joins); elsewhere a ``new_group`` per group, which leaves nothing on a rank outside it.
-    ``split``: which of the two (None: ``eager_nccl()``)."""
+    ``split``: which of the two (None: ``eager_nccl()``); ``ring``: the stages' links close a ring (interleaved 1F1B:
+    the last stage sends on to the first)."""
     split = eager_nccl() if split is None else split
     mine: dict[str, object] = {}
-    for groups in group_kinds(grid, shared_stage_sets):
+    for groups in group_kinds(grid, shared_stage_sets, ring):
         own = next(((desc, ranks) for desc, ranks in groups if grid.rank in ranks), None)
         if split:
             group = dist.split_group(split_ranks=[list(r) for _, r in groups], group_desc=own[0] if own else None)
@@ -202,8 +207,10 @@ def build_groups(grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]]
     def held(name: str, stage: int = grid.stage, tied: Sequence[int] = ()) -> object:
         return mine.get(communicator(name, stage, grid.replica, d, width, tied, grid.placement)[0])
 
-    links = {"previous": held("p2p", grid.stage - 1) if grid.stage > 0 else None}
-    links["next"] = held("p2p") if grid.stage < d - 1 else None
+    ring = ring and d > 1  # at depth 2 the ring's link back is the one pair's group
+    wrap = held("p2p", 0 if d == 2 else d - 1) if ring and grid.stage in (0, d - 1) else None
+    links = {"previous": held("p2p", grid.stage - 1) if grid.stage > 0 else wrap}
+    links["next"] = held("p2p") if grid.stage < d - 1 else wrap
     shared = {stages: held("tied", tied=stages) for stages in dict.fromkeys(shared_stage_sets) if grid.stage in stages}
     return Groups(
         held("pipeline"),

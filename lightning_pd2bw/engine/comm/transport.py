@@ -170,6 +170,9 @@ class StageLink:
         self._posted: dict[str, list[_Posted]] = {"forward": [], "backward": []}
         self.peak_held_bytes = 0
         self.peak_pending_sends = 0
+        # sends waited for when a receive from their peer completes (1F1B's fused batches: the peer has posted their
+        # receives by then); False: only at ``wait_sends`` (interleaved 1F1B's ring, whose peers post later)
+        self.settle_on_receive = True
 
     # ------------------------------------------------------------------ batches
     def _group(self, peer: int) -> Any:
@@ -218,13 +221,15 @@ class StageLink:
 
     def _receive(self, peer: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self._issue(peer, [], tensors).wait()
-        self.settle(peer)  # the peer sent after posting the receives of everything sent to it so far
+        if self.settle_on_receive:
+            self.settle(peer)  # the peer sent after posting the receives of everything sent to it so far
         return tensors
 
     def _use(self, direction: str, peer: int) -> list[torch.Tensor]:
         posted = self._posted[direction].pop(0)
         posted.batch.wait()
-        self.settle(peer)
+        if self.settle_on_receive:
+            self.settle(peer)
         return posted.tensors
 
     # ------------------------------------------------------------------ activations

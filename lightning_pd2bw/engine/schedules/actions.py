@@ -76,9 +76,9 @@ class Action:
     def __str__(self) -> str:
         if self.kind in BATCH_KINDS:
             return f"{self.kind.value}(b{self.batch})"
-        if self.weight_version < 0:  # evaluation: the newest weights
-            return f"{self.kind.value}(m{self.microbatch})"
         chunk = f",c{self.chunk}" if self.chunk else ""
+        if self.weight_version < 0:  # evaluation: the newest weights
+            return f"{self.kind.value}(m{self.microbatch}{chunk})"
         return f"{self.kind.value}(m{self.microbatch},v{self.weight_version}{chunk})"
 
     @classmethod

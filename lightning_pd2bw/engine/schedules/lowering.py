@@ -93,6 +93,10 @@ class Op:
     def weight_version(self) -> int:
         return self.action.weight_version
 
+    @property
+    def chunk(self) -> int:
+        return self.action.chunk
+
     def __str__(self) -> str:
         return str(self.action)
 
@@ -116,13 +120,15 @@ def _update_steps(parts: Parts, kind: S.Kind) -> tuple[PartStep, ...]:
 
 def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> list[Op]:
     """The ops of ``actions`` on a stage whose update has ``parts``, batches of ``num_microbatches``."""
-    fused = S.fuse_receives(actions)
+    top = max((action.chunk for action in actions), default=0)  # interleaved: backwards run the last chunk first
+    # interleaved 1F1B's ring carries both directions between one pair of ranks: every message goes alone, in the
+    # schedule's order on both ends (no receive is posted early, ahead of another from the same peer)
+    fused = S.fuse_receives(actions) if top == 0 else {}
     at_last_backward = _update_steps(parts, S.BACKWARD)
     reclaims = tuple((WAIT, part, c) for part, declared in parts for c in declared if c.reclaimed)
     update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
     # under a split backward (ZB-H1) a batch's gradients are complete at its last W, not its last B
     split = any(action.kind == S.WEIGHT for action in actions)
-    top = max((action.chunk for action in actions), default=0)  # interleaved: backwards run the last chunk first
     ops: list[Op] = []
     for index, action in enumerate(actions):
         if action.kind in S.UPDATE_KINDS:

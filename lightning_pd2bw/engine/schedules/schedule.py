@@ -302,18 +302,22 @@ def drain(layout: Layout, stage: int, last_batch: int) -> list[Action]:
     return carried + actions + update(last_batch) + [Action(WAIT_SENDS, last_batch)]
 
 
-def evaluation(stage: int, num_stages: int, num_microbatches: int) -> list[Action]:
+def evaluation(stage: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> list[Action]:
     """An evaluation's (or prediction's) actions on ``stage``: each microbatch received from the stage before (past
     the first), run forward-only on the newest weights, sent on (before the last); then the sends waited for. No
-    weight version: evaluation follows a drain. The executor (``StageExecutor.evaluate``) and the NCCL lowering
+    weight version: evaluation follows a drain. Interleaved 1F1B (``virtual_stages`` > 1): chunk by chunk, each
+    microbatch through the chunk's virtual stage. The executor (``StageExecutor.evaluate``) and the NCCL lowering
     (``verify/comm_plan.py``) both run this list."""
     actions: list[Action] = []
-    for microbatch in range(num_microbatches):
-        if stage > 0:
-            actions.append(Action(RECV_FORWARD, 0, microbatch))
-        actions.append(Action(EVAL, 0, microbatch))
-        if stage < num_stages - 1:
-            actions.append(Action(SEND_FORWARD, 0, microbatch))
+    last = num_stages * virtual_stages - 1
+    for chunk in range(virtual_stages):
+        virtual = chunk * num_stages + stage
+        for microbatch in range(num_microbatches):
+            if virtual > 0:
+                actions.append(Action(RECV_FORWARD, 0, microbatch, chunk=chunk))
+            actions.append(Action(EVAL, 0, microbatch, chunk=chunk))
+            if virtual < last:
+                actions.append(Action(SEND_FORWARD, 0, microbatch, chunk=chunk))
     return actions + [Action(WAIT_SENDS, 0)]
 
 

@@ -1,0 +1,43 @@
+"""The dry run of an interleaved 1F1B run (``strategy.mode=interleaved``): each stage's chunks, layers, parameters
+and memory (``planner/interleaved.py``'s rank memory), and with a cluster its planned step and cost."""
+
+from __future__ import annotations
+
+
+def chunk_cut(cfg, layout, model, profile) -> list[range]:
+    """The chunks pd2bw-train runs: ``strategy.layers_per_stage`` (one entry per chunk), else the layers cut into
+    ``num_stages x 2`` chunks balanced by time (``planner.interleaved.chunks_of``)."""
+    from ..engine.layout import ranges_of
+    from ..planner.interleaved import VIRTUAL_STAGES, chunks_of
+
+    if cfg.strategy.get("layers_per_stage"):
+        return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
+    return chunks_of(profile, layout.num_stages * VIRTUAL_STAGES)
+
+
+def interleaved_lines(cfg, layout, model) -> list[str]:
+    """The dry run's stage lines and, with a cluster, its step line (see the module's docstring)."""
+    from ..planner.hardware import GiB
+    from ..planner.interleaved import VIRTUAL_STAGES, predict_interleaved, rank_memory
+    from .model_profile import analytic_model_profile
+    from .run_plan import candidate_of, cluster_of
+
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    chunks, candidate = chunk_cut(cfg, layout, model, profile), candidate_of(cfg, layout)
+    d, m = layout.num_stages, layout.num_microbatches
+    lines = []
+    for stage in range(d):
+        mine = [chunks[v] for v in range(stage, len(chunks), d)]
+        memory = rank_memory(profile, candidate, chunks, stage, m, VIRTUAL_STAGES)
+        params = sum(profile.layers[i].parameters for span in mine for i in span)
+        spans = ", ".join(f"{span.start}..{span.stop - 1}" for span in mine)
+        terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
+        lines.append(
+            f"  stage {stage}: chunks of layers {spans}, {params:,} parameters, est. memory "
+            f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
+        )
+    if cfg.get("cluster"):
+        planned = predict_interleaved(profile, candidate, cluster_of(cfg), layout.global_batch_size, VIRTUAL_STAGES)
+        if planned is not None:
+            lines.append(f"plan: {planned.throughput:.1f} samples/s, {planned.batch_time:.3f} s a step (planned)")
+    return lines

@@ -1,0 +1,56 @@
+"""A stage's evaluation (or prediction): ``schedule.evaluation``'s actions run forward-only on the newest weights,
+each microbatch through the stage's chunks (one, or interleaved 1F1B's), metrics on the last (virtual) stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .comm.transport import as_tuple, input_signature
+from .schedules import schedule as S
+
+
+@torch.no_grad()
+def evaluate(
+    executor: Any, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
+) -> list[dict]:
+    """``executor``'s stage (an ``executor.StageExecutor``) run forward-only over ``microbatches`` (see the module's
+    docstring)."""
+    link, layout = executor.link, executor.layout
+    executor.versions.use_latest()
+    results: list[dict] = []
+    values: dict[tuple[int, int], tuple] = {}  # (chunk, microbatch) -> what was received, then what was computed
+
+    def key(action: S.Action, boundary: int) -> tuple:
+        signature = ("eval", input_signature(microbatches[action.microbatch]))
+        return signature if layout.virtual_stages == 1 else (*signature, boundary)  # a chunk's shapes are its own
+
+    def receive(action: S.Action) -> None:
+        boundary = executor.virtual_stage(action.chunk) - 1
+        values[(action.chunk, action.microbatch)] = tuple(link.recv_forward(key(action, boundary)))
+
+    def run(action: S.Action) -> None:
+        microbatch, chunk = microbatches[action.microbatch], action.chunk
+        virtual = executor.virtual_stage(chunk)
+        inputs = as_tuple(executor.input_fn(microbatch)) if virtual == 0 else values.pop((chunk, action.microbatch))
+        start, stop = executor.chunk_ranges[chunk]
+        outputs = executor.run_layers(inputs, start, stop)
+        if virtual == executor.num_virtual - 1:
+            results.append(metrics_fn(outputs, microbatch))
+        else:
+            values[(chunk, action.microbatch)] = as_tuple(outputs)
+
+    def send(action: S.Action) -> None:
+        boundary = executor.virtual_stage(action.chunk)
+        link.send_forward(executor._wire(values.pop((action.chunk, action.microbatch))), key(action, boundary))
+        if link.settle_on_receive:
+            link.settle(link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
+
+    table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.WAIT_SENDS: executor.handlers[S.WAIT_SENDS]}
+    actions = S.evaluation(executor.stage, layout.num_stages, len(microbatches), layout.virtual_stages)
+    for action in actions:
+        table[action.kind](action)
+    executor.versions.rest()
+    return results
