@@ -1,12 +1,12 @@
-"""The synchronous schedules beside 2BW, measured side by side in one run: plain 1F1B (``flush``), ZB-H1 (``zb_h1``)
-and 2BW, at d = 2 over 2 CPU processes, m = 2, 4 and 8, the recipes' global clipping (1.0).
+"""The synchronous schedules beside 2BW, measured side by side in one run: plain 1F1B (``flush``), ZB-H1 (``zb_h1``),
+interleaved 1F1B (two chunks a stage) and 2BW, at d = 2 over 2 CPU processes, m = 2, 4 and 8, the recipes' global clipping (1.0).
 
     python benchmarks/schedules.py [--rounds 3]
     python benchmarks/schedules.py --pictures docs    # one more traced run of each at m = 4: its timeline's picture
 
 The model and the run are ``simulator_check.py``'s (a GPT of 6 x 256, seq 128, global batch 16, one thread per
 process, traced by ``PipelineTrace``); the configurations are alternated over ``--rounds`` rounds and each one's
-median step over its rounds is reported: samples/s, ZB-H1's and 2BW's rate over 1F1B's at the same m, the idle share
+median step over its rounds is reported: samples/s, each schedule's rate over 1F1B's at the same m, the idle share
 of the step measured from the trace (1 - the stage's compute spans, F, B, W and the optimizer's step, over the traced
 steps; the mean of the two stages) and the simulator's idle share and step for the same costs (``planner/simulate.py``
 run over the engine's own actions with the costs taken from the run: ``simulator_check.costs_from``).
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from simulator_check import FIRST, GLOBAL_BATCH, ROOT, TRACED, costs_from, worker  # noqa: E402
 
-MODES, MICROBATCHES = ("flush", "zb_h1", "2bw"), (2, 4, 8)
+MODES, MICROBATCHES = ("flush", "zb_h1", "interleaved", "2bw"), (2, 4, 8)
+NAMES = {"flush": "1F1B (flush)", "zb_h1": "ZB-H1", "interleaved": "interleaved 1F1B (2 chunks)", "2bw": "2BW"}
 COMPUTE = ("F", "B", "W", "STEP")
 
 
@@ -107,7 +108,7 @@ def main() -> None:
             simulated, simulated_idle = statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
             error = simulated / step - 1
             worst = max(worst, abs(error))
-            name = {"flush": "1F1B (flush)", "zb_h1": "ZB-H1", "2bw": "2BW"}[mode]
+            name = NAMES[mode]
             print(f"| {m} | {name} | {GLOBAL_BATCH / step:.1f} | {base / step:.3f}x | {idle:.1%} | "
                   f"{simulated_idle:.1%} | {error:+.1%} |")  # fmt: skip
     print(f"largest simulated step error {worst:.1%} (target 10%)")

@@ -69,19 +69,22 @@ def worker(out: Path, mode: str, m: int, clip: bool, picture: bool = False) -> N
 
 
 def costs_from(trace: dict, mode: str, m: int, clip: bool):
-    """Each stage's ``StageCosts`` from its spans (seconds)."""
+    """Each stage's ``StageCosts`` from its spans (seconds); interleaved 1F1B: each virtual stage's (a stage's chunk,
+    its spans by their ``chunk``; the update's once, on the first chunk)."""
     from lightning_pd2bw.engine.updates.update import UpdateShape
     from lightning_pd2bw.planner.simulate import StageCosts
 
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     receives = [e["dur"] for e in spans if e["cat"] in ("RECV_F", "RECV_B")]
     message = min(receives) / 1e6
+    chunks = 2 if mode == "interleaved" else 1
     costs = []
-    for stage in (0, 1):
+    for virtual in range(2 * chunks):
+        stage, chunk = virtual % 2, virtual // 2
         mine = sorted((e for e in spans if e["pid"] == stage), key=lambda e: e["ts"])
 
-        def median(kind: str, mine: list = mine) -> float:
-            found = [e["dur"] / 1e6 for e in mine if e["cat"] == kind]
+        def median(kind: str, mine: list = mine, chunk: int = chunk) -> float:
+            found = [e["dur"] / 1e6 for e in mine if e["cat"] == kind and e["args"].get("chunk", 0) == chunk]
             return statistics.median(found) if found else 0.0
 
         pairs = list(zip(mine, mine[1:]))

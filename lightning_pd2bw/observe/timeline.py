@@ -39,6 +39,7 @@ class Event:
     version: int
     start: float
     end: float
+    chunk: int = 0  # interleaved 1F1B: which of the stage's chunks ran it
 
     @property
     def seconds(self) -> float:
@@ -83,21 +84,21 @@ class Recorder:
     def _seconds(self, stamp: Any) -> float:
         return stamp if not self._cuda else self._origin_seconds + self._origin_event.elapsed_time(stamp) / 1e3
 
-    def add(self, kind: str, batch: int, microbatch: int, version: int, start: Any) -> None:
+    def add(self, kind: str, batch: int, microbatch: int, version: int, start: Any, chunk: int = 0) -> None:
         """Record a span that began at ``start`` (``self.now()`` then) and ends now."""
-        self._pending.append((kind, batch, microbatch, version, start, self.now()))
+        self._pending.append((kind, batch, microbatch, version, start, self.now(), chunk))
         if not self._cuda:
             self._resolve()
 
     def _resolve(self) -> None:
         if self._cuda and self._pending:
             self._pending[-1][5].synchronize()
-        for kind, batch, microbatch, version, start, end in self._pending:
-            self.events.append(Event(kind, batch, microbatch, version, self._seconds(start), self._seconds(end)))
+        for kind, batch, microbatch, version, start, end, chunk in self._pending:
+            self.events.append(Event(kind, batch, microbatch, version, self._seconds(start), self._seconds(end), chunk))
         self._pending.clear()
 
     def action(self, action: S.Action, start: Any) -> None:
-        self.add(action.kind, action.batch, action.microbatch, action.weight_version, start)
+        self.add(action.kind, action.batch, action.microbatch, action.weight_version, start, action.chunk)
 
     @contextmanager
     def span(self, kind: str, batch: int = -1) -> Iterator[None]:
@@ -155,7 +156,7 @@ def _label(event: Event) -> str:
         return f"{event.kind} b{event.batch}"
     if event.microbatch < 0:
         return event.kind
-    return f"{event.kind} b{event.batch} m{event.microbatch}"
+    return f"{event.kind} b{event.batch} m{event.microbatch}" + (f" c{event.chunk}" if event.chunk else "")
 
 
 def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
@@ -185,7 +186,12 @@ def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
                     "tid": timeline.replica,
                     "ts": event.start * 1e6,
                     "dur": event.seconds * 1e6,
-                    "args": {"batch": event.batch, "microbatch": event.microbatch, "weight_version": event.version},
+                    "args": {
+                        "batch": event.batch,
+                        "microbatch": event.microbatch,
+                        "weight_version": event.version,
+                        "chunk": event.chunk,
+                    },
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
