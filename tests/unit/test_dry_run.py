@@ -153,3 +153,18 @@ def test_the_dry_run_warns_where_the_run_refuses_the_2of4_kernels(tmp_path, over
     assert "planned at 1.0x: no speed-up measured" in result.stdout
     warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING: the run refuses the 2:4")]
     assert (refusal is None and not warned) or (warned and refusal in warned[0]), result.stdout[-3000:]
+
+
+def test_an_interleaved_dry_run_shows_each_stages_chunks(tmp_path):
+    """strategy.mode=interleaved: each stage's two chunks (stage s holds chunks s and s + d of the layers cut in 2d),
+    every layer in exactly one chunk, and more activations on stage 0 than Flush's (its warm-up of P + 2 (d - 1)
+    chunk-microbatches against 1F1B's d stage-microbatches)."""
+    result = run_cli("strategy.mode=interleaved", "dry_run=true", f"paths.output_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "est. memory" in line]
+    assert len(lines) == 2 and all("chunks of layers" in line for line in lines)
+    spans = [re.findall(r"(\d+)\.\.(\d+)", line.split(",", 2)[0] + "," + line.split(",")[1]) for line in lines]
+    covered = sorted(i for stage in spans for a, b in stage for i in range(int(a), int(b) + 1))
+    assert covered == list(range(10))  # GPT small's 10 pipeline layers, each once
+    flush = run_cli("strategy.mode=flush", "dry_run=true", f"paths.output_dir={tmp_path}", cwd=tmp_path)
+    assert memory_terms(result.stdout)[0]["activations"] > memory_terms(flush.stdout)[0]["activations"]

@@ -54,3 +54,12 @@ def test_layouts_it_cannot_run_are_none():
     profile, cluster, candidate, _ = setting(4, 8)
     assert predict_interleaved(profile, candidate, cluster, 9, 2) is None  # 9 microbatches in two rounds
     assert predict_interleaved(profile, candidate, cluster, 8, 5) is None  # 20 chunks of 16 layers
+
+
+def test_the_search_names_where_interleaved_is_planned():
+    """``plan="auto"`` and ``pd2bw-plan`` search layouts for the other modes; an interleaved run is told where its plan
+    is printed (the synchronous plans' line) and to give its layout."""
+    from lightning_pd2bw.planner.search import candidates
+
+    with pytest.raises(ValueError, match="synchronous plans' line .* give an interleaved run its layout"):
+        candidates(8, 16, 64, PipelineOptions(mode="interleaved"))
