@@ -21,8 +21,8 @@ from ..engine.layout import Layout, Mode
 from ..engine.partition import balanced_partition
 from .cost import Prediction, stage_memory
 from .hardware import ClusterSpec
-from .simulate import StageCosts, simulate
-from .timing import collective_cost, compute_time, node_of, update_shape
+from .simulate import simulate
+from .timing import collective_cost, node_of, stage_costs
 
 VIRTUAL_STAGES = 2  # Megatron's and this mode's default: two chunks a rank
 VIRTUAL_CHOICES = (2, 3, 4)  # what ``pd2bw-plan`` weighs
@@ -92,23 +92,18 @@ def predict_interleaved(
         candidate = dataclasses.replace(candidate, recompute=recompute)
     chunks = chunks_of(profile, d * virtual_stages)
     ranks = [[i for v in range(r, d * virtual_stages, d) for i in chunks[v]] for r in range(d)]
-    costs = []
-    for v, span in enumerate(chunks):
-        forward, backward = compute_time(profile, candidate, v % d, span)
-        costs.append(
-            StageCosts(
-                forward,
-                backward,
-                send=_message_time(profile, candidate, cluster, chunks, v),
-                step=sum(profile.layers[i].optimizer_s for i in span) * candidate.replica_share(profile, span),
-                read_gradients=(
-                    sum(profile.layers[i].parameters for i in span) * profile.weight_bytes / bandwidth
-                    if (bandwidth := cluster.device.memory_bandwidth)
-                    else 0.0
-                ),
-                shape=update_shape(profile, candidate, ranks[v % d]),
-            )
+    costs = [
+        stage_costs(
+            profile,
+            candidate,
+            cluster,
+            v % d,
+            span,
+            _message_time(profile, candidate, cluster, chunks, v),
+            ranks[v % d],
         )
+        for v, span in enumerate(chunks)
+    ]
     layout = Layout(d, m, Mode.INTERLEAVED, virtual_stages=virtual_stages)
     clock = simulate(layout, costs, collective_cost(profile, candidate, cluster, ranks))
     memory = tuple(rank_memory(profile, candidate, chunks, r, m, virtual_stages) for r in range(d))

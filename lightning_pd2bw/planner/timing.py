@@ -160,6 +160,32 @@ def collective_cost(
     return cost
 
 
+def stage_costs(
+    profile: ModelProfile,
+    candidate: Candidate,
+    cluster: ClusterSpec,
+    stage: int,
+    span: Sequence[int],
+    send: float,
+    update_span: Sequence[int] | None = None,
+) -> StageCosts:
+    """What the simulator charges (virtual) stage ``stage`` holding ``span``: its compute, ``send`` per boundary
+    message, its optimizer step and gradient reads (at the memory bandwidth; 0 where unknown: a CPU) and its update's
+    shape (``update_span``: the layers the update covers, interleaved 1F1B's whole stage; default ``span``)."""
+    forward, backward = compute_time(profile, candidate, stage, span)
+    bandwidth = cluster.device.memory_bandwidth
+    params = sum(profile.layers[i].parameters for i in span)
+    return StageCosts(
+        forward,
+        backward,
+        send=send,
+        step=sum(profile.layers[i].optimizer_s for i in span) * candidate.replica_share(profile, span),
+        read_gradients=params * profile.weight_bytes / bandwidth if bandwidth else 0.0,
+        shape=update_shape(profile, candidate, span if update_span is None else update_span),
+        weight_grad=weight_grad_time(profile, candidate, stage, span),
+    )
+
+
 def timing(
     profile: ModelProfile,
     candidate: Candidate,
@@ -170,21 +196,10 @@ def timing(
 ) -> Timing:
     """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions (``free``: the
     collectives that cost nothing, to see what the others add)."""
-    costs, bandwidth = [], cluster.device.memory_bandwidth  # 0: unknown (a CPU), the reads not counted
-    for s, span in enumerate(stages):
-        forward, backward = compute_time(profile, candidate, s, span)
-        params = sum(profile.layers[i].parameters for i in span)
-        costs.append(
-            StageCosts(
-                forward,
-                backward,
-                send=message_time(profile, candidate, cluster, stages, s),
-                step=sum(profile.layers[i].optimizer_s for i in span) * candidate.replica_share(profile, span),
-                read_gradients=params * profile.weight_bytes / bandwidth if bandwidth else 0.0,
-                shape=update_shape(profile, candidate, span),
-                weight_grad=weight_grad_time(profile, candidate, s, span),
-            )
-        )
+    costs = [
+        stage_costs(profile, candidate, cluster, s, span, message_time(profile, candidate, cluster, stages, s))
+        for s, span in enumerate(stages)
+    ]
     layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)
     cost = collective_cost(profile, candidate, cluster, stages)
     return simulate(layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c))
