@@ -6,29 +6,29 @@ from __future__ import annotations
 
 def chunk_cut(cfg, layout, model, profile) -> list[range]:
     """The chunks pd2bw-train runs: ``strategy.layers_per_stage`` (one entry per chunk), else the layers cut into
-    ``num_stages x 2`` chunks balanced by time (``planner.interleaved.chunks_of``)."""
+    ``num_stages x strategy.virtual_stages`` chunks balanced by time (``planner.interleaved.chunks_of``)."""
     from ..engine.layout import ranges_of
-    from ..planner.interleaved import VIRTUAL_STAGES, chunks_of
+    from ..planner.interleaved import chunks_of
 
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
-    return chunks_of(profile, layout.num_stages * VIRTUAL_STAGES)
+    return chunks_of(profile, layout.num_stages * layout.run.options.chunks)
 
 
 def interleaved_lines(cfg, layout, model) -> list[str]:
     """The dry run's stage lines and, with a cluster, its step line (see the module's docstring)."""
     from ..planner.hardware import GiB
-    from ..planner.interleaved import VIRTUAL_STAGES, predict_interleaved, rank_memory
+    from ..planner.interleaved import predict_interleaved, rank_memory
     from .model_profile import analytic_model_profile
     from .run_plan import candidate_of, cluster_of
 
     profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
     chunks, candidate = chunk_cut(cfg, layout, model, profile), candidate_of(cfg, layout)
-    d, m = layout.num_stages, layout.num_microbatches
+    d, m, virtual = layout.num_stages, layout.num_microbatches, layout.run.options.chunks
     lines = []
     for stage in range(d):
         mine = [chunks[v] for v in range(stage, len(chunks), d)]
-        memory = rank_memory(profile, candidate, chunks, stage, m, VIRTUAL_STAGES)
+        memory = rank_memory(profile, candidate, chunks, stage, m, virtual)
         params = sum(profile.layers[i].parameters for span in mine for i in span)
         spans = ", ".join(f"{span.start}..{span.stop - 1}" for span in mine)
         terms = ", ".join(f"{name} {value / GiB:.2f}" for name, value in memory.items())
@@ -37,7 +37,7 @@ def interleaved_lines(cfg, layout, model) -> list[str]:
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
     if cfg.get("cluster"):
-        planned = predict_interleaved(profile, candidate, cluster_of(cfg), layout.global_batch_size, VIRTUAL_STAGES)
+        planned = predict_interleaved(profile, candidate, cluster_of(cfg), layout.global_batch_size, virtual)
         if planned is not None:
             lines.append(f"plan: {planned.throughput:.1f} samples/s, {planned.batch_time:.3f} s a step (planned)")
     return lines

@@ -96,11 +96,12 @@ class PipelineOptions:
     Args:
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
-        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained), ``"zb_h1"`` or ``"gpipe"``.
+        mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained), ``"zb_h1"``, ``"interleaved"`` (1F1B
+            over ``virtual_stages`` chunks a stage, default 2; gloo only) or ``"gpipe"``.
         lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d used):
             each one more stashed microbatch per stage, slack between neighbours (0: plain 1F1B).
-        layers_per_stage: how many pipeline layers each stage runs (e.g. the planner's cut, balanced by time);
-            default: balanced by parameter count.
+        virtual_stages: chunks a stage holds under ``"interleaved"`` (None: 2; chunk v on stage v % d).
+        layers_per_stage: how many pipeline layers each stage (interleaved: chunk) runs; default: by parameters.
         placement: which ranks are neighbours (consecutive ranks share a server): ``"pipeline"`` (a pipeline's
             stages, rank = replica x d + stage) or ``"replicas"`` (a stage's replicas, rank = stage x w + replica:
             the gradient reduce inside a server, the stages' messages across; Megatron-LM's order). None (the
@@ -121,10 +122,8 @@ class PipelineOptions:
             float32 gradients. ``"auto"``: ``bfloat16`` under ``precision="bf16-mixed"``, else the parameters' own
             dtype; ``None``: the parameters' own dtype (autocast casts them at every forward and recomputation);
             or a dtype. Checkpoints hold the float32 master.
-        compile: ``True`` compiles each stage's layers with ``torch.compile`` (per layer, in place: names, hooks and
-            checkpoints unchanged); a mapping passes its keys to ``torch.compile`` (``backend``, ``mode``,
-            ``fullgraph``, ``dynamic``, ``options``). CUDA-graph modes are refused under 2BW. Held as ``None``
-            (off) or the keyword arguments.
+        compile: ``True`` compiles each stage's layers with ``torch.compile`` (per layer, in place); a mapping passes
+            its keys to ``torch.compile``. CUDA-graph modes are refused under 2BW. Held as ``None`` or the keywords.
 
         clipping: how gradients are clipped (``Clipping(value, algorithm, mode)``; default: not at all). The
             Lightning strategy takes the value and the algorithm from the Trainer (``gradient_clip_val``,
@@ -133,12 +132,9 @@ class PipelineOptions:
         on_nonfinite: what a non-finite gradient does: ``"stop"`` (the stage that sees it raises; every rank
             exits, naming it) or ``"skip"`` (all stages agree per batch and skip that update, one scalar
             all-reduce over the pipeline per update; the weights stay as they were, the LR schedule moves on).
-        delay_correction: corrects 2BW's one-step gradient delay, for any optimizer (``engine/updates/delay_correction.py``,
-            ``D`` the optimizers' updates). ``"predictive_error_feedback"`` (the default): the weights run one
-            corrected update ahead, so that gradients are taken where the weights are about to be,
-            ``V(t+1) = V(t) + 4 D(t) - 4 D(t-1) + D(t-2)`` at beta 1; two extra buffers of the stage's weights.
-            ``"error_feedback"``: ``W(t+1) = W(t) + D(t) + beta (D(t) - D(t-1))``; one buffer. ``None``: the
-            plain 2BW rule. No effect under flush (no delay), which holds no buffer for it.
+        delay_correction: corrects 2BW's one-step delay for any optimizer (``engine/updates/delay_correction.py``):
+            ``"predictive_error_feedback"`` (the default: the weights one corrected update ahead; two buffers of the
+            stage's weights), ``"error_feedback"`` (one buffer) or ``None`` (the plain rule). No effect under flush.
         delay_correction_strength: ``beta`` of the correction (1.0: first-order extrapolation of the update).
         sync_steps: 2BW's first ``sync_steps`` steps drain after their update (Flush's rule and speed); 0: the paper's
             2BW; ``None`` (default): ``engine/sync_start.py``'s rule at the run's length (the engine alone: 250). A
@@ -148,18 +144,13 @@ class PipelineOptions:
             optimizer state and the correction's buffers, steps it and broadcasts it: about 1/w of the memory and
             the work. Exact for any optimizer whose step treats each tensor on its own (AdamW, SGD, Muon); turn it
             off for one that couples tensors. No effect at width 1.
-        shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner (``dist.reduce``)
-            instead of all-reducing it (``engine/updates/grad_buckets.py``): ZeRO-1's exchange, about 2/3 of all-reduce plus
-            broadcast, and under 2BW one gradient buffer plus its share of the batch set aside, not two. The clip
-            norm and the non-finite check sum the owners' parts over the replicas; the ``on_before_optimizer_step``
-            hooks see None at the parameters other replicas own. ``None`` (the default): on wherever the optimizer
-            is sharded, except beside a callback that reads every gradient (RigL's regrowth: the strategy turns it
-            off there and says so); ``True`` refuses such a callback.
-        grad_reduce_dtype: the dtype the replicated gradients travel in over the replicas. None (the default): the
-            gradients' own, float32 under ``bf16-mixed`` (Megatron-LM's ``grad_reduce_in_fp32``, FSDP2's default);
-            ``"bfloat16"``: half the reduce's bytes, the sum rounded to bf16. The gradients accumulate in their own
-            dtype and the average lands there: each bucket is cast as it starts and back where it is received
-            (``grad_buckets.py``; the planner counts the copy). No effect at width 1.
+        shard_gradients: with the optimizer sharded, reduce each replicated gradient to its owner instead of
+            all-reducing it (``grad_buckets.py``; under 2BW one gradient buffer, not two); the hooks see None at the
+            parameters other replicas own. ``None`` (the default): on wherever the optimizer is sharded, except beside
+            a callback that reads every gradient (RigL: the strategy says so); ``True`` refuses such a callback.
+        grad_reduce_dtype: the dtype replicated gradients travel in. None (the default): their own, float32 under
+            ``bf16-mixed`` (Megatron-LM's ``grad_reduce_in_fp32``); ``"bfloat16"``: half the bytes, each bucket cast as
+            it starts and back where received (the planner counts the copy). No effect at width 1.
         group_creation: how the pipeline's process groups are made under NCCL: ``"split"`` (the default: one
             ``dist.split_group`` of the world per kind of group, where the default group is NCCL bound to a device;
             a ``new_group`` per group elsewhere) or ``"new_group"`` (always; the fallback for a first NCCL run).
@@ -171,6 +162,7 @@ class PipelineOptions:
     num_microbatches: int | None = None
     mode: str = rules.DEFAULT_MODE
     lookahead: int = 0
+    virtual_stages: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
     placement: str | None = None
     recompute: bool | tuple[int, ...] = False
@@ -270,11 +262,16 @@ class PipelineOptions:
     def _check_cut(self) -> None:
         if self.layers_per_stage is not None:
             self._set("layers_per_stage", tuple(self.layers_per_stage))
-            if len(self.layers_per_stage) != (self.num_stages or 0) * (2 if self.mode == "interleaved" else 1):
+            if len(self.layers_per_stage) != (self.num_stages or 0) * self.chunks:
                 raise ValueError(
                     f"{self.keys.named('layers_per_stage', list(self.layers_per_stage))} needs one entry per stage "
-                    "(under mode='interleaved' one per chunk, 2 a stage): give num_stages to match"
+                    f"(under mode='interleaved' one per chunk, {self.chunks} a stage): give num_stages to match"
                 )
+
+    @property
+    def chunks(self) -> int:
+        """Chunks a stage holds: ``virtual_stages`` under interleaved 1F1B (default 2), else 1."""
+        return (self.virtual_stages or 2) if self.mode == "interleaved" else (self.virtual_stages or 1)
 
     @property
     def applied_delay_correction(self) -> str | None:
@@ -358,7 +355,9 @@ class Run:
             raise ValueError(
                 f"{keys.named('recompute', list(options.recompute))} needs one entry per stage: {depth} stages here"
             )
-        layout = rules.Layout(depth, microbatches, options.mode, options.layers_per_stage, options.lookahead)
+        layout = rules.Layout(
+            depth, microbatches, options.mode, options.layers_per_stage, options.lookahead, options.chunks
+        )
         resolved = options.replace(
             num_stages=depth,
             num_microbatches=microbatches,

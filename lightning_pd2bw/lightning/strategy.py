@@ -44,11 +44,10 @@ from .resilience import Resilience
 
 
 class PipeDream2BWStrategy(PipelineProcesses):
-    """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``), PipeDream-Flush (``"flush"``) or ZB-H1 (``"zb_h1"``).
-
-    Its keywords are the pipeline's options, each documented and checked once, in ``engine.options.PipelineOptions``
-    (``strategy.options``; ``clip_mode`` is its ``Clipping``'s mode, the value and algorithm the Trainer's
-    ``gradient_clip_val`` and ``gradient_clip_algorithm``), the strategy's own in ``lightning.options.StrategyOptions``
+    """Pipeline-parallel training: PipeDream-2BW (``mode="2bw"``), PipeDream-Flush (``"flush"``), ZB-H1 (``"zb_h1"``)
+    or interleaved 1F1B (``"interleaved"``). Its keywords are the pipeline's options, documented and checked once in
+    ``engine.options.PipelineOptions`` (``strategy.options``; ``clip_mode`` is its ``Clipping``'s mode, the value and
+    algorithm the Trainer's), the strategy's own in ``lightning.options.StrategyOptions``
     (``strategy.strategy_options``; the API reference lists both here), and Lightning's ``accelerator``,
     ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``
     and ``timeout``, as for ``DDPStrategy``."""
@@ -60,6 +59,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
         num_stages: int | None = None,
         num_microbatches: int | None = None,
         mode: str = rules.DEFAULT_MODE,
+        virtual_stages: int | None = None,
         recompute: bool | list[int] = False,
         clip_mode: str = "global",
         plan: str | None = None,
@@ -97,6 +97,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
             num_stages=num_stages,
             num_microbatches=num_microbatches,
             mode=mode,
+            virtual_stages=virtual_stages,
             lookahead=lookahead,
             layers_per_stage=layers_per_stage,
             placement=placement,

@@ -29,6 +29,7 @@ class Case:
     mode: str = "flush"
     num_stages: int = 2
     num_microbatches: int = 2
+    virtual_stages: int | None = None  # interleaved: chunks a stage (None: 2)
     width: int = 1  # data-parallel replicas: the case runs on num_stages x width processes
     optimizer: str = "adamw"
     momentum: float = 0.0
@@ -89,6 +90,11 @@ class Case:
 PREDICTIVE = "predictive_error_feedback"
 
 
+def blocks_of(case: Case) -> int:
+    """The GPT's blocks: 3 (5 pipeline layers), 6 where interleaved 1F1B needs more than 5 chunks."""
+    return 6 if case.mode == "interleaved" and case.num_stages * (case.virtual_stages or 2) > 5 else 3
+
+
 def build_model(case: Case, epochs_bounded: bool = False):
     """``epochs_bounded``: the model as a Lightning user builds it for a run bounded by epochs (``max_steps=-1``: the
     schedule's length from the trainer); the reference passes the count."""
@@ -100,7 +106,7 @@ def build_model(case: Case, epochs_bounded: bool = False):
         warmup_steps=2 if case.schedule else 0,
         max_steps=(-1 if epochs_bounded else case.steps) if case.schedule else None,
     )
-    n_layer = 6 if case.mode == "interleaved" and case.num_stages > 2 else 3  # interleaved: 2 chunks a stage
+    n_layer = blocks_of(case)
     if case.model == "gpt":
         return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)
     return BERT(BERTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=SEQ_LEN), **optim)

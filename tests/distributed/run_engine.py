@@ -62,6 +62,7 @@ def build(
             num_stages=run["num_stages"],
             num_microbatches=run["num_microbatches"],
             mode=run["mode"],
+            virtual_stages=run["virtual_stages"],
             layers_per_stage=cut,
             delay_correction=None,  # the reference is the plain 2BW rule
             sync_steps=run["sync_steps"],  # 0: the paper's 2BW from the first step (the default starts with 250)

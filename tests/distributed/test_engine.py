@@ -12,7 +12,7 @@ import torch
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.schedules import schedule as S
 
-from .cases import SEQ_LEN, Case, replica_batch
+from .cases import SEQ_LEN, Case, blocks_of, replica_batch
 from .launch import torchrun_script
 from .reference import assert_within_rounding, outside_rounding, reference_weights, rounding_bounds
 
@@ -41,8 +41,10 @@ RUNS = [
         schedule=True,
         checkpoint_every=3,
     ),
+    # three chunks a stage (a GPT of 6 blocks: 8 layers in 6 chunks), engine.save and a load at another cut
+    Case("engine_interleaved_v3_reshard", mode="interleaved", virtual_stages=3, steps=6, checkpoint_every=3),
 ]
-RESHARD = {"engine_2bw_reshard_restart": [1, 4]}  # the new cut (the balanced one is [2, 3])
+RESHARD = {"engine_2bw_reshard_restart": [1, 4], "engine_interleaved_v3_reshard": [1, 2, 1, 1, 2, 1]}  # new cuts
 WORLDS = sorted({case.world for case in RUNS})
 pytestmark = pytest.mark.smoke  # also in make test: the engine without Lightning, depth 2 and 2 x 2 (~25 s)
 
@@ -54,7 +56,8 @@ def spec_of(case: Case, width: int) -> dict:
         "sync_steps": case.sync_steps,
         "num_stages": case.num_stages,
         "num_microbatches": case.num_microbatches,
-        "model": dict(n_layer=3, n_head=2, n_embd=16, block_size=SEQ_LEN),
+        "virtual_stages": case.virtual_stages,
+        "model": dict(n_layer=blocks_of(case), n_head=2, n_embd=16, block_size=SEQ_LEN),
         "lr": 3e-3,
         "weight_decay": 0.01,
         "clip": case.clip,
@@ -137,7 +140,7 @@ def test_plain_pytorch_engine_matches_the_reference(trained, case):
     start = restarts_of(case)[-1] if restarts_of(case) else 0
     for rank, result in enumerate(results):
         stage = rank % case.num_stages
-        layout = Layout(case.num_stages, case.num_microbatches, case.mode)
+        layout = Layout(case.num_stages, case.num_microbatches, case.mode, virtual_stages=case.virtual_stages)
         actions = S.stream(layout, stage, case.steps - start)
         if case.mode != "2bw":  # flush restarts its batch numbers every step: the same actions per step
             actions = S.segment(layout, stage, 0) * (case.steps - start)

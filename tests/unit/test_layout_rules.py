@@ -289,6 +289,7 @@ DECLARATIONS = {
     "shard_gradients": 3,
     "shard_optimizer": 3,
     "sync_steps": 2,  # 0.12.0: PipelineOptions and the strategy's keyword, as every engine option
+    "virtual_stages": 3,  # 0.24.0: PipelineOptions, the strategy's keyword and Layout (as lookahead)
     "weight_dtype": 2,
 }
 
