@@ -328,6 +328,8 @@ class RankProgram:
 def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:
     """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
     check_schedule(layout.mode, layout.num_stages, layout.num_microbatches, lookahead=layout.lookahead)
+    if layout.mode == "interleaved":  # refused on NCCL by the engine (engine/interleaving.py)
+        raise ValueError("the NCCL lowering runs one chunk a stage: interleaved 1F1B is not lowered (gloo only)")
     ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights
