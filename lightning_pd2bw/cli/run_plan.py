@@ -25,7 +25,9 @@ def plan_text(cfg, layout, model) -> str:
     if cfg.strategy.mode == "interleaved":  # each stage's chunks: cli/run_plan_interleaved.py
         from .run_plan_interleaved import interleaved_lines
 
-        return "\n".join([*header_lines(cfg, layout, model, layers), *interleaved_lines(cfg, layout, model)])
+        cluster = cluster_of(cfg) if cfg.get("cluster") else None
+        lines = interleaved_lines(cfg, layout, model, candidate_of(cfg, layout), cluster)
+        return "\n".join([*header_lines(cfg, layout, model, layers), *lines])
     profile, stages, memories = stage_plan(cfg, layout, model)
     lines = header_lines(cfg, layout, model, layers)
     if (sparsity := sparsity_config(cfg)) is not None:

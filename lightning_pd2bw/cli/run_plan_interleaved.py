@@ -15,15 +15,15 @@ def chunk_cut(cfg, layout, model, profile) -> list[range]:
     return chunks_of(profile, layout.num_stages * layout.run.options.chunks)
 
 
-def interleaved_lines(cfg, layout, model) -> list[str]:
-    """The dry run's stage lines and, with a cluster, its step line (see the module's docstring)."""
+def interleaved_lines(cfg, layout, model, candidate, cluster) -> list[str]:
+    """The dry run's stage lines and, with ``cluster`` (or None), its step line (see the module's docstring);
+    ``candidate``: the planner's for this run (``run_plan.candidate_of``)."""
     from ..planner.hardware import GiB
     from ..planner.interleaved import predict_interleaved, rank_memory
     from .model_profile import analytic_model_profile
-    from .run_plan import candidate_of, cluster_of
 
     profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
-    chunks, candidate = chunk_cut(cfg, layout, model, profile), candidate_of(cfg, layout)
+    chunks = chunk_cut(cfg, layout, model, profile)
     d, m, virtual = layout.num_stages, layout.num_microbatches, layout.run.options.chunks
     lines = []
     for stage in range(d):
@@ -36,8 +36,8 @@ def interleaved_lines(cfg, layout, model) -> list[str]:
             f"  stage {stage}: chunks of layers {spans}, {params:,} parameters, est. memory "
             f"{sum(memory.values()) / GiB:.2f} GiB ({terms})"
         )
-    if cfg.get("cluster"):
-        planned = predict_interleaved(profile, candidate, cluster_of(cfg), layout.global_batch_size, virtual)
+    if cluster is not None:
+        planned = predict_interleaved(profile, candidate, cluster, layout.global_batch_size, virtual)
         if planned is not None:
             lines.append(f"plan: {planned.throughput:.1f} samples/s, {planned.batch_time:.3f} s a step (planned)")
     return lines
