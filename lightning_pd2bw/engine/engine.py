@@ -37,10 +37,9 @@ from .counters import stage_counters
 from .executor import StageExecutor
 from .interleaving import check_interleaved, chunk_sizes, neighbours
 from .layout import Mode
-from .observer import ActionRecorder, Progress, SavedTensorMeter
+from .observer import ActionRecorder, Progress, SavedTensorMeter, StopFlag
 from .options import PipelineOptions, Run
-from .schedules import schedule
-from .schedules.lowering import step_end
+from .schedules import program, schedule
 from .state.ledger import BatchLedger, LossBroadcast
 from .state.stage_state import StageState
 from .state.versions import WeightVersions
@@ -127,6 +126,8 @@ class PipelineEngine(StageState):
         self.info = info
         start = options.sync_steps
         self.synchronous_steps = sync_start_steps(None) if start is None else start  # resolved
+        self.stop_flag: StopFlag | None = None  # the strategy's stop agreement at each step's head (program.FLAG)
+        self._taken: torch.Tensor | None = None  # the loss the running program's TAKE_LOSS took
         self.ledger = BatchLedger()  # per batch: global step, hyper-parameters, loss in flight, deferred tied sums
         self.executor: StageExecutor | None = None
         self.update: UpdateRule | None = None
@@ -229,14 +230,8 @@ class PipelineEngine(StageState):
         self.update = build_update(
             stage, self.optimizers, versions, shards=shards, correction=self.correction, before_step=self.before_step
         )
-        loss = LossBroadcast(
-            self.ledger,
-            self.layout,
-            self.is_last,
-            source=self.grid.rank_of(self.num_stages - 1),
-            group=self.groups.loss,
-            device=self.device,
-        )
+        last = self.grid.rank_of(self.num_stages - 1)
+        loss = LossBroadcast(self.ledger, self.layout, self.is_last, last, self.groups.loss, self.device)
         self.executor = StageExecutor(
             self.layers,
             self.grid.stage,
@@ -247,7 +242,7 @@ class PipelineEngine(StageState):
             self.loss_fn,
             options=self.options,
             ledger=self.ledger,
-            handlers={**self.update.handlers(), schedule.LOSS: loss},
+            handlers={**self.update.handlers(), schedule.LOSS: loss, **self._step_handlers()},
             gradient_buckets=self.update.store.buckets,
             progress=self.progress,
             parts=self.update.declared,
@@ -283,13 +278,14 @@ class PipelineEngine(StageState):
     def train_batch(
         self, batch: Any, *, global_step: int | None = None, context: AbstractContextManager | None = None
     ) -> torch.Tensor | None:
-        """Run one batch's segment of the schedule (its forwards, and the backwards and updates due now).
+        """Run one batch's training step (``program.train_step``: its forwards, the backwards and updates due now,
+        and how the step ends).
 
         The update of this batch uses the optimizers' hyper-parameters as they are now (a scheduler stepped after
         this call changes the next batch's). Returns the mean loss, on every stage of the pipeline, of the newest
         batch whose loss is known: under 2BW the previous batch's (``None`` for a run's first batch), under
-        flush/gpipe this batch's. ``global_step`` names the batch in messages (default: batches fed so far);
-        ``context`` wraps the compute (e.g. ``torch.autocast``)."""
+        flush/gpipe (and 2BW's synchronous start) this batch's. ``global_step`` names the batch in messages (default:
+        batches fed so far); ``context`` wraps the compute (e.g. ``torch.autocast``)."""
         executor = self._started()
         global_step = self.ledger.fed if global_step is None else global_step
         self.ledger.fed += 1
@@ -297,44 +293,48 @@ class PipelineEngine(StageState):
         self.progress.tick(f"training step {step} (global step {global_step})")
         executor.feed(step, split_microbatches(batch, self.num_microbatches))
         self.update.attach_gradients()  # e.g. Lightning's module.zero_grad() before validation set them to None
-        actions = self.actions(step)
+        synchronous = self.mode.double_buffered and global_step < self.synchronous_steps  # drained: fresh weights
+        actions, self._taken = self.actions(step, synchronous=synchronous), None
         with context or nullcontext(), self._phase("train"):
-            executor.run(actions)
+            executor.run(actions)  # its TAKE_LOSS sets ``_taken``
         self.versions.rest()  # between batches the stage holds the newest weights (mixed: the master)
-        if self.mode.double_buffered and global_step < self.synchronous_steps:  # a synchronous start: fresh weights
-            return self.drain()  # this batch's update done, its loss known (the previous batch's was taken)
-        end = step_end(self.mode, step)  # 2BW: the previous batch's loss (its broadcast overlapped this batch)
-        if not end.wait_sends:
-            return self.ledger.take_loss(end.loss_of)
-        executor.finish_drain()
-        loss = self.ledger.take_loss(end.loss_of)
-        self.ledger.restart()
-        return loss
+        return self._taken
 
-    def actions(self, batch: int, drain: bool = False) -> list[schedule.Action]:
-        """This stage's actions for batch ``batch`` of a run (``drain``: what its drain runs), the update's parts
-        included; ``print(schedule.listing(engine.actions(3)))`` shows them
-        (``from lightning_pd2bw.engine.schedules import schedule``)."""
-        make = schedule.drain if drain else schedule.segment
-        return make(self.layout, self.grid.stage, batch)
+    def actions(self, batch: int, drain: bool = False, synchronous: bool = False) -> list[schedule.Action]:
+        """This stage's program for step ``batch`` (``drain``: the drain after it; ``synchronous``: 2BW's start) with
+        its update, head and end (``program.py``); ``print(schedule.listing(engine.actions(3)))`` shows it."""
+        if drain:
+            return program.drain(self.layout, self.grid.stage, batch)
+        flag = self.stop_flag is not None
+        return program.train_step(self.layout, self.grid.stage, batch, synchronous=synchronous, flag=flag)
 
-    def drain(self) -> torch.Tensor | None:
+    def drain(self, final: bool = False) -> torch.Tensor | None:
         """Finish every microbatch and update in flight (2BW); the version rule restarts. Call before saving,
-        evaluating or ending. Returns the loss ``train_batch`` has not returned yet (2BW: the last batch's)."""
+        evaluating or ending (``final``: the run's end, where the last stop agreement is read). Returns the loss
+        ``train_batch`` has not returned yet (2BW: the last batch's)."""
         if self.executor is None:
             return None
-        if self.mode.double_buffered and self.ledger.next_batch > 0:
-            last = self.ledger.next_batch - 1
-            actions = self.actions(last, drain=True)
-            with self._phase("drain"):
-                self.executor.run(actions)
-            self.executor.finish_drain()
-        self.update.at_drain()  # e.g. "stop": nothing is saved or evaluated after a non-finite update
-        loss = None
-        for step in self.ledger.pending_losses():
-            loss = self.ledger.take_loss(step)
-        self.ledger.restart()  # batch numbers restart after a drain
-        return loss
+        last = self.ledger.next_batch - 1 if self.mode.double_buffered else -1
+        actions = program.drain(self.layout, self.grid.stage, last, final=final, flag=self.stop_flag is not None)
+        self._taken = None
+        with self._phase("drain"):
+            self.executor.run(actions)  # its TAKE_LOSS sets ``_taken``
+        return self._taken
+
+    def _step_handlers(self) -> dict[schedule.Kind, Callable[[Any], None]]:
+        """The handlers of a step's head and end (``actions.STEP_KINDS``; ``program.py`` places them)."""
+
+        def take_loss(op: Any) -> None:
+            self._taken = self.ledger.take_loss(op.batch)
+
+        return {
+            schedule.FLAG: lambda op: self.stop_flag.check(),
+            schedule.LAST_FLAG: lambda op: self.stop_flag.settle(),
+            schedule.DRAINED: lambda op: self.executor.finish_drain(),
+            schedule.SETTLE: lambda op: self.update.at_drain(),  # e.g. "stop": nothing saved after a non-finite update
+            schedule.TAKE_LOSS: take_loss,
+            schedule.RESTART: lambda op: self.ledger.restart(),  # batch numbers restart after a drain
+        }
 
     def close(self) -> None:
         """Release what the engine holds beyond itself: its gradient buckets' hooks and its process groups (each

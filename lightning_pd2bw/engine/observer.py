@@ -9,7 +9,9 @@ The engine and its stage executor call three optional observers, each a small pr
 - ``SavedTensorMeter``: sees every tensor autograd saves for the backward (``observe.activations.ActivationMeter``:
   the stash's bytes as autograd holds them).
 
-Attach them with ``engine.observe(recorder=..., meter=...)`` or pass ``progress=`` to the engine.
+Attach them with ``engine.observe(recorder=..., meter=...)`` or pass ``progress=`` to the engine. A driver that
+agrees on stopping (Lightning's SIGTERM) sets ``engine.stop_flag``, a ``StopFlag`` the program calls at each
+step's ``FLAG`` and at the run's ``LAST_FLAG`` (``schedules/program.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
+
+
+class StopFlag(Protocol):
+    """The driver's stop agreement over every rank (``lightning/preemption.py``): ``check`` at each training step's
+    head (the previous step's agreement read, this step's posted), ``settle`` at the run's end (the last read)."""
+
+    def check(self) -> None: ...
+
+    def settle(self) -> Any: ...
 
 
 class Progress:

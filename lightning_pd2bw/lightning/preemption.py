@@ -7,7 +7,7 @@ are in a pipeline receive), and the job hangs with live heartbeats. Here:
 
 * the handler only records the signal (and, as Lightning's does, forwards it to the processes its
   launcher started); nothing collective runs inside it;
-* at the start of every training step each rank issues, asynchronously, a MAX all-reduce of its own
+* at the head of every training step (its program's ``FLAG``, ``engine/schedules/program.py``) each rank issues, asynchronously, a MAX all-reduce of its own
   flag over the world, and reads the previous step's result: every rank learns of a SIGTERM sent to any
   one of them at the same step (one or two steps after it arrived), without a barrier per step. The flag
   is a CPU tensor on a gloo group (the default group when it is gloo, else one made for it): under NCCL a
@@ -90,7 +90,7 @@ class Preemption:
                     chained(signum, frame)
 
             signal.signal(signal.SIGTERM, on_sigterm)
-        compat.replace_sigterm_check(self.trainer, self.check)
+        compat.replace_sigterm_check(self.trainer, lambda: None)  # the engine's program runs ``check`` (FLAG)
 
     def check(self) -> None:
         """At the start of a training step: read the previous step's agreement, post this step's."""

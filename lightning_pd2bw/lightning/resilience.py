@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..engine.comm.grid import ProcessGrid
@@ -48,12 +48,16 @@ class Resilience:
     def on_train_start(
         self,
         trainer: Any,
-        device: torch.device,
+        engine: Any,
         save_failed: Callable[[], bool] = lambda: False,
         raise_save_failure: Callable[[], None] = lambda: None,
     ) -> None:
-        self.preemption = Preemption(trainer, device, self.requeue, save_failed, raise_save_failure)
+        """Install the stop agreement; the engine's program runs it at each step's head (``engine.stop_flag``),
+        where Lightning ran its SIGTERM broadcast: over several processes."""
+        self.preemption = Preemption(trainer, engine.device, self.requeue, save_failed, raise_save_failure)
         self.preemption.install()
+        if dist.is_initialized() and trainer.world_size > 1:
+            engine.stop_flag = self.preemption
         if self.watchdog is not None:
             self.watchdog.arm()
 

@@ -285,7 +285,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         skip_lightning_backward(trainer)  # the engine owns zero_grad and backward
-        self.resilience.on_train_start(trainer, self.root_device, self.checkpoints.failed, self.checkpoints.wait)
+        self.resilience.on_train_start(trainer, self.engine, self.checkpoints.failed, self.checkpoints.wait)
         rank_zero_info(f"pd2bw: {checks.start_line(trainer, self.engine, self.options)}")
         checks.expect_scheduler_before_first_update()
 
@@ -313,10 +313,10 @@ class PipeDream2BWStrategy(PipelineProcesses):
             self.lightning_module.log("skipped_updates", float(len(self.skipped_updates)))
         return loss
 
-    def drain(self) -> None:
+    def drain(self, final: bool = False) -> None:
         """Finish every in-flight microbatch and update; the version rule restarts (``drains.py``: when)."""
         if self.engine is not None:
-            self.engine.drain()
+            self.engine.drain(final)  # final: the run's end, its last stop agreement read
 
     @override
     def on_validation_start(self) -> None:
@@ -324,7 +324,7 @@ class PipeDream2BWStrategy(PipelineProcesses):
 
     @override
     def on_train_end(self) -> None:
-        self.drain()  # drains.py, 4
+        self.drain(final=True)  # drains.py, 4
         self.resilience.on_train_end()
 
     # ------------------------------------------------------------------ evaluation

@@ -79,12 +79,16 @@ class Case:
         return sync_start_steps(self.steps) if self.sync_steps is None else self.sync_steps
 
     @property
+    def periodic_drains(self) -> tuple[int, ...]:
+        """The steps after which validation or a checkpoint drains the pipeline."""
+        every = self.checkpoint_every or self.val_every
+        return tuple(range(every, self.steps, every)) if every else ()
+
+    @property
     def drains(self) -> tuple[int, ...]:
         """The steps that follow a drain (their gradient is of the newest weights)."""
-        every = self.checkpoint_every or self.val_every
-        periodic = range(every, self.steps, every) if every else ()
         started = range(1, min(self.start, self.steps - 1) + 1)  # after each of the first sync_steps steps
-        return tuple(sorted({*periodic, *started}))
+        return tuple(sorted({*self.periodic_drains, *started}))
 
 
 PREDICTIVE = "predictive_error_feedback"

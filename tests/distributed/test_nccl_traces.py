@@ -111,7 +111,8 @@ def test_lowering_issues_what_the_run_issued(trained, name):
         clip="global" if case.clip else None,
         tied=True,  # GPT and BERT tie the token embedding to the output layer
         skip_nonfinite=case.poison_step is not None,
-        drain_after=case.drains,
+        drain_after=case.periodic_drains,
+        sync_steps=case.start if case.mode == "2bw" else 0,  # lowered: each start step drains at once
         eval_batches=2 if case.val_every else 0,
         lookahead=case.lookahead,
         shard_gradients=case.shard_gradients is not False,  # None: the default, on (no case at width > 1 is RigL)

@@ -345,13 +345,14 @@ def test_the_lint_names_an_option_key_no_group_has(tmp_path):
 
 
 def _two_stage_listing(mode: str, num_microbatches: int, step: int) -> str:
-    """What ``schedule.listing`` prints for each stage of a depth-2 run's training step ``step``, side by side."""
+    """What ``schedule.listing`` prints for each stage of a depth-2 run's training step ``step`` (``engine.actions``:
+    the engine alone, no stop flag), side by side."""
     from lightning_pd2bw.engine.layout import Layout
-    from lightning_pd2bw.engine.schedules import schedule
+    from lightning_pd2bw.engine.schedules import program
     from lightning_pd2bw.engine.schedules.actions import listing
 
     layout = Layout(num_stages=2, num_microbatches=num_microbatches, mode=mode)
-    first, second = (listing(schedule.segment(layout, stage, step)).splitlines() for stage in (0, 1))
+    first, second = (listing(program.train_step(layout, stage, step)).splitlines() for stage in (0, 1))
     return "\n".join([f"{'stage 0':29s}stage 1", *(f"{a:29s}{b}".rstrip() for a, b in zip(first, second))])
 
 

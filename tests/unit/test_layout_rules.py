@@ -205,6 +205,7 @@ VIEWS = {  # where an option's name is also declared, and why: each a resolved o
     "layout.py:Layout": "the resolved layout (options.resolve(world).layout): depth, microbatches, mode, cut, lookahead",
     "layout.py:Keys": "how messages name the layout's options, not the options",
     "comm_plan.py:CommLayout": "the NCCL model's hypothetical run (layout sweeps without options)",
+    "program.py:Scenario": "a run as its ranks' programs see it: the start's resolved steps, drains, the stop flag",
     "checks.py:RunLayout": "pd2bw-train's batch layout derived from the config (global, micro and per-replica batches)",
     "cost.py:Prediction": "the planner's output: the microbatches it chose",
     "candidate.py:Candidate": "the dimension the planner searches (recompute); the rest come from its options",
@@ -255,6 +256,7 @@ def test_each_option_is_declared_in_its_home_and_named_views_only():
     strays = {option: sorted(places - home_of(option) - set(VIEWS)) for option, places in declared.items()}
     assert not any(strays.values()), {k: v for k, v in strays.items() if v}
     engine_views = {"layout.py:Layout", "layout.py:Keys", "grid.py:ProcessGrid", "comm_plan.py:CommLayout"}
+    engine_views |= {"program.py:Scenario"}
     in_engine = {place for places in declared.values() for place in places if place in VIEWS}
     in_engine = {p for p in in_engine if (PACKAGE / ENGINE).joinpath(p.split(":")[0]).exists() or "comm_plan" in p}
     assert in_engine <= engine_views, f"the engine's parts take the options or the Layout: {in_engine - engine_views}"
@@ -288,7 +290,7 @@ DECLARATIONS = {
     "requeue": 3,
     "shard_gradients": 3,
     "shard_optimizer": 3,
-    "sync_steps": 2,  # 0.12.0: PipelineOptions and the strategy's keyword, as every engine option
+    "sync_steps": 4,  # PipelineOptions, the strategy's keyword; 0.25.0: the programs' Scenario and the NCCL model's
     "virtual_stages": 3,  # 0.24.0: PipelineOptions, the strategy's keyword and Layout (as lookahead)
     "weight_dtype": 2,
 }

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_pd2bw.engine.layout import Layout
 from lightning_pd2bw.engine.schedules import schedule as S
-from lightning_pd2bw.engine.schedules.lowering import ISSUE, RUN, WAIT, lower, step_end
+from lightning_pd2bw.engine.schedules.lowering import ISSUE, RUN, WAIT, lower
 from lightning_pd2bw.engine.updates.update import UpdateShape
 from lightning_pd2bw.engine.updates.update_build import choose_parts, collectives
 
@@ -70,16 +70,6 @@ def test_an_update_op_runs_the_parts_acting_there_each_waiting_before_it_runs_an
     waited_somewhere = {c for c, _ in declared if c.waited is not None}
     waits = [c for op in lower(actions, parts, 2) for step, _, c in op.steps if step == WAIT]
     assert set(waits) == waited_somewhere and len(waits) == len(waited_somewhere)  # each launched one waited once
-
-
-def test_a_step_ends_as_its_mode_says():
-    assert step_end(Layout(2, 2, "flush").mode, 3) == step_end(Layout(2, 2, "gpipe").mode, 3)
-    assert (step_end(Layout(2, 2, "flush").mode, 3).wait_sends, step_end(Layout(2, 2, "flush").mode, 3).loss_of) == (
-        True,
-        3,
-    )
-    twobw = step_end(Layout(2, 2, "2bw").mode, 3)
-    assert (twobw.wait_sends, twobw.loss_of) == (False, 2)
 
 
 def test_the_executors_update_refuses_an_op_lowered_for_other_parts():

@@ -32,6 +32,13 @@ class Kind(str, Enum):
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
     EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
+    # a training step's head and end, and a drain's (``program.py``: what a rank runs around the schedule's actions)
+    FLAG = "FLAG"  # the run's stop agreement: the previous step's read, this step's posted (the strategy's, if any)
+    LAST_FLAG = "LAST_FLAG"  # the run's end: the last step's agreement read
+    DRAINED = "DRAINED"  # nothing in flight: every send complete, the version rule restarts (after WAIT_SENDS)
+    SETTLE = "SETTLE"  # a drain: what the update deferred settled (``UpdatePart.at_drain``)
+    TAKE_LOSS = "TAKE_LOSS"  # the step's result: batch b's mean loss, its broadcast waited for
+    RESTART = "RESTART"  # every batch consumed: the batch numbers restart at 0
 
     def __str__(self) -> str:
         return self.value
@@ -45,11 +52,15 @@ SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
 WAIT_SENDS, LOSS, EVAL = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL
+FLAG, LAST_FLAG, DRAINED, SETTLE = Kind.FLAG, Kind.LAST_FLAG, Kind.DRAINED, Kind.SETTLE
+TAKE_LOSS, RESTART = Kind.TAKE_LOSS, Kind.RESTART
 UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
 PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
 FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 where it has room, ``finish_after``)
 UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
-BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS)  # actions of a whole batch: no microbatch, no version
+STEP_KINDS = (FLAG, LAST_FLAG, DRAINED, SETTLE, TAKE_LOSS, RESTART)  # a step's head and end (``program.py``)
+BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS)  # actions of a whole batch: no microbatch, no version
+SCHEDULE_KINDS = tuple(k for k in Kind if k is not EVAL and k not in STEP_KINDS)  # what ``schedule.segment`` emits
 TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
 EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
 _TEXT = re.compile(

@@ -6,7 +6,7 @@ update's parts in ``Op.steps``' order through ``update.UpdateRule.run``), the NC
 each op's sends, receives and declared collectives) and the planner's simulator (``planner/simulate.py``: each op
 timed). None of them derives which receive a send is batched with (``Op.fused``), which backward is its batch's last
 on the stage (``Op.last``: the buckets' reduces start in it), what the update does at an action and in which order
-(``Op.steps``), or how a training step ends (``step_end``); the ops say it once.
+(``Op.steps``); the ops say it once. How a training step ends is in its actions (``program.py``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from ..layout import Mode
 from . import schedule as S
 
 if TYPE_CHECKING:  # the parts' types: the runtime's (engine/updates), read here only by their attributes
     from ..updates.collectives import Collective
     from ..updates.update import UpdatePart
 
-__all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "Step", "StepEnd", "at_action", "lower", "step_end"]
+__all__ = ["ISSUE", "RUN", "WAIT", "Op", "Parts", "Step", "at_action", "lower"]
 
 Parts = Sequence[tuple[type["UpdatePart"], Sequence["Collective"]]]  # ``update_build.collectives(shape)``
 
@@ -118,12 +117,23 @@ def _update_steps(parts: Parts, kind: S.Kind) -> tuple[PartStep, ...]:
     )
 
 
+def _fused_by_segment(actions: Sequence[S.Action]) -> dict[int, S.Action]:
+    """``schedule.fuse_receives`` within each segment (a program's segments end at their ``LOSS``): a send never
+    batches a receive of the next segment or drain (its peer posts that one in a later call)."""
+    fused: dict[int, S.Action] = {}
+    start = 0
+    for end in [i + 1 for i, action in enumerate(actions) if action.kind == S.LOSS] + [len(actions)]:
+        fused.update({start + i: receive for i, receive in S.fuse_receives(actions[start:end]).items()})
+        start = end
+    return fused
+
+
 def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> list[Op]:
     """The ops of ``actions`` on a stage whose update has ``parts``, batches of ``num_microbatches``."""
     top = max((action.chunk for action in actions), default=0)  # interleaved: backwards run the last chunk first
     # interleaved 1F1B's ring carries both directions between one pair of ranks: every message goes alone, in the
     # schedule's order on both ends (no receive is posted early, ahead of another from the same peer)
-    fused = S.fuse_receives(actions) if top == 0 else {}
+    fused = _fused_by_segment(actions) if top == 0 else {}
     at_last_backward = _update_steps(parts, S.BACKWARD)
     reclaims = tuple((WAIT, part, c) for part, declared in parts for c in declared if c.reclaimed)
     update = {kind: _update_steps(parts, kind) for kind in S.UPDATE_KINDS}
@@ -145,19 +155,3 @@ def lower(actions: Sequence[S.Action], parts: Parts, num_microbatches: int) -> l
         else:
             ops.append(Op(action, index, fused=fused.get(index)))
     return ops
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """What follows a training step's ops: the sends waited for (a flushed batch ends drained) and the batch whose
-    mean loss the step returns (2BW: the previous one's, its broadcast overlapped this batch; -1: none yet)."""
-
-    wait_sends: bool
-    loss_of: int
-
-
-def step_end(mode: Mode, step: int) -> StepEnd:
-    """How training step ``step`` (0-based since the last drain) of ``mode`` ends."""
-    if mode.double_buffered:
-        return StepEnd(False, step - 1)
-    return StepEnd(True, step)

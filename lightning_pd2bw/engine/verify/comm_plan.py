@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 from ..comm.grid import communicator
 from ..layout import Layout, Placement, check_schedule
+from ..schedules import program
 from ..schedules import schedule as S
 from ..schedules.lowering import ISSUE as ISSUE_PART
 from ..schedules.lowering import WAIT as WAIT_PART
 from ..schedules.lowering import Op as LoweredOp
-from ..schedules.lowering import lower, step_end
+from ..schedules.lowering import lower
 from ..updates import update_build as U
 from ..updates.collectives import Collective
 from ..updates.update import UpdateShape
@@ -43,6 +44,7 @@ class CommLayout:
     tied: bool = False  # a parameter shared by the first and the last stage (GPT's tied embedding)
     skip_nonfinite: bool = False  # on_nonfinite="skip": an all-reduce over the pipeline per update
     drain_after: tuple[int, ...] = ()  # Lightning steps after which the pipeline drains (validation, checkpoint)
+    sync_steps: int = 0  # 2BW's synchronous start: its first steps drained (program.train_step)
     eval_batches: int = 0  # validation batches run after each of those drains
     boundary_tensors: int = 1  # tensors crossing each stage boundary
     gradient_buckets: int = 1  # replica all-reduce buckets per update
@@ -78,6 +80,7 @@ class RankProgram:
         self.stashed: set[int] = set()  # microbatches forwarded here and not yet backwarded
         self.sigterm: int | None = None
         self.step_in_run = 0
+        self.steps_run = 0
         self._fused: S.Action | None = None  # the receive the current send's batch also posts
         self.table = self.handlers()
 
@@ -239,7 +242,15 @@ class RankProgram:
         }
         # the before-step hooks at HOOKS: the sparsity callback's collectives are its own steps'
         update = {kind: self.update for kind in S.UPDATE_KINDS}
-        return {**transport, **update, S.LOSS: self._loss}
+        step = {
+            S.FLAG: self._flag,
+            S.LAST_FLAG: self._last_flag,
+            S.DRAINED: lambda op: self.wait_sends(),  # the transport's sends complete (the engine's finish_drain)
+            S.SETTLE: lambda op: None,  # the update's deferred waits: its declared collectives' own steps
+            S.TAKE_LOSS: lambda op: self.take_loss(op.batch),
+            S.RESTART: lambda op: None,
+        }
+        return {**transport, **update, S.LOSS: self._loss, **step}
 
     def run(self, actions: list[S.Action]) -> None:
         self.before_segment(actions)
@@ -280,31 +291,34 @@ class RankProgram:
             "broadcast", loss_group, self.pipeline, f"loss of b{action.batch}", block=False
         )
 
-    # -------------------------------------------------------------- the strategy's step, drain, evaluation
+    # -------------------------------------------------------------- a step's head and end (program.py)
     def take_loss(self, batch: int) -> None:
         if batch in self.losses:
             self.wait(self.losses.pop(batch), f"loss of b{batch}")
 
-    def training_step(self) -> None:
-        if self.sigterm is not None:  # the SIGTERM agreement, asynchronous (lightning/preemption.py)
-            self.wait(self.sigterm, "sigterm flag")
+    def _flag(self, op: LoweredOp) -> None:
+        """FLAG: the stop agreement, asynchronous (lightning/preemption.py): the previous step's waited for."""
+        self._last_flag(op)
         self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
-        step = self.step_in_run
-        self.run(S.segment(self.schedule_layout, self.stage, step))
-        end = step_end(self.schedule_layout.mode, step)
-        if end.wait_sends:
-            self.wait_sends()
-        else:
-            self.step_in_run += 1
-        self.take_loss(end.loss_of)
 
-    def drain(self) -> None:
-        if self.schedule_layout.mode.double_buffered and self.step_in_run > 0:
-            last = self.step_in_run - 1
-            self.run(S.drain(self.schedule_layout, self.stage, last))
-            self.wait_sends()
-        for batch in sorted(self.losses):
-            self.take_loss(batch)
+    def _last_flag(self, op: LoweredOp) -> None:
+        if self.sigterm is not None:
+            self.wait(self.sigterm, "sigterm flag")
+            self.sigterm = None
+
+    def training_step(self) -> None:
+        layout, step = self.layout, self.steps_run
+        synchronous = self.schedule_layout.mode.double_buffered and step < layout.sync_steps
+        self.run(
+            program.train_step(self.schedule_layout, self.stage, self.step_in_run, synchronous=synchronous, flag=True)
+        )
+        flushed = self.schedule_layout.mode.flushes or synchronous
+        self.step_in_run = 0 if flushed else self.step_in_run + 1
+        self.steps_run += 1
+
+    def drain(self, final: bool = False) -> None:
+        last = self.step_in_run - 1 if self.schedule_layout.mode.double_buffered else -1
+        self.run(program.drain(self.schedule_layout, self.stage, last, final=final, flag=True))
         self.step_in_run = 0
 
     def evaluate(self) -> None:
@@ -344,7 +358,5 @@ def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> 
             if step in layout.drain_after:  # validation (or a checkpoint): drain first
                 rank.drain()
                 rank.evaluate()
-        rank.drain()  # on_train_end
-        if rank.sigterm is not None:  # and settles the last SIGTERM flag
-            rank.wait(rank.sigterm, "sigterm flag")
+        rank.drain(final=True)  # on_train_end: and the last stop agreement read
     return {rank.rank: rank.ops for rank in ranks}
