@@ -186,15 +186,16 @@ def interleaved_at(cfg, model, plans) -> tuple | None:
 
 
 def start_rate(cfg, model, plan) -> float | None:
-    """Flush's rule in 2BW's best layout: the rate of a synchronous start's steps (each drained), for the verdict."""
+    """The rate of 2BW's synchronous start in 2BW's best plan: its steps simulated as the engine runs them (each
+    drained at once: ``program.train_step``), for the verdict."""
     if plan is None:
         return None
-    from ..planner.cost import predict
+    from ..planner.timing import timing
 
     candidate = plan.candidate
-    flush = dataclasses.replace(candidate, options=candidate.options.replace(mode="flush", lookahead=0))
     profile = analytic_model_profile(cfg, model, candidate.micro_batch_size)
-    return predict(profile, flush, cluster_of(cfg), cfg.global_batch_size, plan.stages).throughput
+    clock = timing(profile, candidate, cluster_of(cfg), plan.stages, plan.num_microbatches, synchronous=True)
+    return cfg.global_batch_size / clock.step_time
 
 
 def recompute_value(recompute: bool | tuple[int, ...]) -> str:

@@ -59,11 +59,12 @@ def plan_text(cfg, layout, model) -> str:
     step_s = planned_step_s(cfg, layout, profile, stages)
     if step_s is not None:
         lines.append(throughput_text(cfg, layout, model, step_s, profile))
+    start = planned_start(cfg, layout, profile, stages)
     if cfg.strategy.mode == "2bw":
-        lines.append(sync_start_text(cfg, layout, profile, stages, step_s))
+        lines.append(sync_start_text(cfg, start, step_s))
     cost = checkpoint_cost(cfg, layout, profile, stages, memories, step_s)
     lines += [cost.describe(), cost.preemption_text()] if step_s is not None else [cost.describe()]
-    lines.append(training_cost_text(cfg, layout, step_s))
+    lines.append(training_cost_text(cfg, layout, step_s, start))
     return "\n".join(lines)
 
 
@@ -82,33 +83,37 @@ def header_lines(cfg, layout, model, layers) -> list[str]:
     ]
 
 
-def sync_start_text(cfg, layout, profile, stages, step_s: float | None) -> str:
-    """``sync start:`` 2BW's first steps, each drained after its update (Flush's rule and step time, in 2BW's own
-    layout), their share of the run and, with a cluster, their time against 2BW's."""
-    import dataclasses
-
-    from ..planner import Candidate
-    from ..planner.cost import predict
-    from .run_length import sync_steps_of
-
-    steps, total = sync_steps_of(cfg), cfg.trainer.get("max_steps")
+def sync_start_text(cfg, start: tuple[int, float | None], step_s: float | None) -> str:
+    """``sync start:`` 2BW's first steps, each drained after its update (``start``: their count and their planned
+    time, simulated as the engine runs them in 2BW's own layout), their share of the run and, with a cluster, their
+    time against 2BW's."""
+    (steps, start_s), total = start, cfg.trainer.get("max_steps")
     share = f" of {total:,} ({steps / total:.2%})" if total and total > 0 else ""
     text = f"sync start: {steps:,} steps{share} at Flush's rule (strategy.sync_steps; 0: none), each drained"
-    if step_s is None or not steps:
+    if step_s is None or start_s is None or not steps:
         return text + "; their time needs a cluster (+cluster=NAME)" if steps else text
-    run = layout.run
-    flush = Candidate.of(
-        dataclasses.replace(run.options, mode="flush"), run.width, run.num_stages, layout.micro_batch_size
-    )
-    flush_s = predict(profile, flush, cluster_of(cfg), layout.global_batch_size, stages).batch_time
-    extra = steps * (flush_s - step_s)
+    extra = steps * (start_s - step_s)
     return (
-        f"{text}: {flush_s:.2f} s a step in this layout against 2BW's {step_s:.2f} s, {extra / 3600:,.2f} hours "
+        f"{text}: {start_s:.2f} s a step in this layout against 2BW's {step_s:.2f} s, {extra / 3600:,.2f} hours "
         "more than 2BW from the first step (planned)"
     )
 
 
-def training_cost_text(cfg, layout, step_s: float | None) -> str:
+def planned_start(cfg, layout, profile, stages) -> tuple[int, float | None]:
+    """2BW's synchronous start: its steps (0 under another mode) and, on a cluster, one step's planned seconds."""
+    from .run_length import sync_steps_of
+
+    steps = sync_steps_of(cfg) if cfg.strategy.mode == "2bw" else 0
+    if not steps or not cfg.get("cluster"):
+        return steps, None
+    from ..planner.timing import timing
+
+    candidate = candidate_of(cfg, layout)
+    m = candidate.num_microbatches(layout.global_batch_size)
+    return steps, timing(profile, candidate, cluster_of(cfg), stages, m, synchronous=True).step_time
+
+
+def training_cost_text(cfg, layout, step_s: float | None, start: tuple[int, float | None] = (0, None)) -> str:
     """``cost:`` the whole run at ``trainer.max_steps``: its tokens, the tokenized corpus one epoch of them needs
     (``pd2bw-prepare-data``'s ids: uint16 up to 65,536 words, else uint32) and, with a cluster, the planned days and
     GPU-hours."""
@@ -124,9 +129,12 @@ def training_cost_text(cfg, layout, step_s: float | None) -> str:
         data += f", {corpus / 1e9:,.1f} GB tokenized for one epoch" if corpus >= 1e9 else f", {corpus / 1e6:,.1f} MB"
     if step_s is None:
         return f"cost: {steps:,} steps (trainer.max_steps) = {data}; the time needs a cluster (+cluster=NAME)"
-    seconds = steps * step_s
+    fresh, start_s = start
+    fresh = min(fresh, steps) if start_s is not None else 0
+    seconds = (steps - fresh) * step_s + fresh * (start_s or 0.0)
+    started = f"; its sync start's {fresh:,} at {start_s:.2f} s" if fresh else ""
     return (
-        f"cost: {steps:,} steps (trainer.max_steps) x {step_s:.2f} s = {seconds / 86400:,.1f} days on "
+        f"cost: {steps:,} steps (trainer.max_steps{started}) x {step_s:.2f} s = {seconds / 86400:,.1f} days on "
         f"{layout.world_size} devices, {seconds * layout.world_size / 3600:,.0f} device-hours (planned, never run); "
         f"{data}"
     )

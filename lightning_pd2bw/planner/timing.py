@@ -193,16 +193,19 @@ def timing(
     stages: Sequence[range],
     num_microbatches: int,
     free: Callable[[Collective], bool] | None = None,
+    synchronous: bool = False,
 ) -> Timing:
     """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions (``free``: the
-    collectives that cost nothing, to see what the others add)."""
+    collectives that cost nothing, to see what the others add; ``synchronous``: a step of 2BW's synchronous start)."""
     costs = [
         stage_costs(profile, candidate, cluster, s, span, message_time(profile, candidate, cluster, stages, s))
         for s, span in enumerate(stages)
     ]
     layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)
     cost = collective_cost(profile, candidate, cluster, stages)
-    return simulate(layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c))
+    return simulate(
+        layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c), None, synchronous
+    )
 
 
 # what ``update_cost`` splits the update's collectives into
