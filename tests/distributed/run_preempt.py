@@ -88,10 +88,10 @@ class PreemptAt(Callback):
             engine = trainer.strategy.engine
             drain = engine.drain
 
-            def signalled_drain() -> None:
+            def signalled_drain(*args, **kwargs) -> None:
                 if not trainer.sanity_checking and trainer.state.stage == "validate":
                     self._send(trainer)
-                drain()
+                drain(*args, **kwargs)
 
             engine.drain = signalled_drain
 
