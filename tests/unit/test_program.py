@@ -104,15 +104,15 @@ def test_the_nccl_model_proves_the_synchronous_start(stages, microbatches, width
 def test_the_simulator_times_the_synchronous_start_as_flush():
     """2BW's start step is 1F1B drained, its update at the end: with the same costs it lasts as long as Flush's step
     (an independent schedule), and longer than 2BW's own steady step."""
+    cost_of = lambda stage, collective: 0.05  # noqa: E731
+
+    def costs(stages: int, double: bool) -> list[StageCosts]:
+        shape = UpdateShape(double_buffered=double)
+        return [StageCosts(forward=1.0, backward=2.0, send=0.1, step=0.5, read_gradients=0.2, shape=shape)] * stages
+
     for stages, microbatches in SHAPES:
-
-        def costs(double: bool) -> list[StageCosts]:
-            shape = UpdateShape(double_buffered=double)
-            return [StageCosts(forward=1.0, backward=2.0, send=0.1, step=0.5, read_gradients=0.2, shape=shape)] * stages
-
-        cost_of = lambda stage, collective: 0.05  # noqa: E731
-        flush = simulate(Layout(stages, microbatches, "flush"), costs(False), cost_of)
-        start = simulate(Layout(stages, microbatches, "2bw"), costs(True), cost_of, synchronous=True)
-        twobw = simulate(Layout(stages, microbatches, "2bw"), costs(True), cost_of)
+        flush = simulate(Layout(stages, microbatches, "flush"), costs(stages, False), cost_of)
+        start = simulate(Layout(stages, microbatches, "2bw"), costs(stages, True), cost_of, synchronous=True)
+        twobw = simulate(Layout(stages, microbatches, "2bw"), costs(stages, True), cost_of)
         assert start.step_time == pytest.approx(flush.step_time, rel=1e-12)
         assert twobw.step_time < start.step_time
