@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,10 +31,11 @@ from torch import nn
 
 from .build import build_stage
 from .comm.grid import ProcessGrid, default_device, device_barrier, rank_zero_print
-from .comm.microbatch import batch_size_of, join_microbatches, split_microbatches, to_device
+from .comm.microbatch import batch_size_of, split_microbatches, to_device
 from .comm.transport import StageLink
 from .compiled import CompileMeter, compile_layers
 from .counters import stage_counters
+from .evaluation import means, on_host
 from .executor import StageExecutor
 from .interleaving import check_interleaved, chunk_sizes, neighbours
 from .layout import Mode
@@ -314,9 +316,8 @@ class PipelineEngine(StageState):
         ``train_batch`` has not returned yet (2BW: the last batch's)."""
         if self.executor is None:
             return None
-        last = self.ledger.next_batch - 1 if self.mode.double_buffered else -1
+        last, self._taken = (self.ledger.next_batch - 1 if self.mode.double_buffered else -1), None
         actions = program.drain(self.layout, self.grid.stage, last, final=final, flag=self.stop_flag is not None)
-        self._taken = None
         with self._phase("drain"):
             self.executor.run(actions)  # its TAKE_LOSS sets ``_taken``
         return self._taken
@@ -370,10 +371,11 @@ class PipelineEngine(StageState):
         executor = self._started()
         metrics_fn = metrics_fn or (lambda output, micro: {"loss": self.loss_fn(output, micro)})
         with context or nullcontext(), self._phase("evaluate"):
-            results = executor.evaluate(self._split_for_evaluation(batch), metrics_fn)
-        message = [None]
-        if self.is_last:
-            message = [{k: torch.stack([r[k].float() for r in results]).mean().item() for k in results[0]}]
+            return executor.evaluate(self._split_for_evaluation(batch), metrics_fn, partial(self._from_last, means))
+
+    def _from_last(self, combine: Callable[[list], Any], results: list) -> Any:
+        """EVAL_RESULTS: ``combine`` of the last stage's results, sent to every stage of the pipeline."""
+        message = [combine(results) if self.is_last else None]
         dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
         return message[0]
 
@@ -390,10 +392,8 @@ class PipelineEngine(StageState):
         executor = self._started()
         predict_fn = predict_fn or (lambda output, _: output)
         with context or nullcontext(), self._phase("predict"):
-            results = executor.evaluate(self._split_for_evaluation(batch), predict_fn)
-        message = [join_microbatches(to_device(results, torch.device("cpu")))] if self.is_last else [None]
-        dist.broadcast_object_list(message, src=self.grid.rank_of(self.num_stages - 1), group=self.groups.pipeline)
-        return to_device(message[0], self.device)
+            joined = executor.evaluate(self._split_for_evaluation(batch), predict_fn, partial(self._from_last, on_host))
+        return to_device(joined, self.device)
 
     def _split_for_evaluation(self, batch: Any) -> list[Any]:
         count = self.num_microbatches if batch_size_of(batch) % self.num_microbatches == 0 else 1

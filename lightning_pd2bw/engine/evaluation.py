@@ -1,5 +1,6 @@
 """A stage's evaluation (or prediction): ``schedule.evaluation``'s actions run forward-only on the newest weights,
-each microbatch through the stage's chunks (one, or interleaved 1F1B's), metrics on the last (virtual) stage."""
+each microbatch through the stage's chunks (one, or interleaved 1F1B's), metrics on the last (virtual) stage, sent
+to every stage at ``EVAL_RESULTS``."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ from typing import Any
 
 import torch
 
+from .comm.microbatch import join_microbatches, to_device
 from .comm.transport import as_tuple, input_signature
 from .schedules import schedule as S
 
 
 @torch.no_grad()
 def evaluate(
-    executor: Any, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
-) -> list[dict]:
+    executor: Any,
+    microbatches: Sequence[Any],
+    metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]],
+    publish: Callable[[list[dict]], Any],
+) -> Any:
     """``executor``'s stage (an ``executor.StageExecutor``) run forward-only over ``microbatches`` (see the module's
-    docstring)."""
+    docstring); what ``publish`` returns for the last stage's results (empty elsewhere) at ``EVAL_RESULTS``."""
     link, layout = executor.link, executor.layout
     executor.versions.use_latest()
     results: list[dict] = []
@@ -48,9 +53,21 @@ def evaluate(
         if link.settle_on_receive:
             link.settle(link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
 
+    published: list[Any] = []
     table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.WAIT_SENDS: executor.handlers[S.WAIT_SENDS]}
+    table[S.EVAL_RESULTS] = lambda action: published.append(publish(results))
     actions = S.evaluation(executor.stage, layout.num_stages, len(microbatches), layout.virtual_stages)
     for action in actions:
         table[action.kind](action)
     executor.versions.rest()
-    return results
+    return published[0]
+
+
+def means(results: list[dict]) -> dict[str, float]:
+    """An evaluation's results: each metric's mean over the microbatches."""
+    return {k: torch.stack([r[k].float() for r in results]).mean().item() for k in results[0]}
+
+
+def on_host(results: list) -> Any:
+    """A prediction's results: the microbatches' outputs joined along dimension 0, on the host."""
+    return join_microbatches(to_device(results, torch.device("cpu")))

@@ -380,9 +380,12 @@ class StageExecutor:
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(
-        self, microbatches: Sequence[Any], metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]]
-    ) -> list[dict]:
-        """Forward-only pass of ``microbatches`` on the newest weights (``evaluation.evaluate``)."""
+        self,
+        microbatches: Sequence[Any],
+        metrics_fn: Callable[[Any, Any], dict[str, torch.Tensor]],
+        publish: Callable[[list[dict]], Any],
+    ) -> Any:
+        """Forward-only pass of ``microbatches`` on the newest weights, its results ``publish``ed (``evaluation.py``)."""
         from .evaluation import evaluate
 
-        return evaluate(self, microbatches, metrics_fn)
+        return evaluate(self, microbatches, metrics_fn, publish)

@@ -32,6 +32,7 @@ class Kind(str, Enum):
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
     EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
+    EVAL_RESULTS = "EVAL_RESULTS"  # an evaluation's results, sent from the last stage to the whole pipeline
     # a training step's head and end, and a drain's (``program.py``: what a rank runs around the schedule's actions)
     FLAG = "FLAG"  # the run's stop agreement: the previous step's read, this step's posted (the strategy's, if any)
     LAST_FLAG = "LAST_FLAG"  # the run's end: the last step's agreement read
@@ -51,7 +52,7 @@ FORWARD, BACKWARD, WEIGHT, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.WEI
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
-WAIT_SENDS, LOSS, EVAL = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL
+WAIT_SENDS, LOSS, EVAL, EVAL_RESULTS = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL, Kind.EVAL_RESULTS
 FLAG, LAST_FLAG, DRAINED, SETTLE = Kind.FLAG, Kind.LAST_FLAG, Kind.DRAINED, Kind.SETTLE
 TAKE_LOSS, RESTART = Kind.TAKE_LOSS, Kind.RESTART
 UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
@@ -59,10 +60,10 @@ PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stag
 FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 where it has room, ``finish_after``)
 UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
 STEP_KINDS = (FLAG, LAST_FLAG, DRAINED, SETTLE, TAKE_LOSS, RESTART)  # a step's head and end (``program.py``)
-BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS)  # actions of a whole batch: no microbatch, no version
-SCHEDULE_KINDS = tuple(k for k in Kind if k is not EVAL and k not in STEP_KINDS)  # what ``schedule.segment`` emits
-TRAIN_KINDS = tuple(kind for kind in Kind if kind is not EVAL)  # what a training step's actions are made of
-EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS)  # what an evaluation's actions are made of
+BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS, EVAL_RESULTS)  # a whole batch's: no microbatch, version
+EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS, EVAL_RESULTS)  # what an evaluation's actions are made of
+TRAIN_KINDS = tuple(k for k in Kind if k not in (EVAL, EVAL_RESULTS))  # what a training step's actions are made of
+SCHEDULE_KINDS = tuple(k for k in TRAIN_KINDS if k not in STEP_KINDS)  # what ``schedule.segment`` emits
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)"
     r"|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?(?:,c(?P<chunk>\d+))?\))$"

@@ -46,6 +46,7 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     DRAINED,
     EVAL,
     EVAL_KINDS,
+    EVAL_RESULTS,
     FINISH_PARTS,
     FLAG,
     FORWARD,
@@ -314,8 +315,9 @@ def evaluation(stage: int, num_stages: int, num_microbatches: int, virtual_stage
     """An evaluation's (or prediction's) actions on ``stage``: each microbatch received from the stage before (past
     the first), run forward-only on the newest weights, sent on (before the last); then the sends waited for. No
     weight version: evaluation follows a drain. Interleaved 1F1B (``virtual_stages`` > 1): chunk by chunk, each
-    microbatch through the chunk's virtual stage. The executor (``StageExecutor.evaluate``) and the NCCL lowering
-    (``verify/comm_plan.py``) both run this list."""
+    microbatch through the chunk's virtual stage; last, the results sent from the last stage to every stage
+    (``EVAL_RESULTS``). The executor (``StageExecutor.evaluate``) and the NCCL lowering (``verify/comm_plan.py``)
+    both run this list."""
     actions: list[Action] = []
     last = num_stages * virtual_stages - 1
     for chunk in range(virtual_stages):
@@ -326,7 +328,7 @@ def evaluation(stage: int, num_stages: int, num_microbatches: int, virtual_stage
             actions.append(Action(EVAL, 0, microbatch, chunk=chunk))
             if virtual < last:
                 actions.append(Action(SEND_FORWARD, 0, microbatch, chunk=chunk))
-    return actions + [Action(WAIT_SENDS, 0)]
+    return actions + [Action(WAIT_SENDS, 0), Action(EVAL_RESULTS, 0)]
 
 
 def stream(layout: Layout, stage: int, num_batches: int) -> list[Action]:

@@ -321,6 +321,12 @@ class RankProgram:
         self.run(program.drain(self.schedule_layout, self.stage, last, final=final, flag=True))
         self.step_in_run = 0
 
+    def eval_results(self) -> None:
+        """EVAL_RESULTS: ``broadcast_object_list`` of the last stage's results over the pipeline (size, then data)."""
+        pipeline, _ = self.group("pipeline")
+        for part in ("size", "data"):
+            self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
+
     def evaluate(self) -> None:
         layout = self.layout
         table = {
@@ -328,13 +334,11 @@ class RankProgram:
             S.EVAL: lambda label: None,
             S.SEND_FORWARD: lambda label: (self.send_forward("eval", label), self.after_eval_send()),
             S.WAIT_SENDS: lambda label: self.wait_sends(),
+            S.EVAL_RESULTS: lambda label: self.eval_results(),
         }
         for batch in range(layout.eval_batches):
             for action in S.evaluation(self.stage, layout.num_stages, layout.num_microbatches):
                 table[action.kind](f"EVAL(b{batch},m{action.microbatch})")
-            pipeline, _ = self.group("pipeline")
-            for part in ("size", "data"):  # broadcast_object_list of the last stage's metrics
-                self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
         if layout.eval_batches:
             self.collective("all_reduce", "default_pg", self.world, "val metrics (sync_dist)")
 
