@@ -15,6 +15,8 @@ from .comm.grid import Groups, ProcessGrid, build_groups
 from .layout import Layout
 from .materialize import check_initialized, initialize_layers, materialize, release, unwritten
 from .partition import shared_parameters
+from .schedules import program
+from .schedules import schedule as S
 from .updates import gradients
 from .updates.update import TiedParameter
 
@@ -55,15 +57,22 @@ def build_stage(
         layer._apply(lambda t: t if t.is_meta else t.to(device))
     ring = layout.virtual_stages > 1  # the last stage sends on to the first
     groups = build_groups(grid, [s.stages for s in shared], split=split_groups, ring=ring)  # split None: as allowed
+    tied = _tied_on_stage(layers, shared, grid, groups)
+    holders = [s.stages for s in shared if grid.stage in s.stages]
+
+    def replicas(action: S.Action) -> None:  # every replica starts from replica 0's weights and buffers (as DDP)
+        tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
+        gradients.broadcast_flat(tensors, grid.replica_ranks()[0], groups.replica)
+
+    def tied_copies(action: S.Action) -> None:  # the first stage whose copy was initialised broadcasts it
+        item = tied[action.batch]
+        source = _initialised_copy(item, holders[action.batch], grid) if materialized else item.source
+        dist.broadcast(item.param.data, src=source, group=item.group)
+
+    table = {S.SETUP_REPLICAS: replicas, S.SETUP_TIED: tied_copies}
     with torch.no_grad():
-        if grid.data_parallel_size > 1:  # every replica starts from replica 0's weights and buffers (as DDP)
-            tensors = list(dict.fromkeys(t for layer in local for t in (*layer.parameters(), *layer.buffers())))
-            gradients.broadcast_flat(tensors, grid.replica_ranks()[0], groups.replica)
-        tied = _tied_on_stage(layers, shared, grid, groups)
-        for item, stages in zip(tied, [s.stages for s in shared if grid.stage in s.stages]):
-            # tied parameters start equal everywhere: the first stage whose copy was initialised broadcasts it
-            source = _initialised_copy(item, stages, grid) if materialized else item.source
-            dist.broadcast(item.param.data, src=source, group=item.group)
+        for action in program.setup(grid.data_parallel_size, len(tied)):  # the NCCL model lowers the same list
+            table[action.kind](action)
     if materialized:
         check_initialized(layers, mine, by_init_layer=init_layer is not None)
     params = list(dict.fromkeys(p for layer in local for p in layer.parameters()))

@@ -116,3 +116,16 @@ def test_the_simulator_times_the_synchronous_start_as_flush():
         twobw = simulate(Layout(stages, microbatches, "2bw"), costs(stages, True), cost_of)
         assert start.step_time == pytest.approx(flush.step_time, rel=1e-12)
         assert twobw.step_time < start.step_time
+
+
+def test_a_stages_setup_makes_its_replicas_and_tied_copies_equal_in_order():
+    """``build.py`` runs this list and the NCCL model lowers it: replica 0's weights first, then each tied parameter."""
+    assert program.setup(1, 0) == []
+    assert program.setup(2, 2) == [
+        S.Action(S.SETUP_REPLICAS, 0),
+        S.Action(S.SETUP_TIED, 0),
+        S.Action(S.SETUP_TIED, 1),
+    ]
+    ops = programs(CommLayout("2bw", 2, 2, 2, steps=1, tied=True))[0]
+    setup = [op.label for op in ops if "at setup" in op.label and op.kind != "wait"]
+    assert [label.split(": ")[0] for label in setup] == ["broadcast", "all_reduce", "broadcast"]

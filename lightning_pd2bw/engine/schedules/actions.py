@@ -33,6 +33,9 @@ class Kind(str, Enum):
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
     EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
     EVAL_RESULTS = "EVAL_RESULTS"  # an evaluation's results, sent from the last stage to the whole pipeline
+    # a stage's setup (``program.setup``): its replicas and its tied parameters' holders start equal
+    SETUP_REPLICAS = "SETUP_REPLICAS"  # every replica of the stage takes replica 0's weights and buffers
+    SETUP_TIED = "SETUP_TIED"  # tied parameter b: its first holder whose copy was initialised broadcasts it
     # a training step's head and end, and a drain's (``program.py``: what a rank runs around the schedule's actions)
     FLAG = "FLAG"  # the run's stop agreement: the previous step's read, this step's posted (the strategy's, if any)
     LAST_FLAG = "LAST_FLAG"  # the run's end: the last step's agreement read
@@ -54,15 +57,17 @@ SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
 WAIT_SENDS, LOSS, EVAL, EVAL_RESULTS = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL, Kind.EVAL_RESULTS
 FLAG, LAST_FLAG, DRAINED, SETTLE = Kind.FLAG, Kind.LAST_FLAG, Kind.DRAINED, Kind.SETTLE
+SETUP_REPLICAS, SETUP_TIED = Kind.SETUP_REPLICAS, Kind.SETUP_TIED
 TAKE_LOSS, RESTART = Kind.TAKE_LOSS, Kind.RESTART
 UPDATE_PARTS = (REDUCE, CHECK, HOOKS, NORM, CLIP)  # run by the update with STEP; REDUCE also makes a version
 PREPARE_PARTS = (CHECK, HOOKS, NORM)  # 2BW: beside batch b + 1, once every stage has reached REDUCE(b)
 FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 where it has room, ``finish_after``)
 UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
 STEP_KINDS = (FLAG, LAST_FLAG, DRAINED, SETTLE, TAKE_LOSS, RESTART)  # a step's head and end (``program.py``)
-BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS, EVAL_RESULTS)  # a whole batch's: no microbatch, version
+SETUP_KINDS = (SETUP_REPLICAS, SETUP_TIED)  # what a stage's setup is made of (``build.py`` runs it)
+BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS, EVAL_RESULTS, *SETUP_KINDS)  # no microbatch, no version
 EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS, EVAL_RESULTS)  # what an evaluation's actions are made of
-TRAIN_KINDS = tuple(k for k in Kind if k not in (EVAL, EVAL_RESULTS))  # what a training step's actions are made of
+TRAIN_KINDS = tuple(k for k in Kind if k not in (EVAL, EVAL_RESULTS, *SETUP_KINDS))  # what a training step's are
 SCHEDULE_KINDS = tuple(k for k in TRAIN_KINDS if k not in STEP_KINDS)  # what ``schedule.segment`` emits
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)"

@@ -9,7 +9,8 @@ A training step is the schedule's segment (``schedule.segment``) with its head a
 ``DRAINED``, ``TAKE_LOSS`` of the step's own batch and ``RESTART``; under 2BW ``TAKE_LOSS`` of the previous batch
 (its broadcast overlapped this one); in 2BW's synchronous start, the step's drain (``drain``) at once, so its loss
 is its own and the next step reads fresh weights. A drain is ``schedule.drain``'s actions then ``DRAINED``,
-``SETTLE``, ``TAKE_LOSS`` of the last batch and ``RESTART``; the run's last adds ``LAST_FLAG``.
+``SETTLE``, ``TAKE_LOSS`` of the last batch and ``RESTART``; the run's last adds ``LAST_FLAG``. A stage's setup
+(``setup``) makes its replicas and its tied parameters' copies start equal.
 
 Three readers run these lists: the engine (``PipelineEngine.train_batch`` / ``drain``, through
 ``executor.StageExecutor.run``), the NCCL model (``verify/comm_plan.py``) and the planner's simulator
@@ -75,6 +76,13 @@ def drain(layout: Layout, stage: int, last_batch: int, *, final: bool = False, f
         S.Action(S.RESTART, batch),
         *end,
     ]
+
+
+def setup(width: int, tied: int) -> list[S.Action]:
+    """A stage's setup, before its first step: with ``width`` replicas, every replica takes replica 0's weights
+    (``SETUP_REPLICAS``); each of the ``tied`` parameters the stage shares with another stage is made equal on its
+    holders (``SETUP_TIED(b)``, ``b`` its index among them)."""
+    return [S.Action(S.SETUP_REPLICAS, 0)] * (width > 1) + [S.Action(S.SETUP_TIED, index) for index in range(tied)]
 
 
 def rank_program(layout: Layout, stage: int, scenario: Scenario) -> list[S.Action]:

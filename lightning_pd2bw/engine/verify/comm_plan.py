@@ -321,6 +321,18 @@ class RankProgram:
         self.run(program.drain(self.schedule_layout, self.stage, last, final=final, flag=True))
         self.step_in_run = 0
 
+    def setup(self) -> None:
+        """The stage's setup (``program.setup``, what ``build.py`` runs): the replicas' broadcast; per tied
+        parameter, which holder's copy was initialised (built on the meta device) and its broadcast."""
+        for action in program.setup(self.layout.data_parallel_size, int(self._shared())):
+            if action.kind == S.SETUP_REPLICAS:
+                self.collective("broadcast", *self.group("replica"), "stage weights at setup")
+                continue
+            channel, members = self.group("tied")
+            if self.layout.meta_init:  # build._initialised_copy
+                self.collective("all_reduce", channel, members, "tied parameter's initialised copies at setup")
+            self.collective("broadcast", channel, members, "tied parameter at setup")
+
     def eval_results(self) -> None:
         """EVAL_RESULTS: ``broadcast_object_list`` of the last stage's results over the pipeline (size, then data)."""
         pipeline, _ = self.group("pipeline")
@@ -350,13 +362,7 @@ def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> 
         raise ValueError("the NCCL lowering runs one chunk a stage: interleaved 1F1B is not lowered (gloo only)")
     ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
-        if layout.data_parallel_size > 1:  # setup: every replica of a stage starts from replica 0's weights
-            rank.collective("broadcast", *rank.group("replica"), "stage weights at setup")
-        if rank._shared():  # setup: the first stage holding a tied parameter broadcasts it
-            channel, members = rank.group("tied")
-            if layout.meta_init:  # build._initialised_copy: which holder's copy was written
-                rank.collective("all_reduce", channel, members, "tied parameter's initialised copies at setup")
-            rank.collective("broadcast", channel, members, "tied parameter at setup")
+        rank.setup()
         for step in range(1, layout.steps + 1):
             rank.training_step()
             if step in layout.drain_after:  # validation (or a checkpoint): drain first
