@@ -213,7 +213,7 @@ class PipelineEngine(StageState):
             optimizers = [optimizers]
         self.optimizers = list(optimizers or [])
         local_optimizers(self.optimizers, self.params, self.parameter_names())  # this stage's
-        shards = OptimizerShards.over(self.optimizers, self.grid, self.groups.shard, self.options.shard_optimizer)
+        shards = OptimizerShards.over(self.optimizers, self.grid, self.groups.shard, self.run.shards[0])
         stepped = shards.owned() if shards is not None else self.params
         local_optimizers(self.optimizers, stepped, self.parameter_names())  # with shards: this replica's share
         method = self.options.applied_delay_correction

@@ -25,6 +25,13 @@ def sharded_at(width: int, enabled: bool) -> bool:
     return enabled and width > 1
 
 
+def shards(width: int, shard_optimizer: bool, gradients_to_owners: bool) -> tuple[bool, bool]:
+    """At ``width`` replicas: (the optimizer sharded, the gradients reduced to their owners): what ``Run.shards`` and
+    the planner's ``Candidate.shards`` read (``gradients_to_owners``: ``PipelineOptions.gradients_to_owners``)."""
+    optimizer = sharded_at(width, shard_optimizer)
+    return optimizer, optimizer and gradients_to_owners
+
+
 class Word(str, Enum):
     """A word of the engine's vocabularies (``Mode``, the update's ``CollectiveOp``, ``GroupName``, ...): a ``str``
     that equals, prints and formats as its value, so declarations read as data and a typo fails where it is written

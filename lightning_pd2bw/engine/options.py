@@ -325,19 +325,16 @@ def dtype_option(
     return dtype
 
 
-# ------------------------------------------------------------------ the run the options give
 def resolved_dtypes(options: PipelineOptions, precision: object) -> dict[str, torch.dtype | None]:
     """``weight_dtype`` and ``boundary_dtype`` with ``"auto"`` resolved under ``precision`` (``engine/precision.py``)."""
-    return {
-        name: Precision.of(precision).resolve(getattr(options, name)) for name in ("weight_dtype", "boundary_dtype")
-    }
+    resolve = Precision.of(precision).resolve
+    return {name: resolve(getattr(options, name)) for name in ("weight_dtype", "boundary_dtype")}
 
 
 @dataclass(frozen=True)
 class Run:
-    """A run resolved on ``world_size`` processes: the options (with the depth, the microbatches and the ``"auto"``
-    dtypes resolved), the layout and the width (``options.weight_dtype``: the weight versions' dtype over a float32 master, None: the weights' own;
-    ``options.boundary_dtype``: what floating activations cross stages in, None: each tensor's own)."""
+    """A run resolved on ``world_size`` processes: the options (depth, microbatches, ``"auto"`` dtypes resolved:
+    ``weight_dtype`` the versions' over a float32 master, ``boundary_dtype`` the activations'), layout and width."""
 
     options: PipelineOptions
     layout: rules.Layout
@@ -378,6 +375,10 @@ class Run:
     def width(self) -> int:
         """Data-parallel replicas of the pipeline: world / depth."""
         return self.world_size // self.layout.num_stages
+
+    @property
+    def shards(self) -> tuple[bool, bool]:  # (the optimizer sharded, the gradients to their owners): layout.shards
+        return rules.shards(self.width, self.options.shard_optimizer, self.options.gradients_to_owners)
 
     @property
     def num_stages(self) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.layout import Mode, sharded_at
+from ..engine.layout import Mode, shards
 from ..engine.options import PipelineOptions, recomputed_layers
 from ..engine.updates.sharding import owners_of
 from .profile import LayerProfile
@@ -127,10 +127,15 @@ class Candidate:
         return self.options.lookahead
 
     @property
+    def shards(self) -> tuple[bool, bool]:
+        """(The optimizer sharded, the gradients reduced to their owners) at this width (``layout.shards``)."""
+        return shards(self.width, self.options.shard_optimizer, self.options.gradients_to_owners)
+
+    @property
     def optimizer_share(self) -> float:
         """The part of a stage's optimizer a replica holds and steps: 1/w with ``shard_optimizer`` (ZeRO-1,
         ``engine/updates/sharding.py``; whole tensors, balanced by size, so about 1/w), else all of it."""
-        return 1 / self.width if sharded_at(self.width, self.options.shard_optimizer) else 1.0
+        return 1 / self.width if self.shards[0] else 1.0
 
     def replica_share(self, profile: ModelProfile, span: range) -> float:
         """The part of the stage holding ``span`` that its fullest replica steps: ``optimizer_share``, or with the

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..engine.layout import Mode, sharded_at
+from ..engine.layout import Mode
 from ..engine.schedules.schedule import warmup_forwards
 from ..engine.updates.delay_correction import buffers as correction_buffers
 from .candidate import NCCL_GROUP_BYTES, NCCL_PAIR_BYTES, Candidate, ModelProfile
@@ -209,8 +209,7 @@ def memory_of(
     temporaries = share * profile.temporaries if candidate.mode.double_buffered else 0.0
     held = correction_buffers(candidate.delay_correction)
     in_versions = versions * (weights if profile.version_bytes is None else params * profile.version_bytes)
-    options = candidate.options
-    sharded_gradients = options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer)
+    sharded_gradients = candidate.shards[1]
     reduce_copy = params * candidate.reduce_bytes(profile) if candidate.width > 1 else 0.0
     master = share if profile.version_bytes is not None else 0.0  # mixed: the float32 masters of the weights it steps
     return {

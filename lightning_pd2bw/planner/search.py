@@ -350,8 +350,7 @@ def gradients_text(candidate: Candidate) -> str:
     """``owner`` (each gradient reduced to its owner), ``all`` (all-reduced), ``-`` (one replica)."""
     if candidate.width == 1:
         return "-"
-    options = candidate.options
-    return "owner" if options.gradients_to_owners and sharded_at(candidate.width, options.shard_optimizer) else "all"
+    return "owner" if candidate.shards[1] else "all"
 
 
 def placement_text(candidate: Candidate) -> str:

@@ -129,3 +129,17 @@ def test_a_stages_setup_makes_its_replicas_and_tied_copies_equal_in_order():
     ops = programs(CommLayout("2bw", 2, 2, 2, steps=1, tied=True))[0]
     setup = [op.label for op in ops if "at setup" in op.label and op.kind != "wait"]
     assert [label.split(": ")[0] for label in setup] == ["broadcast", "all_reduce", "broadcast"]
+
+
+def test_the_width_rule_is_read_from_the_run_and_the_candidate():
+    """What a width shards (the optimizer; the gradients to their owners) is one rule, ``layout.shards``:
+    nothing at width 1, whatever the options say; the gradients follow the optimizer unless set."""
+    from lightning_pd2bw.engine.options import PipelineOptions
+    from lightning_pd2bw.planner import Candidate
+
+    assert PipelineOptions(num_stages=2).resolve(2).shards == (False, False)
+    assert PipelineOptions(num_stages=2).resolve(4).shards == (True, True)
+    assert PipelineOptions(num_stages=2, shard_gradients=False).resolve(4).shards == (True, False)
+    assert PipelineOptions(num_stages=2, shard_optimizer=False).resolve(4).shards == (False, False)
+    run = PipelineOptions(num_stages=2).resolve(6)
+    assert Candidate.of(run.options, run.width, run.num_stages, 1).shards == run.shards
