@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable, Sequence
+from enum import IntEnum
 
 from ..engine.comm.grid import communicator
 from ..engine.layout import Layout
@@ -26,7 +27,21 @@ from ..engine.updates.stepper import Stepper
 from ..engine.updates.update import UpdatePart, UpdateShape
 from .stage_costs import StageCosts, rank_costs
 
-COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = range(8)
+
+class Timed(IntEnum):
+    """What a timed operation does (the first element of its tuple; the rest are its arguments)."""
+
+    COMPUTE = 0  # (COMPUTE, seconds)
+    SEND = 1  # (SEND, link, message, seconds)
+    POST = 2  # (POST, message): a receive posted early, in a send's batch
+    RECV = 3  # (RECV, message): wait for it
+    ISSUE = 4  # (ISSUE, channel, number, members, seconds): a collective
+    WAIT = 5  # (WAIT, channel, number, blocked_on_the_update)
+    WAIT_SENDS = 6  # (WAIT_SENDS,): every message this stage sent delivered
+    MARK = 7  # (MARK, step): a training step ends
+
+
+COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = Timed
 
 
 _reads: Callable[[StageCosts], float] = operator.attrgetter("read_gradients")  # the gradients read once
@@ -163,8 +178,13 @@ class _Lowering:
 CollectiveCost = Callable[[int, Collective], float]  # (stage, declared collective) -> seconds of one issue
 
 
-_FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE = range(8)
-_FLAG, _DRAINED, _TAKE_LOSS = range(8, 11)
+class _Code(IntEnum):
+    """How ``_Lowering.segment`` times a lowered op (``_segment_plan``)."""
+
+    FORWARD, BACKWARD, WEIGHT, SEND, RECV, WAIT_SENDS, LOSS, UPDATE, FLAG, DRAINED, TAKE_LOSS = range(11)
+
+
+_FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE, _FLAG, _DRAINED, _TAKE_LOSS = _Code
 _STEP_END = (_FLAG, _DRAINED, _TAKE_LOSS)  # the step's head and end: no dispatch of their own
 _CODES = {S.FORWARD: _FORWARD, S.BACKWARD: _BACKWARD, S.WEIGHT: _WEIGHT, S.WAIT_SENDS: _WAIT_SENDS, S.LOSS: _LOSS}
 _CODES |= {S.FLAG: _FLAG, S.DRAINED: _DRAINED, S.TAKE_LOSS: _TAKE_LOSS}
