@@ -3,7 +3,7 @@
     python benchmarks/pipelines.py                   # 2 CPU processes x 1 thread, m = 2, 4, 8 (~8 min here)
     python benchmarks/pipelines.py --m 4 --procs 2   # one microbatch count
     python benchmarks/pipelines.py --m 4 --procs 4 --kinds flush,2bw   # depth 4; only some runs
-    python benchmarks/pipelines.py --m 4 --kinds flush,2bw --repeat 3 --readme   # medians; rewrites docs/benchmarks.md's block
+    python benchmarks/pipelines.py --m 4 --kinds flush,2bw --repeat 3 --readme   # medians; rewrites docs/benchmarks-log.md's block
     python benchmarks/pipelines.py --accelerator gpu --procs 2   # GPUs: one process per GPU, NCCL
 
 The same GPT (8 x 384, seq 128, byte vocabulary, tied embedding), the same global batch (m
@@ -19,7 +19,7 @@ activations per stage; then each invocation's ratios, the machine's own ceiling 
 side, no communication: what d busy processes get from these cores) and the targets, and writes the Gantt charts
 of 2BW and Flush (m = 4) to ``docs/``. The timeline's recording cost is measured by an untraced 2BW run.
 ``--repeat N`` makes N invocations (every run once in each, so ratios are taken side by side) and shows medians;
-``--readme`` writes the report into docs/benchmarks.md between ``<!-- pipelines.py d=N cpu -->`` and
+``--readme`` writes the report into docs/benchmarks-log.md between ``<!-- pipelines.py d=N cpu -->`` and
 ``<!-- /pipelines.py -->``.
 """
 
@@ -215,12 +215,12 @@ def report(args: argparse.Namespace, kinds: list[str], runs: list[dict]) -> str:
 
 def write_readme(text: str, command: str, procs: int, accelerator: str) -> None:
     """Replace the block between ``<!-- pipelines.py d=N ACC -->`` and ``<!-- /pipelines.py -->`` of the benchmarks
-    page (``docs/benchmarks.md``)."""
-    readme = ROOT / "docs" / "benchmarks.md"
+    page's results log (``docs/benchmarks-log.md``)."""
+    readme = ROOT / "docs" / "benchmarks-log.md"
     content = readme.read_text()
     begin, end = f"<!-- pipelines.py d={procs} {accelerator} -->", "<!-- /pipelines.py -->"
     if begin not in content:
-        raise SystemExit(f"docs/benchmarks.md has no block {begin} ... {end} to regenerate")
+        raise SystemExit(f"docs/benchmarks-log.md has no block {begin} ... {end} to regenerate")
     head, rest = content.split(begin, 1)
     _, tail = rest.split(end, 1)
     block = f"{begin}\n`{command}` ({date.today()}):\n\n```\n{text}\n```\n{end}"
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help="runs to make (single and ddp always)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--repeat", type=int, default=1, help="invocations; the tables show their medians")
-    parser.add_argument("--readme", action="store_true", help="write the report into docs/benchmarks.md's block for it")
+    parser.add_argument("--readme", action="store_true", help="write the report into docs/benchmarks-log.md's block for it")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the Gantt charts go")
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in {"single", "ddp", *args.kinds.split(",")}]

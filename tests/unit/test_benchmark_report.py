@@ -1,5 +1,5 @@
 """``benchmarks/pipelines.py``'s report on hand-made invocations: medians of ratios taken within each invocation,
-limits, the machine's ceiling, the targets, and the docs/benchmarks.md block it rewrites."""
+limits, the machine's ceiling, the targets, and the docs/benchmarks-log.md block it rewrites."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_ratios_are_medians_of_each_invocations_own_ratios(bench):
 
 def test_the_benchmarks_page_block_is_replaced_and_a_missing_one_named(bench, tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
-    readme = tmp_path / "docs" / "benchmarks.md"
+    readme = tmp_path / "docs" / "benchmarks-log.md"
     readme.write_text("before\n<!-- pipelines.py d=2 cpu -->\nold\n<!-- /pipelines.py -->\nafter\n")
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     bench.write_readme("TABLE", "python benchmarks/pipelines.py --m 4", 2, "cpu")
