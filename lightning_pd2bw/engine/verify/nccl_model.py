@@ -13,7 +13,6 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
    (ProcessGroupNCCL's unbatched send/recv); collectives use the group's communicator.
 3. *Rendezvous*: a send completes only together with the matching receive (no buffering); a collective
    completes only when every member has reached it, and all must be the same collective.
-
 4. *Threads are independent*: a rank's calls from another thread (an asynchronous checkpoint's collectives on a
    group of their own) form a program of their own, ordered only by the communicators they share.
 5. *A batch is one kernel*: the point-to-point operations of one ``batch_isend_irecv`` (one NCCL group) are
@@ -24,11 +23,9 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
 main thread issues then runs in that rank's issue order, whatever its communicator: an operation posted first
 blocks everything behind it. A transport that relies on communicators progressing independently hangs here.
 
-``simulate`` advances every rank until all programs end (free of deadlock) or nothing can move (a
-deadlock, reported with each rank's blocked operation and the heads of the communicators). Programs
-come from two places: ``record_calls`` records what a real process issues through ``torch.distributed``
-(a run over gloo issues the same calls in the same order as one over NCCL), and ``comm_plan.py`` lowers
-the schedules' action lists for any layout without starting processes.
+``simulate`` runs every rank until all programs end or nothing can move (a deadlock, reported with each rank's blocked
+operation and the communicators' heads). Programs come from ``record_calls`` (what a real process issues through
+``torch.distributed``: gloo issues the same calls as NCCL) and ``comm_plan.py`` (the ranks' programs, lowered).
 """
 
 from __future__ import annotations
@@ -44,13 +41,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-SEND, RECV, COLLECTIVE, WAIT = "send", "recv", "collective", "wait"
+from ..layout import Word
+
+
+class CallKind(Word):
+    """What a recorded or lowered call does (its text in a trace file is the value)."""
+
+    SEND, RECV, COLLECTIVE, WAIT = "send", "recv", "collective", "wait"
+
+
+SEND, RECV, COLLECTIVE, WAIT = CallKind
 
 
 class Op(NamedTuple):
     """One communication call of one rank. ``handle`` names the operation an issue creates or a wait awaits."""
 
-    kind: str
+    kind: CallKind
     handle: int
     channel: str = ""  # the process group (its description)
     peer: int = -1  # send: destination, recv: source (global ranks)
@@ -68,7 +74,7 @@ class Op(NamedTuple):
 
     @staticmethod
     def from_dict(data: dict) -> Op:
-        return Op(**{**data, "members": tuple(data.get("members", ()))})
+        return Op(**{**data, "kind": CallKind(data["kind"]), "members": tuple(data.get("members", ()))})
 
     def as_dict(self) -> dict:
         return self._asdict()
