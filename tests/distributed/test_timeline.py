@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pd2bw.engine.layout import Layout
+from lightning_pd2bw.engine.schedules import program
 from lightning_pd2bw.engine.schedules import schedule as S
 
 from .launch import torchrun_script
@@ -35,10 +36,12 @@ def test_trace_matches_the_schedule(traced, mode):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     for stage in (0, 1):
         mine = sorted((e for e in spans if e["pid"] == stage), key=lambda e: e["ts"])
-        actions = mine  # the timeline records the schedule's actions, the update's parts included, nothing else
-        expected = []
+        actions = mine  # the timeline records each step's program: the schedule's actions, the update's parts, the
+        expected = []  # stop flag at its head and how it ends (2 processes: Lightning's stop agreement runs)
         for step in range(STEPS):
-            expected += S.segment(Layout(2, MICROBATCHES, mode), stage, step if mode == "2bw" else 0)
+            expected += program.train_step(
+                Layout(2, MICROBATCHES, mode), stage, step if mode == "2bw" else 0, flag=True
+            )
         got = [(e["cat"], e["args"]["batch"], e["args"]["microbatch"], e["args"]["weight_version"]) for e in actions]
         assert got == [(a.kind, a.batch, a.microbatch, a.weight_version) for a in expected]
         for a, b in zip(actions, actions[1:]):  # one stage runs one action at a time
