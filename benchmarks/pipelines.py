@@ -234,7 +234,9 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS), help="runs to make (single and ddp always)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--repeat", type=int, default=1, help="invocations; the tables show their medians")
-    parser.add_argument("--readme", action="store_true", help="write the report into docs/benchmarks-log.md's block for it")
+    parser.add_argument(
+        "--readme", action="store_true", help="write the report into docs/benchmarks-log.md's block for it"
+    )
     parser.add_argument("--docs", type=Path, default=ROOT / "docs", help="where the Gantt charts go")
     args = parser.parse_args()
     kinds = [k for k in KINDS if k in {"single", "ddp", *args.kinds.split(",")}]
