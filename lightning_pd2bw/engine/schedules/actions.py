@@ -68,7 +68,6 @@ SETUP_KINDS = (SETUP_REPLICAS, SETUP_TIED)  # what a stage's setup is made of (`
 BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS, EVAL_RESULTS, *SETUP_KINDS)  # no microbatch, no version
 EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS, EVAL_RESULTS)  # what an evaluation's actions are made of
 TRAIN_KINDS = tuple(k for k in Kind if k not in (EVAL, EVAL_RESULTS, *SETUP_KINDS))  # what a training step's are
-SCHEDULE_KINDS = tuple(k for k in TRAIN_KINDS if k not in STEP_KINDS)  # what ``schedule.segment`` emits
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)"
     r"|(?P<kind>[A-Z_]+)\(m(?P<microbatch>\d+)(?:,v(?P<version>\d+))?(?:,c(?P<chunk>\d+))?\))$"

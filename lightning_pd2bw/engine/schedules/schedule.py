@@ -61,7 +61,6 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     RECV_FORWARD,
     REDUCE,
     RESTART,
-    SCHEDULE_KINDS,
     SEND_BACKWARD,
     SEND_FORWARD,
     SETTLE,
