@@ -146,7 +146,7 @@ def mode_choice(cfg, model, mode: str, rate: float) -> str:
             f"{plan.candidate.depth}, micro {plan.candidate.micro_batch_size} (the fastest of the other plans' layouts "
             f"at {', '.join(map(str, VIRTUAL_CHOICES))} chunks), "
             f"{plan.throughput:.1f} samples/s, {plan.peak_memory / 2**30:.1f} GiB on the fullest rank"
-            f"{'' if fits else ' (does not fit: left out)'}; strategy.mode=interleaved runs it over gloo only so far"
+            f"{'' if fits else ' (does not fit: left out)'}"
         )
     text += "\n" + choice_text(
         rates["2bw"], synchronous[fastest], start_rate(cfg, model, best.get("2bw")), names[fastest]

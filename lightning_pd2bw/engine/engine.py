@@ -118,7 +118,7 @@ class PipelineEngine(StageState):
         if self.grid.placement != options.placement:
             raise ValueError(f"the grid places ranks by {self.grid.placement!r}; the options say {options.placement!r}")
         self.device = torch.device(device) if device is not None else default_device()
-        check_interleaved(options, layout, self.device)
+        check_interleaved(options, layout)
         if self.device.type == "cuda":  # object collectives and NCCL's lazy communicators use the current device
             torch.cuda.set_device(self.device)
         self.input_fn, self.loss_fn = input_fn, loss_fn

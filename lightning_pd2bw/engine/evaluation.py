@@ -32,14 +32,20 @@ def evaluate(
         signature = ("eval", input_signature(microbatches[action.microbatch]))
         return signature if layout.virtual_stages == 1 else (*signature, boundary)  # a chunk's shapes are its own
 
+    lockstep = layout.virtual_stages > 1  # the ring's messages staged for their tick (``lockstep.py``)
+
     def receive(action: S.Action) -> None:
-        boundary = executor.virtual_stage(action.chunk) - 1
-        values[(action.chunk, action.microbatch)] = tuple(link.recv_forward(key(action, boundary)))
+        slot, boundary = (action.chunk, action.microbatch), executor.virtual_stage(action.chunk) - 1
+        if lockstep:
+            link.stage_receive(link.prev_rank, lambda tensors: values.__setitem__(slot, tensors), key(action, boundary))
+            return
+        values[slot] = tuple(link.recv_forward(key(action, boundary)))
 
     def run(action: S.Action) -> None:
         microbatch, chunk = microbatches[action.microbatch], action.chunk
         virtual = executor.virtual_stage(chunk)
-        inputs = as_tuple(executor.input_fn(microbatch)) if virtual == 0 else values.pop((chunk, action.microbatch))
+        received = values.pop((chunk, action.microbatch)) if virtual > 0 else None
+        inputs = as_tuple(executor.input_fn(microbatch)) if virtual == 0 else tuple(link.arrived(received))
         start, stop = executor.chunk_ranges[chunk]
         outputs = executor.run_layers(inputs, start, stop)
         if virtual == executor.num_virtual - 1:
@@ -49,12 +55,17 @@ def evaluate(
 
     def send(action: S.Action) -> None:
         boundary = executor.virtual_stage(action.chunk)
-        link.send_forward(executor._wire(values.pop((action.chunk, action.microbatch))), key(action, boundary))
+        outputs = executor._wire(values.pop((action.chunk, action.microbatch)))
+        if lockstep:
+            link.stage_send(link.next_rank, outputs, key(action, boundary))
+            return
+        link.send_forward(outputs, key(action, boundary))
         if link.settle_on_receive:
             link.settle(link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
 
     published: list[Any] = []
-    table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.WAIT_SENDS: executor.handlers[S.WAIT_SENDS]}
+    table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.TICK: lambda action: link.exchange()}
+    table[S.WAIT_SENDS] = executor.handlers[S.WAIT_SENDS]
     table[S.EVAL_RESULTS] = lambda action: published.append(publish(results))
     actions = S.evaluation(executor.stage, layout.num_stages, len(microbatches), layout.virtual_stages)
     for action in actions:

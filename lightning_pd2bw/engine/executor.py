@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .comm.transport import StageLink, as_tuple, carries_gradient, input_signature
+from .interleaving import lockstep_handlers
 from .layout import Layout
 from .observer import ActionRecorder, SavedTensorMeter, pack_alias, stash_nbytes, unpack_alias
 from .options import PipelineOptions, recomputed_layers
@@ -120,8 +121,11 @@ class StageExecutor:
             S.SEND_BACKWARD: self._send_backward,
             S.WEIGHT: self._weight,
             S.WAIT_SENDS: lambda action: self.link.wait_sends(),
+            S.TICK: lambda action: self.link.exchange(),  # the ring's lockstep (interleaved 1F1B: ``lockstep.py``)
             **(handlers or {}),  # the update's parts and the loss
         }
+        if len(self.chunk_ranges) > 1:  # interleaved 1F1B's ring: its messages in lockstep (``lockstep.py``)
+            self.handlers.update(lockstep_handlers(self))
 
     # ----------------------------------------------------------------- data in
     def feed(self, batch: int, microbatches: Sequence[Any]) -> None:
@@ -226,7 +230,9 @@ class StageExecutor:
         if first:
             inputs = as_tuple(self.input_fn(self._microbatches[k]))
         else:
-            inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in self._received.pop(key))
+            inputs = tuple(
+                t.requires_grad_() if carries_gradient(t) else t for t in self.link.arrived(self._received.pop(key))
+            )
         deferring = self.weight_grads.intercept(k) if self.weight_grads is not None else nullcontext()
         with self._saved_tensor_hooks():
             if self.recomputed:  # the first layers keep only their input; the rest their activations
@@ -286,7 +292,11 @@ class StageExecutor:
         else:
             # gradients come back for the floating-point outputs only, in their order (an integer mask may sit anywhere)
             carried = [o for o in as_tuple(outputs) if carries_gradient(o)]
-            pairs = [(o, g) for o, g in zip(carried, self._grads_in.pop(key), strict=True) if o.requires_grad]
+            pairs = [
+                (o, g)
+                for o, g in zip(carried, self.link.arrived(self._grads_in.pop(key)), strict=True)
+                if o.requires_grad
+            ]
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         if virtual > 0:
             self._to_send[key] = [
@@ -347,7 +357,8 @@ class StageExecutor:
             return self._keys.pop(k) if final else self._keys[k]
         return (*self._keys[k], boundary)
 
-    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fuse_receives``)
+    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fuse_receives``);
+    # several chunks (interleaved 1F1B's ring): ``interleaving.lockstep_handlers`` stage each for its tick instead
     def _recv_forward(self, action: S.Action) -> None:
         k, chunk = action.microbatch, action.chunk
         key = self._link_key(k, self.virtual_stage(chunk) - 1, self.is_last)

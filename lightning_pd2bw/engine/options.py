@@ -97,7 +97,7 @@ class PipelineOptions:
         num_stages: pipeline depth d (default: the whole world, width 1).
         num_microbatches: microbatches m per batch and replica (default: d); m >= d.
         mode: ``"2bw"`` (double-buffered, no flush), ``"flush"`` (1F1B, drained), ``"zb_h1"``, ``"interleaved"`` (1F1B
-            over ``virtual_stages`` chunks a stage, default 2; gloo only) or ``"gpipe"``.
+            over ``virtual_stages`` chunks a stage, default 2) or ``"gpipe"``.
         lookahead: forwards in flight beyond 1F1B's on every stage but the last (2bw, flush; at most m - d used):
             each one more stashed microbatch per stage, slack between neighbours (0: plain 1F1B).
         virtual_stages: chunks a stage holds under ``"interleaved"`` (None: 2; chunk v on stage v % d).

@@ -188,7 +188,8 @@ _FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE, _FLAG, 
 _STEP_END = (_FLAG, _DRAINED, _TAKE_LOSS)  # the step's head and end: no dispatch of their own
 _CODES = {S.FORWARD: _FORWARD, S.BACKWARD: _BACKWARD, S.WEIGHT: _WEIGHT, S.WAIT_SENDS: _WAIT_SENDS, S.LOSS: _LOSS}
 _CODES |= {S.FLAG: _FLAG, S.DRAINED: _DRAINED, S.TAKE_LOSS: _TAKE_LOSS}
-_UNTIMED = (S.SETTLE, S.RESTART, S.LAST_FLAG)  # the update's waits at a drain are its declared collectives' own
+_COMPUTES = (S.FORWARD, S.BACKWARD)
+_UNTIMED = (S.SETTLE, S.RESTART, S.LAST_FLAG, S.TICK)  # the update's waits at a drain are its declared collectives' own
 
 
 @functools.lru_cache(maxsize=4096)
@@ -201,6 +202,7 @@ def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape, syn
     d = layout.num_stages
     virtual = d * layout.virtual_stages  # a message is named by its sender's virtual stage (one chunk a rank: the rank)
     actions = program.train_step(layout, stage, step, synchronous=synchronous, flag=True)
+    arriving: dict[tuple[bool, int, int], tuple] = {}  # the ring's receives posted, by (gradient?, chunk, microbatch)
     for op in lower_actions(actions, U.collectives(shape), layout.num_microbatches):
         if op.kind in _UNTIMED:
             continue
@@ -214,12 +216,19 @@ def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape, syn
                 sender = S.SEND_FORWARD if op.fused.kind == S.RECV_FORWARD else S.SEND_BACKWARD
                 at = op.fused.chunk * d + stage
                 second = (POST, (at - 1 if sender == S.SEND_FORWARD else at + 1, sender, op.fused.microbatch))
-        elif kind == S.RECV_FORWARD:
-            code, first = _RECV, (RECV, (here - 1, S.SEND_FORWARD, micro))
-        elif kind == S.RECV_BACKWARD:
-            code, first = _RECV, (RECV, (here + 1, S.SEND_BACKWARD, micro))
+        elif kind in S.RECEIVES:
+            message = (
+                (here - 1, S.SEND_FORWARD, micro) if kind == S.RECV_FORWARD else (here + 1, S.SEND_BACKWARD, micro)
+            )
+            if virtual > d:  # the ring's lockstep: posted in its tick's batch, waited for by the compute reading it
+                code, first, arriving[(kind == S.RECV_BACKWARD, op.chunk, micro)] = _RECV, (POST, message), message
+            else:
+                code, first = _RECV, (RECV, message)
         else:
             code = _CODES.get(kind, _UPDATE)
+            waited = arriving.pop((kind == S.BACKWARD, op.chunk, micro), None) if kind in _COMPUTES else None
+            if waited is not None:
+                plan.append((_RECV, op, (RECV, waited), None))
         plan.append((code, op, first, second))
     return tuple(plan)
 

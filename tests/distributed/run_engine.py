@@ -49,6 +49,10 @@ class CountingLink(StageLink):
         self.sent["backward"] += 1
         return super().send_backward(grads, *fused)
 
+    def stage_send(self, peer, tensors, key=None) -> None:  # the ring's (interleaved 1F1B): activations carry a key
+        self.sent["forward" if key is not None else "backward"] += 1
+        super().stage_send(peer, tensors, key)
+
 
 def build(
     run: dict, cut: list[int] | None = None

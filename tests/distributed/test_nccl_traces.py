@@ -32,12 +32,6 @@ def recorded(folder) -> dict[int, list[Op]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_real_run_is_deadlock_free_under_nccl(trained, name):
     calls = recorded(trained[name])
-    if CASES[name].mode == "interleaved":
-        # its ring sends each message alone, in the schedule's order: fine over gloo, a deadlock under NCCL's
-        # rendezvous, which is why the engine refuses it on GPUs (engine/interleaving.py)
-        with pytest.raises(Deadlock):
-            simulate(calls)
-        return
     outcome = simulate(calls)
     assert outcome.steps > 0
     assert simulate(calls, serialized=True).steps == outcome.steps  # CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -45,7 +39,7 @@ def test_real_run_is_deadlock_free_under_nccl(trained, name):
         background = {op.channel for ops in calls.values() for op in ops if op.thread and op.kind != "wait"}
         assert len(background) == 1 and not background & {op.channel for op in calls[0] if not op.thread}
     if as_run(trained, name)[0].num_stages > 1:  # plan="auto" may choose one stage
-        pipeline = [op for op in calls[0] if op.channel.startswith("pd2bw/p2p/")]
+        pipeline = [op for op in calls[0] if op.channel.startswith(("pd2bw/p2p/", "pd2bw/ring/"))]
         assert pipeline, "the pipeline's messages recorded"
         assert any(op.batch >= 0 for op in pipeline), "sent in batches"
 
@@ -55,9 +49,13 @@ def unbatched(calls: dict[int, list[Op]]) -> dict[int, list[Op]]:
     return {r: [op._replace(batch=-1) for op in ops] for r, ops in calls.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt_flush_adamw_clip_sched", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw"])
+@pytest.mark.parametrize(
+    "name",
+    ["gpt_flush_adamw_clip_sched", "gpt_2bw_adamw_clip_sched", "gpt_2bw_d4_adamw", "gpt_interleaved_d4_sgd_momentum"],
+)
 def test_the_same_calls_unbatched_deadlock(trained, name):
-    """Batching is what makes one group per pair safe: 1F1B's steady-state exchange, unbatched, is a cycle."""
+    """Batching is what makes one group per pair safe: 1F1B's steady-state exchange, unbatched, is a cycle; so is the
+    ring's (interleaved 1F1B: the sends of a tick, each alone, wait for receives queued behind the neighbours')."""
     with pytest.raises(Deadlock, match="deadlock under NCCL semantics"):
         simulate(unbatched(recorded(trained[name])))
 
@@ -90,13 +88,7 @@ LOWERED = [
     n
     for n, c in CASES.items()
     if not (c.sparsity or c.checkpoint_every or c.plan)  # their callbacks and saves add collectives of their own
-    and c.mode != "interleaved"  # not lowered (gloo only): test_interleaved_is_not_lowered
 ]
-
-
-def test_interleaved_is_not_lowered():
-    with pytest.raises(ValueError, match="interleaved 1F1B is not lowered"):
-        programs(CommLayout(mode="interleaved", num_stages=2, num_microbatches=4, data_parallel_size=1, steps=1))
 
 
 @pytest.mark.parametrize("name", LOWERED)
@@ -117,6 +109,7 @@ def test_lowering_issues_what_the_run_issued(trained, name):
         lookahead=case.lookahead,
         shard_gradients=case.shard_gradients is not False,  # None: the default, on (no case at width > 1 is RigL)
         placement=case.placement,
+        virtual_stages=case.virtual_stages,
     )
     lowered = programs(layout)
     calls = recorded(trained[name])

@@ -118,7 +118,7 @@ class Groups:
             dist.destroy_process_group(group)
 
 
-COMMUNICATORS = ("pipeline", "loss", "replica", "shard", "tied", "p2p")
+COMMUNICATORS = ("pipeline", "loss", "replica", "shard", "tied", "p2p", "ring")
 
 
 def communicator(
@@ -133,18 +133,18 @@ def communicator(
     """The name (``group_desc``) and ranks of ``stage``'s communicator ``name`` in ``replica``: the one naming
     ``build_groups``, the NCCL lowering (``verify/comm_plan.py``) and the planner's simulator read. ``pipeline`` and
     ``loss``: the replica's stages; ``replica`` and ``shard``: the stage's replicas; ``tied``: the replica's stages
-    ``tied`` (holding one tied parameter); ``p2p``: stages ``stage`` and ``stage + 1`` of the replica."""
+    ``tied`` (holding one tied parameter); ``p2p``: stages ``stage`` and ``stage + 1`` of the replica; ``ring``: the
+    replica's stages, for interleaved 1F1B's messages (one batch per tick over the ring: ``schedules/lockstep.py``)."""
     at = Placement(placement).rank
     in_replica = tuple(at(s, replica, num_stages, width) for s in range(num_stages))
-    if name in ("pipeline", "loss"):
+    if name in ("pipeline", "loss", "ring"):
         return f"pd2bw/{name}/replica{replica}", in_replica
     if name in ("replica", "shard"):
         return f"pd2bw/{name}/stage{stage}", tuple(at(stage, r, num_stages, width) for r in range(width))
     if name == "tied":
         return f"pd2bw/shared/replica{replica}/stages{'-'.join(map(str, tied))}", tuple(in_replica[s] for s in tied)
-    if name == "p2p":  # from the last stage: the ring's link back to the first (interleaved 1F1B, depth > 2)
-        following = (stage + 1) % num_stages
-        return f"pd2bw/p2p/replica{replica}/stage{stage}-{following}", (in_replica[stage], in_replica[following])
+    if name == "p2p":
+        return f"pd2bw/p2p/replica{replica}/stage{stage}-{stage + 1}", (in_replica[stage], in_replica[stage + 1])
     raise ValueError(f"no communicator {name!r}; one of {COMMUNICATORS}")
 
 
@@ -160,8 +160,7 @@ def group_kinds(
     grid: ProcessGrid, shared_stage_sets: Sequence[tuple[int, ...]], ring: bool = False
 ) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Every group of the run as (name, ranks), by kind: the pipeline and loss groups of every replica, each link
-    between stages s and s + 1 (``ring``: and from the last stage back to the first, where that is another pair),
-    the replica and shard groups of every stage, each tied stage set's groups. The groups of one kind never share a
+    between stages s and s + 1 (``ring``: instead, the ring's group of every replica), the replica and shard groups of every stage, each tied stage set's groups. The groups of one kind never share a
     rank (what one ``split_group`` call needs); every rank lists them in the same order."""
     d, width = grid.num_stages, grid.data_parallel_size
 
@@ -170,7 +169,10 @@ def group_kinds(
 
     everyone = range(width)
     kinds = [kind("pipeline", replicas=everyone), kind("loss", replicas=everyone)]
-    kinds += [kind("p2p", stages=[stage], replicas=everyone) for stage in range(d - 1 + (ring and d > 2))]
+    if ring:  # interleaved 1F1B: one group per replica carries every message of its ring
+        kinds.append(kind("ring", replicas=everyone))
+    else:
+        kinds += [kind("p2p", stages=[stage], replicas=everyone) for stage in range(d - 1)]
     kinds += [kind("replica", stages=range(d))] + ([kind("shard", stages=range(d))] if width > 1 else [])
     kinds += [kind("tied", replicas=everyone, tied=stages) for stages in dict.fromkeys(shared_stage_sets)]
     return kinds
@@ -190,7 +192,7 @@ def build_groups(
     its dimensions (at 64 ranks 8 splits where a ``new_group`` per group would be about 100, each of which every
     rank, member or not, joins); elsewhere a ``new_group`` per group, which leaves nothing on a rank outside it.
     ``split``: which of the two (None: ``eager_nccl()``); ``ring``: the stages' links close a ring (interleaved 1F1B:
-    the last stage sends on to the first)."""
+    the last stage sends on to the first), all over the replica's ring group, both directions."""
     split = eager_nccl() if split is None else split
     mine: dict[str, object] = {}
     for groups in group_kinds(grid, shared_stage_sets, ring):
@@ -207,10 +209,11 @@ def build_groups(
     def held(name: str, stage: int = grid.stage, tied: Sequence[int] = ()) -> object:
         return mine.get(communicator(name, stage, grid.replica, d, width, tied, grid.placement)[0])
 
-    ring = ring and d > 1  # at depth 2 the ring's link back is the one pair's group
-    wrap = held("p2p", 0 if d == 2 else d - 1) if ring and grid.stage in (0, d - 1) else None
-    links = {"previous": held("p2p", grid.stage - 1) if grid.stage > 0 else wrap}
-    links["next"] = held("p2p") if grid.stage < d - 1 else wrap
+    if ring:
+        links = dict.fromkeys(("previous", "next"), held("ring"))
+    else:
+        links = {"previous": held("p2p", grid.stage - 1) if grid.stage > 0 else None}
+        links["next"] = held("p2p") if grid.stage < d - 1 else None
     shared = {stages: held("tied", tied=stages) for stages in dict.fromkeys(shared_stage_sets) if grid.stage in stages}
     return Groups(
         held("pipeline"),

@@ -34,7 +34,7 @@ header: the receiver sent the matching activations and knows their shapes.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +138,17 @@ class _Posted:
     batch: _Batch
 
 
+@dataclass
+class _Staged:
+    """A send or receive of the ring's current tick (``StageLink.exchange``)."""
+
+    peer: int
+    tensors: list[torch.Tensor]
+    key: Hashable | None
+    send: bool
+    into: Callable[[list[torch.Tensor]], None] | None = None
+
+
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -173,6 +184,9 @@ class StageLink:
         # sends waited for when a receive from their peer completes (1F1B's fused batches: the peer has posted their
         # receives by then); False: only at ``wait_sends`` (interleaved 1F1B's ring, whose peers post later)
         self.settle_on_receive = True
+        self._staged: list[_Staged] = []  # the ring's lockstep: this tick's sends and receives (``exchange``)
+        self._ticks: list[_Batch] = []  # the ring's batches not yet waited for, in issue order
+        self._arriving: dict[int, _Batch] = {}  # a tick's received tensors (by list) -> their batch
 
     # ------------------------------------------------------------------ batches
     def _group(self, peer: int) -> Any:
@@ -211,13 +225,14 @@ class StageLink:
     def held_bytes(self) -> int:
         """Bytes of the messages this link holds now: sends not known complete, receives posted and not used."""
         sent = sum(b.sent_bytes for batches in self._unsettled.values() for b in batches)
+        sent += sum(_nbytes(b.buffers) for b in self._ticks)  # the ring's: a tick's sends and receives
         posted = sum(_nbytes(p.tensors) for queue in self._posted.values() for p in queue)
         return sent + posted
 
     @property
     def posted_receives(self) -> int:
-        """Receives issued with a send and not used yet (none between segments)."""
-        return len(self._posted["forward"]) + len(self._posted["backward"])
+        """Receives issued with a send and not used yet, or a tick's not used yet (none between segments)."""
+        return len(self._posted["forward"]) + len(self._posted["backward"]) + len(self._staged) + len(self._arriving)
 
     def _receive(self, peer: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self._issue(peer, [], tensors).wait()
@@ -234,20 +249,24 @@ class StageLink:
 
     # ------------------------------------------------------------------ activations
     def _activation_sends(self, tensors: Sequence[torch.Tensor], key: Hashable) -> list[torch.Tensor]:
+        header = self._header(tensors, key)
+        return header + [t.detach() for t in tensors]
+
+    def _header(self, tensors: Sequence[torch.Tensor], key: Hashable) -> list[torch.Tensor]:
+        """The header to send before ``tensors`` (their shapes, the first time ``key`` is sent), else none."""
         spec = spec_of(tensors)
         known = self._sent_specs.get(key)
-        header = []
         if known is None:
-            header = [encode_header(tensors, self.device)]
             self._sent_specs[key] = spec
             self.headers_sent += 1
-        elif known != spec:
+            return [encode_header(tensors, self.device)]
+        if known != spec:
             raise RuntimeError(
                 f"the activations sent to rank {self.next_rank} changed shape for the same input shapes "
                 f"({known} -> {spec}): pd2bw exchanges a boundary's shapes once per input shape, so a stage's "
                 "outputs must be determined by the shapes of the batch (pad variable-length data to fixed shapes)"
             )
-        return header + [t.detach() for t in tensors]
+        return []
 
     def send_forward(
         self,
@@ -306,6 +325,64 @@ class StageLink:
     def wait_sends(self) -> None:
         for peer in list(self._unsettled):
             self.settle(peer)
+        while self._ticks:
+            self._ticks.pop(0).wait()
+
+    # ------------------------------------------------------------------ the ring's lockstep (``schedules/lockstep.py``)
+    def stage_send(self, peer: int, tensors: Sequence[torch.Tensor], key: Hashable | None = None) -> None:
+        """A send of this tick's batch (``exchange``); ``key``: activations, their shapes sent once per key."""
+        self._staged.append(_Staged(peer, [t.detach().contiguous() for t in tensors], key, send=True))
+
+    def stage_receive(
+        self, peer: int, into: Callable, key: Hashable | None = None, like: Sequence = (), dtype: Any = None
+    ) -> None:
+        """A receive of this tick's batch, handed to ``into`` once issued (``arrived`` waits for it): activations of
+        shape key ``key``, or gradients for the activations ``like`` (in ``dtype`` when they were sent in it)."""
+        buffers = [torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for t in like]
+        self._staged.append(_Staged(peer, buffers, key, send=False, into=into))
+
+    def exchange(self) -> None:
+        """``TICK``: this tick's sends and receives in one ``batch_isend_irecv`` on the ring's group (the headers of
+        new shape keys in one before it, waited for), the receives handed on. Every rank's batch of a tick meets
+        its neighbours' batches of the same tick only."""
+        staged, self._staged = self._staged, []
+        headers = [(item, header) for item in staged if item.key is not None for header in self._item_header(item)]
+        if headers:
+            self._batch([(item.peer, header, item.send) for item, header in headers]).wait()
+            for item, header in (pair for pair in headers if not pair[0].send):
+                self._received_specs[item.key] = decode_header(header)
+                self.headers_received += 1
+                self._item_header(item)  # its buffers, from the shapes just received
+        self._ticks.append(self._batch([(item.peer, t, item.send) for item in staged for t in item.tensors]))
+        self._account()
+        for item in (item for item in staged if not item.send):
+            self._arriving[id(item.tensors)] = self._ticks[-1]
+            item.into(item.tensors)
+
+    def arrived(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` a tick received (``stage_receive``), complete: its batch waited for, and every earlier one (a
+        communicator runs its batches in order, so they are done by then on NCCL). Anything else as it is."""
+        batch = self._arriving.pop(id(tensors), None)
+        while batch is not None and batch.works:
+            self._ticks.pop(0).wait()
+        return tensors
+
+    def _item_header(self, item: _Staged) -> list[torch.Tensor]:
+        """The header ``item`` sends or receives first, if any; a receive of known shapes gets its buffers."""
+        if item.send:
+            return self._header(item.tensors, item.key)
+        spec = self._received_specs.get(item.key)
+        if spec is None:
+            return [torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)]
+        item.tensors = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
+        return []
+
+    def _batch(self, ops: Sequence[tuple[int, torch.Tensor, bool]]) -> _Batch:
+        """One ``batch_isend_irecv`` of (peer, tensor, is a send), sends first."""
+        group = self.channels.next if self.channels.next is not None else self.channels.previous
+        ordered = sorted(ops, key=lambda op: not op[2])
+        p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, peer, group) for peer, t, send in ordered]
+        return _Batch(list(dist.batch_isend_irecv(p2p)) if p2p else [], [t for _, t, _ in ops])
 
 
 def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:

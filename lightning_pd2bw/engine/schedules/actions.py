@@ -29,6 +29,7 @@ class Kind(str, Enum):
     CLIP = "CLIP"  # clipping
     STEP = "STEP"  # the optimizers' step, the delay correction; the sharded optimizer's broadcasts launched
     PUBLISH = "PUBLISH"  # the new weights in place on every replica: the sharded optimizer's broadcasts waited for
+    TICK = "TICK"  # the ring's lockstep (``lockstep.py``): the messages since the last TICK go in one batch, waited
     WAIT_SENDS = "WAIT_SENDS"  # a drain (and every flush batch) waits for its outstanding sends
     LOSS = "LOSS"  # the end of a training step: the batch's mean loss, broadcast from the last stage (asynchronous)
     EVAL = "EVAL"  # evaluation or prediction: one microbatch forward-only, on the newest weights (``evaluation``)
@@ -55,7 +56,7 @@ FORWARD, BACKWARD, WEIGHT, STEP, PUBLISH = Kind.FORWARD, Kind.BACKWARD, Kind.WEI
 SEND_FORWARD, RECV_FORWARD = Kind.SEND_FORWARD, Kind.RECV_FORWARD
 SEND_BACKWARD, RECV_BACKWARD = Kind.SEND_BACKWARD, Kind.RECV_BACKWARD
 REDUCE, CHECK, HOOKS, NORM, CLIP = Kind.REDUCE, Kind.CHECK, Kind.HOOKS, Kind.NORM, Kind.CLIP
-WAIT_SENDS, LOSS, EVAL, EVAL_RESULTS = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL, Kind.EVAL_RESULTS
+WAIT_SENDS, LOSS, EVAL, EVAL_RESULTS, TICK = Kind.WAIT_SENDS, Kind.LOSS, Kind.EVAL, Kind.EVAL_RESULTS, Kind.TICK
 FLAG, LAST_FLAG, DRAINED, SETTLE = Kind.FLAG, Kind.LAST_FLAG, Kind.DRAINED, Kind.SETTLE
 SETUP_REPLICAS, SETUP_TIED = Kind.SETUP_REPLICAS, Kind.SETUP_TIED
 TAKE_LOSS, RESTART = Kind.TAKE_LOSS, Kind.RESTART
@@ -65,8 +66,23 @@ FINISH_PARTS = (CLIP, STEP)  # the update's completion (2BW: beside batch b + 1 
 UPDATE_KINDS = (*UPDATE_PARTS, STEP, PUBLISH)  # every action of the update (``update.UpdateRule.handlers``)
 STEP_KINDS = (FLAG, LAST_FLAG, DRAINED, SETTLE, TAKE_LOSS, RESTART)  # a step's head and end (``program.py``)
 SETUP_KINDS = (SETUP_REPLICAS, SETUP_TIED)  # what a stage's setup is made of (``build.py`` runs it)
-BATCH_KINDS = (*UPDATE_KINDS, WAIT_SENDS, LOSS, *STEP_KINDS, EVAL_RESULTS, *SETUP_KINDS)  # no microbatch, no version
-EVAL_KINDS = (RECV_FORWARD, EVAL, SEND_FORWARD, WAIT_SENDS, EVAL_RESULTS)  # what an evaluation's actions are made of
+BATCH_KINDS = (
+    *UPDATE_KINDS,
+    TICK,
+    WAIT_SENDS,
+    LOSS,
+    *STEP_KINDS,
+    EVAL_RESULTS,
+    *SETUP_KINDS,
+)  # no microbatch, no version
+EVAL_KINDS = (
+    RECV_FORWARD,
+    EVAL,
+    SEND_FORWARD,
+    TICK,
+    WAIT_SENDS,
+    EVAL_RESULTS,
+)  # what an evaluation's actions are made of
 TRAIN_KINDS = tuple(k for k in Kind if k not in (EVAL, EVAL_RESULTS, *SETUP_KINDS))  # what a training step's are
 _TEXT = re.compile(
     r"^(?:(?P<batch_kind>[A-Z_]+)\(b(?P<batch>\d+)\)"

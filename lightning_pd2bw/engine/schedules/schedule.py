@@ -37,6 +37,9 @@ concatenation for a whole run, used by tests and the schedule picture.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 from ..layout import MODES, Layout, Mode
 from .actions import (  # noqa: F401  (the instruction set, re-exported: ``schedule.Action``, ``schedule.FORWARD``)
     BACKWARD,
@@ -70,6 +73,7 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     STEP,
     STEP_KINDS,
     TAKE_LOSS,
+    TICK,
     TRAIN_KINDS,
     UPDATE_KINDS,
     UPDATE_PARTS,
@@ -81,6 +85,7 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     fused_receive,
     listing,
 )
+from .lockstep import lockstep, unit_of
 from .placement import (  # noqa: F401  (where the update goes, re-exported)
     _insert_steps,
     finish,
@@ -200,16 +205,25 @@ def interleaved_order(rank: int, layout: Layout, batch: int) -> list[tuple[str, 
 
 
 def _interleaved(layout: Layout, rank: int, batch: int) -> list[Action]:
-    """Interleaved 1F1B's actions of batch ``batch`` on ``rank``: each chunk's compute with the messages of its
-    virtual stage (``chunk x d + rank`` of ``d x V``: the first receives nothing, the last sends nothing on)."""
+    """Interleaved 1F1B's actions of batch ``batch`` on ``rank``: each chunk's compute (virtual stage ``chunk x d +
+    rank`` of ``d x V``: the first receives nothing, the last sends nothing on), its messages in the ring's lockstep
+    (``lockstep.py``)."""
+    return list(_interleaved_ranks(layout, batch)[rank])
+
+
+@functools.lru_cache(maxsize=32)
+def _interleaved_ranks(layout: Layout, batch: int) -> tuple[tuple[Action, ...], ...]:
     d, m = layout.num_stages, layout.num_microbatches
     virtual = d * layout.virtual_stages
-    actions: list[Action] = []
-    for kind, k, chunk in interleaved_order(rank, layout, batch):
-        expand = _forward if kind == FORWARD else _backward
-        for action in expand(chunk * d + rank, virtual, k, m, layout.mode):
-            actions.append(Action(action.kind, action.batch, action.microbatch, action.weight_version, chunk))
-    return actions
+    units = []
+    for rank in range(d):
+        rank_units = []
+        for kind, k, chunk in interleaved_order(rank, layout, batch):
+            expand = _forward if kind == FORWARD else _backward
+            expanded = [replace(a, chunk=chunk) for a in expand(chunk * d + rank, virtual, k, m, layout.mode)]
+            rank_units.append(unit_of(expanded))
+        units.append(rank_units)
+    return tuple(tuple(actions) for actions in lockstep(units, layout.virtual_stages, batch))
 
 
 def _twobw_order(
@@ -317,19 +331,23 @@ def evaluation(stage: int, num_stages: int, num_microbatches: int, virtual_stage
     """An evaluation's (or prediction's) actions on ``stage``: each microbatch received from the stage before (past
     the first), run forward-only on the newest weights, sent on (before the last); then the sends waited for. No
     weight version: evaluation follows a drain. Interleaved 1F1B (``virtual_stages`` > 1): chunk by chunk, each
-    microbatch through the chunk's virtual stage; last, the results sent from the last stage to every stage
+    microbatch through the chunk's virtual stage, the ring's messages in lockstep (``lockstep.py``); last, the results sent from the last stage to every stage
     (``EVAL_RESULTS``). The executor (``StageExecutor.evaluate``) and the NCCL lowering (``verify/comm_plan.py``)
     both run this list."""
-    actions: list[Action] = []
     last = num_stages * virtual_stages - 1
-    for chunk in range(virtual_stages):
-        virtual = chunk * num_stages + stage
-        for microbatch in range(num_microbatches):
-            if virtual > 0:
-                actions.append(Action(RECV_FORWARD, 0, microbatch, chunk=chunk))
-            actions.append(Action(EVAL, 0, microbatch, chunk=chunk))
-            if virtual < last:
-                actions.append(Action(SEND_FORWARD, 0, microbatch, chunk=chunk))
+    units: list[list] = []
+    for rank in range(num_stages) if virtual_stages > 1 else [stage]:
+        units.append([])
+        for chunk in range(virtual_stages):
+            virtual = chunk * num_stages + rank
+            for microbatch in range(num_microbatches):
+                receive = [Action(RECV_FORWARD, 0, microbatch, chunk=chunk)] if virtual > 0 else []
+                send = [Action(SEND_FORWARD, 0, microbatch, chunk=chunk)] if virtual < last else []
+                units[-1].append((receive, Action(EVAL, 0, microbatch, chunk=chunk), send))
+    if virtual_stages > 1:  # the ring's messages in lockstep (``lockstep.py``)
+        actions = lockstep(units, virtual_stages, 0)[stage]
+    else:
+        actions = [action for receive, compute, send in units[0] for action in (*receive, compute, *send)]
     return actions + [Action(WAIT_SENDS, 0), Action(EVAL_RESULTS, 0)]
 
 

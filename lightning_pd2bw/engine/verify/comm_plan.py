@@ -31,6 +31,7 @@ from ..updates import update_build as U
 from ..updates.collectives import Collective
 from ..updates.update import UpdateShape
 from .nccl_model import COLLECTIVE, RECV, SEND, WAIT, Op, Programs
+from .ring_plan import RingLowering
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class CommLayout:
     shard_gradients: bool = False  # each bucket's owners' parts reduced to them; norm and flag summed over replicas
     meta_init: bool = True  # built on the meta device: the tied weight's holders agree whose copy was initialised
     placement: Placement = Placement.PIPELINE  # which ranks are neighbours (layout.Placement)
+    virtual_stages: int | None = None  # interleaved 1F1B's chunks a stage (None: the mode's default)
 
 
 class RankProgram:
@@ -73,7 +75,14 @@ class RankProgram:
         self.fused: dict[str, list[tuple[list[int], list[int]]]] = {"forward": [], "backward": []}
         self.headers: set[tuple[str, str]] = set()  # (direction, phase) whose shapes were exchanged
         self.losses: dict[int, int] = {}
-        self.schedule_layout = Layout(d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead)
+        self.schedule_layout = Layout(
+            d, layout.num_microbatches, layout.mode, lookahead=layout.lookahead, virtual_stages=layout.virtual_stages
+        )
+        self.ring = None  # interleaved 1F1B: its messages over the ring, one batch a tick (``ring_plan.py``)
+        if self.schedule_layout.virtual_stages > 1:
+            channel = self.group("ring")[0]
+            following, previous = self.pipeline[(stage + 1) % d], self.pipeline[(stage - 1) % d]
+            self.ring = RingLowering(self, channel, previous, following, layout.boundary_tensors)
         self.parts = U.collectives(self.update_shape())  # the update's parts and the collectives each declares
         self.inflight: dict[tuple[int, Collective], list[int]] = {}  # (batch, declared) -> handles to wait for
         self.waited: set[int] = set()
@@ -179,6 +188,8 @@ class RankProgram:
     def wait_sends(self) -> None:
         for peer in list(self.unsettled):
             self.settle(peer, label="wait_sends")
+        if self.ring is not None:
+            self.ring.wait_sends()
 
     # -------------------------------------------------------------- the update (update_build.py)
     def _shared(self) -> bool:
@@ -250,7 +261,9 @@ class RankProgram:
             S.TAKE_LOSS: lambda op: self.take_loss(op.batch),
             S.RESTART: lambda op: None,
         }
-        return {**transport, **update, S.LOSS: self._loss, **step}
+        computes = {S.FORWARD: transport[S.FORWARD], S.BACKWARD: self._backward}
+        ring = self.ring.handlers("train", computes) if self.ring is not None else {S.TICK: lambda op: None}
+        return {**transport, **ring, **update, S.LOSS: self._loss, **step}
 
     def run(self, actions: list[S.Action]) -> None:
         self.before_segment(actions)
@@ -340,17 +353,20 @@ class RankProgram:
             self.collective("broadcast", pipeline, self.pipeline, f"eval results {part}")
 
     def evaluate(self) -> None:
-        layout = self.layout
+        layout, chunks = self.layout, self.schedule_layout.virtual_stages
+        label = ""  # the evaluation's batch and microbatch, as the traces name them
         table = {
-            S.RECV_FORWARD: lambda label: self.recv_forward("eval", label),
-            S.EVAL: lambda label: None,
-            S.SEND_FORWARD: lambda label: (self.send_forward("eval", label), self.after_eval_send()),
-            S.WAIT_SENDS: lambda label: self.wait_sends(),
-            S.EVAL_RESULTS: lambda label: self.eval_results(),
+            S.RECV_FORWARD: lambda action: self.recv_forward("eval", label),
+            S.EVAL: lambda action: None,
+            S.SEND_FORWARD: lambda action: (self.send_forward("eval", label), self.after_eval_send()),
+            S.WAIT_SENDS: lambda action: self.wait_sends(),
+            S.EVAL_RESULTS: lambda action: self.eval_results(),
+            **(self.ring.handlers("eval", {S.EVAL: lambda action: None}) if self.ring is not None else {}),
         }
         for batch in range(layout.eval_batches):
-            for action in S.evaluation(self.stage, layout.num_stages, layout.num_microbatches):
-                table[action.kind](f"EVAL(b{batch},m{action.microbatch})")
+            for action in S.evaluation(self.stage, layout.num_stages, layout.num_microbatches, chunks):
+                label = f"EVAL(b{batch},m{action.microbatch})"
+                table[action.kind](action)
         if layout.eval_batches:
             self.collective("all_reduce", "default_pg", self.world, "val metrics (sync_dist)")
 
@@ -358,8 +374,6 @@ class RankProgram:
 def programs(layout: CommLayout, rank_type: type[RankProgram] = RankProgram) -> Programs:
     """Every rank's communication program for ``layout.steps`` training steps, drains and evaluations."""
     check_schedule(layout.mode, layout.num_stages, layout.num_microbatches, lookahead=layout.lookahead)
-    if layout.mode == "interleaved":  # refused on NCCL by the engine (engine/interleaving.py)
-        raise ValueError("the NCCL lowering runs one chunk a stage: interleaved 1F1B is not lowered (gloo only)")
     ranks = [rank_type(layout, r, s) for r in range(layout.data_parallel_size) for s in range(layout.num_stages)]
     for rank in ranks:
         rank.setup()

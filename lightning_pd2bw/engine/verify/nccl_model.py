@@ -9,8 +9,8 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
    the rank's program until that operation has completed.
 2. *One communicator, one stream, issue order*: the operations a rank issues on one communicator run in
    the order issued; an operation starts only when every earlier one on that communicator has completed.
-   Point-to-point operations of a group use one communicator per pair of ranks, for both directions
-   (ProcessGroupNCCL's unbatched send/recv); collectives use the group's communicator.
+   Point-to-point operations of a group issued alone use one communicator per pair of ranks, for both directions
+   (ProcessGroupNCCL's unbatched send/recv); batched ones and collectives use the group's communicator.
 3. *Rendezvous*: a send completes only together with the matching receive (no buffering); a collective
    completes only when every member has reached it, and all must be the same collective.
 4. *Threads are independent*: a rank's calls from another thread (an asynchronous checkpoint's collectives on a
@@ -92,8 +92,9 @@ class MismatchedCollective(RuntimeError):
 
 
 def communicator(op: Op, rank: int) -> str:
-    """Which NCCL communicator (and stream) an operation runs on."""
-    if op.kind in (SEND, RECV):
+    """Which NCCL communicator (and stream) an operation runs on: a point-to-point one alone, its pair's; in a batch,
+    its group's (ProcessGroupNCCL picks a batch's as a collective's: the batch may reach other ranks than the pair)."""
+    if op.kind in (SEND, RECV) and op.batch < 0:
         return _pair_communicator(op.channel, min(rank, op.peer), max(rank, op.peer))
     return op.channel
 
@@ -193,7 +194,7 @@ def simulate(programs: Programs, serialized: bool = False) -> Outcome:
                         pop_if_done(member_key)
                 continue
             for peer in {op.peer for op in head}:
-                peer_key = (queue_name, peer)  # the pair's communicator (or the peer's device queue)
+                peer_key = (queue_name, peer)  # the pair's or the group's communicator (or the peer's device queue)
                 if not queues.get(peer_key):
                     continue
                 other = queues[peer_key][0]
