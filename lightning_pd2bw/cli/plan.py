@@ -31,12 +31,12 @@ def _select_cluster(argv: list[str]) -> list[str]:
     return out
 
 
-def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False):
+def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False, top: int | None = None):
     """(those that fit, fastest first; those that do not) for the run's own options (its mode, lookahead and
     delay correction's buffers: ``Candidate.of``) on the configured cluster; ``mode``: that mode at its best plan
     (Flush without a lookahead; the gradients and the placement as the planner weighs them, ``search.gradient_choices``
     and ``placement_choices``, whatever the run set: a recipe's are chosen for its own mode); ``fastest_only``: the
-    fastest plan is all that is read (``search``). One search per options and model."""
+    fastest plan is all that is read, ``top``: the ``top`` fastest (``search``). One search per options and model."""
     from ..engine.options import resolved_dtypes
     from ..planner.search import search
     from .checks import check_options
@@ -47,7 +47,7 @@ def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False
         lookahead = options.lookahead if mode == options.mode or mode == "2bw" else 0
         options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None, placement=None)
     searched = model.__dict__.setdefault("_pd2bw_searches", {})  # this model's and cfg's, by options
-    whole, fastest = (repr(options), False), (repr(options), True)
+    whole, fastest = (repr(options), False, top), (repr(options), True, None)
     key = whole if whole in searched or not fastest_only else fastest
     if key not in searched:
         profiles = searched.setdefault("profiles", {})  # one profile per micro size
@@ -59,7 +59,13 @@ def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False
 
         predicted = searched.setdefault("predicted", {})  # one simulation per candidate and cut
         searched[key] = search(
-            profile_for, cluster_of(cfg), cfg.global_batch_size, options, fastest_only=key[1], predicted=predicted
+            profile_for,
+            cluster_of(cfg),
+            cfg.global_batch_size,
+            options,
+            fastest_only=key[1],
+            predicted=predicted,
+            top=key[2],
         )
     return searched[key]
 
@@ -70,7 +76,7 @@ def plan(cfg, limit: int = 10) -> str:
     cluster, options = cluster_of(cfg), cfg.strategy
     model = build_model_on_meta(cfg)
     total = sum(p.numel() for p in model.parameters())
-    fits, too_big = search_plans(cfg, model)
+    fits, too_big = search_plans(cfg, model, top=limit)
     best = fits[0]
     chosen = best.candidate
     lines = [

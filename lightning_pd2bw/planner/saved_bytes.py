@@ -116,8 +116,13 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _signature(layer: nn.Module, inputs: tuple) -> tuple:
-    params = tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters())
+def _signature(layer: nn.Module, inputs: tuple, weight_dtype: torch.dtype | None = None) -> tuple:
+    """What a layer's counts follow from: its type, its parameters' shapes and dtypes (floating ones in
+    ``weight_dtype``, as ``_meta_copy`` makes them), its inputs' shapes and dtypes."""
+    params = tuple(
+        (name, tuple(p.shape), weight_dtype if weight_dtype is not None and p.is_floating_point() else p.dtype)
+        for name, p in layer.named_parameters()
+    )
     shapes = tuple((tuple(t.shape), t.dtype) for t in inputs if isinstance(t, torch.Tensor))
     return type(layer).__name__, params, shapes
 
@@ -150,16 +155,21 @@ def count_layers(
     reference for tests; the layers must then be materialised)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()
     cache: dict[tuple, LayerBytes] = {}
+    outputs: dict[tuple, Any] = {}  # fake: a counted layer's output, the next layer's input where the same layer recurs
     counted: list[LayerBytes] = []
     with mode:
         inputs = tuple(_as_fake(t) if fake else t for t in as_tuple(first_input))
     for index, original in enumerate(layers):
         is_last = index == len(layers) - 1
+        key = (*_signature(original, inputs, weight_dtype), is_last)
+        if fake and key in outputs:  # a repeated block: its counts and its output's shapes are the first one's
+            counted.append(cache[key])
+            inputs = outputs[key]
+            continue
         layer = _meta_copy(original, weight_dtype) if fake else original
         with mode:
             if fake:
                 layer = layer.to_empty(device="cpu")
-            key = (*_signature(layer, inputs), is_last)
             autocast = CudaAutocastPolicy(autocast_dtype) if autocast_dtype else nullcontext()
             leaves = _leaves(inputs)
             if key in cache:
@@ -178,6 +188,7 @@ def count_layers(
                 )
             counted.append(cache[key])
             inputs = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in as_tuple(output))
+            outputs[key] = inputs
     return counted
 
 

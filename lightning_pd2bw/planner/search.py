@@ -192,6 +192,7 @@ def search(
     headroom: float = MEMORY_HEADROOM,
     fastest_only: bool = False,
     predicted: dict[tuple, Prediction] | None = None,
+    top: int | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
     """All candidates on ``cluster``'s devices that run ``options`` (default: ``PipelineOptions()``, the strategy's
     defaults): (those that fit, fastest first; those that do not, smallest first: the first ``TIMED_TOO_BIG`` timed,
@@ -199,7 +200,8 @@ def search(
 
     ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size). ``fastest_only``:
     the fastest plan alone is needed (a synchronous schedule's candidates are then simulated from the lowest bound up,
-    ``_fastest``). ``predicted``: the timed predictions of earlier searches of the same model, cluster and global
+    ``_fastest``); ``top``: the ``top`` fastest are all that is read timed (a table's rows): the others that fit follow
+    them untimed (their times NaN), in the order of their bound. ``predicted``: the timed predictions of earlier searches of the same model, cluster and global
     batch, by candidate and cut (filled here). Raises ``NoPlanFits`` when nothing fits, saying what would.
     """
     predicted = {} if predicted is None else predicted
@@ -245,11 +247,17 @@ def search(
             fitting.append((fewest, stages))
         # for the table and the refusal: the time-balanced cut and how much it needs
         too_big.append(predict(profile, candidate, cluster, global_batch, stages, timed=False))
-    if fastest_only and fitting and not fitting[0][0].mode.double_buffered:
-        fits = _fastest(fitting, profile_at, global_batch, timed)
+    if (fastest_only or top) and fitting:
+        fits = _fastest(fitting, profile_at, global_batch, timed, 1 if fastest_only else top)
+        if not fastest_only:  # the rest fit too: untimed, after the fastest
+            chosen = {id(p.candidate) for p in fits}
+            rest = [(c, stages) for c, stages in fitting if id(c) not in chosen]
+            fits += [
+                predict(profile_at(c.micro_batch_size), c, cluster, global_batch, st, timed=False) for c, st in rest
+            ]
     else:
         fits = [timed(candidate, stages) for candidate, stages in fitting]
-    fits.sort(key=lambda p: -p.throughput)
+        fits.sort(key=lambda p: -p.throughput)
     too_big.sort(key=lambda p: p.peak_memory)
     for i, p in enumerate(too_big[:TIMED_TOO_BIG]):  # the closest, shown beside the plans: timed too
         too_big[i] = timed(p.candidate, p.stages)
@@ -263,24 +271,26 @@ def _fastest(
     profile_at: Callable[[int], ModelProfile],
     global_batch: int,
     timed: Callable[[Candidate, Sequence[range]], Prediction],
+    keep: int = 1,
 ) -> list[Prediction]:
-    """The fastest of ``fitting`` under a synchronous schedule, simulated from the lowest bound up: a drained step
-    lasts at least its busiest stage's compute, ``m`` forwards and backwards (the simulator's clock starts every stage
-    at 0), so a candidate whose bound is no faster than the fastest simulated one cannot beat it."""
+    """The fastest of ``fitting``, simulated from the lowest bound up: a step lasts at least its busiest stage's
+    compute, ``m`` forwards and backwards (a drained step: the simulator's clock starts every stage at 0; 2BW's: its
+    steady state repeats every stage's step, measured after the two that fill the pipeline;
+    ``tests/unit/test_search.py`` checks the bound and that the fastest is the exhaustive search's), so a candidate
+    whose bound is no faster than the ``keep``-th fastest simulated one cannot displace it. The ``keep`` fastest,
+    fastest first."""
 
     def bound(item: tuple[Candidate, list[range]]) -> float:
         candidate, stages = item
         profile, m = profile_at(candidate.micro_batch_size), candidate.num_microbatches(global_batch)
         return max(m * sum(compute_time(profile, candidate, s, span)) for s, span in enumerate(stages))
 
-    best: Prediction | None = None
+    best: list[Prediction] = []
     for seconds, (candidate, stages) in sorted(((bound(item), item) for item in fitting), key=lambda pair: pair[0]):
-        if best is not None and seconds >= best.batch_time:
+        if len(best) == keep and seconds >= best[-1].batch_time:
             break
-        found = timed(candidate, stages)
-        if best is None or found.throughput > best.throughput:
-            best = found
-    return [best] if best is not None else []
+        best = sorted([*best, timed(candidate, stages)], key=lambda p: -p.throughput)[:keep]
+    return best
 
 
 def _shown(found: list[Candidate], mode: str) -> Any:

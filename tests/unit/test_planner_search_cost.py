@@ -1,5 +1,5 @@
-"""What a search simulates (issue 97, item 6: ``pd2bw-plan`` at 13B in seconds): a synchronous schedule's fastest plan
-found from the lowest bound up equals the full search's; the layouts that do not fit are timed only where shown;
+"""What a search simulates (issue 97, item 6: ``pd2bw-plan`` at 13B in seconds): the fastest plan (any schedule's) and a
+table's rows found from the lowest bound up equal the full search's; the layouts that do not fit are timed only where shown;
 a second search of the same model re-simulates nothing. The figures are the full search's (``--check`` of the
 generated plan pages holds them to the digit)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.planner import ClusterSpec, search
-from lightning_pd2bw.planner.cost import ModelProfile
+from lightning_pd2bw.planner.cost import ModelProfile, compute_time
 from lightning_pd2bw.planner.hardware import device_spec
 from lightning_pd2bw.planner.profile import analytic_profile
 from lightning_pd2bw.planner.search import TIMED_TOO_BIG
@@ -35,8 +35,8 @@ def counted(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("mode", ["flush", "zb_h1"])
-def test_the_fastest_synchronous_plan_is_the_full_searchs(monkeypatch, mode):
+@pytest.mark.parametrize("mode", ["flush", "zb_h1", "2bw"])
+def test_the_fastest_plan_is_the_full_searchs(monkeypatch, mode):
     calls = counted(monkeypatch)
     options = PipelineOptions(mode=mode)
     fits, _ = search(profile, CLUSTER, 512, options)
@@ -45,6 +45,27 @@ def test_the_fastest_synchronous_plan_is_the_full_searchs(monkeypatch, mode):
     assert len(fastest) == 1 and fastest[0].throughput == fits[0].throughput
     assert fastest[0].candidate.depth == fits[0].candidate.depth
     assert len(calls) - everything < everything / 2, "the bound leaves most candidates unsimulated"
+
+
+@pytest.mark.parametrize("mode", ["flush", "2bw"])
+def test_a_tables_rows_are_the_full_searchs_and_every_step_is_above_its_bound(monkeypatch, mode):
+    """``top=k`` (``pd2bw-plan``'s table): the k fastest timed, the same as the full search's, the others that fit
+    listed untimed; the bound the search skips by holds for every simulated step (2BW's steady state included)."""
+    calls = counted(monkeypatch)
+    options = PipelineOptions(mode=mode)
+    fits, _ = search(profile, CLUSTER, 512, options)
+    everything = len(calls)
+    table, _ = search(profile, CLUSTER, 512, options, top=5)
+    assert [(p.candidate, p.throughput) for p in table[:5]] == [(p.candidate, p.throughput) for p in fits[:5]]
+    assert len(table) == len(fits) and all(math.isnan(p.batch_time) for p in table[5:])
+    assert len(calls) - everything < everything, "the bound leaves candidates unsimulated"
+    for p in fits:
+        m = p.num_microbatches
+        bound = max(
+            m * sum(compute_time(profile(p.candidate.micro_batch_size), p.candidate, s, span))
+            for s, span in enumerate(p.stages)
+        )
+        assert p.batch_time >= bound, p.candidate
 
 
 def test_only_the_closest_layouts_that_do_not_fit_are_timed(monkeypatch):
