@@ -29,6 +29,7 @@ from ..engine.updates import update_build as U
 from .stage_costs import StageCosts, Timing, rank_costs  # noqa: F401  (what the simulator is given and returns)
 from .timed_program import (  # noqa: F401  (the operations it runs; the lowering and its costs re-exported)
     COMPUTE,
+    DELIVERED,
     ISSUE,
     MARK,
     PART_COMPUTE,
@@ -111,6 +112,10 @@ def run(programs: list[list[tuple]]) -> tuple[list[list[float]], list[list[float
             if message not in arrived:
                 return False
             clock[stage] = max(t, arrived[message])
+        elif code == DELIVERED:
+            if op[1] not in arrived:
+                return False
+            clock[stage] = max(t, arrived[op[1]])
         elif code == WAIT_SENDS:
             if any(message not in arrived for message in mine[stage]):
                 return False

@@ -39,9 +39,10 @@ class Timed(IntEnum):
     WAIT = 5  # (WAIT, channel, number, blocked_on_the_update)
     WAIT_SENDS = 6  # (WAIT_SENDS,): every message this stage sent delivered
     MARK = 7  # (MARK, step): a training step ends
+    DELIVERED = 8  # (DELIVERED, message): wait until a message this stage sent has arrived
 
 
-COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK = Timed
+COMPUTE, SEND, POST, RECV, ISSUE, WAIT, WAIT_SENDS, MARK, DELIVERED = Timed
 
 
 _reads: Callable[[StageCosts], float] = operator.attrgetter("read_gradients")  # the gradients read once
@@ -151,7 +152,7 @@ class _Lowering:
                 ops.append((SEND, link, message, costs[boundary].send))  # the gradient back: as large
                 if second is not None:
                     ops.append(second)
-            elif code == _RECV:
+            elif code in (_RECV, _ARRIVE):
                 ops.append(first)
             elif code in (_WAIT_SENDS, _DRAINED):
                 ops.append((WAIT_SENDS,))
@@ -181,15 +182,15 @@ CollectiveCost = Callable[[int, Collective], float]  # (stage, declared collecti
 class _Code(IntEnum):
     """How ``_Lowering.segment`` times a lowered op (``_segment_plan``)."""
 
-    FORWARD, BACKWARD, WEIGHT, SEND, RECV, WAIT_SENDS, LOSS, UPDATE, FLAG, DRAINED, TAKE_LOSS = range(11)
+    FORWARD, BACKWARD, WEIGHT, SEND, RECV, WAIT_SENDS, LOSS, UPDATE, FLAG, DRAINED, TAKE_LOSS, ARRIVE = range(12)
 
 
-_FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE, _FLAG, _DRAINED, _TAKE_LOSS = _Code
-_STEP_END = (_FLAG, _DRAINED, _TAKE_LOSS)  # the step's head and end: no dispatch of their own
+_FORWARD, _BACKWARD, _WEIGHT, _SEND, _RECV, _WAIT_SENDS, _LOSS, _UPDATE, _FLAG, _DRAINED, _TAKE_LOSS, _ARRIVE = _Code
+_STEP_END = (_FLAG, _DRAINED, _TAKE_LOSS, _ARRIVE)  # the step's head and end, a tick's waits: no dispatch of their own
 _CODES = {S.FORWARD: _FORWARD, S.BACKWARD: _BACKWARD, S.WEIGHT: _WEIGHT, S.WAIT_SENDS: _WAIT_SENDS, S.LOSS: _LOSS}
 _CODES |= {S.FLAG: _FLAG, S.DRAINED: _DRAINED, S.TAKE_LOSS: _TAKE_LOSS}
 _COMPUTES = (S.FORWARD, S.BACKWARD)
-_UNTIMED = (S.SETTLE, S.RESTART, S.LAST_FLAG, S.TICK)  # the update's waits at a drain are its declared collectives' own
+_UNTIMED = (S.SETTLE, S.RESTART, S.LAST_FLAG)  # the update's waits at a drain are its declared collectives' own
 
 
 @functools.lru_cache(maxsize=4096)
@@ -202,7 +203,12 @@ def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape, syn
     d = layout.num_stages
     virtual = d * layout.virtual_stages  # a message is named by its sender's virtual stage (one chunk a rank: the rank)
     actions = program.train_step(layout, stage, step, synchronous=synchronous, flag=True)
-    arriving: dict[tuple[bool, int, int], tuple] = {}  # the ring's receives posted, by (gradient?, chunk, microbatch)
+    # the ring's (interleaved 1F1B): each tick's batch, its messages waited for as a whole (one NCCL kernel) by the first
+    # compute reading one, with every batch before it (its communicator runs them in order)
+    ticks: list[list[tuple]] = []
+    tick: list[tuple] = []
+    ticks_waited = 0
+    arriving: dict[tuple[bool, int, int], int] = {}  # a receive posted, by (gradient?, chunk, microbatch) -> its tick
     for op in lower_actions(actions, U.collectives(shape), layout.num_microbatches):
         if op.kind in _UNTIMED:
             continue
@@ -221,14 +227,22 @@ def _segment_plan(layout: Layout, stage: int, step: int, shape: UpdateShape, syn
                 (here - 1, S.SEND_FORWARD, micro) if kind == S.RECV_FORWARD else (here + 1, S.SEND_BACKWARD, micro)
             )
             if virtual > d:  # the ring's lockstep: posted in its tick's batch, waited for by the compute reading it
-                code, first, arriving[(kind == S.RECV_BACKWARD, op.chunk, micro)] = _RECV, (POST, message), message
+                code, first, arriving[(kind == S.RECV_BACKWARD, op.chunk, micro)] = _RECV, (POST, message), len(ticks)
+                tick.append((RECV, message))
             else:
                 code, first = _RECV, (RECV, message)
+        elif kind == S.TICK:  # the batch issued (its dispatch timed); waited for where a compute reads it
+            code = _UPDATE
+            ticks.append(tick)
+            tick = []
         else:
             code = _CODES.get(kind, _UPDATE)
             waited = arriving.pop((kind == S.BACKWARD, op.chunk, micro), None) if kind in _COMPUTES else None
-            if waited is not None:
-                plan.append((_RECV, op, (RECV, waited), None))
+            while waited is not None and ticks_waited <= waited:  # its tick's batch whole, and every one before
+                plan += [(_ARRIVE, op, wait, None) for wait in ticks[ticks_waited]]
+                ticks_waited += 1
+        if code == _SEND and virtual > d:
+            tick.append((DELIVERED, first[1]))
         plan.append((code, op, first, second))
     return tuple(plan)
 

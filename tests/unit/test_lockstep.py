@@ -70,7 +70,7 @@ def test_the_clock_refuses_orders_that_wait_on_one_another():
     forward = ((), S.Action(S.FORWARD, 0, 0, 0, chunk=1), ())  # needs virtual stage 1's forward first: never
     backward = ((), S.Action(S.BACKWARD, 0, 0, 0, chunk=0), ())  # needs virtual stage 2's backward: never
     with pytest.raises(ValueError, match="wait on one another"):
-        lockstep([[forward], [backward]], 2, 0)
+        lockstep([[(forward,)], [(backward,)]], 2, 0)
 
 
 INTERLEAVED = [

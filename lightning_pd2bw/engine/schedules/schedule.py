@@ -85,7 +85,7 @@ from .actions import (  # noqa: F401  (the instruction set, re-exported: ``sched
     fused_receive,
     listing,
 )
-from .lockstep import lockstep, unit_of
+from .lockstep import lockstep, pairs, unit_of
 from .placement import (  # noqa: F401  (where the update goes, re-exported)
     _insert_steps,
     finish,
@@ -184,6 +184,12 @@ def _expand(
     return actions
 
 
+def interleaved_warmup(rank: int, layout: Layout) -> int:
+    """The forwards ``rank`` runs before its first backward in an interleaved 1F1B batch."""
+    d, m, chunks = layout.num_stages, layout.num_microbatches, layout.virtual_stages
+    return min((chunks - 1) * (m // max(1, m // d)) + 2 * (d - 1 - rank), chunks * m)
+
+
 def interleaved_order(rank: int, layout: Layout, batch: int) -> list[tuple[str, int, int]]:
     """(kind, microbatch, chunk) order of one interleaved 1F1B batch on ``rank``: the rank's i-th forward runs chunk
     ``(i // P) % V`` on microbatch ``(i // (P V)) P + i % P`` (P microbatches a round, ``max(1, m // d)`` rounds),
@@ -197,7 +203,7 @@ def interleaved_order(rank: int, layout: Layout, batch: int) -> list[tuple[str, 
         microbatch = first + (i // (per_round * chunks)) * per_round + i % per_round
         return (BACKWARD, microbatch, chunks - 1 - chunk) if backward else (FORWARD, microbatch, chunk)
 
-    warmup = min((chunks - 1) * per_round + 2 * (d - 1 - rank), ops)
+    warmup = interleaved_warmup(rank, layout)
     order = [nth(i, False) for i in range(warmup)]
     for i in range(ops - warmup):
         order += [nth(warmup + i, False), nth(i, True)]
@@ -215,15 +221,15 @@ def _interleaved(layout: Layout, rank: int, batch: int) -> list[Action]:
 def _interleaved_ranks(layout: Layout, batch: int) -> tuple[tuple[Action, ...], ...]:
     d, m = layout.num_stages, layout.num_microbatches
     virtual = d * layout.virtual_stages
-    units = []
+    steps = []
     for rank in range(d):
         rank_units = []
         for kind, k, chunk in interleaved_order(rank, layout, batch):
             expand = _forward if kind == FORWARD else _backward
             expanded = [replace(a, chunk=chunk) for a in expand(chunk * d + rank, virtual, k, m, layout.mode)]
             rank_units.append(unit_of(expanded))
-        units.append(rank_units)
-    return tuple(tuple(actions) for actions in lockstep(units, layout.virtual_stages, batch))
+        steps.append(pairs(rank_units, interleaved_warmup(rank, layout)))
+    return tuple(tuple(actions) for actions in lockstep(steps, layout.virtual_stages, batch))
 
 
 def _twobw_order(
@@ -344,8 +350,8 @@ def evaluation(stage: int, num_stages: int, num_microbatches: int, virtual_stage
                 receive = [Action(RECV_FORWARD, 0, microbatch, chunk=chunk)] if virtual > 0 else []
                 send = [Action(SEND_FORWARD, 0, microbatch, chunk=chunk)] if virtual < last else []
                 units[-1].append((receive, Action(EVAL, 0, microbatch, chunk=chunk), send))
-    if virtual_stages > 1:  # the ring's messages in lockstep (``lockstep.py``)
-        actions = lockstep(units, virtual_stages, 0)[stage]
+    if virtual_stages > 1:  # the ring's messages in lockstep (``lockstep.py``), a forward a tick
+        actions = lockstep([[(unit,) for unit in rank_units] for rank_units in units], virtual_stages, 0)[stage]
     else:
         actions = [action for receive, compute, send in units[0] for action in (*receive, compute, *send)]
     return actions + [Action(WAIT_SENDS, 0), Action(EVAL_RESULTS, 0)]
