@@ -291,7 +291,7 @@ DECLARATIONS = {
     "shard_gradients": 3,
     "shard_optimizer": 3,
     "sync_steps": 4,  # PipelineOptions, the strategy's keyword; 0.25.0: the programs' Scenario and the NCCL model's
-    "virtual_stages": 3,  # 0.24.0: PipelineOptions, the strategy's keyword and Layout (as lookahead)
+    "virtual_stages": 4,  # 0.24.0: PipelineOptions, the strategy's keyword, Layout; 0.26.0: the NCCL model's CommLayout
     "weight_dtype": 2,
 }
 
