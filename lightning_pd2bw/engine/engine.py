@@ -75,8 +75,8 @@ class PipelineEngine(StageState):
             models are initialised through it. Default: ``nn.ModuleList(layers)`` (``"<layer index>.<name>"``).
         before_step: called with each optimizer before its step (after the gradient reductions).
         transport: ``transport(prev_rank, next_rank, device, channels)`` builds the stage's link to its
-            neighbours (default ``transport.StageLink``: one process group per pair, sends batched with receives); a
-            subclass may record, delay or reroute messages.
+            neighbours (default ``transport.StageLink``: one process group per pair, sends batched with receives;
+            interleaved: the ring's group, a batch a tick); a subclass may record, delay or reroute messages.
         progress: ticked at every action (``observer.Progress``; a watchdog reads it).
         info: rank-0 messages.
     """
