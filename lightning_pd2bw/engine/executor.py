@@ -230,9 +230,8 @@ class StageExecutor:
         if first:
             inputs = as_tuple(self.input_fn(self._microbatches[k]))
         else:
-            inputs = tuple(
-                t.requires_grad_() if carries_gradient(t) else t for t in self.link.arrived(self._received.pop(key))
-            )
+            received = self.link.arrived(self._received.pop(key))  # interleaved: its tick's batch waited for here
+            inputs = tuple(t.requires_grad_() if carries_gradient(t) else t for t in received)
         deferring = self.weight_grads.intercept(k) if self.weight_grads is not None else nullcontext()
         with self._saved_tensor_hooks():
             if self.recomputed:  # the first layers keep only their input; the rest their activations
@@ -292,11 +291,8 @@ class StageExecutor:
         else:
             # gradients come back for the floating-point outputs only, in their order (an integer mask may sit anywhere)
             carried = [o for o in as_tuple(outputs) if carries_gradient(o)]
-            pairs = [
-                (o, g)
-                for o, g in zip(carried, self.link.arrived(self._grads_in.pop(key)), strict=True)
-                if o.requires_grad
-            ]
+            grads = self.link.arrived(self._grads_in.pop(key))
+            pairs = [(o, g) for o, g in zip(carried, grads, strict=True) if o.requires_grad]
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
         if virtual > 0:
             self._to_send[key] = [
@@ -357,8 +353,8 @@ class StageExecutor:
             return self._keys.pop(k) if final else self._keys[k]
         return (*self._keys[k], boundary)
 
-    # the transport's handlers; ``self._fused``: the receive a send's batch also posts (``schedule.fuse_receives``);
-    # several chunks (interleaved 1F1B's ring): ``interleaving.lockstep_handlers`` stage each for its tick instead
+    # the transport's handlers (several chunks: ``interleaving.lockstep_handlers``'); ``self._fused``: the receive a
+    # send's batch also posts (``schedule.fuse_receives``)
     def _recv_forward(self, action: S.Action) -> None:
         k, chunk = action.microbatch, action.chunk
         key = self._link_key(k, self.virtual_stage(chunk) - 1, self.is_last)
