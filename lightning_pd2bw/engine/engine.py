@@ -220,7 +220,6 @@ class PipelineEngine(StageState):
         if method is not None and self.optimizers:
             self.correction = ErrorFeedback.for_method(method, stepped, self.options.delay_correction_strength)
         link = self.transport(*neighbours(self.layout, self.grid), self.device, self.groups.link)
-        link.settle_on_receive = self.layout.virtual_stages == 1  # interleaved: a ring's peers post receives later
         owned = None if shards is None else shards.masters_kept(self.params)  # the float32 masters kept here
         self.versions = versions = WeightVersions(
             self.params, self.mode.double_buffered, self.options.weight_dtype, owned=owned

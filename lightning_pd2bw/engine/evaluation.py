@@ -60,8 +60,7 @@ def evaluate(
             link.stage_send(link.next_rank, outputs, key(action, boundary))
             return
         link.send_forward(outputs, key(action, boundary))
-        if link.settle_on_receive:
-            link.settle(link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
+        link.settle(link.next_rank, keep=1)  # forward-only: the next stage needs nothing back
 
     published: list[Any] = []
     table = {S.RECV_FORWARD: receive, S.EVAL: run, S.SEND_FORWARD: send, S.TICK: lambda action: link.exchange()}

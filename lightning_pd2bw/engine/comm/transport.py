@@ -181,9 +181,6 @@ class StageLink:
         self._posted: dict[str, list[_Posted]] = {"forward": [], "backward": []}
         self.peak_held_bytes = 0
         self.peak_pending_sends = 0
-        # sends waited for when a receive from their peer completes (1F1B's fused batches: the peer has posted their
-        # receives by then); False: only at ``wait_sends`` (interleaved 1F1B's ring, whose peers post later)
-        self.settle_on_receive = True
         self._staged: list[_Staged] = []  # the ring's lockstep: this tick's sends and receives (``exchange``)
         self._ticks: list[_Batch] = []  # the ring's batches not yet waited for, in issue order
         self._arriving: dict[int, _Batch] = {}  # a tick's received tensors (by list) -> their batch
@@ -236,15 +233,13 @@ class StageLink:
 
     def _receive(self, peer: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self._issue(peer, [], tensors).wait()
-        if self.settle_on_receive:
-            self.settle(peer)  # the peer sent after posting the receives of everything sent to it so far
+        self.settle(peer)  # the peer sent after posting the receives of everything sent to it so far
         return tensors
 
     def _use(self, direction: str, peer: int) -> list[torch.Tensor]:
         posted = self._posted[direction].pop(0)
         posted.batch.wait()
-        if self.settle_on_receive:
-            self.settle(peer)
+        self.settle(peer)
         return posted.tensors
 
     # ------------------------------------------------------------------ activations
