@@ -102,14 +102,15 @@ def plan(cfg, limit: int = 10) -> str:
 
 
 def update_line(cfg, model, best) -> str:
-    """What the update's collectives add to the best plan's step, by kind (``timing.update_cost``)."""
+    """What the update (its collectives, the optimizer's step, the gradient reads) adds to the best plan's step, by
+    kind (``timing.update_cost``): where the pipeline's own bubble hides it, nothing."""
     from ..planner.timing import update_cost
 
     profile = analytic_model_profile(cfg, model, best.candidate.micro_batch_size)
     added = update_cost(profile, best.candidate, cluster_of(cfg), best.stages, best.num_microbatches)
     step, total = added.pop("step"), added.pop("all")
     kinds = ", ".join(f"{name} {seconds:.3f}" for name, seconds in added.items() if seconds > 0.0005)
-    return f"update: its collectives add {total:.3f} s to the {step:.3f} s step ({total / step:.1%}){': ' * bool(kinds)}{kinds}"
+    return f"update: it adds {total:.3f} s to the {step:.3f} s step ({total / step:.1%}){': ' * bool(kinds)}{kinds}"
 
 
 def mode_choice(cfg, model, mode: str, rate: float) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine.comm.grid import STOP_FLAG_GROUP
 from ..observe import watchdog
 from . import compat, slurm
 
@@ -41,13 +42,12 @@ _HOST_GROUPS: dict[int, Any] = {}  # id(default group) -> its gloo twin (made on
 
 
 def host_group() -> Any:
-    """A gloo group over the world (the default group itself when it is gloo): collectives on CPU tensors, off the
-    device's queue. Every rank must call it at the same point the first time (it may create a group)."""
+    """A gloo group over the world: collectives on CPU tensors, off the device's queue. Made on every backend (a gloo
+    world too), so a CPU run issues the flag where a GPU run does and its trace shows it (``STOP_FLAG_GROUP``). Every
+    rank must call it at the same point the first time (it creates a group)."""
     world = dist.group.WORLD
-    if dist.get_backend() == "gloo":
-        return world
     if id(world) not in _HOST_GROUPS:
-        _HOST_GROUPS[id(world)] = dist.new_group(backend="gloo", group_desc="pd2bw/preemption (host)")
+        _HOST_GROUPS[id(world)] = dist.new_group(backend="gloo", group_desc=STOP_FLAG_GROUP)
     return _HOST_GROUPS[id(world)]
 
 

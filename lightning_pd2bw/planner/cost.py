@@ -40,7 +40,7 @@ from ..engine.updates.delay_correction import buffers as correction_buffers
 from .candidate import NCCL_GROUP_BYTES, NCCL_PAIR_BYTES, Candidate, ModelProfile
 from .hardware import ClusterSpec
 from .profile import LayerProfile
-from .timing import allreduce_time, compute_time, message_time, timing
+from .timing import allreduce_time, compute_time, message_time, timing, update_time
 
 __all__ = [  # the candidate and the timing's pieces are read from here too
     "NCCL_GROUP_BYTES",
@@ -59,7 +59,7 @@ class Prediction:
     num_microbatches: int
     stages: tuple[range, ...]
     stage_times: tuple[float, ...]  # one microbatch, compute and boundary messages
-    update_time: float  # per step, the update's compute and its time blocked on collectives, slowest stage
+    update_time: float  # per step, what the update (collectives, step, reads) adds: ``simulate.update_added``
     batch_time: float
     stage_memory: tuple[dict[str, float], ...] = field(default_factory=tuple)
     samples_per_batch: int = 0
@@ -245,7 +245,7 @@ def predict(
         nan = float("nan")
         return Prediction(candidate, m, tuple(stages), tuple(times), nan, nan, tuple(memory), global_batch)
     clock = timing(profile, candidate, cluster, stages, m)
-    update = max(e + b for e, b in zip(clock.exposed, clock.update_compute))
+    update = update_time(profile, candidate, cluster, stages, m, clock.step_time)
     return Prediction(
         candidate,
         m,

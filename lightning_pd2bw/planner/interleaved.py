@@ -21,7 +21,7 @@ from ..engine.layout import Layout, Mode
 from ..engine.partition import balanced_partition
 from .cost import Prediction, stage_memory
 from .hardware import ClusterSpec
-from .simulate import simulate
+from .simulate import simulate, update_added
 from .timing import collective_cost, node_of, stage_costs
 
 VIRTUAL_STAGES = 2  # Megatron's and this mode's default: two chunks a rank
@@ -105,8 +105,9 @@ def predict_interleaved(
         for v, span in enumerate(chunks)
     ]
     layout = Layout(d, m, Mode.INTERLEAVED, virtual_stages=virtual_stages)
-    clock = simulate(layout, costs, collective_cost(profile, candidate, cluster, ranks))
+    cost_of = collective_cost(profile, candidate, cluster, ranks)
+    clock = simulate(layout, costs, cost_of)
     memory = tuple(rank_memory(profile, candidate, chunks, r, m, virtual_stages) for r in range(d))
     times = tuple(c.forward + c.backward + c.send for c in costs)
-    update = max(e + u for e, u in zip(clock.exposed, clock.update_compute))
+    update = update_added(layout, costs, cost_of, clock.step_time)
     return Prediction(candidate, m, tuple(chunks), times, update, clock.step_time, memory, global_batch)

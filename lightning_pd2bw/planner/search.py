@@ -340,8 +340,8 @@ def format_table(predictions: Sequence[Prediction], limit: int = 10, fits: bool 
         f"{'rank':>4} {'width':>5} {'depth':>5} {'micro':>5} {'m':>4} {'recompute':>9} {'grads':>6} {'ranks':>8} "
         f"{'samples/s':>10} {'batch s':>9} {'update':>6} {'max stage GiB':>13}  stage memory GiB"
     ]  # grads: reduced to their owners or all-reduced whole (shard_gradients); ranks: which are neighbours, a
-    # pipeline's stages or a stage's replicas (placement); update: the slowest stage's update
-    # (blocked on its collectives and its own compute), of the batch time
+    # pipeline's stages or a stage's replicas (placement); update: what the update (its collectives, the optimizer's
+    # step, the gradient reads) adds to the batch time (``simulate.update_added``)
     for rank, p in enumerate(predictions[:limit], 1):
         c = p.candidate
         per_stage = " ".join(f"{sum(m.values()) / GiB:.1f}" for m in p.stage_memory)

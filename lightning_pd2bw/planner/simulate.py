@@ -193,6 +193,19 @@ def simulate(
     return dataclasses.replace(timing, step_time=timing.step_time + extra, busy=busy)
 
 
+def without_update_compute(costs: Sequence[StageCosts]) -> list[StageCosts]:
+    """``costs`` with the update's compute (the optimizer's step, the gradient reads) free."""
+    return [dataclasses.replace(c, step=0.0, read_gradients=0.0) for c in costs]
+
+
+def update_added(layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, step_time: float) -> float:
+    """What the update (its collectives, the optimizer's step, the gradient reads) adds to ``step_time``, the step
+    simulated with ``costs``: that step less the same step with the update free. A stage's wait for the others inside
+    the update (the global norm while they finish their cool-down) counts only where it delays the step."""
+    bare = simulate(layout, without_update_compute(costs), lambda stage, collective: 0.0)
+    return max(0.0, step_time - bare.step_time)
+
+
 def _simulate(
     layout: Layout, costs: Sequence[StageCosts], cost_of: CollectiveCost, steps: int | None, synchronous: bool
 ) -> Timing:

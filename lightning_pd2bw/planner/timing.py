@@ -24,7 +24,7 @@ from ..engine.updates.gradients import replica_bucket_bytes
 from ..engine.updates.update import UpdateShape
 from .candidate import Candidate, ModelProfile
 from .hardware import ClusterSpec
-from .simulate import CollectiveCost, StageCosts, Timing, simulate
+from .simulate import CollectiveCost, StageCosts, Timing, simulate, update_added, without_update_compute
 
 RECOMPUTE_FACTOR = 1  # recomputation repeats each stage's forward once in its backward
 
@@ -194,18 +194,40 @@ def timing(
     num_microbatches: int,
     free: Callable[[Collective], bool] | None = None,
     synchronous: bool = False,
+    free_compute: bool = False,
 ) -> Timing:
     """The steady-state step of ``candidate`` cut as ``stages``, simulated over the engine's actions (``free``: the
-    collectives that cost nothing, to see what the others add; ``synchronous``: a step of 2BW's synchronous start)."""
+    collectives that cost nothing, to see what the others add; ``free_compute``: the optimizer's step and the gradient
+    reads cost nothing; ``synchronous``: a step of 2BW's synchronous start)."""
+    layout, costs, cost = _priced(profile, candidate, cluster, stages, num_microbatches)
+    costs = without_update_compute(costs) if free_compute else costs
+    return simulate(
+        layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c), None, synchronous
+    )
+
+
+def update_time(
+    profile: ModelProfile,
+    candidate: Candidate,
+    cluster: ClusterSpec,
+    stages: Sequence[range],
+    num_microbatches: int,
+    step_time: float,
+) -> float:
+    """What the update adds to ``step_time``, the candidate's step (``simulate.update_added``)."""
+    return update_added(*_priced(profile, candidate, cluster, stages, num_microbatches), step_time)
+
+
+def _priced(
+    profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], num_microbatches: int
+) -> tuple[Layout, list[StageCosts], CollectiveCost]:
+    """The layout the simulator runs, each stage's costs and the collectives' prices."""
     costs = [
         stage_costs(profile, candidate, cluster, s, span, message_time(profile, candidate, cluster, stages, s))
         for s, span in enumerate(stages)
     ]
     layout = Layout(candidate.depth, num_microbatches, candidate.options.mode, lookahead=candidate.lookahead)
-    cost = collective_cost(profile, candidate, cluster, stages)
-    return simulate(
-        layout, costs, cost if free is None else lambda s, c: 0.0 if free(c) else cost(s, c), None, synchronous
-    )
+    return layout, costs, collective_cost(profile, candidate, cluster, stages)
 
 
 # what ``update_cost`` splits the update's collectives into
@@ -219,12 +241,16 @@ UPDATE_COLLECTIVES: dict[str, Callable[[Collective], bool]] = {
 def update_cost(
     profile: ModelProfile, candidate: Candidate, cluster: ClusterSpec, stages: Sequence[range], num_microbatches: int
 ) -> dict[str, float]:
-    """Seconds the update's collectives add to the step (``step``: the step simulated; ``all``: what it loses to
-    every collective; per ``UPDATE_COLLECTIVES`` entry, what that kind alone adds over the step without it). Unlike
-    a stage's time blocked on collectives (``Timing.exposed``), this leaves out the pipeline's own bubble."""
+    """Seconds the update adds to the step (``step``: the step simulated; ``all``: what it loses to the whole update,
+    its collectives and its compute; per ``UPDATE_COLLECTIVES`` entry, what that kind alone adds over the step
+    without it; ``optimizer step and reads``: the compute alone). Unlike a stage's time blocked on collectives
+    (``Timing.exposed``), this leaves out the pipeline's own bubble: a stage's wait for the global norm while the
+    others finish their cool-down costs the step nothing."""
     step = timing(profile, candidate, cluster, stages, num_microbatches).step_time
     added = {"step": step}
-    added["all"] = step - timing(profile, candidate, cluster, stages, num_microbatches, free=lambda c: True).step_time
+    added["all"] = update_time(profile, candidate, cluster, stages, num_microbatches, step)
     for name, kind in UPDATE_COLLECTIVES.items():
         added[name] = step - timing(profile, candidate, cluster, stages, num_microbatches, free=kind).step_time
+    compute = timing(profile, candidate, cluster, stages, num_microbatches, free_compute=True)
+    added["optimizer step and reads"] = step - compute.step_time
     return added

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from lightning_pd2bw.engine.comm.grid import STOP_FLAG_GROUP
 from lightning_pd2bw.engine.schedules import schedule as S
 from lightning_pd2bw.engine.verify.comm_plan import CommLayout, RankProgram, programs
 from lightning_pd2bw.engine.verify.nccl_model import (
@@ -223,6 +224,25 @@ def test_a_collective_behind_an_unmatched_send_deadlocks_when_serialized():
     simulate({0: rank0, 1: rank1})
     with pytest.raises(Deadlock):
         simulate({0: rank0, 1: rank1}, serialized=True)
+
+
+def test_a_gloo_groups_collective_never_blocks_the_device():
+    """The stop flag runs on a gloo group over CPU tensors (``STOP_FLAG_GROUP``): posted before a message whose
+    partner posts it after a receive, it does not hold the message back under serialized kernels, where the same
+    all-reduce on a device communicator (the default group: what the model assumed before) deadlocks."""
+
+    def ranks(channel: str) -> dict[int, list[Op]]:
+        rank0 = [coll(0, (0, 1), channel=channel), send(1, 1), wait(1), wait(0)]
+        rank1 = [recv(0, 0), wait(0), coll(1, (0, 1), channel=channel), wait(1)]
+        return {0: rank0, 1: rank1}
+
+    assert STOP_FLAG_GROUP.endswith(" (host)")
+    assert simulate(ranks(STOP_FLAG_GROUP), serialized=True).steps == 4
+    with pytest.raises(Deadlock, match="serialized kernels"):
+        simulate(ranks("default_pg"), serialized=True)
+    lowered = programs(CommLayout("2bw", 2, 2, 1, steps=2))[0]
+    flags = {op.channel for op in lowered if op.kind == COLLECTIVE and "sigterm" in op.label}
+    assert flags == {STOP_FLAG_GROUP}
 
 
 @pytest.mark.parametrize("mode", ["flush", "2bw"])

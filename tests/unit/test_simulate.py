@@ -139,3 +139,23 @@ def test_zb_h1_leaves_the_papers_bubble(d, m):
     assert one_f_one_b.step_time == pytest.approx((m + d - 1) * 3.0)
     assert zb.step_time == pytest.approx(m * 3.0 + (d - 1) * 1.0)
     assert zb.busy == pytest.approx([m * 3.0] * d)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_the_update_counts_what_it_adds_to_the_step_not_the_waits_inside_the_bubble(d):
+    """Issue 93, item 6. Flush with the global norm: the last stage finishes its cool-down first and waits for the
+    first at the norm's all-reduce, (d - 1)(F + B) that its bubble idles anyway. What the update adds is the first
+    stage's own chain, by hand: the gradients read for the non-finite flags and for the norm (0.25 each), the norm's
+    sum over the pipeline (0.3), the step (0.5): 1.3, the step (m + d - 1)(F + B) + 1.3. A stage's time blocked
+    inside the update (``exposed``, what the planner's table printed before) counts the bubble too."""
+    from lightning_pd2bw.planner.simulate import update_added
+
+    def norm_sum(stage: int, collective: Collective) -> float:
+        return 0.3 if collective.group == "pipeline" else 0.0
+
+    m, shape = 4, UpdateShape(False, clip="global")
+    costs = [StageCosts(2.0, 4.0, step=0.5, read_gradients=0.25, shape=shape)] * d
+    timing = simulate(Layout(d, m, "flush"), costs, norm_sum)
+    assert timing.step_time == pytest.approx((m + d - 1) * 6.0 + 1.3)
+    assert update_added(Layout(d, m, "flush"), costs, norm_sum, timing.step_time) == pytest.approx(1.3)
+    assert timing.exposed[-1] == pytest.approx(0.3 + (d - 1) * 4.0)  # the last stage's wait: its bubble

@@ -119,6 +119,8 @@ class Groups:
 
 
 COMMUNICATORS = ("pipeline", "loss", "replica", "shard", "tied", "p2p", "ring")
+HOST = " (host)"  # ends the name of a gloo group over CPU tensors: its collectives never enter a device's queue
+STOP_FLAG_GROUP = f"pd2bw/preemption{HOST}"  # the world's stop agreement, on every backend (lightning/preemption.py)
 
 
 def communicator(

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..comm.grid import communicator
+from ..comm.grid import STOP_FLAG_GROUP, communicator
 from ..layout import Layout, Placement, check_schedule
 from ..schedules import program
 from ..schedules import schedule as S
@@ -312,7 +312,7 @@ class RankProgram:
     def _flag(self, op: LoweredOp) -> None:
         """FLAG: the stop agreement, asynchronous (lightning/preemption.py): the previous step's waited for."""
         self._last_flag(op)
-        self.sigterm = self.collective("all_reduce", "default_pg", self.world, "sigterm flag", block=False)
+        self.sigterm = self.collective("all_reduce", STOP_FLAG_GROUP, self.world, "sigterm flag", block=False)
 
     def _last_flag(self, op: LoweredOp) -> None:
         if self.sigterm is not None:

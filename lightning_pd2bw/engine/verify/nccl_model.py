@@ -20,8 +20,8 @@ communication calls it issues (``Op``), with the rules NCCL imposes:
 
 ``serialized=True`` adds the strictest rule NCCL allows: kernels of *different* communicators run one at a time
 (``CUDA_DEVICE_MAX_CONNECTIONS=1``; NCCL promises no concurrency between communicators). Every operation a rank's
-main thread issues then runs in that rank's issue order, whatever its communicator: an operation posted first
-blocks everything behind it. A transport that relies on communicators progressing independently hangs here.
+main thread issues then runs in that rank's issue order, whatever its communicator (a gloo group's excepted, named
+``... (host)``: CPU tensors, never on the device): an operation posted first blocks everything behind it. A transport that relies on communicators progressing independently hangs here.
 
 ``simulate`` runs every rank until all programs end or nothing can move (a deadlock, reported with each rank's blocked
 operation and the communicators' heads). Programs come from ``record_calls`` (what a real process issues through
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..comm.grid import HOST
 from ..layout import Word
 
 
@@ -125,7 +126,8 @@ def simulate(programs: Programs, serialized: bool = False) -> Outcome:
     completed = max_queued = 0
 
     def queue_of(op: Op, rank: int) -> str:
-        return "device" if serialized and not op.thread else communicator(op, rank)
+        on_device = not op.thread and not op.channel.endswith(HOST)
+        return "device" if serialized and on_device else communicator(op, rank)
 
     def advance(rank: int) -> None:
         nonlocal max_queued
@@ -284,18 +286,8 @@ class CallRecorder:
     """The communication program of this process, as ``Op``s (see ``record_calls``)."""
 
     P2P = {"isend": SEND, "irecv": RECV, "send": SEND, "recv": RECV}
-    COLLECTIVES = (
-        "all_reduce",
-        "broadcast",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-        "reduce",
-        "gather",
-        "scatter",
-        "all_to_all_single",
-        "barrier",
-    )
+    COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+    COLLECTIVES += ("reduce", "gather", "scatter", "all_to_all_single", "barrier")
 
     def __init__(self) -> None:
         self.ops: list[Op] = []
