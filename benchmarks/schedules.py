@@ -3,6 +3,7 @@ interleaved 1F1B (two chunks a stage) and 2BW, at d = 2 over 2 CPU processes, m 
 
     python benchmarks/schedules.py [--rounds 3]
     python benchmarks/schedules.py --pictures docs    # one more traced run of each at m = 4: its timeline's picture
+    python benchmarks/schedules.py --pictures docs --stages 4   # the same at d = 4, m = 8 (4 processes on the cores)
 
 The model and the run are ``simulator_check.py``'s (a GPT of 6 x 256, seq 128, global batch 16, one thread per
 process, traced by ``PipelineTrace``); the configurations are alternated over ``--rounds`` rounds and each one's
@@ -44,15 +45,15 @@ def measured_idle(trace: dict) -> float:
     return statistics.mean(shares)
 
 
-def run_one(out: Path, mode: str, m: int, picture: bool = False) -> tuple[float, float, float, float]:
+def run_one(out: Path, mode: str, m: int, picture: bool = False, stages: int = 2) -> tuple[float, float, float, float]:
     """(measured median step s, measured idle share, simulated step s, simulated idle share)."""
     from lightning_pd2bw.engine.layout import Layout
     from lightning_pd2bw.planner.simulate import simulate
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages}", __file__]
     result = subprocess.run(
-        [*command, "--worker", str(out), mode, str(m), "1", str(int(picture))],
+        [*command, "--worker", str(out), mode, str(m), "1", str(int(picture)), str(stages)],
         env=env,
         capture_output=True,
         text=True,
@@ -62,6 +63,8 @@ def run_one(out: Path, mode: str, m: int, picture: bool = False) -> tuple[float,
         raise SystemExit(result.stderr[-4000:])
     trace = json.loads((out / "trace.json").read_text())
     step = statistics.median(json.loads((out / "steps-0.json").read_text()))
+    if stages != 2:  # pictures only: the costs model d = 2's stages
+        return step, measured_idle(trace), float("nan"), float("nan")
     timing = simulate(Layout(2, m, mode), costs_from(trace, mode, m, True), lambda stage, collective: 0.0)
     simulated_idle = statistics.mean(1 - busy / timing.step_time for busy in timing.busy)
     return step, measured_idle(trace), timing.step_time, simulated_idle
@@ -70,17 +73,19 @@ def run_one(out: Path, mode: str, m: int, picture: bool = False) -> tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pictures", type=Path, help="write each schedule's recorded timeline at m = 4 here, no table")
+    parser.add_argument("--pictures", type=Path, help="write each schedule's recorded timeline here (m = 2d), no table")
+    parser.add_argument("--stages", type=int, default=2, help="with --pictures: d (2 or 4)")
     args = parser.parse_args()
     if args.pictures:
         import shutil
 
+        d, m = args.stages, 2 * args.stages
         with tempfile.TemporaryDirectory() as tmp:
             for mode in MODES:
-                run_one(Path(tmp) / mode, mode, 4, picture=True)
-                target = args.pictures / f"schedules_{mode}_d2_m4.png"
+                _, idle, _, _ = run_one(Path(tmp) / mode, mode, m, picture=True, stages=d)
+                target = args.pictures / f"schedules_{mode}_d{d}_m{m}.png"
                 shutil.copy(Path(tmp) / mode / "timeline.png", target)
-                print(f"wrote {target}")
+                print(f"wrote {target}: idle {idle:.0%} of the traced steps (mean over the stages)")
         return
     results: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,6 +121,13 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])), sys.argv[6:7] == ["1"])
+        worker(
+            Path(sys.argv[2]),
+            sys.argv[3],
+            int(sys.argv[4]),
+            bool(int(sys.argv[5])),
+            sys.argv[6] == "1",
+            int(sys.argv[7]),
+        )
     else:
         main()

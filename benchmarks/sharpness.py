@@ -101,6 +101,7 @@ def main() -> None:
         choices=("sync", "2bw"),
         help="whose run: 2BW's sits at its own edge if the bound holds",
     )
+    parser.add_argument("--sync-steps", type=int, default=0, help="with --rule 2bw: its synchronous start's length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as pd2bw-train takes them")
@@ -108,7 +109,8 @@ def main() -> None:
     at = sorted(int(s) for s in cli.at.split(","))
     args = argparse.Namespace(
         model=cli.model, preset=None, seq_len=None, corpus=cli.corpus, steps=cli.steps, val_every=cli.steps,
-        val_batches=16, seeds=1, data_seed=None, device="cpu", out=cli.out, sync_steps=0, overrides=cli.overrides,
+        val_batches=16, seeds=1, data_seed=None, device="cpu", out=cli.out, sync_steps=cli.sync_steps,
+        overrides=cli.overrides,
     )  # fmt: skip
     cli.out.mkdir(parents=True, exist_ok=True)
     found: list[tuple[int, float, float]] = []

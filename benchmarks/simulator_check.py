@@ -28,7 +28,9 @@ SEQ, GLOBAL_BATCH, FIRST, TRACED = 128, 16, 2, 6
 CONFIGS = [(mode, m, clip) for mode in ("2bw", "flush") for m in (2, 4, 8) for clip in (False, True)]
 
 
-def worker(out: Path, mode: str, m: int, clip: bool, picture: bool = False) -> None:
+def worker(out: Path, mode: str, m: int, clip: bool, picture: bool = False, stages: int = 2) -> None:
+    """One traced run over ``stages`` processes (a GPT of 6 x 256; 2 layers a stage more where ``stages`` > 2, so
+    interleaved 1F1B's 2 chunks a stage get a layer each)."""
     import torch
 
     torch.set_num_threads(1)
@@ -47,13 +49,13 @@ def worker(out: Path, mode: str, m: int, clip: bool, picture: bool = False) -> N
             self.marks.append(time.perf_counter())
 
     pl.seed_everything(0)
-    model = GPT(GPTConfig(n_layer=6, n_head=4, n_embd=256, block_size=SEQ), lr=1e-3)
+    model = GPT(GPTConfig(n_layer=max(6, 2 * stages), n_head=4, n_embd=256, block_size=SEQ), lr=1e-3)
     data = LMDataset(read_corpus(max_bytes=2_000_000), SEQ)
     timer = StepTimer()
     trainer = pl.Trainer(
-        strategy=PipeDream2BWStrategy(num_stages=2, num_microbatches=m, mode=mode),
+        strategy=PipeDream2BWStrategy(num_stages=stages, num_microbatches=m, mode=mode),
         accelerator="cpu",
-        devices=2,
+        devices=stages,
         max_steps=FIRST + TRACED,
         logger=False,
         enable_checkpointing=False,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Clipping", "Layout", "PipeDream2BWStrategy", "PipelineEngine", "PipelineOptions", "checkpoint", "models"]
-__version__ = "0.26.0"
+__version__ = "0.27.0"
 
 
 def _register_strategy() -> None:
