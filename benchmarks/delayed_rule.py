@@ -258,6 +258,13 @@ def main() -> None:
         "--train-seeds", help="train only these of the seeds (e.g. 1,2: one process per seed); report when all are done"
     )
     parser.add_argument("--data-seed", type=int, help="the batch order's seed (default: the run's, as pd2bw-train)")
+    parser.add_argument(
+        "--recorded-seeds",
+        type=int,
+        default=0,
+        help="the first K seeds' final losses from step_overhead.json's record of these settings (runs of an earlier "
+        "session whose files are gone), the others trained or read from --out",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "delayed_rule")
     parser.add_argument("--rules", default=",".join(RULES), help="the rules to run (finished ones are reused)")
@@ -308,11 +315,18 @@ def main() -> None:
         print(f"corpus {args.corpus}: {corpus_digest(CORPORA[args.corpus](args.out))}", flush=True)
     label = run_label(args, "2bw")
     results = {}
+    if args.recorded_seeds:
+        from benchmarks.time_to_quality import recorded_results
+
+        results = recorded_results(args, lengths, args.recorded_seeds)
     training = {int(s) for s in args.train_seeds.split(",")} if args.train_seeds else set(range(args.seeds))
+    training -= set(range(args.recorded_seeds))
     for seed in range(args.seeds):
         for rule in RULES:
             for steps in [args.steps] if rule == "sync" else lengths:
                 path = args.out / f"{run_label(args, rule, steps)}-{rule}-seed{seed}.json"
+                if seed < args.recorded_seeds:
+                    continue  # from the record
                 if not path.exists() and rule in rules and seed in training:
                     path.write_text(json.dumps(train(args, rule, seed, steps)))
                 if path.exists():

@@ -159,6 +159,37 @@ def record(args: argparse.Namespace, results: dict, lengths: list[int], ratios: 
     (ROOT / "docs" / "_generated" / "time-to-quality-summary.md").write_text(summary_table() + "\n")  # quality.md
 
 
+def recorded_results(args: argparse.Namespace, lengths: list[int], seeds: int) -> dict:
+    """The first ``seeds`` seeds' final losses, in ``train``'s form (``curve``: the final point alone), from the record
+    in ``step_overhead.json`` of these settings (model, steps, start, peak rates, horizons): runs of an earlier
+    session whose files are gone, so a record grows seed by seed. A clear error where no record matches."""
+    from benchmarks.delayed_rule import compose
+    from lightning_pd2bw.planner.step_overhead import measured
+
+    rates = {"flush": float(compose(args, 0, rule="sync").model.lr), "2bw": float(compose(args, 0).model.lr)}
+    for label, entry in measured().items():
+        same = (
+            label.startswith(f"{args.model} (")
+            and entry["steps"] == args.steps
+            and entry.get("sync_steps", 0) == args.sync_steps
+            and entry.get("peak_lr") == rates
+            and [int(n) for n in entry["losses"]["2bw"]] == lengths
+            and len(entry["losses"]["sync"]) >= seeds
+        )
+        if same:
+            nan = float("nan")  # the run's time was not kept
+            found = {f"sync@{args.steps}/seed{s}": entry["losses"]["sync"][s] for s in range(seeds)}
+            found |= {f"2bw@{n}/seed{s}": entry["losses"]["2bw"][str(n)][s] for n in lengths for s in range(seeds)}
+            return {
+                key: {"curve": [[int(key.split("@")[1].split("/")[0]), loss]], "seconds": nan}
+                for key, loss in found.items()
+            }
+    raise SystemExit(
+        f"--recorded-seeds {seeds}: no record in step_overhead.json holds {seeds} seeds of {args.model} at --steps "
+        f"{args.steps}, --sync-steps {args.sync_steps}, peak rates {rates} and horizons {lengths}"
+    )
+
+
 def plot(entry: dict, path: Path) -> None:
     """The one picture a user decides by: the final validation loss (whole held-out split, mean over seeds) of runs
     of each length against their training time in Flush's steps, 2BW's step taking 1/ratio of Flush's at each rate
