@@ -45,10 +45,11 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_pd2bw import PipeDream2BWStrategy
 from lightning_pd2bw.engine.compiled import compile_layers
 from lightning_pd2bw.engine.materialize import parameters_on_meta
-from lightning_pd2bw.engine.options import PipelineOptions, resolved_dtypes
+from lightning_pd2bw.engine.options import PipelineOptions
 from lightning_pd2bw.engine.precision import Precision
 from lightning_pd2bw.models import GPT, GPTConfig
 from lightning_pd2bw.planner.auto import sample_microbatch, shared_layers
+from lightning_pd2bw.planner.candidate import planning_run
 from lightning_pd2bw.planner.cost import Candidate, ModelProfile, stage_memory
 from lightning_pd2bw.planner.measure import measure_layers
 from lightning_pd2bw.planner.saved_bytes import count_layers
@@ -103,7 +104,7 @@ def predicted_stage_bytes(
         model.configure_model()
     layers = list(model.pipeline_layers())
     device = torch.device(DEVICE)
-    weight_dtype = resolved_dtypes(options, "bf16-mixed")["weight_dtype"]
+    weight_dtype = planning_run(options, "bf16-mixed").weight_dtype
     versions = Precision.of("bf16-mixed").version_bytes(weight_dtype)
     sample = sample_microbatch(batch, micro, device)
     profiles = measure_layers(
@@ -137,7 +138,7 @@ def predicted_stage_bytes(
         version_bytes=versions,
         optimizer_temporaries=0.0,  # fused AdamW on CUDA (models/optim.py)
     )
-    return stage_memory(profile, range(len(layers)), 0, Candidate(1, 1, micro, False, options), m)
+    return stage_memory(profile, range(len(layers)), 0, Candidate.of(options, 1, 1, micro, False), m)
 
 
 def dense_bf16_peak() -> float | None:

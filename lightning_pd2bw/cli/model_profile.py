@@ -44,13 +44,13 @@ def build_model_on_meta(cfg):
     return model
 
 
-def analytic_model_profile(cfg, model, micro_batch_size: int):
-    """The planner's analytic profile of the configured model at ``micro_batch_size`` (FLOPs and bytes)."""
+def analytic_model_profile(cfg, model, micro_batch_size: int, run):
+    """The planner's analytic profile of the configured model at ``micro_batch_size`` (FLOPs and bytes) under ``run``
+    (its precision and dtypes: the dry run's ``Run``, ``planned_run``'s or a candidate's; None: ``planned_run``)."""
     import torch
     from hydra.utils import instantiate
 
     from ..engine.partition import layer_parameter_counts
-    from ..engine.precision import Precision
     from ..lightning.contract import pipeline_layers_of
     from ..planner.auto import layer_tensors, shared_layers
     from ..planner.cost import NCCL_GROUP_BYTES, ModelProfile
@@ -62,7 +62,8 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     layers = pipeline_layers_of(model)
     counts = layer_parameter_counts(layers)
     device = DEVICES[cfg.cluster.device] if cfg.get("cluster") else DEVICES["a100_80g"]
-    precision = Precision.of(cfg.trainer.precision)
+    run = run or planned_run(cfg)
+    precision = run.precision
     weight_bytes = precision.parameter_bytes
     profiles = analytic_profile(
         num_blocks=len(layers) - 2,
@@ -72,13 +73,12 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         seq=cfg.data.seq_len,
         micro=micro_batch_size,
         device=device,
-        precision=cfg.trainer.precision,
+        precision=precision.name,
         embedding_parameters=counts[0],
         head_parameters=counts[-1],
         sparse_speedup=speedup_for(device.name) if (sparsity_config(cfg) or {}).get("kernels") else None,
     )
-    dtypes = run_dtypes(cfg)
-    counted = counted_activations(cfg, model, micro_batch_size)
+    counted = counted_activations(cfg, model, micro_batch_size, run)
     profiles = [  # what crosses (boundary_dtype) and what the stage keeps of its output (its own dtype)
         replace(layer, activation_bytes=float(c.saved), output_bytes=float(c.sent), kept_output_bytes=float(c.output))
         for layer, c in zip(profiles, counted)
@@ -102,7 +102,7 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
         weight_bytes,
         states,
         shared_layers(layers),
-        version_bytes=precision.version_bytes(dtypes["weight_dtype"]),
+        version_bytes=precision.version_bytes(run.weight_dtype),
         communicator_bytes=0.0 if on_cpu else NCCL_GROUP_BYTES,
         layer_states=layer_states,
         optimizer_temporaries=temporaries,
@@ -111,19 +111,19 @@ def analytic_model_profile(cfg, model, micro_batch_size: int):
     )
 
 
-def counted_activations(cfg, model, micro_batch_size: int):
+def counted_activations(cfg, model, micro_batch_size: int, run):
     """Each pipeline layer's saved and output bytes for one microbatch of ``micro_batch_size`` x ``data.seq_len``
-    tokens, counted from the model's own forward at the run's precision and weight dtype (``planner/saved_bytes.py``:
-    fake tensors, nothing allocated). The batch is the project's text batch (``input_ids`` and ``labels``)."""
+    tokens, counted from the model's own forward at ``run``'s precision and weight dtype (None: ``planned_run``;
+    ``planner/saved_bytes.py``: fake tensors, nothing allocated). The batch is the project's text batch
+    (``input_ids`` and ``labels``)."""
     import torch
 
-    from ..engine.precision import Precision
     from ..lightning.contract import pipeline_layers_of
     from ..planner.saved_bytes import count_layers
 
-    precision = Precision.of(cfg.trainer.precision)
-    dtypes = run_dtypes(cfg)
-    weight_dtype = precision.parameter_dtype or dtypes["weight_dtype"]
+    run = run or planned_run(cfg)
+    precision = run.precision
+    weight_dtype = precision.parameter_dtype or run.weight_dtype
     autocast = precision.autocast_dtype
     shape = (micro_batch_size, cfg.data.seq_len)
 
@@ -133,7 +133,7 @@ def counted_activations(cfg, model, micro_batch_size: int):
 
     # counted once per model and shape: pd2bw-plan searches each mode over the same micro sizes (a count at 13B takes
     # about a second)
-    key = (shape, weight_dtype, autocast, dtypes["boundary_dtype"])
+    key = (shape, weight_dtype, autocast, run.boundary_dtype)
     cache = model.__dict__.setdefault("_pd2bw_counted", {})
     if key not in cache:
         first = model.pipeline_inputs({"input_ids": torch.zeros(shape, dtype=torch.long, device="meta")})
@@ -143,18 +143,18 @@ def counted_activations(cfg, model, micro_batch_size: int):
             weight_dtype=weight_dtype,
             autocast_dtype=autocast,
             loss_fn=loss,
-            boundary_dtype=dtypes["boundary_dtype"],
+            boundary_dtype=run.boundary_dtype,
         )
     return cache[key]
 
 
-def run_dtypes(cfg) -> dict:
-    """The run's ``weight_dtype`` and ``boundary_dtype``, ``"auto"`` resolved under its precision (``engine/options.py``,
-    the rule the strategy resolves them by)."""
-    from ..engine.options import resolved_dtypes
+def planned_run(cfg):
+    """The run ``cfg`` configures, resolved once with its layout left to the planner (``candidate.planning_run``: its
+    options checked, ``"auto"`` dtypes resolved under its precision, as the strategy resolves them)."""
+    from ..planner.candidate import planning_run
     from .checks import check_options
 
-    return resolved_dtypes(check_options(cfg.strategy), str(cfg.trainer.precision))
+    return planning_run(check_options(cfg.strategy), str(cfg.trainer.precision))
 
 
 def _muon_states(block) -> float:

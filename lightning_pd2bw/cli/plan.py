@@ -7,10 +7,9 @@ parameter counts, no memory) and profiled analytically for the cluster's device.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
-from .model_profile import analytic_model_profile, build_model_on_meta
+from .model_profile import analytic_model_profile, build_model_on_meta, planned_run
 from .run_plan import cluster_of  # noqa: F401  (re-exported)
 from .train import CONF, RECIPES, _select_recipe, recipe_names, setup_hydra
 
@@ -37,24 +36,24 @@ def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False
     (Flush without a lookahead; the gradients and the placement as the planner weighs them, ``search.gradient_choices``
     and ``placement_choices``, whatever the run set: a recipe's are chosen for its own mode); ``fastest_only``: the
     fastest plan is all that is read, ``top``: the ``top`` fastest (``search``). One search per options and model."""
-    from ..engine.options import resolved_dtypes
+    from ..planner.candidate import planning_run
     from ..planner.search import search
-    from .checks import check_options
 
-    options = check_options(cfg.strategy)
-    options = options.replace(**resolved_dtypes(options, str(cfg.trainer.precision)))
+    run = planned_run(cfg)
     if mode is not None:
+        options = run.options
         lookahead = options.lookahead if mode == options.mode or mode == "2bw" else 0
-        options = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None, placement=None)
+        changed = options.replace(mode=mode, lookahead=lookahead, shard_gradients=None, placement=None)
+        run = planning_run(changed, run.precision)
     searched = model.__dict__.setdefault("_pd2bw_searches", {})  # this model's and cfg's, by options
-    whole, fastest = (repr(options), False, top), (repr(options), True, None)
+    whole, fastest = (repr(run.options), False, top), (repr(run.options), True, None)
     key = whole if whole in searched or not fastest_only else fastest
     if key not in searched:
         profiles = searched.setdefault("profiles", {})  # one profile per micro size
 
         def profile_for(micro: int):  # noqa: ANN202
             if micro not in profiles:
-                profiles[micro] = analytic_model_profile(cfg, model, micro)
+                profiles[micro] = analytic_model_profile(cfg, model, micro, run)
             return profiles[micro]
 
         predicted = searched.setdefault("predicted", {})  # one simulation per candidate and cut
@@ -62,7 +61,7 @@ def search_plans(cfg, model, mode: str | None = None, fastest_only: bool = False
             profile_for,
             cluster_of(cfg),
             cfg.global_batch_size,
-            options,
+            run,
             fastest_only=key[1],
             predicted=predicted,
             top=key[2],
@@ -106,7 +105,7 @@ def update_line(cfg, model, best) -> str:
     kind (``timing.update_cost``): where the pipeline's own bubble hides it, nothing."""
     from ..planner.timing import update_cost
 
-    profile = analytic_model_profile(cfg, model, best.candidate.micro_batch_size)
+    profile = analytic_model_profile(cfg, model, best.candidate.micro_batch_size, best.candidate.run)
     added = update_cost(profile, best.candidate, cluster_of(cfg), best.stages, best.num_microbatches)
     step, total = added.pop("step"), added.pop("all")
     kinds = ", ".join(f"{name} {seconds:.3f}" for name, seconds in added.items() if seconds > 0.0005)
@@ -179,8 +178,8 @@ def interleaved_at(cfg, model, plans) -> tuple | None:
     cluster, found, seen = cluster_of(cfg), [], set()
     for plan in plans:
         candidate = plan.candidate
-        flush = dataclasses.replace(candidate, options=candidate.options.replace(mode="flush", lookahead=0))
-        profile = analytic_model_profile(cfg, model, candidate.micro_batch_size)
+        flush = candidate.replaced(mode="flush", lookahead=0)
+        profile = analytic_model_profile(cfg, model, candidate.micro_batch_size, candidate.run)
         for virtual in VIRTUAL_CHOICES:
             if (repr(flush), virtual) in seen:
                 continue
@@ -200,7 +199,7 @@ def start_rate(cfg, model, plan) -> float | None:
     from ..planner.timing import timing
 
     candidate = plan.candidate
-    profile = analytic_model_profile(cfg, model, candidate.micro_batch_size)
+    profile = analytic_model_profile(cfg, model, candidate.micro_batch_size, candidate.run)
     clock = timing(profile, candidate, cluster_of(cfg), plan.stages, plan.num_microbatches, synchronous=True)
     return cfg.global_batch_size / clock.step_time
 

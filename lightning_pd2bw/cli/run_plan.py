@@ -228,7 +228,7 @@ def stage_plan(cfg, layout, model):
     the same options (``candidate_of``): what ``pd2bw-plan`` predicts for the configuration it proposes."""
     from ..planner.cost import stage_memory
 
-    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size, layout.run)
     candidate = candidate_of(cfg, layout)
     stages = planned_stages(cfg, layout, model, profile)
     memories = [stage_memory(profile, span, s, candidate, layout.num_microbatches) for s, span in enumerate(stages)]
@@ -331,7 +331,7 @@ def candidate_of(cfg, layout):
     from ..planner import Candidate
 
     run = layout.run
-    return Candidate.of(run.options, run.width, run.num_stages, layout.micro_batch_size)
+    return Candidate.of(run, run.width, run.num_stages, layout.micro_batch_size)
 
 
 def planned_stages(cfg, layout, model, profile=None) -> list[range]:
@@ -342,7 +342,7 @@ def planned_stages(cfg, layout, model, profile=None) -> list[range]:
 
     if cfg.strategy.get("layers_per_stage"):
         return ranges_of(list(cfg.strategy.layers_per_stage), len(model.pipeline_layers()))
-    profile = profile or analytic_model_profile(cfg, model, layout.micro_batch_size)
+    profile = profile or analytic_model_profile(cfg, model, layout.micro_batch_size, layout.run)
     if cfg.strategy.mode == "interleaved":  # num_stages x 2 chunks
         from .run_plan_interleaved import chunk_cut
 

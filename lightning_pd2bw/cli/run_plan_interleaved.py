@@ -22,7 +22,7 @@ def interleaved_lines(cfg, layout, model, candidate, cluster) -> list[str]:
     from ..planner.interleaved import predict_interleaved, rank_memory
     from .model_profile import analytic_model_profile
 
-    profile = analytic_model_profile(cfg, model, layout.micro_batch_size)
+    profile = analytic_model_profile(cfg, model, layout.micro_batch_size, layout.run)
     chunks = chunk_cut(cfg, layout, model, profile)
     d, m, virtual = layout.num_stages, layout.num_microbatches, layout.run.options.chunks
     lines = []

@@ -325,7 +325,7 @@ def dtype_option(
     return dtype
 
 
-def resolved_dtypes(options: PipelineOptions, precision: object) -> dict[str, torch.dtype | None]:
+def _resolved_dtypes(options: PipelineOptions, precision: object) -> dict[str, torch.dtype | None]:
     """``weight_dtype`` and ``boundary_dtype`` with ``"auto"`` resolved under ``precision`` (``engine/precision.py``)."""
     resolve = Precision.of(precision).resolve
     return {name: resolve(getattr(options, name)) for name in ("weight_dtype", "boundary_dtype")}
@@ -359,7 +359,7 @@ class Run:
             num_stages=depth,
             num_microbatches=microbatches,
             placement=options.placement or rules.Placement.PIPELINE.value,
-            **resolved_dtypes(options, precision),
+            **_resolved_dtypes(options, precision),
         )
         return cls(resolved, layout, world_size, Precision.of(precision))
 

@@ -71,7 +71,7 @@ class Precision:
         """Bytes per parameter of each weight version held apart from a float32 master (``weight_dtype``: the run's,
         resolved), or None where the versions are the weights themselves."""
         if weight_dtype == "auto":
-            raise ValueError("version_bytes takes a resolved weight_dtype (PipelineOptions.resolve or resolved_dtypes)")
+            raise ValueError("version_bytes takes a resolved weight_dtype (a Run's: PipelineOptions.resolve)")
         if weight_dtype is None or self.true_16bit:
             return None
         dtype = getattr(torch, weight_dtype) if isinstance(weight_dtype, str) else weight_dtype

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..engine.options import PipelineOptions, resolved_dtypes
+from ..engine.options import PipelineOptions
 from .compat import train_dataloader
 
 
@@ -25,8 +25,8 @@ def choose(
     """Profile this device and the links, and plan the fastest layout that fits (``plan="auto"``); returns the
     options that run it (the planner's depth, microbatches, recomputation and cut), the planner's best prediction
     and each replica's batch size. Logged to rank 0 and the logger."""
-    from ..engine.precision import Precision
     from ..planner.auto import plan_on_world
+    from ..planner.candidate import planning_run
     from ..planner.search import format_table
 
     loader = train_dataloader(trainer)
@@ -36,8 +36,6 @@ def choose(
     if not global_batch:
         raise ValueError("plan='auto' needs PipeDream2BWStrategy(global_batch_size=...) for this dataloader")
     module, precision = trainer.lightning_module, trainer.precision_plugin
-    dtypes = resolved_dtypes(options, precision.precision)  # "auto": bfloat16 under bf16-mixed
-    bytes_of = Precision.of(precision.precision)
     best, cluster, ranked = plan_on_world(
         layers,
         sample,
@@ -46,11 +44,7 @@ def choose(
         device=device,
         num_nodes=num_nodes,
         global_batch=global_batch,
-        options=options.replace(**dtypes),
-        weight_bytes=bytes_of.parameter_bytes,
-        version_bytes=bytes_of.version_bytes(dtypes["weight_dtype"]),
-        weight_dtype=dtypes["weight_dtype"],  # the layers profiled on weight versions in it, as they will run
-        boundary_dtype=dtypes["boundary_dtype"],  # and their outputs counted as they cross
+        run=planning_run(options, precision.precision),  # "auto" dtypes: bfloat16 under bf16-mixed
         autocast=precision.train_step_context,
     )
     chosen = best.candidate

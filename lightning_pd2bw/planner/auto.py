@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.comm.microbatch import resize_batch, to_device
-from ..engine.options import PipelineOptions
+from ..engine.options import Run
 from .cost import NCCL_GROUP_BYTES, ModelProfile, Prediction
 from .hardware import ClusterSpec, DeviceSpec
 from .measure import measure_layers, synchronize
@@ -95,17 +95,16 @@ def plan_on_world(
     device: torch.device,
     num_nodes: int,
     global_batch: int,
-    options: PipelineOptions,
-    weight_bytes: int = 4,
-    version_bytes: int | None = None,
-    weight_dtype: torch.dtype | None = None,
-    boundary_dtype: torch.dtype | None = None,
+    run: Run,
     optimizer_states: int = 2,
     autocast: Callable[[], Any] | None = None,
     max_micro_sizes: int = 6,
 ) -> tuple[Prediction, ClusterSpec, list[Prediction]]:
-    """The fastest plan that runs ``options`` (mode, lookahead, delay correction) and fits, chosen on rank 0 from
-    measured profiles, identical on every rank."""
+    """The fastest plan that runs ``run`` (its options: mode, lookahead, delay correction; its precision: the bytes
+    and dtypes the layers are profiled in, ``candidate.planning_run``) and fits, chosen on rank 0 from measured
+    profiles, identical on every rank."""
+    weight_dtype, boundary_dtype = run.weight_dtype, run.boundary_dtype  # the layers profiled as they will run
+    weight_bytes, version_bytes = run.precision.parameter_bytes, run.precision.version_bytes(weight_dtype)
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = world // num_nodes
     latency, bandwidth = measure_link(1, device) if world > 1 else (0.0, float("inf"))
@@ -151,7 +150,7 @@ def plan_on_world(
             )
 
         try:
-            message = [search(profile_for, cluster, global_batch, options, micro_batch_sizes=micros)[0]]
+            message = [search(profile_for, cluster, global_batch, run, micro_batch_sizes=micros)[0]]
         except ValueError as error:  # every rank raises it, none waits forever
             message = [error]
     dist.broadcast_object_list(message, src=0)

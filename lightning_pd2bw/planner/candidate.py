@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.layout import Mode, shards
-from ..engine.options import PipelineOptions, recomputed_layers
+from ..engine.layout import Mode
+from ..engine.options import PipelineOptions, Run, recomputed_layers
 from ..engine.updates.sharding import owners_of
 from .profile import LayerProfile
 
@@ -86,36 +86,77 @@ class ModelProfile:
         return 1.0 if self.optimizer_states == 2 else 0.0
 
 
+def planning_run(options: PipelineOptions, precision: object = None) -> Run:
+    """The run ``options`` describe under ``precision``, resolved once (checked, ``"auto"`` dtypes resolved) with its
+    layout left to the planner: one process, one stage, recomputation as a choice (all or none), the placement as
+    given (None: the planner weighs both); each candidate lays it out (``Candidate.of``). Interleaved 1F1B is planned
+    at the other modes' layouts, not searched: refused with where to look."""
+    if Mode(options.mode).interleaved:
+        raise ValueError(
+            "the planner searches layouts for mode=flush, zb_h1 and 2bw; interleaved 1F1B is planned at their best "
+            "layouts in the synchronous plans' line (pd2bw-plan strategy.mode=flush shows it): give an interleaved "
+            "run its layout (strategy.num_stages, num_microbatches) rather than plan=auto"
+        )
+    recompute = options.recompute if isinstance(options.recompute, bool) else True
+    unlaid = options.replace(num_stages=1, num_microbatches=None, layers_per_stage=None, recompute=recompute)
+    run = Run.of(unlaid, 1, precision)
+    return replace(run, options=run.options.replace(placement=options.placement))  # None: the planner weighs both
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration the planner weighs: width, depth, microbatch size and recomputation (the dimensions it
-    searches) for the run ``options`` describes, kept whole (its mode, lookahead, delay correction, sharding and
-    dtypes; ``Candidate.of``)."""
+    """One configuration the planner weighs: the run laid out at a width and depth, with its recomputation (the
+    dimensions it searches; a ``Run``: its options kept whole, dtypes resolved, the width rule its own), and a
+    microbatch size."""
 
-    width: int
-    depth: int
+    run: Run
     micro_batch_size: int
-    recompute: bool | tuple[int, ...]  # all, none, or per stage its first layers (``PipelineOptions.recompute``)
-    options: PipelineOptions  # the run's (``Candidate.of``), no defaults of the planner's own
-
-    def recomputed(self, stage: int, span: range) -> range:
-        """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""
-        return range(span.start, span.start + recomputed_layers(self.recompute, stage, len(span)))
 
     @classmethod
     def of(
         cls,
-        options: PipelineOptions,
+        source: Run | PipelineOptions,
         width: int,
         depth: int,
         micro_batch_size: int,
         recompute: bool | tuple[int, ...] | None = None,
+        precision: object = None,
     ) -> Candidate:
-        """The candidate that runs with ``options`` (recomputation as the run has it, unless searched): every reader
-        of one run (``pd2bw-plan``, the dry run, ``plan="auto"``) plans it through here."""
+        """``source`` (a run, or options resolved under ``precision``) at width x depth, recomputing all, none, or per
+        stage its first layers (default: as ``source``): every reader of one run (``pd2bw-plan``, the dry run,
+        ``plan="auto"``) plans it through here; ``Run.of`` resolves it."""
+        options = source.options if isinstance(source, Run) else source
+        precision = source.precision if isinstance(source, Run) else precision
         recompute = options.recompute if recompute is None else recompute
-        layout = dict(num_stages=None, num_microbatches=None, layers_per_stage=None)
-        return cls(width, depth, micro_batch_size, recompute, options.replace(**layout, recompute=recompute))
+        laid = options.replace(num_stages=depth, num_microbatches=None, layers_per_stage=None, recompute=recompute)
+        return cls(Run.of(laid, width * depth, precision), micro_batch_size)
+
+    def replaced(self, **changes: object) -> Candidate:
+        """The same width, depth and microbatch size with ``changes`` to the run's options (its mode, recomputation)."""
+        return Candidate(
+            Run.of(self.options.replace(**changes), self.run.world_size, self.run.precision), self.micro_batch_size
+        )
+
+    @property
+    def options(self) -> PipelineOptions:
+        return self.run.options
+
+    @property
+    def width(self) -> int:
+        return self.run.width
+
+    @property
+    def depth(self) -> int:
+        return self.run.num_stages
+
+    @property
+    def recompute(self) -> bool | tuple[int, ...]:
+        """All, none, or per stage its first layers (``PipelineOptions.recompute``)."""
+        return self.options.recompute
+
+    def recomputed(self, stage: int, span: range) -> range:
+        """The layers of ``stage`` (its ``span``) that recompute their activations: its first ones."""
+        return range(span.start, span.start + recomputed_layers(self.recompute, stage, len(span)))
 
     @property
     def mode(self) -> Mode:
@@ -128,8 +169,8 @@ class Candidate:
 
     @property
     def shards(self) -> tuple[bool, bool]:
-        """(The optimizer sharded, the gradients reduced to their owners) at this width (``layout.shards``)."""
-        return shards(self.width, self.options.shard_optimizer, self.options.gradients_to_owners)
+        """(The optimizer sharded, the gradients reduced to their owners) at this width (``Run.shards``)."""
+        return self.run.shards
 
     @property
     def optimizer_share(self) -> float:

@@ -14,7 +14,6 @@ stage (in part or whole) is taken as recomputing every chunk.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from ..engine.layout import Layout, Mode
@@ -89,7 +88,7 @@ def predict_interleaved(
         return None
     if not isinstance(candidate.recompute, bool):  # per stage: taken as every chunk recomputing
         recompute = any(candidate.recompute)
-        candidate = dataclasses.replace(candidate, recompute=recompute)
+        candidate = candidate.replaced(recompute=recompute)
     chunks = chunks_of(profile, d * virtual_stages)
     ranks = [[i for v in range(r, d * virtual_stages, d) for i in chunks[v]] for r in range(d)]
     costs = [

@@ -9,12 +9,12 @@ the feasibility test: exact for contiguous cuts with per-stage monotone limits).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from ..engine.layout import PLACEMENTS, Mode, Placement, sharded_at
-from ..engine.options import PipelineOptions
+from ..engine.options import PipelineOptions, Run
 from ..errors import Refusal
+from .candidate import planning_run
 from .cost import Candidate, ModelProfile, Prediction, boundary_memory, memory_of, predict, stage_memory
 from .hardware import ClusterSpec, GiB
 from .timing import compute_time
@@ -116,32 +116,28 @@ def fewest_recomputed(
     counts = []
     for s, span in enumerate(stages):
         for count in range(len(span) + 1):
-            trial = replace(candidate, recompute=tuple([0] * s + [count] + [0] * (len(stages) - s - 1)))
+            trial = candidate.replaced(recompute=tuple([0] * s + [count] + [0] * (len(stages) - s - 1)))
             if sum(stage_memory(profile, span, s, trial, num_microbatches).values()) <= capacity:
                 counts.append(count)
                 break
         else:
             return None
-    return replace(candidate, recompute=tuple(counts), options=candidate.options.replace(recompute=tuple(counts)))
+    return candidate.replaced(recompute=tuple(counts))
 
 
 def candidates(
     num_devices: int,
     num_layers: int,
     global_batch: int,
-    options: PipelineOptions,
+    run: Run | PipelineOptions,
     micro_batch_sizes: Sequence[int] | None = None,
 ) -> list[Candidate]:
-    """Every width x depth x microbatch size x recomputation of ``num_devices`` that runs ``options``' mode,
+    """Every width x depth x microbatch size x recomputation of ``num_devices`` that runs ``run``'s mode,
     lookahead and delay correction (m >= d). Not 2BW at depth 1 where a pipeline is possible: plain data
     parallelism that would pay the weight delay, the second weight version and the correction's buffers for
     nothing (Flush at depth 1 is the same run without them)."""
-    if Mode(options.mode).interleaved:
-        raise ValueError(
-            "the planner searches layouts for mode=flush, zb_h1 and 2bw; interleaved 1F1B is planned at their best "
-            "layouts in the synchronous plans' line (pd2bw-plan strategy.mode=flush shows it): give an interleaved "
-            "run its layout (strategy.num_stages, num_microbatches) rather than plan=auto"
-        )
+    run = run if isinstance(run, Run) else planning_run(run)
+    options = run.options
     out = []
     for depth in divisors(num_devices):
         width = num_devices // depth
@@ -156,7 +152,7 @@ def candidates(
             for recompute in (False, True):
                 for chosen in gradient_choices(options, width):
                     for placed in placement_choices(chosen, width, depth):
-                        out.append(Candidate.of(placed, width, depth, micro, recompute))
+                        out.append(Candidate.of(placed, width, depth, micro, recompute, run.precision))
     return out
 
 
@@ -186,7 +182,7 @@ def search(
     profile_for: Callable[[int], ModelProfile],
     cluster: ClusterSpec,
     global_batch: int,
-    options: PipelineOptions | None = None,
+    options: Run | PipelineOptions | None = None,
     *,
     micro_batch_sizes: Sequence[int] | None = None,
     headroom: float = MEMORY_HEADROOM,
@@ -194,8 +190,8 @@ def search(
     predicted: dict[tuple, Prediction] | None = None,
     top: int | None = None,
 ) -> tuple[list[Prediction], list[Prediction]]:
-    """All candidates on ``cluster``'s devices that run ``options`` (default: ``PipelineOptions()``, the strategy's
-    defaults): (those that fit, fastest first; those that do not, smallest first: the first ``TIMED_TOO_BIG`` timed,
+    """All candidates on ``cluster``'s devices that run ``options`` (a run resolved once, ``planning_run``; options:
+    resolved at 32-true; default: ``PipelineOptions()``, the strategy's defaults): (those that fit, fastest first; those that do not, smallest first: the first ``TIMED_TOO_BIG`` timed,
     the rest their memory alone, their times NaN).
 
     ``profile_for(b)`` returns the model's profile at microbatch size b (called once per size). ``fastest_only``:
@@ -223,18 +219,20 @@ def search(
 
     num_layers = len(profile_at(min(micro_batch_sizes or [1])).layers)
     fits, too_big = [], []
-    found = candidates(cluster.num_devices, num_layers, global_batch, options or PipelineOptions(), micro_batch_sizes)
+    run = options if isinstance(options, Run) else planning_run(options or PipelineOptions())
+    found = candidates(cluster.num_devices, num_layers, global_batch, run, micro_batch_sizes)
     cuts: dict[str, list[range] | None] = {}
 
     def cut(candidate: Candidate, m: int, limit: float) -> list[range] | None:
         """``partition``, once per candidate whatever its placement (the cut weighs compute and memory only)."""
-        key = repr((replace(candidate, options=candidate.options.replace(placement=None)), m, limit))
+        shape = (candidate.width, candidate.depth, candidate.micro_batch_size)
+        key = repr((shape, candidate.options.replace(placement=None), m, limit))
         if key not in cuts:
             cuts[key] = partition(profile_at(candidate.micro_batch_size), candidate, m, limit)
         return cuts[key]
 
     fitting: list[tuple[Candidate, list[range]]] = []  # timed below
-    for candidate in _shown(found, (options or PipelineOptions()).mode):
+    for candidate in _shown(found, run.options.mode):
         profile = profile_at(candidate.micro_batch_size)
         m = candidate.num_microbatches(global_batch)
         stages = cut(candidate, m, capacity)

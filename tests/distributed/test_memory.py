@@ -83,7 +83,7 @@ def planned(num_microbatches: int, mode: str, correction: str | None) -> list[di
     layers = [LayerProfile(0.0, 0.0, 0.0, message, 1), LayerProfile(0.0, 0.0, message, 4.0, 1)]
     states = 2 if correction else 0  # AdamW with a correction, else SGD
     profile = ModelProfile(layers, weight_bytes=4, optimizer_states=states, communicator_bytes=0.0)
-    candidate = Candidate(1, 2, SAMPLES, False, PipelineOptions(mode=mode, delay_correction=correction))
+    candidate = Candidate.of(PipelineOptions(mode=mode, delay_correction=correction), 1, 2, SAMPLES, False)
     return [stage_memory(profile, range(s, s + 1), s, candidate, num_microbatches) for s in range(2)]
 
 

@@ -286,7 +286,7 @@ DECLARATIONS = {
     "on_nonfinite": 2,
     "placement": 4,  # PipelineOptions, the strategy's keyword, the process grid and the NCCL model's CommLayout
     "plan": 2,
-    "recompute": 3,
+    "recompute": 2,  # 0.27.0: the planner's Candidate reads its Run's
     "requeue": 3,
     "shard_gradients": 3,
     "shard_optimizer": 3,

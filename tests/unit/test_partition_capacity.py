@@ -15,7 +15,7 @@ def test_every_stage_of_a_cut_fits_the_capacity_it_was_cut_for():
     layers = [LayerProfile(1.0, 2.0, 10.0, 0.0, 10_000)] + [LayerProfile(1.0, 2.0, 10.0, 0.0, 1_000)] * 5
     tensors = ((9_000, 1_000),) + ((500, 500),) * 5  # an embedding-like tensor: its owner steps most of stage 0
     profile = ModelProfile(layers, weight_bytes=4, optimizer_states=2, layer_tensors=tensors, communicator_bytes=0)
-    candidate = Candidate(2, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None))
+    candidate = Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 2, 2, 1, False)
     full = sum(stage_memory(profile, range(6), 0, candidate, 4).values())
     cut = 0
     for capacity in [full * k / 400 for k in range(100, 401)]:

@@ -55,13 +55,13 @@ def test_the_planner_times_each_placement_by_hand():
 
     intra, inter, size = 1e10, 1e9, 1e8
     cluster = ClusterSpec(DeviceSpec("toy", 1e12, 10 << 30, 1e11), 2, 8, intra, inter, latency=0.0)
-    by_pipeline = Candidate(4, 4, 1, False, PipelineOptions(placement="pipeline"))
-    by_replicas = Candidate(4, 4, 1, False, PipelineOptions(placement="replicas"))
+    by_pipeline = Candidate.of(PipelineOptions(placement="pipeline"), 4, 4, 1, False)
+    by_replicas = Candidate.of(PipelineOptions(placement="replicas"), 4, 4, 1, False)
     assert allreduce_time(size, by_pipeline, cluster) == pytest.approx(size / intra + size * 4 / inter)
     assert allreduce_time(size, by_replicas, cluster) == pytest.approx(2 * 3 / 4 * size / intra)
     assert [link_bandwidth(by_pipeline, cluster, b) for b in range(3)] == [intra] * 3
     assert [link_bandwidth(by_replicas, cluster, b) for b in range(3)] == [intra, inter / 4, intra]
-    unplaced = Candidate(4, 4, 1, False, PipelineOptions())  # None: timed as the grid runs it, by pipeline
+    unplaced = Candidate.of(PipelineOptions(), 4, 4, 1, False)  # None: timed as the grid runs it, by pipeline
     assert allreduce_time(size, unplaced, cluster) == allreduce_time(size, by_pipeline, cluster)
 
 

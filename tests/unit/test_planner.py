@@ -30,17 +30,21 @@ def uniform(n: int = 4, forward: float = 1.0, params: int = 1000, act: float = 1
 
 def test_pipeline_time_2bw_and_flush_by_hand():
     # 4 equal layers of F=1, B=2 on d=2: t = 2 * (1 + 2) = 6 s per microbatch and stage; m = 8
-    profile, candidate = uniform(), Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
+    profile, candidate = uniform(), Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, False)
     stages = [range(0, 2), range(2, 4)]
     two = predict(profile, candidate, cluster(), 8, stages)
     assert two.stage_times == (6.0, 6.0) and two.batch_time == pytest.approx(8 * 6.0)
     flush = predict(
-        profile, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), cluster(), 8, stages
+        profile,
+        Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 2, 1, False),
+        cluster(),
+        8,
+        stages,
     )
     assert flush.batch_time == pytest.approx((8 + 2 - 1) * 6.0)  # (m + d - 1) t: the flush bubble
     assert two.throughput / flush.throughput == pytest.approx(9 / 8)
     recompute = predict(
-        profile, Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", delay_correction=None)), cluster(), 8, stages
+        profile, Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, True), cluster(), 8, stages
     )
     assert recompute.stage_times == (8.0, 8.0), "recomputation repeats the forward: 4/3 of the compute"
 
@@ -49,7 +53,7 @@ def test_unequal_stages_flush_sums_the_stages():
     profile = ModelProfile([LayerProfile(1.0, 2.0, 0, 0, 1)] * 3)
     p = predict(
         profile,
-        Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)),
+        Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 2, 1, False),
         cluster(),
         4,
         [range(0, 2), range(2, 3)],
@@ -64,10 +68,10 @@ def test_unequal_stages_flush_sums_the_stages():
 def test_boundary_messages_and_server_crossing():
     # activations of 1e9 bytes cross each boundary; inside a server 1e10 B/s, between servers 1e9 B/s shared by d
     profile = uniform(out=1e9)
-    inside = predict(profile, Candidate(1, 2, 1, False, PLAIN), cluster(per_node=4), 4, [range(0, 2), range(2, 4)])
+    inside = predict(profile, Candidate.of(PLAIN, 1, 2, 1, False), cluster(per_node=4), 4, [range(0, 2), range(2, 4)])
     assert inside.stage_times[0] == pytest.approx(6.0 + 1e9 / 1e10)
     across = predict(
-        profile, Candidate(1, 2, 1, False, PLAIN), cluster(nodes=2, per_node=1), 4, [range(0, 2), range(2, 4)]
+        profile, Candidate.of(PLAIN, 1, 2, 1, False), cluster(nodes=2, per_node=1), 4, [range(0, 2), range(2, 4)]
     )
     assert across.stage_times[0] == pytest.approx(6.0 + 1e9 / (1e9 / 1))
 
@@ -75,15 +79,15 @@ def test_boundary_messages_and_server_crossing():
 def test_allreduce_on_the_right_level():
     bytes_ = 1e9
     # 4 replicas of a 1-stage model in one server: ring over NVLink, 2 (w-1)/w bytes / bandwidth
-    assert allreduce_time(bytes_, Candidate(4, 1, 1, False, PLAIN), cluster(per_node=4)) == pytest.approx(
-        1.5 * bytes_ / 1e10
-    )
+    assert allreduce_time(
+        bytes_, Candidate.of(PLAIN.replace(mode="flush"), 4, 1, 1, False), cluster(per_node=4)
+    ) == pytest.approx(1.5 * bytes_ / 1e10)
     # 2 servers x 1 device: the ring crosses the network
-    assert allreduce_time(bytes_, Candidate(2, 1, 1, False, PLAIN), cluster(nodes=2, per_node=1)) == pytest.approx(
-        1.0 * bytes_ / 1e9
-    )
+    assert allreduce_time(
+        bytes_, Candidate.of(PLAIN.replace(mode="flush"), 2, 1, 1, False), cluster(nodes=2, per_node=1)
+    ) == pytest.approx(1.0 * bytes_ / 1e9)
     # width 1: nothing to reduce
-    assert allreduce_time(bytes_, Candidate(1, 4, 1, False, PLAIN), cluster()) == 0.0
+    assert allreduce_time(bytes_, Candidate.of(PLAIN, 1, 4, 1, False), cluster()) == 0.0
 
 
 EF = "error_feedback"
@@ -94,19 +98,19 @@ def test_the_delay_correction_is_in_the_plan():
     left it out (the gpt13b dry run printed the same memory with and without it)."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
     plain = stage_memory(
-        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None)), 4
+        profile, range(0, 2), 0, Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, False), 4
     )
     corrected = stage_memory(
-        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=EF)), 4
+        profile, range(0, 2), 0, Candidate.of(PipelineOptions(mode="2bw", delay_correction=EF), 1, 2, 1, False), 4
     )
     assert corrected["correction"] == 2000 * 4 and plain["correction"] == 0.0
     assert corrected["workspace"] - plain["workspace"] == 2000 * 4
-    predictive = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="predictive_error_feedback"))
+    predictive = Candidate.of(PipelineOptions(mode="2bw", delay_correction="predictive_error_feedback"), 1, 2, 1, False)
     held = stage_memory(profile, range(0, 2), 0, predictive, 4)
     assert held["correction"] == 2 * 2000 * 4, "the predictive form holds D(t-1) and D(t-2)"
     assert held["workspace"] == corrected["workspace"]
     flush = stage_memory(
-        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=EF)), 4
+        profile, range(0, 2), 0, Candidate.of(PipelineOptions(mode="flush", delay_correction=EF), 1, 2, 1, False), 4
     )
     assert flush["correction"] == 0.0, "flush has no delay to correct"
 
@@ -114,7 +118,7 @@ def test_the_delay_correction_is_in_the_plan():
 def test_memory_per_stage_matches_the_paper_formula():
     # 2BW, no recompute: 2|W|/d weights + stash (d - s) x activations of the stage
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
-    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
+    candidate = Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, False)
     first = stage_memory(profile, range(0, 2), 0, candidate, 4)
     assert first == {
         "weights": 2 * 2000 * 4,
@@ -133,23 +137,27 @@ def test_memory_per_stage_matches_the_paper_formula():
     assert last["outputs"] == 0.0 and last["transport"] == 2 * 10.0  # one gradient send, one activation receive
     # recompute: stash only the stage input (d - s of them), rebuild one microbatch's activations
     rec = stage_memory(
-        profile, range(2, 4), 0, Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", delay_correction=None)), 4
+        profile, range(2, 4), 0, Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, True), 4
     )
     assert rec["activations"] == 2 * 10.0 + 200.0
     # flush keeps one weight version; GPipe stashes all m microbatches
     flush = stage_memory(
-        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 4
+        profile, range(0, 2), 0, Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 2, 1, False), 4
     )
     assert flush["weights"] == 2000 * 4 and flush["workspace"] == 100.0, "flush steps with nothing stashed"
     assert flush["gradients"] == 2000 * 4, "flush completes its update at once: one gradient buffer"
     # m <= d - s: the whole stash is taken before the first backward; gradients then meet one microbatch fewer
     drained = stage_memory(
-        profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 2
+        profile, range(0, 2), 0, Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 2, 1, False), 2
     )
     assert drained["activations"] + drained["gradients"] == max(2 * 200.0, 200.0 + 2000 * 4)
     assert (
         stage_memory(
-            profile, range(0, 2), 0, Candidate(1, 2, 1, False, PipelineOptions(mode="gpipe", delay_correction=None)), 4
+            profile,
+            range(0, 2),
+            0,
+            Candidate.of(PipelineOptions(mode="gpipe", delay_correction=None), 1, 2, 1, False),
+            4,
         )["activations"]
         == 4 * 200.0
     )
@@ -159,7 +167,7 @@ def test_lookahead_stashes_one_more_microbatch_on_every_stage():
     """lookahead=1 at d = 2, m = 4: stage 0 stashes d - s + 1 = 3 microbatches, the last stage 2 (it receives ahead); at m = 2 the
     cap (m - d = 0) leaves stage 0 at its 2, as the schedule runs it."""
     profile = uniform(n=4, params=1000, act=100.0, out=10.0)
-    ahead = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", lookahead=1, delay_correction=None))
+    ahead = Candidate.of(PipelineOptions(mode="2bw", lookahead=1, delay_correction=None), 1, 2, 1, False)
     assert stage_memory(profile, range(0, 2), 0, ahead, 4)["activations"] == 3 * 200.0
     assert stage_memory(profile, range(2, 4), 1, ahead, 4)["activations"] == 2 * 200.0
     assert stage_memory(profile, range(0, 2), 0, ahead, 2)["activations"] == 2 * 200.0
@@ -167,7 +175,7 @@ def test_lookahead_stashes_one_more_microbatch_on_every_stage():
         profile,
         range(2, 4),
         0,
-        Candidate(1, 2, 1, True, PipelineOptions(mode="2bw", lookahead=1, delay_correction=None)),
+        Candidate.of(PipelineOptions(mode="2bw", lookahead=1, delay_correction=None), 1, 2, 1, True),
         4,
     )
     assert recompute["activations"] == 3 * 10.0 + 200.0
@@ -179,7 +187,7 @@ def test_tied_parameter_counted_once_on_one_stage():
         shared=((0, 2, 500),),
     )
     one = stage_memory(
-        profile, range(0, 3), 0, Candidate(1, 1, 1, False, PipelineOptions(mode="flush", delay_correction=None)), 1
+        profile, range(0, 3), 0, Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 1, 1, False), 1
     )
     assert one["weights"] == (500 + 100 + 500 - 500) * 4
 
@@ -187,7 +195,7 @@ def test_tied_parameter_counted_once_on_one_stage():
 def test_partition_balances_time_not_layer_count():
     # an expensive head (the LM head's vocabulary matmul) gets a stage of its own
     layers = [LayerProfile(0.1, 0.2, 0, 0, 10)] + [LayerProfile(1, 2, 0, 0, 10)] * 4 + [LayerProfile(3, 6, 0, 0, 10)]
-    stages = partition(ModelProfile(layers), Candidate(1, 3, 1, False, PLAIN), 4, float("inf"))
+    stages = partition(ModelProfile(layers), Candidate.of(PLAIN, 1, 3, 1, False), 4, float("inf"))
     assert stages == [range(0, 3), range(3, 5), range(5, 6)]
 
 
@@ -195,12 +203,12 @@ def test_partition_respects_memory_and_shifts_layers_off_the_first_stage():
     # the first stage stashes d microbatches, the last one: memory pushes layers to the back
     layers = [LayerProfile(1, 2, 1000.0, 0, 0)] * 6
     profile = ModelProfile(layers, communicator_bytes=0.0)  # the stash alone (no NCCL buffers: gloo)
-    balanced = partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, float("inf"))
+    balanced = partition(profile, Candidate.of(PLAIN, 1, 2, 1, False), 4, float("inf"))
     assert balanced == [range(0, 3), range(3, 6)]
     # stage 0: 2 stashed x 2 layers + one layer's backward workspace; stage 1: 1 x 4 layers + workspace
-    tight = partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, capacity=2 * 2 * 1000.0 + 1000.0 + 1)
+    tight = partition(profile, Candidate.of(PLAIN, 1, 2, 1, False), 4, capacity=2 * 2 * 1000.0 + 1000.0 + 1)
     assert tight == [range(0, 2), range(2, 6)]
-    assert partition(profile, Candidate(1, 2, 1, False, PLAIN), 4, capacity=1000.0) is None
+    assert partition(profile, Candidate.of(PLAIN, 1, 2, 1, False), 4, capacity=1000.0) is None
 
 
 def test_search_obeys_m_ge_d_and_ranks_by_throughput():
@@ -261,16 +269,16 @@ def test_the_optimizer_is_counted_per_layer_and_per_implementation():
     muon = ModelProfile(
         layers, 4, 2, communicator_bytes=0.0, layer_states=(2.0, 1.0, 1.0, 2.0), optimizer_temporaries=0
     )
-    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode="2bw", delay_correction=None))
+    candidate = Candidate.of(PipelineOptions(mode="2bw", delay_correction=None), 1, 2, 1, False)
     middle, end = range(1, 3), range(0, 2)
     assert stage_memory(adam, middle, 1, candidate, 2)["optimizer"] == 2 * 200 * 4
     assert stage_memory(muon, middle, 1, candidate, 2)["optimizer"] == 1 * 200 * 4
     assert stage_memory(muon, end, 0, candidate, 2)["optimizer"] == 1.5 * 200 * 4
     foreach, fused = stage_memory(adam, middle, 1, candidate, 2), stage_memory(muon, middle, 1, candidate, 2)
     assert foreach["workspace"] - fused["workspace"] == 200 * 4  # foreach AdamW's weight-sized temporaries
-    sharded = Candidate(4, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="error_feedback"))
-    whole = Candidate(
-        4, 2, 1, False, PipelineOptions(mode="2bw", delay_correction="error_feedback", shard_optimizer=False)
+    sharded = Candidate.of(PipelineOptions(mode="2bw", delay_correction="error_feedback"), 4, 2, 1, False)
+    whole = Candidate.of(
+        PipelineOptions(mode="2bw", delay_correction="error_feedback", shard_optimizer=False), 4, 2, 1, False
     )
     a, b = stage_memory(adam, middle, 1, sharded, 2), stage_memory(adam, middle, 1, whole, 2)
     assert (a["optimizer"], a["correction"]) == (b["optimizer"] / 4, b["correction"] / 4)
@@ -288,7 +296,7 @@ def test_sharded_gradients_move_half_an_all_reduce():
         candidate = Candidate.of(PipelineOptions(mode="flush", **options), 4, 1, 1)
         return predict(profile, candidate, cluster(per_node=4), 4, [range(0, 1)]).update_time
 
-    allreduce = allreduce_time(4e8, Candidate(4, 1, 1, False, PLAIN), cluster(per_node=4))
+    allreduce = allreduce_time(4e8, Candidate.of(PLAIN.replace(mode="flush"), 4, 1, 1, False), cluster(per_node=4))
     reads = 2 * 4e8 / DEVICE.memory_bandwidth  # the gradients read for the non-finite flags and the clip norm
     assert update(shard_optimizer=False) == pytest.approx(allreduce + reads)
     assert update(shard_gradients=False) == pytest.approx(1.5 * allreduce + reads)
@@ -302,8 +310,8 @@ def test_nccl_communicators_are_those_the_stage_joins():
 
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 10)] * 6
     profile = ModelProfile(layers, shared=((0, 5, 10),))
-    sharded = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw"))
-    whole = Candidate(2, 3, 1, False, PipelineOptions(mode="2bw", shard_optimizer=False))
+    sharded = Candidate.of(PipelineOptions(mode="2bw"), 2, 3, 1, False)
+    whole = Candidate.of(PipelineOptions(mode="2bw", shard_optimizer=False), 2, 3, 1, False)
     # first: next, pipeline, loss, replica, shard, tied, world; middle: both neighbours, no tied; last: like the first
     assert [communicators(profile, s, sharded, span) for s, span in enumerate(S3)] == [
         [2, 3, 3, 2, 2, 2, 6],
@@ -311,7 +319,7 @@ def test_nccl_communicators_are_those_the_stage_joins():
         [2, 3, 3, 2, 2, 2, 6],
     ]
     assert [len(communicators(profile, s, whole, span)) for s, span in enumerate(S3)] == [6, 6, 6]
-    alone = Candidate(1, 3, 1, False, PipelineOptions(mode="2bw"))
+    alone = Candidate.of(PipelineOptions(mode="2bw"), 1, 3, 1, False)
     assert [communicators(profile, s, alone, span) for s, span in enumerate(S3)] == [
         [2, 3, 3, 2, 3],
         [2, 2, 3, 3, 3],
@@ -335,7 +343,7 @@ def test_mixed_precision_weights_hold_bfloat16_versions_and_one_float32_master(m
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100)] * 4
     plain = ModelProfile(layers, weight_bytes=4, communicator_bytes=0.0)
     mixed = ModelProfile(layers, weight_bytes=4, version_bytes=2, communicator_bytes=0.0)
-    candidate = Candidate(1, 2, 1, False, PipelineOptions(mode=mode))
+    candidate = Candidate.of(PipelineOptions(mode=mode), 1, 2, 1, False)
     a, b = stage_memory(mixed, range(1, 3), 1, candidate, 2), stage_memory(plain, range(1, 3), 1, candidate, 2)
     assert a["weights"] == versions * 200 * 2 + 200 * 4 and b["weights"] == versions * 200 * 4
     assert {k: v for k, v in a.items() if k != "weights"} == {k: v for k, v in b.items() if k != "weights"}
@@ -352,7 +360,7 @@ def test_the_fullest_replica_steps_the_largest_tensor_whole():
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100), LayerProfile(1.0, 2.0, 0.0, 0.0, 40)]
     balanced = ModelProfile(layers, weight_bytes=4)
     whole = ModelProfile(layers, weight_bytes=4, layer_tensors=((100,), (20, 20)))
-    candidate = Candidate(2, 1, 1, False, PipelineOptions(mode="flush"))
+    candidate = Candidate.of(PipelineOptions(mode="flush"), 2, 1, 1, False)
     assert candidate.replica_share(balanced, range(0, 2)) == pytest.approx(1 / 2)
     assert candidate.replica_share(whole, range(0, 2)) == pytest.approx(100 / 140)
     even, fullest = (
@@ -360,5 +368,5 @@ def test_the_fullest_replica_steps_the_largest_tensor_whole():
         stage_memory(whole, range(0, 2), 0, candidate, 2),
     )
     assert fullest["optimizer"] == pytest.approx(even["optimizer"] * (100 / 140) / (1 / 2))
-    unsharded = Candidate(2, 1, 1, False, PipelineOptions(mode="flush", shard_optimizer=False))
+    unsharded = Candidate.of(PipelineOptions(mode="flush", shard_optimizer=False), 2, 1, 1, False)
     assert unsharded.replica_share(whole, range(0, 2)) == 1.0

@@ -100,6 +100,6 @@ def test_the_embedding_owner_holds_adamws_two_states_beside_muons_one():
 
     layers = [LayerProfile(1.0, 2.0, 0.0, 0.0, 100), LayerProfile(1.0, 2.0, 0.0, 0.0, 120)]
     profile = ModelProfile(layers, weight_bytes=4, layer_states=(2.0, 1.0), layer_tensors=((100,), (30, 30, 30, 30)))
-    candidate = Candidate(2, 1, 1, False, PipelineOptions(mode="flush"))
+    candidate = Candidate.of(PipelineOptions(mode="flush"), 2, 1, 1, False)
     assert candidate.replica_share(profile, range(0, 2)) == pytest.approx(120 / 220)
     assert stage_memory(profile, range(0, 2), 0, candidate, 2)["optimizer"] == pytest.approx(200 * 4)

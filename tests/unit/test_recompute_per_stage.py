@@ -83,7 +83,7 @@ def uniform(layers: int = 16, activations: float = 1000.0) -> ModelProfile:
 def test_the_planner_recomputes_the_fewest_layers_that_fit_on_each_stage():
     """Stage s stashes min(d - s, m) microbatches: with 4 stages of 4 layers the first stage needs the most."""
     profile = uniform()
-    plain = Candidate(1, 4, 1, False, PipelineOptions(mode="flush", delay_correction=None))
+    plain = Candidate.of(PipelineOptions(mode="flush", delay_correction=None), 1, 4, 1, False)
     stages = partition(profile, plain, 4, float("inf"))
     needs = [sum(stage_memory(profile, span, s, plain, 4).values()) for s, span in enumerate(stages)]
     capacity = 9000.0  # the last stage fits as it is; the first three do not
@@ -96,6 +96,6 @@ def test_the_planner_recomputes_the_fewest_layers_that_fit_on_each_stage():
         fits = sum(stage_memory(profile, span, s, chosen, 4).values())
         assert fits <= capacity
         if count:  # one fewer does not fit: the fewest
-            fewer = Candidate(1, 4, 1, tuple(c - (i == s) for i, c in enumerate(chosen.recompute)), plain.options)
+            fewer = Candidate.of(plain.options, 1, 4, 1, tuple(c - (i == s) for i, c in enumerate(chosen.recompute)))
             assert sum(stage_memory(profile, span, s, fewer, 4).values()) > capacity
     assert fewest_recomputed(profile, plain, 4, 1.0, stages) is None  # nothing fits at all

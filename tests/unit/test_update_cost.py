@@ -23,7 +23,7 @@ def profile() -> ModelProfile:
 
 
 def flush(**options) -> Candidate:
-    return Candidate(2, 1, 1, False, PipelineOptions(mode="flush", delay_correction=None, **options))
+    return Candidate.of(PipelineOptions(mode="flush", delay_correction=None, **options), 2, 1, 1, False)
 
 
 @pytest.mark.parametrize("reduce_dtype, travels", [(None, 4), ("bfloat16", 2)])

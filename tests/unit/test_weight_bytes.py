@@ -141,7 +141,7 @@ def test_the_master_stays_float32_and_the_versions_bfloat16(one_process):
     assert counters["versions_bytes"] == weights * (4 + 2 * counters["weight_versions"])
     # the planner's weights term is what the engine holds: two bfloat16 versions and the float32 master
     profile = ModelProfile([LayerProfile(1.0, 2.0, 0.0, 0.0, weights)], weight_bytes=4, version_bytes=2)
-    planned = stage_memory(profile, range(1), 0, Candidate(1, 1, 1, False, PipelineOptions(mode="2bw")), 2)
+    planned = stage_memory(profile, range(1), 0, Candidate.of(PipelineOptions(mode="2bw"), 1, 1, 1, False), 2)
     assert counters["weight_versions"] == 2 and planned["weights"] == counters["versions_bytes"]
     engine.close()
 
@@ -165,7 +165,7 @@ def test_flush_holds_one_set_of_float32_gradients_and_2bw_two(one_process, mode)
     counters = engine.counters()
     weights = sum(p.numel() for p in engine.parameters())
     profile = ModelProfile([LayerProfile(1.0, 2.0, 0.0, 0.0, weights)], weight_bytes=4, version_bytes=2)
-    planned = stage_memory(profile, range(1), 0, Candidate(1, 1, 1, False, PipelineOptions(mode=mode)), 2)
+    planned = stage_memory(profile, range(1), 0, Candidate.of(PipelineOptions(mode=mode), 1, 1, 1, False), 2)
     assert planned["gradients"] == 4 * weights * (2 if mode == "2bw" else 1)
     held = counters["gradient_buffer_bytes"]  # each bucket's start aligned: a few bytes over the parameters'
     assert planned["gradients"] <= held < planned["gradients"] * 1.01
