@@ -49,17 +49,18 @@ PLANNED = {  # label -> pd2bw-plan's arguments (both modes get the same ones)
 }
 BEST = re.compile(r"^best: .*: ([0-9.]+) samples/s predicted", re.M)
 INTERLEAVED = re.compile(r"^synchronous plans: .*interleaved 1F1B ([0-9.]+) samples/s", re.M)  # where it fits
+START = re.compile(r"its synchronous start ([0-9.]+) samples/s")  # Flush's rule in 2BW's best layout
 
 
-def planned_rate(arguments: list[str], mode: str) -> tuple[float, float | None]:
-    """The best plan's samples/s as ``pd2bw-plan`` prints it for ``mode``, and interleaved 1F1B's (planned at the
-    other plans' layouts, where it fits; else None)."""
+def planned_rate(arguments: list[str], mode: str) -> tuple[float, float | None, float | None]:
+    """The best plan's samples/s as ``pd2bw-plan`` prints it for ``mode``, interleaved 1F1B's (planned at the other
+    plans' layouts, where it fits; else None) and 2BW's synchronous start's (None where not printed)."""
     command = [sys.executable, "-m", "lightning_pd2bw.cli.plan", *arguments, f"strategy.mode={mode}"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
-    found, interleaved = BEST.search(done.stdout), INTERLEAVED.search(done.stdout)
+    found, interleaved, start = (pattern.search(done.stdout) for pattern in (BEST, INTERLEAVED, START))
     if not found:
         raise RuntimeError(f"{' '.join(command)} printed no 'best:' line:\n{done.stdout[-2000:]}")
-    return float(found[1]), float(interleaved[1]) if interleaved else None
+    return float(found[1]), float(interleaved[1]) if interleaved else None, float(start[1]) if start else None
 
 
 def planned() -> dict[str, dict]:
@@ -72,13 +73,15 @@ def planned() -> dict[str, dict]:
     names = SYNCHRONOUS | {"interleaved": INTERLEAVED_NAME}  # interleaved: planned, not run by the engine
     for label, arguments in PLANNED.items():
         both = {mode: planned_rate(arguments, mode) for mode in ("2bw", *SYNCHRONOUS)}
-        found = {mode: rate for mode, (rate, _) in both.items()}
+        found = {mode: rate for mode, (rate, _, _) in both.items()}
         if both["2bw"][1] is not None:
             found["interleaved"] = both["2bw"][1]
         fastest = max((mode for mode in names if mode in found), key=found.get)
+        start = both["2bw"][2]
         rates[label] = found | {
             "ratio": found["2bw"] / found[fastest],
             "against": names[fastest],
+            "slowdown": found[fastest] / start if start else 1.0,  # the start's steps against the best synchronous
             "arguments": arguments,
         }
     return rates

@@ -15,11 +15,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def flush_steps(steps: float, ratio: float, sync_steps: int = 0) -> float:
+def flush_steps(steps: float, ratio: float, sync_steps: int = 0, slowdown: float = 1.0) -> float:
     """The time of ``steps`` of 2BW in Flush's steps at rate ratio ``ratio``: a synchronous start's first
-    ``sync_steps`` drain after each update, so they run at about Flush's rate; the rest at 2BW's."""
+    ``sync_steps`` drain after each update, Flush's rule in 2BW's layout (``slowdown`` times the best synchronous
+    plan's step, as ``pd2bw-plan`` charges them); the rest at 2BW's."""
     fresh = min(steps, sync_steps)
-    return fresh + (steps - fresh) / ratio
+    return fresh * slowdown + (steps - fresh) / ratio
 
 
 def time_to_quality(
@@ -66,6 +67,7 @@ def table_of(entry: dict) -> str:
     from lightning_pd2bw.planner.step_overhead import time_ratio
 
     ratios, steps, lengths = entry["ratios"], entry["steps"], [int(n) for n in entry["losses"]["2bw"]]
+    slow = entry.get("slowdowns", {})  # the start's steps in 2BW's layout (``flush_steps``)
     header = " | ".join(f"time at {r:.2f}x ({label})" for label, r in ratios.items())
     lines = [
         f"| seed | sync's loss at {steps} | 2BW's at " + ", ".join(map(str, lengths)) + " | 2BW's steps to it "
@@ -78,12 +80,12 @@ def table_of(entry: dict) -> str:
             lines.append(f"| {seed} | {target:.4f} | {finals} | > {entry['longest']:.2f}x (not reached) |")
             continue
         bound = "<= " if overhead <= entry["shortest"] else ""  # reached by the shortest run: an upper bound
-        times = " | ".join(f"{bound}{time_ratio(entry, overhead, r):.3f}" for r in ratios.values())
+        times = " | ".join(f"{bound}{time_ratio(entry, overhead, r, slow.get(k, 1.0)):.3f}" for k, r in ratios.items())
         lines.append(f"| {seed} | {target:.4f} | {finals} | {bound}{overhead:.3f}x | {times} |")
     if None not in entry["overheads"]:
         mean = statistics.mean(entry["overheads"])
         bound = "<= " if any(o <= entry["shortest"] for o in entry["overheads"]) else ""
-        times = " | ".join(f"{bound}{time_ratio(entry, mean, r):.3f}" for r in ratios.values())
+        times = " | ".join(f"{bound}{time_ratio(entry, mean, r, slow.get(k, 1.0)):.3f}" for k, r in ratios.items())
         lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
     return "\n".join(lines)
 
@@ -147,6 +149,9 @@ def record(args: argparse.Namespace, results: dict, lengths: list[int], ratios: 
     }
     entry["overheads"] = [round(o, 4) if o is not None else None for o in entry["overheads"]]
     entry["ratios"] = {label: round(ratio, 4) for label, ratio in ratios.items()}
+    planned = rates_planned()  # the comparator and the start's rate where the ratio is a planned one
+    entry["against"] = {label: planned[label].get("against", "Flush") for label in ratios if label in planned}
+    entry["slowdowns"] = {label: round(planned[label].get("slowdown", 1.0), 4) for label in ratios if label in planned}
     entry["losses"] = json.loads(json.dumps(entry["losses"]))
     record_overhead(
         f"{args.model} ({size / 1e6:.1f}M, {optimizer}{f', sync start {args.sync_steps}' if args.sync_steps else ''}"
@@ -207,7 +212,8 @@ def plot(entry: dict, path: Path) -> None:
     ax.axhline(target, color="k", lw=0.6, ls=":")
     finals = [statistics.mean(losses["2bw"][str(n)]) for n in lengths]
     for i, (label, ratio) in enumerate(entry["ratios"].items()):
-        times = [flush_steps(n, ratio, entry.get("sync_steps", 0)) for n in lengths]
+        slowdown = entry.get("slowdowns", {}).get(label, 1.0)
+        times = [flush_steps(n, ratio, entry.get("sync_steps", 0), slowdown) for n in lengths]
         ax.plot(times, finals, f"C{i}o-", label=f"2BW at {ratio:.2f}x Flush's rate ({label})")
     ax.set_xlabel("training time, in Flush's steps (each point a run of that length)")
     ax.set_ylabel("final validation loss (whole held-out split)")
@@ -229,9 +235,11 @@ def replan() -> None:
     planned = rates_planned()
     ratios = {label: round(plan["ratio"], 4) for label, plan in planned.items()}
     against = {label: plan.get("against", "Flush") for label, plan in planned.items()}  # the synchronous comparator
+    slowdowns = {label: round(plan.get("slowdown", 1.0), 4) for label, plan in planned.items()}
     for model, entry in measured().items():
-        record(model, entry | {"ratios": ratios, "against": against})
-        write_page(entry | {"ratios": ratios})  # the table's time columns and the plot at today's ratios
+        replanned = entry | {"ratios": ratios, "against": against, "slowdowns": slowdowns}
+        record(model, replanned)
+        write_page(replanned)  # the table's time columns and the plot at today's ratios
     readme = ROOT / "README.md"
     readme.write_text(with_summary(readme.read_text()))
     (ROOT / "docs" / "_generated" / "time-to-quality-summary.md").write_text(summary_table() + "\n")

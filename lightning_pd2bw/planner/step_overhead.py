@@ -67,9 +67,10 @@ def choice_text(twobw_rate: float, sync_rate: float, start_rate: float | None = 
     synchronous plan's rate)."""
     ratio = twobw_rate / sync_rate
     slowdown = sync_rate / start_rate if start_rate else 1.0
+    start = f"; its synchronous start {start_rate:.1f} samples/s (Flush's rule in 2BW's layout)" if start_rate else ""
     lines = [
         f"2BW or {sync}: 2BW's best plan {twobw_rate:.1f} samples/s, {sync}'s {sync_rate:.1f} ({ratio:.2f}x): 2BW "
-        f"reaches a loss sooner if it needs fewer than {ratio:.2f}x {sync}'s steps to it"
+        f"reaches a loss sooner if it needs fewer than {ratio:.2f}x {sync}'s steps to it{start}"
     ]
     entries = measured()
     if not entries:
@@ -141,15 +142,15 @@ def summary_table() -> str:
         times = []
         for label in labels:
             sync = entry.get("against", {}).get(label, "Flush")  # the fastest synchronous plan where it was planned
+            slowdown = entry.get("slowdowns", {}).get(label, 1.0)  # the start's steps in 2BW's layout, as pd2bw-plan
             if label not in ratios:
                 times.append("-")
             elif None in values:
-                times.append(
-                    f"> {time_ratio(entry, entry['longest'], ratios[label]):.2f}x {sync}'s at {ratios[label]:.2f}x"
-                )
+                longest = time_ratio(entry, entry["longest"], ratios[label], slowdown)
+                times.append(f"> {longest:.2f}x {sync}'s at {ratios[label]:.2f}x")
             else:
-                time = time_ratio(entry, statistics.mean(values), ratios[label])
-                said = verdict(entry, ratios[label], sync=sync).split(":")[0].split(" (")[0]  # "a tie", "undecided"
+                time = time_ratio(entry, statistics.mean(values), ratios[label], slowdown)
+                said = verdict(entry, ratios[label], slowdown, sync).split(":")[0].split(" (")[0]  # "a tie", ...
                 times.append(f"{time:.2f}x {sync}'s at {ratios[label]:.2f}x ({said})")
         rates = entry.get("peak_lr")
         named = f"{model[:-1]}; Flush {short(rates['flush'])}, 2BW {short(rates['2bw'])})" if rates else model

@@ -87,6 +87,20 @@ def test_a_synchronous_starts_steps_run_at_flushs_rate():
     assert step_overhead.break_even(started, 1.25, slowdown=1.032) == pytest.approx(0.125 + (1 - 0.129) * 1.25)
 
 
+def test_the_summary_charges_the_start_as_pd2bw_plan_does(measured):
+    """The README's verdict and ``pd2bw-plan``'s agree: both charge a synchronous start's steps at Flush's rule in
+    2BW's own layout (the record's ``slowdowns``, from the planned rates). By hand: 250 of 1,000 steps at 1.25x the
+    synchronous plan's step, the rest at 1/1.10: break-even 0.25 + (1 - 0.3125) x 1.10 = 1.00625, below the interval
+    1.03 +- 0.0025; with the start at the synchronous plan's own rate 0.25 + 0.75 x 1.10 = 1.075, above it."""
+    started = entry(1.029, 1.03, 1.031) | {"sync_steps": 250, "steps": 1000, "ratios": {"v100 (planned)": 1.10}}
+    step_overhead.record("m (adamw)", started | {"slowdowns": {"v100 (planned)": 1.25}})
+    assert step_overhead.break_even(started, 1.10, 1.25) == pytest.approx(1.00625)
+    assert "(Flush sooner)" in step_overhead.summary_table()
+    assert "Flush sooner at 1.10x" in step_overhead.choice_text(110.0, 100.0, start_rate=80.0)
+    step_overhead.record("m (adamw)", started)  # no slowdown recorded: the start at the synchronous plan's rate
+    assert "(2BW sooner)" in step_overhead.summary_table()
+
+
 def test_each_measurements_page_is_drawn_from_its_record():
     """Every ``docs/_generated/time-to-quality-*.md`` is ``page_text`` of its record in ``step_overhead.json`` (the
     losses per seed, the steps ratios, the planner's rate ratios of today): ``--replan`` moves the time columns and the
