@@ -40,15 +40,17 @@ def measurement(results: dict, args: argparse.Namespace, lengths: list[int], rat
     at ``--steps``, 2BW's at each length), the steps ratios found from them at full precision, the rate ratios."""
     from benchmarks.convergence import horizon_to
 
+    def final(key: str) -> float | None:  # None: a longer horizon a seed needed no run of (reached before it)
+        return results[key]["curve"][-1][1] if key in results else None
+
     losses = {
-        "sync": [results[f"sync@{args.steps}/seed{seed}"]["curve"][-1][1] for seed in range(args.seeds)],
-        "2bw": {
-            str(n): [results[f"2bw@{n}/seed{seed}"]["curve"][-1][1] for seed in range(args.seeds)] for n in lengths
-        },
+        "sync": [final(f"sync@{args.steps}/seed{seed}") for seed in range(args.seeds)],
+        "2bw": {str(n): [final(f"2bw@{n}/seed{seed}") for seed in range(args.seeds)] for n in lengths},
     }
     overheads = []
     for seed, target in enumerate(losses["sync"]):
-        found = horizon_to(target, [(n, losses["2bw"][str(n)][seed], 0.0) for n in lengths])
+        runs = [(n, losses["2bw"][str(n)][seed], 0.0) for n in lengths if losses["2bw"][str(n)][seed] is not None]
+        found = horizon_to(target, runs)
         overheads.append(None if found is None else found[0] / args.steps)
     return {
         "overheads": overheads,
@@ -75,7 +77,7 @@ def table_of(entry: dict) -> str:
         "|---" * (4 + len(ratios)) + "|",
     ]
     for seed, (target, overhead) in enumerate(zip(entry["losses"]["sync"], entry["overheads"])):
-        finals = ", ".join(f"{entry['losses']['2bw'][str(n)][seed]:.4f}" for n in lengths)
+        finals = ", ".join(_loss(entry["losses"]["2bw"][str(n)][seed]) for n in lengths)
         if overhead is None:
             lines.append(f"| {seed} | {target:.4f} | {finals} | > {entry['longest']:.2f}x (not reached) |")
             continue
@@ -88,6 +90,10 @@ def table_of(entry: dict) -> str:
         times = " | ".join(f"{bound}{time_ratio(entry, mean, r, slow.get(k, 1.0)):.3f}" for k, r in ratios.items())
         lines.append(f"| mean | | | {bound}{mean:.3f}x | {times} |")
     return "\n".join(lines)
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def page_text(entry: dict) -> str:
@@ -166,8 +172,8 @@ def record(args: argparse.Namespace, results: dict, lengths: list[int], ratios: 
 
 def recorded_results(args: argparse.Namespace, lengths: list[int], seeds: int) -> dict:
     """The first ``seeds`` seeds' final losses, in ``train``'s form (``curve``: the final point alone), from the record
-    in ``step_overhead.json`` of these settings (model, steps, start, peak rates, horizons): runs of an earlier
-    session whose files are gone, so a record grows seed by seed. A clear error where no record matches."""
+    in ``step_overhead.json`` of these settings (model, steps, start, peak rates; its horizons among ``lengths``): runs
+    of an earlier session whose files are gone, so a record grows seed by seed. A clear error where none matches."""
     from benchmarks.delayed_rule import compose
     from lightning_pd2bw.planner.step_overhead import measured
 
@@ -178,13 +184,17 @@ def recorded_results(args: argparse.Namespace, lengths: list[int], seeds: int) -
             and entry["steps"] == args.steps
             and entry.get("sync_steps", 0) == args.sync_steps
             and entry.get("peak_lr") == rates
-            and [int(n) for n in entry["losses"]["2bw"]] == lengths
+            and set(int(n) for n in entry["losses"]["2bw"]) <= set(lengths)
             and len(entry["losses"]["sync"]) >= seeds
         )
         if same:
             nan = float("nan")  # the run's time was not kept
             found = {f"sync@{args.steps}/seed{s}": entry["losses"]["sync"][s] for s in range(seeds)}
-            found |= {f"2bw@{n}/seed{s}": entry["losses"]["2bw"][str(n)][s] for n in lengths for s in range(seeds)}
+            recorded = entry["losses"]["2bw"]
+            found |= {
+                f"2bw@{n}/seed{s}": recorded[str(n)][s] for n in lengths if str(n) in recorded for s in range(seeds)
+            }
+            found = {key: loss for key, loss in found.items() if loss is not None}
             return {
                 key: {"curve": [[int(key.split("@")[1].split("/")[0]), loss]], "seconds": nan}
                 for key, loss in found.items()
@@ -205,7 +215,7 @@ def plot(entry: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps, losses = entry["steps"], entry["losses"]
-    lengths = [int(n) for n in losses["2bw"]]
+    lengths = [int(n) for n in losses["2bw"] if None not in losses["2bw"][n]]  # the lengths every seed ran
     fig, ax = plt.subplots(figsize=(7, 4))
     target = statistics.mean(losses["sync"])
     ax.plot([steps], [target], "ko", label=f"Flush, {steps} steps")
