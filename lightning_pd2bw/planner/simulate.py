@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..engine.layout import Layout
-from ..engine.updates import update_build as U
 from .stage_costs import StageCosts, Timing, rank_costs  # noqa: F401  (what the simulator is given and returns)
 from .timed_program import (  # noqa: F401  (the operations it runs; the lowering and its costs re-exported)
     COMPUTE,
@@ -217,13 +216,8 @@ def _simulate(
     start = ends[first - 1] if first else 0.0
     counted = steps - first
     per_step = (ends[-1] - start) / counted
-    ranks = [rank_costs(costs, layout, r) for r in range(layout.num_stages)]
-    update_compute = [
-        sum(PART_COMPUTE[part][1](c) for part in U.choose_parts(c.shape) if part in PART_COMPUTE) for c in ranks
-    ]
     return Timing(
         per_step,
         tuple(sum(e[first:steps]) / counted for e in exposed),
         tuple(sum(b[first:steps]) / counted for b in busy),
-        tuple(update_compute),
     )

@@ -35,7 +35,6 @@ class Timing:
     step_time: float  # seconds per training step, steady state, the slowest stage's
     exposed: tuple[float, ...]  # per stage: seconds per step blocked on the update's collectives
     busy: tuple[float, ...]  # per stage: seconds per step of compute
-    update_compute: tuple[float, ...] = ()  # per stage: seconds per step of the update's compute (step, reads)
 
 
 def rank_costs(costs: Sequence[StageCosts], layout: Layout, rank: int) -> StageCosts:
